@@ -1,0 +1,1 @@
+"""tgw.broker: the uvloop broker, supervisor and config. Never imports torch."""

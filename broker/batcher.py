@@ -1,0 +1,116 @@
+"""Per-model request queues and batch formation - a pure class with an injected clock.
+
+Work-conserving: a free worker gets whatever is queued now (up to max_batch_size rows and
+the arena's byte budget); while workers are busy, requests accumulate and batches grow.
+Requests whose deadline has passed are taken out and handed back for a DEADLINE_EXCEEDED
+reply; they never reach a worker.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable
+
+from tgw.shm.errors import Code
+from tgw.shm.ring import align_up
+
+from .registry import fail
+
+
+class Pending:
+    """One admitted request waiting for, or riding in, a batch."""
+
+    __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
+                 "outputs", "deadline", "arrived", "compress", "attempts")
+
+    def __init__(self, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
+                 tensors: list, outputs: list[str], deadline: float, arrived: float, compress: bool = False):
+        self.client, self.req_id, self.model, self.version = client, req_id, model, version
+        self.rows, self.shape_key, self.outputs = rows, shape_key, outputs
+        self.tensors = tensors                      # buffers in declared input order
+        self.nbytes = [len(t) for t in tensors]     # per declared input
+        self.deadline, self.arrived, self.compress = deadline, arrived, compress
+        self.attempts = 0
+
+    def group(self) -> tuple:
+        return (self.version, self.shape_key)
+
+
+class ModelQueue:
+    def __init__(self, name: str, max_batch_size: int, max_queue: int):
+        self.name, self.max_batch_size, self.max_queue = name, max_batch_size, max_queue
+        self.items: deque[Pending] = deque()
+
+
+class Batcher:
+    SCAN_LIMIT = 256  # how far past the head to look for requests of the head's shape/version
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.queues: dict[str, ModelQueue] = {}
+        self._rr: deque[str] = deque()  # round-robin order of models
+
+    def add_model(self, name: str, max_batch_size: int, max_queue: int) -> None:
+        self.queues[name] = ModelQueue(name, max_batch_size, max_queue)
+        self._rr.append(name)
+
+    def queued(self, model: str | None = None) -> int:
+        if model is not None:
+            return len(self.queues[model].items)
+        return sum(len(q.items) for q in self.queues.values())
+
+    def push(self, p: Pending, front: bool = False) -> None:
+        q = self.queues[p.model]
+        if not front and len(q.items) >= q.max_queue:
+            raise fail(Code.OVERLOADED, f"queue of model {p.model!r} is full ({q.max_queue} requests)",
+                       model=p.model, max_queue=q.max_queue)
+        (q.items.appendleft if front else q.items.append)(p)
+
+    def expired(self) -> list[Pending]:
+        """Remove and return every queued request whose deadline has passed."""
+        now, out = self.clock(), []
+        for q in self.queues.values():
+            if any(p.deadline <= now for p in q.items):
+                keep = deque()
+                for p in q.items:
+                    (out if p.deadline <= now else keep).append(p)
+                q.items = keep
+        return out
+
+    def models_with_work(self) -> list[str]:
+        """Models with queued requests, rotated so each gets its turn first."""
+        self._rr.rotate(-1)
+        return [m for m in self._rr if self.queues[m].items]
+
+    def next_batch(self, model: str, max_bytes: int) -> list[Pending]:
+        """Pop the head request and those of its group that fit; [] if the queue is empty.
+
+        A batch holds one region per input of aligned size; `max_bytes` caps the whole batch so
+        it fits the worker's input arena. A head that alone exceeds it is still returned: the
+        caller answers it (admission normally stops such requests first)."""
+        q = self.queues[model]
+        if not q.items:
+            return []
+        head = q.items.popleft()
+        batch, rows, sizes = [head], head.rows, list(head.nbytes)
+        group = head.group()
+        skipped: list[Pending] = []
+        scanned = 0
+        while q.items and rows < q.max_batch_size and scanned < self.SCAN_LIMIT:
+            p = q.items.popleft()
+            scanned += 1
+            if p.group() != group or rows + p.rows > q.max_batch_size:
+                skipped.append(p)
+                continue
+            grown = [s + n for s, n in zip(sizes, p.nbytes)]
+            if batch_bytes(grown) > max_bytes:
+                skipped.append(p)
+                break
+            batch.append(p)
+            rows, sizes = rows + p.rows, grown
+        q.items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
+        return batch
+
+
+def batch_bytes(sizes: list[int]) -> int:
+    return sum(align_up(s) for s in sizes)

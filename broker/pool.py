@@ -1,0 +1,100 @@
+"""The broker's side of each worker: its ring, its in-flight batches, staging and slicing.
+
+The broker writes the input arena (allocates, copies a batch's rows contiguously per input)
+and reads the output arena (slices each request's rows, then releases the block).
+"""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+
+from tgw.shm.ring import RingAllocator, align_up
+from tgw.shm.segment import Segment
+from tgw.shm.wire import Batch, BlockTensor, Done, IOSpec
+
+from .batcher import Pending, batch_bytes
+
+
+@dataclass
+class Inflight:
+    batch_id: int
+    model: str
+    requests: list[Pending]
+    block: int
+    rows: int
+    sent: float
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: int
+    device: str
+    cpus: list[int]
+    segment: Segment
+    input_bytes: int
+    output_bytes: int
+    generation: int = 0
+    proc: subprocess.Popen | None = None
+    state: str = "starting"        # starting -> ready -> (dead | stopping)
+    pid: int = 0
+    models: set[str] = field(default_factory=set)     # "name:version" loaded and warmed up
+    inflight: dict[int, Inflight] = field(default_factory=dict)
+    batches_done: int = 0
+
+    def __post_init__(self) -> None:
+        self.inputs = RingAllocator(self.input_bytes)
+
+    @property
+    def identity(self) -> bytes:
+        return f"w{self.worker_id}.{self.generation}".encode()
+
+    @property
+    def name(self) -> str:
+        return f"worker{self.worker_id}[{self.device}]"
+
+    def can_take(self, model_key: str, max_inflight: int) -> bool:
+        return self.state == "ready" and model_key in self.models and len(self.inflight) < max_inflight
+
+    def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec], now: float) -> Batch | None:
+        """Copy the batch's inputs into the input arena; None while the arena has no room."""
+        sizes = [sum(p.nbytes[k] for p in requests) for k in range(len(inputs))]
+        block = self.inputs.alloc(batch_bytes(sizes))
+        if block is None:
+            return None
+        buf = self.segment.buf
+        rows = sum(p.rows for p in requests)
+        tensors, offset = [], block
+        for k, decl in enumerate(inputs):
+            pos = offset
+            for p in requests:            # rows of one input lie contiguous: the worker's view is no gather
+                n = p.nbytes[k]
+                buf[pos:pos + n] = p.tensors[k]
+                pos += n
+            shape = [rows, *requests[0].shape_key[k]] if requests[0].shape_key else [rows, *decl.shape]
+            tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
+                                       nbytes=sizes[k]))
+            offset += align_up(sizes[k])
+        self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows, now)
+        return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
+                     block=block, inputs=tensors)
+
+    def finish(self, done: Done) -> Inflight | None:
+        """Take the batch a completion answers out of flight and release its input block."""
+        batch = self.inflight.pop(done.batch_id, None)
+        if batch is not None:
+            self.inputs.release(batch.block)
+            self.batches_done += 1
+        return batch
+
+    def output_rows(self, done: Done, batch: Inflight):
+        """Yield (request, {output name: memoryview of its rows}) for each request of the batch."""
+        buf = self.segment.buf
+        row = 0
+        for p in batch.requests:
+            views = {}
+            for t in done.outputs:
+                per_row = t.nbytes // batch.rows
+                start = t.offset + row * per_row
+                views[t.name] = (t, buf[start:start + p.rows * per_row])
+            yield p, views
+            row += p.rows

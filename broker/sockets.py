@@ -1,0 +1,56 @@
+"""ZeroMQ sockets on the asyncio (uvloop) loop without a per-message await.
+
+ZeroMQ's FD is edge-triggered and only says "look at zmq.EVENTS": a reader drains with
+NOBLOCK until zmq.Again, and anything that sends on a socket may consume that edge, so a
+send schedules one more drain of the same socket.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import zmq
+
+DRAIN_CHUNK = 512  # messages handled before yielding to other sockets and timers
+
+
+class Pump:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, handler: Callable[[list], None]):
+        self.loop, self.sock, self.handler = loop, sock, handler
+        self._scheduled = False
+        self._fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(self._fd, self.drain)
+        self.kick()  # messages may already be waiting: the edge could be gone
+
+    def kick(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.drain)
+
+    def drain(self) -> None:
+        self._scheduled = False
+        if self.sock.closed:
+            return
+        sock, handler = self.sock, self.handler
+        for _ in range(DRAIN_CHUNK):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handler(frames)
+        self.kick()  # more may be queued: continue on the next loop turn
+
+    def send(self, frames: list) -> bool:
+        """Send without blocking; False when the peer is gone or its queue is full."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+        finally:
+            if not self.sock.closed:
+                self.kick()
+
+    def close(self) -> None:
+        self.loop.remove_reader(self._fd)
+        self.sock.close(linger=0)

@@ -1,0 +1,144 @@
+"""Supervisor (inside the broker process): plans, spawns, watches, restarts and stops workers.
+
+It creates and alone unlinks each worker's segment; at start it sweeps segments whose creator
+is dead and checks /dev/shm has room for every ring.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from tgw.shm import segment as shm_segment
+from tgw.shm.segment import Segment, ShmError
+
+from .config import WorkersDecl
+from .pool import WorkerHandle
+
+log = logging.getLogger("tgw.supervisor")
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+def cuda_device_count() -> int:
+    """GPUs visible through NVML (no torch in the broker); 0 where there is no driver."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return 0
+
+
+def plan_devices(decl: WorkersDecl) -> list[str]:
+    if decl.devices != "auto":
+        return list(decl.devices)
+    n = cuda_device_count()
+    return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+
+
+def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
+    """Each worker its own cores (round-robin over the cores this process may use)."""
+    if not pin:
+        return [[] for _ in range(n_workers)]
+    cores = sorted(os.sched_getaffinity(0))
+    return [[cores[(w * threads + t) % len(cores)] for t in range(threads)] for w in range(n_workers)]
+
+
+class Supervisor:
+    def __init__(self, decl: WorkersDecl, endpoint: str):
+        self.decl, self.endpoint = decl, endpoint
+        self.workers: list[WorkerHandle] = []
+        self.stopping = False
+        self._restarts: dict[int, int] = {}
+        self._restart_at: dict[int, float] = {}
+
+    def prepare(self) -> list[str]:
+        """Sweep stale segments and create one ring per planned worker; returns swept names."""
+        swept = shm_segment.sweep_stale()
+        devices = plan_devices(self.decl)
+        in_b, out_b = self.decl.input_arena_mb << 20, self.decl.output_arena_mb << 20
+        need, free = len(devices) * (in_b + out_b), shm_segment.free_bytes()
+        if need > free:
+            raise ShmError(28, f"{len(devices)} worker rings need {need >> 20} MiB in {shm_segment.SHM_DIR} "
+                           f"but only {free >> 20} MiB is free; lower workers.input_arena_mb/output_arena_mb "
+                           "or enlarge /dev/shm (docker run --shm-size)")
+        cpus = plan_cpus(len(devices), self.decl.threads_per_worker, self.decl.pin_cpus)
+        for i, device in enumerate(devices):
+            seg = Segment.create(shm_segment.new_name("ring"), in_b + out_b)
+            self.workers.append(WorkerHandle(i, device, cpus[i], seg, in_b, out_b))
+        return swept
+
+    def spawn(self, w: WorkerHandle) -> None:
+        cmd = [sys.executable, "-m", "tgw.workers", "--worker-id", str(w.worker_id),
+               "--identity", w.identity.decode(), "--device", w.device, "--segment", w.segment.name,
+               "--input-bytes", str(w.input_bytes), "--output-bytes", str(w.output_bytes),
+               "--endpoint", self.endpoint, "--threads", str(self.decl.threads_per_worker),
+               "--cpus", ",".join(map(str, w.cpus))]
+        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        w.pid, w.state = w.proc.pid, "starting"
+        log.info("spawned %s pid %d", w.name, w.pid)
+
+    def spawn_all(self) -> None:
+        for w in self.workers:
+            self.spawn(w)
+
+    def dead(self) -> list[WorkerHandle]:
+        """Workers whose process has exited since the last look (state becomes 'dead')."""
+        out = []
+        for w in self.workers:
+            if w.proc is not None and w.state != "dead" and w.proc.poll() is not None:
+                log.warning("%s pid %d exited with %s", w.name, w.pid, w.proc.returncode)
+                w.state = "dead"
+                out.append(w)
+        return out
+
+    def replace(self, w: WorkerHandle) -> None:
+        """Give a dead worker a fresh ring and schedule its restart with backoff."""
+        w.segment.close()
+        w.segment.unlink()
+        w.segment = Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes)
+        w.__post_init__()  # fresh input allocator for the fresh ring
+        w.generation += 1
+        w.models.clear()
+        n = self._restarts.get(w.worker_id, 0)
+        self._restarts[w.worker_id] = n + 1
+        self._restart_at[w.worker_id] = time.monotonic() + RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
+
+    def due_restarts(self) -> list[WorkerHandle]:
+        now = time.monotonic()
+        due = [w for w in self.workers if w.state == "dead" and self._restart_at.get(w.worker_id, now + 1) <= now]
+        for w in due:
+            del self._restart_at[w.worker_id]
+            self.spawn(w)
+        return due
+
+    def ready(self, w: WorkerHandle, models: list[str]) -> None:
+        w.state, w.models = "ready", set(models)
+        self._restarts[w.worker_id] = 0
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Wait for workers to exit (after the broker sent Stop), then force; unlink every ring."""
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            if w.proc is None:
+                continue
+            try:
+                w.proc.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.terminate()
+                try:
+                    w.proc.wait(3)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+        for w in self.workers:
+            try:
+                w.segment.close()
+            except BufferError:
+                pass
+            w.segment.unlink()

@@ -1,0 +1,237 @@
+"""The wire contract: every message on every socket, declared once (DESIGN.md section 3).
+
+MessagePack, structs encoded as maps with field names, a tag field `op` naming the message.
+A message is a multipart ZeroMQ message: [header][tensor bytes 0][tensor bytes 1]... where
+tensor i of the header's list travels in frame i + 1 as raw little-endian C-order bytes
+(lz4-compressed when the tensor's `compression` says so). Decoding never executes code.
+docs/PROTOCOL.md documents this for clients in other languages.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# Tensor dtypes tgw accepts, by numpy name; bytes per element.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "float16": 2, "float32": 4, "float64": 8,
+}
+COMPRESSIONS = ("lz4",)
+
+
+class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    pass
+
+
+class TensorMeta(Struct):
+    name: str
+    dtype: str
+    shape: list[int]
+    compression: Optional[str] = None  # "lz4": the frame is an lz4 frame of the raw bytes
+
+
+class ErrorBody(Struct):
+    code: str
+    message: str
+    retryable: bool = False
+    details: dict[str, Any] = {}
+
+
+# ---- client -> broker ------------------------------------------------------------------------
+
+class Hello(Struct, tag_field="op", tag="hello"):
+    v: int
+    id: int = 0
+    client: str = ""
+
+
+class Infer(Struct, tag_field="op", tag="infer"):
+    v: int
+    id: int
+    model: str
+    inputs: list[TensorMeta]
+    version: Optional[str] = None
+    outputs: Optional[list[str]] = None      # subset of declared outputs; None = all
+    timeout_ms: Optional[int] = None         # relative deadline, from the broker's receipt
+    priority: int = 0                        # 0 is the highest level
+    compress_outputs: bool = False           # reply frames lz4-compressed
+
+
+class ListModels(Struct, tag_field="op", tag="models"):
+    v: int
+    id: int = 0
+
+
+class Health(Struct, tag_field="op", tag="health"):
+    v: int
+    id: int = 0
+
+
+class Stats(Struct, tag_field="op", tag="stats"):
+    v: int
+    id: int = 0
+
+
+Request = Union[Hello, Infer, ListModels, Health, Stats]
+
+
+class Envelope(Struct):
+    """The few fields read from a header that failed typed decoding, to address the error."""
+    v: Any = None
+    id: Any = 0
+    op: Any = None
+
+
+# ---- broker -> client ------------------------------------------------------------------------
+
+class HelloReply(Struct, tag_field="op", tag="hello"):
+    v: int
+    id: int
+    server: str
+    max_request_bytes: int
+
+
+class InferReply(Struct, tag_field="op", tag="infer"):
+    v: int
+    id: int
+    model: str
+    version: str
+    outputs: list[TensorMeta]
+
+
+class ErrorReply(Struct, tag_field="op", tag="error"):
+    v: int
+    id: int
+    error: ErrorBody
+
+
+class IOSpec(Struct):
+    name: str
+    dtype: str
+    shape: list[int]  # without the batch dimension; -1 = variable
+
+
+class ModelInfo(Struct):
+    name: str
+    versions: list[str]
+    default_version: str
+    max_batch_size: int
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    ready: bool
+
+
+class ModelsReply(Struct, tag_field="op", tag="models"):
+    v: int
+    id: int
+    models: list[ModelInfo]
+
+
+class HealthReply(Struct, tag_field="op", tag="health"):
+    v: int
+    id: int
+    live: bool
+    ready: bool
+    models: dict[str, bool] = {}
+    workers: dict[str, str] = {}
+
+
+class StatsReply(Struct, tag_field="op", tag="stats"):
+    v: int
+    id: int
+    # model -> counters: requests, batches, rows, errors{code: n}, batch_sizes{size: n}
+    models: dict[str, dict[str, Any]]
+    processes: list[dict[str, Any]]  # {role, pid, device}
+
+
+Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply]
+
+
+# ---- broker <-> worker -----------------------------------------------------------------------
+
+class ModelSpec(Struct):
+    name: str
+    version: str
+    path: str
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    max_batch_size: int
+    warmup_batch_sizes: list[int] = []
+
+
+class BlockTensor(Struct):
+    """A tensor laid in a ring arena: `nbytes` bytes at byte `offset` of the arena."""
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class WorkerHello(Struct, tag_field="op", tag="w_hello"):
+    v: int
+    worker_id: int
+    pid: int
+
+
+class LoadModels(Struct, tag_field="op", tag="w_load"):
+    models: list[ModelSpec]
+
+
+class WorkerReady(Struct, tag_field="op", tag="w_ready"):
+    worker_id: int
+    models: list[str]
+
+
+class WorkerFailed(Struct, tag_field="op", tag="w_failed"):
+    worker_id: int
+    model: str
+    error: str
+
+
+class Batch(Struct, tag_field="op", tag="w_batch"):
+    batch_id: int
+    model: str
+    version: str
+    rows: int
+    block: int                # input-arena block holding every input of the batch
+    inputs: list[BlockTensor]
+
+
+class Done(Struct, tag_field="op", tag="w_done"):
+    batch_id: int
+    outputs: list[BlockTensor] = []
+    block: Optional[int] = None     # output-arena block the broker must release
+    error: Optional[ErrorBody] = None
+    compute_us: int = 0
+
+
+class Release(Struct, tag_field="op", tag="w_release"):
+    blocks: list[int]
+
+
+class Stop(Struct, tag_field="op", tag="w_stop"):
+    pass
+
+
+ToWorker = Union[LoadModels, Batch, Release, Stop]
+FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done]
+
+encoder = msgspec.msgpack.Encoder()
+encode = encoder.encode
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def nbytes_of(dtype: str, shape: list[int]) -> int:
+    n = DTYPE_SIZES[dtype]
+    for dim in shape:
+        n *= dim
+    return n

@@ -1,0 +1,4 @@
+"""tgw.workers: one process per device running batched TorchScript on the shared-memory ring.
+
+The only package that imports torch.
+"""

@@ -1,0 +1,114 @@
+"""Entry of a worker process: `python -m tgw.workers --worker-id N --device cpu ...`.
+
+run_worker only wires things: title, signals, parent death, handshake, loop, death notice.
+The supervisor (in the broker) spawns it, owns its segment and restarts it.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import traceback
+
+import torch
+import zmq
+
+from tgw.shm.segment import Segment
+from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, \
+    to_worker_decoder
+
+from .runner import ModelRunner
+from .serve import Server
+
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+
+
+def _prctl(option: int, arg) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="tgw-worker")
+    ap.add_argument("--worker-id", type=int, required=True)
+    ap.add_argument("--identity", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--segment", required=True)
+    ap.add_argument("--input-bytes", type=int, required=True)
+    ap.add_argument("--output-bytes", type=int, required=True)
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpus", default="", help="comma-separated cores to pin to")
+    return ap.parse_args(argv)
+
+
+def _setup_process(args: argparse.Namespace) -> torch.device:
+    _prctl(PR_SET_NAME, f"tgw-w{args.worker_id}".encode())
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the broker holds our segment: die with it
+    if os.getppid() == 1:
+        sys.exit("tgw worker: parent already gone")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the broker, which stops us in order
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _load(spec_msg: LoadModels, device: torch.device, worker_id: int):
+    runners = {}
+    for spec in spec_msg.models:
+        try:
+            runner = ModelRunner(spec, device)
+            runner.warm_up()
+        except Exception as exc:
+            return None, WorkerFailed(worker_id=worker_id, model=f"{spec.name}:{spec.version}",
+                                      error=f"{type(exc).__name__}: {exc}".strip()[:4000])
+        runners[runner.key] = runner
+    return runners, WorkerReady(worker_id=worker_id, models=sorted(runners))
+
+
+def run_worker(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = _setup_process(args)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, args.identity.encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(args.endpoint)
+    segment = Segment.attach(args.segment)
+    try:
+        sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid())))
+        msg = to_worker_decoder.decode(sock.recv())
+        if not isinstance(msg, LoadModels):
+            raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
+        runners, answer = _load(msg, device, args.worker_id)
+        sock.send(encode(answer))
+        if runners is None:
+            return 1
+        Server(sock, segment, args.input_bytes, args.output_bytes, runners).serve()
+        return 0
+    except Exception:
+        traceback.print_exc()  # the death notice: the supervisor logs our stderr and restarts us
+        return 1
+    finally:
+        sock.close()
+        ctx.term()
+        try:
+            segment.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+
+
+def main() -> None:
+    sys.exit(run_worker())

@@ -1,0 +1,91 @@
+"""One loaded TorchScript model: load, warm up, run a batch, map results to declared outputs."""
+from __future__ import annotations
+
+import torch
+
+from tgw.shm.wire import IOSpec, ModelSpec
+
+TORCH_DTYPES = {
+    "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
+    "int32": torch.int32, "int64": torch.int64, "float16": torch.float16, "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+class OutputMismatch(RuntimeError):
+    """The model's result does not fit the outputs declared in the config."""
+
+
+class ModelRunner:
+    def __init__(self, spec: ModelSpec, device: torch.device):
+        self.spec, self.device = spec, device
+        module = torch.jit.load(spec.path, map_location=device)
+        module.eval()
+        try:  # freezing inlines weights and folds constants; some scripted modules refuse it
+            module = torch.jit.freeze(module)
+        except Exception:
+            pass
+        self.module = module
+        self.outputs = spec.outputs
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.name}:{self.spec.version}"
+
+    def warm_up(self) -> None:
+        """Run each warm-up batch size once; also proves the outputs match the declaration."""
+        for rows in self.spec.warmup_batch_sizes or [1]:
+            inputs = [_example(t, rows, self.device) for t in self.spec.inputs]
+            self.run(inputs, rows)
+
+    def run(self, inputs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+        """Forward one batch; returns the outputs in declared order, on the CPU, C-contiguous."""
+        if self.device.type != "cpu":
+            inputs = [t.to(self.device, non_blocking=True) for t in inputs]
+        with torch.inference_mode():
+            result = self.module(*inputs)
+        outs = self._map(result)
+        for decl, t in zip(self.outputs, outs):
+            _check(decl, t, rows)
+        if self.device.type != "cpu":
+            outs = [t.to("cpu", non_blocking=True) for t in outs]
+            torch.cuda.current_stream(self.device).synchronize()
+        return [t.contiguous() for t in outs]
+
+    def _map(self, result) -> list[torch.Tensor]:
+        names = [o.name for o in self.outputs]
+        if isinstance(result, torch.Tensor):
+            result = [result]
+        if isinstance(result, dict):
+            missing = [n for n in names if n not in result]
+            if missing:
+                raise OutputMismatch(f"model returned keys {sorted(result)}, missing declared outputs {missing}")
+            return [result[n] for n in names]
+        if isinstance(result, (tuple, list)):
+            if len(result) != len(names):
+                raise OutputMismatch(f"model returned {len(result)} tensors, {len(names)} outputs are declared {names}")
+            return list(result)
+        raise OutputMismatch(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
+
+
+def _check(decl: IOSpec, t: torch.Tensor, rows: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise OutputMismatch(f"output {decl.name!r} is {type(t).__name__}, not a tensor")
+    if t.dtype != TORCH_DTYPES[decl.dtype]:
+        raise OutputMismatch(f"output {decl.name!r} is {str(t.dtype).removeprefix('torch.')}, declared {decl.dtype}")
+    shape = list(t.shape)
+    ok = len(shape) == len(decl.shape) + 1 and shape[0] == rows and all(
+        d == -1 or d == s for d, s in zip(decl.shape, shape[1:]))
+    if not ok:
+        raise OutputMismatch(f"output {decl.name!r} has shape {shape}, declared [{rows}, "
+                             f"{', '.join(map(str, decl.shape))}] (-1 = any)")
+
+
+def _example(t: IOSpec, rows: int, device: torch.device) -> torch.Tensor:
+    shape = [rows, *(8 if d == -1 else d for d in t.shape)]
+    dtype = TORCH_DTYPES[t.dtype]
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype, device=device)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.randint(0, 100, shape, dtype=dtype, device=device)

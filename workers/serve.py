@@ -1,0 +1,112 @@
+"""The worker's serving loop: batches in, outputs written to its output arena, completions out.
+
+The worker reads the input arena in place (torch.frombuffer views, no copy) and is the one
+writer of the output arena; the broker's Release messages free output blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import zmq
+
+from tgw.shm.errors import ERROR_TABLE, Code
+from tgw.shm.ring import BlockTooLarge, RingAllocator, align_up
+from tgw.shm.segment import Segment
+from tgw.shm.wire import Batch, BlockTensor, Done, ErrorBody, Release, Stop, encode, to_worker_decoder
+
+from .runner import TORCH_DTYPES, ModelRunner
+
+RELEASE_WAIT_S = 30.0  # how long a batch may wait for output space before failing OUT_OF_SHM
+
+
+class OutputSpaceTimeout(RuntimeError):
+    pass
+
+
+class Server:
+    def __init__(self, sock: zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
+                 runners: dict[str, ModelRunner]):
+        self.sock, self.segment, self.runners = sock, segment, runners
+        self.output_base = input_bytes
+        self.outputs = RingAllocator(output_bytes)
+        self.inbox: deque = deque()   # messages read while waiting for output space
+
+    def _next(self):
+        if self.inbox:
+            return self.inbox.popleft()
+        return to_worker_decoder.decode(self.sock.recv())
+
+    def serve(self) -> None:
+        while True:
+            msg = self._next()
+            if isinstance(msg, Batch):
+                self.sock.send(encode(self.run_batch(msg)))
+            elif isinstance(msg, Release):
+                for block in msg.blocks:
+                    self.outputs.release(block)
+            elif isinstance(msg, Stop):
+                return
+
+    def run_batch(self, batch: Batch) -> Done:
+        t0 = time.perf_counter()
+        runner = self.runners.get(f"{batch.model}:{batch.version}")
+        if runner is None:
+            return _error(batch, Code.MODEL_NOT_READY, f"{batch.model}:{batch.version} is not loaded on this worker")
+        try:
+            inputs = [self._view(t) for t in batch.inputs]
+            outs = runner.run(inputs, batch.rows)
+            del inputs  # views pin the mapping; drop them before anything can close it
+        except torch.cuda.OutOfMemoryError as exc:
+            return _error(batch, Code.OUT_OF_GPU_MEMORY, str(exc).splitlines()[0])
+        except Exception as exc:  # a model bug fails this batch, not the worker
+            return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000])
+        try:
+            block, tensors = self._write(outs, runner)
+        except (BlockTooLarge, OutputSpaceTimeout) as exc:
+            return _error(batch, Code.OUT_OF_SHM, str(exc))
+        return Done(batch_id=batch.batch_id, outputs=tensors, block=block,
+                    compute_us=int((time.perf_counter() - t0) * 1e6))
+
+    def _view(self, t: BlockTensor) -> torch.Tensor:
+        dtype = TORCH_DTYPES[t.dtype]
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        flat = torch.frombuffer(self.segment.buf, dtype=dtype, count=t.nbytes // dtype.itemsize, offset=t.offset)
+        return flat.view(t.shape)
+
+    def _write(self, outs: list[torch.Tensor], runner: ModelRunner):
+        sizes = [t.numel() * t.element_size() for t in outs]
+        block = self._alloc(sum(align_up(s) for s in sizes))
+        tensors, offset = [], self.output_base + block
+        for decl, t, size in zip(runner.outputs, outs, sizes):
+            if size:
+                dst = torch.frombuffer(self.segment.buf, dtype=t.dtype, count=t.numel(), offset=offset)
+                dst.copy_(t.reshape(-1))
+                del dst
+            tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=list(t.shape),
+                                       offset=offset, nbytes=size))
+            offset += align_up(size)
+        return block, tensors
+
+    def _alloc(self, nbytes: int) -> int:
+        """An output block; while the arena is full, apply the broker's pending releases."""
+        block = self.outputs.alloc(nbytes)
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while block is None:
+            if not self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise OutputSpaceTimeout(f"output arena full for {RELEASE_WAIT_S:.0f}s ({nbytes} bytes wanted)")
+            msg = to_worker_decoder.decode(self.sock.recv())
+            if isinstance(msg, Release):
+                for b in msg.blocks:
+                    self.outputs.release(b)
+                block = self.outputs.alloc(nbytes)
+            else:
+                self.inbox.append(msg)
+        return block
+
+
+def _error(batch: Batch, code: Code, message: str) -> Done:
+    return Done(batch_id=batch.batch_id, error=ErrorBody(code=code.value, message=message,
+                                                         retryable=ERROR_TABLE[code][1]))
