@@ -27,10 +27,19 @@ def random_tensor(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) 
     return rng.standard_normal(size=shape).astype(dt)
 
 
+GENERATORS = ("random", "zeros")
+
+
 def make_inputs(meta: dict[str, Any], batch: int = 1, seed: int = 0,
-                var_len: int = VAR_LEN) -> dict[str, np.ndarray]:
-    """One request's inputs: {input name: array with a leading batch dim}."""
+                var_len: int = VAR_LEN, kind: str = "random") -> dict[str, np.ndarray]:
+    """One request's inputs: {input name: array with a leading batch dim}.
+
+    kind "random": standard normal floats / integers in [0, 1000); "zeros": all zeros."""
+    if kind not in GENERATORS:
+        raise ValueError(f"input generator must be one of {GENERATORS}, got {kind!r}")
     rng = np.random.default_rng(seed)
+    if kind == "zeros":
+        return {d["name"]: np.zeros(input_shape(d, batch, var_len), dtype=d["dtype"]) for d in meta["inputs"]}
     return {d["name"]: random_tensor(d["dtype"], input_shape(d, batch, var_len), rng)
             for d in meta["inputs"]}
 

@@ -45,9 +45,9 @@ class LoadSpec:
 
 
 def default_procs(spec: LoadSpec) -> int:
-    """Up to half the cores (the server needs the rest), at least 1, never more than threads."""
+    """Half the cores (the server needs the rest), at least 2, at most 4, never more than threads."""
     cores = os.cpu_count() or 1
-    n = max(1, min(4, cores // 2))
+    n = max(2, min(4, cores // 2))
     if spec.mode == "closed":
         n = min(n, int(spec.level))
     return max(1, n)
@@ -174,7 +174,9 @@ def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, 
 
 
 def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[], None]] = None,
-             on_tick: Optional[Callable[[float, int], None]] = None, ready_timeout: float = 60.0) -> dict:
+             on_window_end: Optional[Callable[[], None]] = None,
+             on_tick: Optional[Callable[[float, int], None]] = None, ready_timeout: float = 60.0,
+             drain_timeout: float = 60.0) -> dict:
     """Run one load level; returns raw samples merged over processes (see summarize())."""
     procs = spec.procs or default_procs(spec)
     if spec.mode == "closed":
@@ -212,19 +214,33 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
         for c in conns:
             c.send(start)
         ws, we = start + spec.warmup, start + spec.warmup + spec.duration
-        window_started = False
+        window_started = window_ended = False
         while True:
             now = time.monotonic()
             if not window_started and now >= ws:
                 window_started = True
                 if on_window_start:
                     on_window_start()
+            if window_started and not window_ended and now >= we:
+                window_ended = True
+                if on_window_end:
+                    on_window_end()
             if on_tick:
                 on_tick(now - start, int(sum(progress)))
             if now >= we and all(c.poll() for c in conns):
                 break
-            time.sleep(0.1)
-        results = [c.recv() for c in conns]
+            if now >= we + drain_timeout:
+                raise RuntimeError(f"requests still in flight {drain_timeout:g}s after the window ended "
+                                   f"(server stuck?); generator processes stopped")
+            nxt = ws if not window_started else (we if not window_ended else now + 0.1)
+            time.sleep(min(0.1, max(0.001, nxt - now)))
+        results = []
+        for c, p in zip(conns, children):
+            try:
+                results.append(c.recv())
+            except EOFError:
+                p.join(5)
+                raise RuntimeError(f"load generator process {p.pid} died (exit status {p.exitcode})") from None
         for p in children:
             p.join(10)
     finally:

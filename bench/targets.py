@@ -43,6 +43,7 @@ class TgwTarget:
     version: Optional[str] = None
     timeout: Optional[float] = None
     var_len: int = 16
+    input_kind: str = "random"
     label: str = "tgw"
 
     def open(self, seed: int) -> "_TgwSession":
@@ -56,7 +57,7 @@ class _TgwSession:
         self.t, self.seed = t, seed
         self.client = Client(t.address)
         self.meta = find_model(self.client.models(), t.model)
-        self._make = lambda i: make_inputs(self.meta, t.batch, seed * 1000 + i, t.var_len)
+        self._make = lambda i: make_inputs(self.meta, t.batch, seed * 1000 + i, t.var_len, t.input_kind)
 
     def caller(self, index: int) -> Caller:
         inputs = self._make(index)

@@ -76,7 +76,7 @@ class WorkerHandle:
             offset += align_up(sizes[k])
         self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows, now)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
-                     block=block, inputs=tensors)
+                     block=block, inputs=tensors, deadline=max(p.deadline for p in requests))
 
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""

@@ -243,11 +243,11 @@ class Broker:
         if batch is None:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
-        self.stats.batch(batch.model, batch.rows, done.compute_us)
         if done.error is not None:
             for p in batch.requests:
                 self._fail_pending(p, Code(done.error.code), done.error.message)
         else:
+            self.stats.batch(batch.model, batch.rows, done.compute_us)
             counters = self.stats.models[batch.model]
             for p, views in worker.output_rows(done, batch):
                 metas, payload = [], []

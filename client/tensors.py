@@ -29,7 +29,7 @@ def encode_inputs(inputs: dict, compress: bool) -> tuple[list[TensorMeta], list]
     metas, frames = [], []
     for name, value in inputs.items():
         arr = as_array(name, value)
-        data = memoryview(arr).cast("B") if arr.ndim else memoryview(arr.reshape(1)).cast("B")
+        data = memoryview(arr.reshape(-1).view(np.uint8))  # bytes view, no copy
         if compress:
             data = lz4.frame.compress(data)
         metas.append(TensorMeta(name=name, dtype=arr.dtype.name, shape=list(arr.shape),

@@ -199,6 +199,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     rows: int
     block: int                # input-arena block holding every input of the batch
     inputs: list[BlockTensor]
+    deadline: float = 0.0     # CLOCK_MONOTONIC seconds (system-wide): past it, nobody waits - skip
 
 
 class Done(Struct, tag_field="op", tag="w_done"):

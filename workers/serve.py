@@ -51,6 +51,8 @@ class Server:
 
     def run_batch(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
+        if batch.deadline and time.monotonic() > batch.deadline:
+            return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
         runner = self.runners.get(f"{batch.model}:{batch.version}")
         if runner is None:
             return _error(batch, Code.MODEL_NOT_READY, f"{batch.model}:{batch.version} is not loaded on this worker")

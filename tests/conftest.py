@@ -1,0 +1,185 @@
+"""Fixtures: tiny models, a real broker process per test module, and a leak guard.
+
+Everything is real: broker and workers are processes, sockets are ipc:// under a short /tmp
+path, rings live in /dev/shm. The leak guard fails a test that leaves a tgw segment or a
+child process behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+import yaml
+
+from tgw.shm.segment import list_segments
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+
+BASE_MODELS = ("mlp", "embed")          # from the demo set
+TEST_MODELS = ("mixed", "fails", "spin")  # from tests/models.py
+
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory) -> dict:
+    """name -> (path, io declaration) for the demo models and the test models."""
+    from models import MODELS, save
+    from tgw.workers.demo_models import DEMO_MODELS, build_demo_models
+
+    out = str(tmp_path_factory.mktemp("models"))
+    demo = build_demo_models(out)
+    files = {n: (demo[n], DEMO_MODELS[n][2]) for n in demo}
+    for name in MODELS:
+        path = os.path.join(out, f"{name}.pt")
+        save(name, path)
+        files[name] = (path, MODELS[name][1])
+    return files
+
+
+def model_entry(files: dict, name: str, **overrides) -> dict:
+    path, io = files[name]
+    entry = {"name": name, "versions": [{"version": "1", "path": path}], "inputs": io["inputs"],
+             "outputs": io["outputs"], "max_batch_size": io.get("max_batch_size", 16)}
+    entry.update(overrides)
+    return entry
+
+
+class BrokerProc:
+    """A `tgw-broker start` subprocess on a private ipc socket."""
+
+    def __init__(self, config: dict, workdir: str):
+        self.dir = workdir
+        self.address = f"ipc://{workdir}/s.sock"
+        self.config_path = os.path.join(workdir, "config.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.log_path = os.path.join(workdir, "broker.log")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True, timeout: float = 60.0) -> "BrokerProc":
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tgw.broker", "start", "--config", self.config_path,
+                                      "--address", self.address], stdout=self.log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        from tgw.client import Client, ConnectError
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                with Client(self.address, connect_timeout=1.0) as c:
+                    if c.health()["ready"]:
+                        return
+            except ConnectError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"broker not ready in {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.log.close()
+
+    def worker_pids(self) -> list[int]:
+        return [c.pid for c in psutil.Process(self.proc.pid).children()]
+
+
+@pytest.fixture
+def short_dir():
+    d = tempfile.mkdtemp(prefix="tgwt-", dir="/tmp")  # ipc paths must stay under 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def make_broker(short_dir):
+    """Factory: make_broker(config_dict) -> started BrokerProc; stopped (exit 0 checked) at teardown."""
+    started: list[BrokerProc] = []
+
+    def factory(config: dict, start: bool = True, sub: str = "") -> BrokerProc:
+        d = os.path.join(short_dir, sub) if sub else short_dir
+        os.makedirs(d, exist_ok=True)
+        b = BrokerProc(config, d)
+        started.append(b)
+        return b.start() if start else b
+
+    yield factory
+    for b in started:
+        if b.proc is not None and b.proc.poll() is None:
+            code = b.stop()
+            assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+
+
+def base_config(files: dict, *names: str, workers: dict | None = None, server: dict | None = None,
+                **model_overrides) -> dict:
+    return {"server": server or {},
+            "workers": workers or {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8,
+                                   "output_arena_mb": 4},
+            "models": [model_entry(files, n, **model_overrides.get(n, {})) for n in names]}
+
+
+@pytest.fixture(scope="module")
+def shared_broker(model_files, tmp_path_factory):
+    """One broker with two CPU workers serving every test model, shared by a test module."""
+    d = tempfile.mkdtemp(prefix="tgwm-", dir="/tmp")
+    cfg = base_config(model_files, *BASE_MODELS, *TEST_MODELS,
+                      workers={"devices": ["cpu", "cpu"], "threads_per_worker": 1, "input_arena_mb": 8,
+                               "output_arena_mb": 4},
+                      server={"max_request_bytes": 4 << 20},
+                      spin={"max_queue": 4, "max_batch_size": 1},
+                      fails={"max_batch_size": 1})
+    b = BrokerProc(cfg, d).start()
+    yield b
+    code = b.stop()
+    shutil.rmtree(d, ignore_errors=True)
+    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    assert not list_segments(b.proc.pid), "segments left in /dev/shm after a clean stop"
+
+
+def _is_ours(p: psutil.Process) -> bool:
+    """A live child that a test started (multiprocessing's helper processes outlive tests by design)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE and "multiprocessing" not in " ".join(p.cmdline())
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def leak_guard(request):
+    """No test may leave tgw segments of a dead creator or stray child processes behind."""
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        extra = [p for p in psutil.Process().children(recursive=True)
+                 if p.pid not in before_children and _is_ours(p)]
+        orphans = [s for s in list_segments() if not psutil.pid_exists(int(s.split("_")[2]))]
+        if not extra and not orphans:
+            break
+        if time.monotonic() > deadline:
+            for p in extra:
+                p.kill()
+            pytest.fail(f"leaked: children {[p.pid for p in extra]}, segments {orphans}")
+        time.sleep(0.1)

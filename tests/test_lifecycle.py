@@ -1,0 +1,149 @@
+"""Start, stop, crash and restart: nothing lost, nothing left in /dev/shm."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from conftest import base_config
+from tgw.client import Client, TgwError
+from tgw.shm.errors import Code
+from tgw.shm.paths import ipc_path
+from tgw.shm.segment import list_segments
+
+X = np.zeros((1, 256), np.float32)
+
+
+def spin(rounds: int) -> dict:
+    return {"x": np.full((1, 1), rounds, np.float32)}
+
+
+def test_clean_stop_leaves_nothing(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp"))
+    pid, workers = b.proc.pid, b.worker_pids()
+    assert len(list_segments(pid)) == 1
+    assert b.stop() == 0
+    assert list_segments(pid) == []
+    assert not os.path.exists(ipc_path(b.address))
+    assert not any(psutil.pid_exists(w) and psutil.Process(w).status() != psutil.STATUS_ZOMBIE for w in workers)
+
+
+def test_sigkill_of_broker_then_restart_sweeps(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp"))
+    pid, workers = b.proc.pid, b.worker_pids()
+    stale = list_segments(pid)
+    b.proc.kill()
+    b.proc.wait()
+    for w in workers:  # workers die with their parent (PR_SET_PDEATHSIG)
+        try:
+            psutil.Process(w).wait(10)
+        except psutil.NoSuchProcess:
+            pass
+    assert list_segments(pid) == stale and stale  # left behind by the crash...
+    b2 = make_broker(base_config(model_files, "mlp"), sub="again")
+    assert list_segments(pid) == []                # ...and swept by the next start
+    assert "swept" in b2.output()
+    with Client(b2.address) as c:
+        assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)
+
+
+def test_stale_socket_file_is_replaced(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp"))
+    b.proc.kill()
+    b.proc.wait()
+    time.sleep(0.5)
+    b.start()  # same address: the dead broker's socket file must not block it
+    with Client(b.address) as c:
+        assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)
+
+
+def test_second_broker_on_same_address_is_refused(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp"))
+    b2 = make_broker(base_config(model_files, "mlp"), start=False)
+    b2.address = b.address
+    b2.start(wait=False)
+    assert b2.proc.wait(60) != 0
+    assert "already listening" in b2.output()
+
+
+def test_worker_failing_to_load_fails_startup(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp", "wrongdtype"), start=False)
+    b.start(wait=False)
+    assert b.proc.wait(60) != 0
+    out = b.output()
+    assert "wrongdtype" in out and "float64" in out, out
+    assert list_segments(b.proc.pid) == []
+
+
+def test_worker_killed_is_restarted_and_work_is_not_lost(model_files, make_broker):
+    b = make_broker(base_config(model_files, "mlp", "spin"))
+    results: list = []
+    with Client(b.address) as c:
+        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(300))))
+        t.start()
+        time.sleep(0.3)  # the spin request is computing now
+        old = b.worker_pids()[0]
+        os.kill(old, signal.SIGKILL)
+        t.join(60)
+        # retried once on the restarted worker, or answered WORKER_DIED - never silence
+        assert results and (isinstance(results[0], dict) or results[0].code == Code.WORKER_DIED), results
+        deadline = time.monotonic() + 30
+        while not c.health()["ready"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)
+    assert b.worker_pids() and b.worker_pids()[0] != old
+
+
+def _try(c: Client, model: str, inputs: dict):
+    try:
+        return c.infer(model, inputs)
+    except TgwError as err:
+        return err
+
+
+def test_deadline_exceeded_before_compute(model_files, make_broker):
+    b = make_broker(base_config(model_files, "spin", spin={"max_batch_size": 1}))
+    with Client(b.address) as c:
+        t = threading.Thread(target=lambda: c.infer("spin", spin(400)))
+        t.start()
+        time.sleep(0.1)
+        with pytest.raises(TgwError) as info:
+            c.infer("spin", spin(1), timeout=0.05)
+        assert info.value.code == Code.DEADLINE_EXCEEDED
+        t.join(60)
+        stats = c.stats()["models"]["spin"]
+    assert stats["rows"] == 1  # only the long spin was computed (warm-up is not counted)
+    assert stats["errors"] == {"DEADLINE_EXCEEDED": 1}
+
+
+def test_queue_full_is_overloaded(model_files, make_broker):
+    b = make_broker(base_config(model_files, "spin", spin={"max_batch_size": 1, "max_queue": 2}))
+    codes: list = []
+    with Client(b.address) as c:
+        threads = [threading.Thread(target=lambda: codes.append(_try(c, "spin", spin(150)))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    errors = [r.code for r in codes if isinstance(r, TgwError)]
+    assert len(codes) == 8 and Code.OVERLOADED in errors
+    assert set(errors) == {Code.OVERLOADED}
+
+
+def test_sigterm_finishes_in_flight_work(model_files, make_broker):
+    b = make_broker(base_config(model_files, "spin"))
+    results: list = []
+    with Client(b.address) as c:
+        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(300))))
+        t.start()
+        time.sleep(0.2)
+        b.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+    assert b.proc.wait(30) == 0
+    assert results and isinstance(results[0], dict), results
+    assert list_segments(b.proc.pid) == []
