@@ -20,7 +20,7 @@ from tgw.bench import wrk as wrklib
 from tgw.bench.loadgen import LoadSpec, run_load
 from tgw.bench.monitor import ProcessMonitor
 from tgw.bench.procs import Managed, wait_until
-from tgw.bench.summary import summarize
+from tgw.bench.summary import summarize, warnings_for
 from tgw.bench.targets import HttpTarget
 
 
@@ -115,4 +115,5 @@ def run_http(server: FlaskServer, model: str, body_path: str, concurrency: int, 
     finally:
         mon.stop()
     row["server_processes"] = mon.report(row["duration_s"])
+    row["warnings"] = warnings_for(row)
     return row

@@ -60,9 +60,12 @@ def warnings_for(summary: dict) -> list[str]:
     w = []
     gen = summary["generator"]
     if gen["saturated"]:
-        busiest = max(gen["cpu_per_proc"])
-        w.append(f"load generator saturated: a generator process used {busiest:.0%} of a core "
-                 f"(GIL-bound); rerun with more --procs or fewer threads per process")
+        if gen.get("kind") == "wrk":
+            w.append(f"wrk used {gen['cpu_cores']:.2f} cores: close to its thread count, it may limit the rate")
+        else:
+            busiest = max(gen["cpu_per_proc"])
+            w.append(f"load generator saturated: a generator process used {busiest:.0%} of a core "
+                     f"(GIL-bound); rerun with more --procs or fewer threads per process")
     machine = summary.get("machine", {})
     if machine.get("cpu_busy", 0) >= 0.97:
         w.append(f"the machine's CPUs were {machine['cpu_busy']:.0%} busy: generator and server "

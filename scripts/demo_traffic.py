@@ -1,0 +1,127 @@
+"""Demo traffic: real requests to every demo model, each answer checked against the model run
+in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model.
+
+Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tgw.client import Client, ConnectError, TgwError
+
+CONCURRENCY = 8
+
+
+def wait_ready(address: str, broker_pid: int | None, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if broker_pid and not os.path.exists(f"/proc/{broker_pid}"):
+            sys.exit("broker exited during start-up")
+        try:
+            with Client(address, connect_timeout=1.0) as c:
+                if c.health()["ready"]:
+                    return
+        except ConnectError:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"broker at {address} not ready after {timeout:.0f}s")
+
+
+def make_inputs(model: dict, rng: np.random.Generator) -> dict:
+    rows = int(rng.integers(1, 5))
+    length = int(rng.integers(1, 40))  # one length per request for variable dims
+    out = {}
+    for t in model["inputs"]:
+        shape = [rows, *(length if d == -1 else d for d in t["shape"])]
+        if t["dtype"].startswith("float"):
+            out[t["name"]] = rng.standard_normal(shape).astype(t["dtype"])
+        else:
+            out[t["name"]] = rng.integers(0, 1000, shape).astype(t["dtype"])
+    return out
+
+
+def drive(address: str, model: dict, n: int) -> tuple[list, list, list, float]:
+    """n requests from CONCURRENCY threads sharing one Client; returns (records, latencies, errors, seconds)."""
+    records, latencies, errors = [], [], []
+    lock = threading.Lock()
+    counter = iter(range(n))
+
+    def worker(c: Client, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in counter:
+            x = make_inputs(model, rng)
+            t0 = time.perf_counter()
+            try:
+                y = c.infer(model["name"], x, timeout=30)
+            except TgwError as err:
+                with lock:
+                    errors.append(err.code.value)
+                continue
+            dt = time.perf_counter() - t0
+            with lock:
+                latencies.append(dt)
+                records.append((x, y))
+
+    with Client(address) as c:
+        threads = [threading.Thread(target=worker, args=(c, s)) for s in range(CONCURRENCY)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+    return records, latencies, errors, elapsed
+
+
+def mismatches(records: list, path: str, model: dict) -> int:
+    import torch  # only for the in-process reference, after the timed traffic
+    module = torch.jit.load(path)
+    bad = 0
+    with torch.inference_mode():
+        for x, y in records:
+            ref = module(*[torch.from_numpy(x[t["name"]]) for t in model["inputs"]])
+            if isinstance(ref, torch.Tensor):
+                ref = [ref]
+            if isinstance(ref, dict):
+                ref = [ref[o["name"]] for o in model["outputs"]]
+            for o, r in zip(model["outputs"], ref):
+                if not np.allclose(y[o["name"]], r.numpy(), rtol=1e-4, atol=1e-5):
+                    bad += 1
+                    break
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--models-dir", required=True)
+    ap.add_argument("--broker-pid", type=int)
+    args = ap.parse_args()
+    wait_ready(args.address, args.broker_pid)
+    with Client(args.address) as c:
+        models = c.models()
+    rows, failed = [], False
+    for model in models:
+        records, lat, errors, elapsed = drive(args.address, model, args.requests)
+        bad = mismatches(records, os.path.join(args.models_dir, f"{model['name']}-v1.pt"), model)
+        ms = np.array(lat) * 1e3 if lat else np.array([np.nan])
+        rows.append((model["name"], len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
+                     np.percentile(ms, 99), len(lat) / elapsed))
+        failed |= bool(errors) or bad > 0 or len(lat) != args.requests
+    print(f"\n{'model':<8} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    for name, n, e, bad, p50, p99, rps in rows:
+        print(f"{name:<8} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
+    print(f"(concurrency {CONCURRENCY}, 1-4 rows per request, answers checked against the model run in-process)")
+    print("RESULT:", "FAIL" if failed else "OK")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""The wire contract (shm/wire.py) and the error table (shm/errors.py): typed round trips,
+map-encoded headers with field names, malformed bytes refused as DecodeError, codes and statuses."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+import tgw.client
+from tgw.shm import errors, wire
+from tgw.shm.errors import ERROR_CLASSES, ERROR_TABLE, Code, TgwError, error_for, http_status
+from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, DecodeError, Done, ErrorBody, ErrorReply, Health,
+                          HealthReply, Hello, HelloReply, Infer, InferReply, IOSpec, ListModels, LoadModels,
+                          ModelInfo, ModelSpec, ModelsReply, Release, Stats, StatsReply, Stop, TensorMeta,
+                          WorkerFailed, WorkerHello, WorkerReady, encode, envelope_decoder, from_worker_decoder,
+                          nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
+
+V = PROTOCOL_VERSION
+x_meta = TensorMeta(name="x", dtype="float32", shape=[2, 256])
+io = IOSpec(name="x", dtype="float32", shape=[-1, 256])
+
+REQUESTS = [
+    Hello(v=V, id=1, client="pytest"),
+    Hello(v=V),
+    Infer(v=V, id=7, model="mlp", inputs=[x_meta]),
+    Infer(v=V, id=8, model="mlp", inputs=[x_meta, TensorMeta(name="t", dtype="int64", shape=[2, 5],
+                                                            compression="lz4")],
+          version="2", outputs=["y"], timeout_ms=250, priority=3, compress_outputs=True),
+    ListModels(v=V, id=3),
+    Health(v=V, id=4),
+    Stats(v=V, id=5),
+]
+
+REPLIES = [
+    HelloReply(v=V, id=1, server="tgw 0.1", max_request_bytes=64 << 20),
+    InferReply(v=V, id=7, model="mlp", version="1", outputs=[TensorMeta(name="y", dtype="float32", shape=[2, 10])]),
+    ErrorReply(v=V, id=9, error=ErrorBody(code="MODEL_NOT_FOUND", message="no model 'x'", retryable=False,
+                                          details={"model": "x", "known": ["mlp"]})),
+    ErrorReply(v=V, id=10, error=ErrorBody(code="INTERNAL", message="boom")),
+    ModelsReply(v=V, id=3, models=[ModelInfo(name="mlp", versions=["1", "2"], default_version="2", max_batch_size=32,
+                                             inputs=[io], outputs=[IOSpec(name="y", dtype="float32", shape=[10])],
+                                             ready=True)]),
+    ModelsReply(v=V, id=3, models=[]),
+    HealthReply(v=V, id=4, live=True, ready=False, models={"mlp": True}, workers={"0": "ready"}),
+    HealthReply(v=V, id=4, live=True, ready=True),
+    StatsReply(v=V, id=5, models={"mlp": {"requests": 3, "errors": {"INTERNAL": 1}}},
+               processes=[{"role": "broker", "pid": 1, "device": None}]),
+]
+
+TO_WORKER = [
+    LoadModels(models=[ModelSpec(name="mlp", version="1", path="/m.pt", inputs=[io], outputs=[io],
+                                 max_batch_size=8, warmup_batch_sizes=[1, 8])]),
+    Batch(batch_id=1, model="mlp", version="1", rows=2, block=128,
+          inputs=[BlockTensor(name="x", dtype="float32", shape=[2, 256], offset=128, nbytes=2048)]),
+    Release(blocks=[0, 64, 4096]),
+    Stop(),
+]
+
+FROM_WORKER = [
+    WorkerHello(v=V, worker_id=0, pid=1234),
+    WorkerReady(worker_id=0, models=["mlp"]),
+    WorkerFailed(worker_id=1, model="mlp", error="RuntimeError: x"),
+    Done(batch_id=1, outputs=[BlockTensor(name="y", dtype="float32", shape=[2, 10], offset=0, nbytes=80)],
+         block=0, compute_us=75),
+    Done(batch_id=2, error=ErrorBody(code="MODEL_EXECUTION_ERROR", message="bad")),
+]
+
+
+def _id(m) -> str:
+    return type(m).__name__
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=_id)
+def test_request_round_trip(msg):
+    raw = encode(msg)
+    back = request_decoder.decode(raw)
+    assert type(back) is type(msg) and back == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=_id)
+def test_reply_round_trip(msg):
+    back = reply_decoder.decode(encode(msg))
+    assert type(back) is type(msg) and back == msg
+
+
+@pytest.mark.parametrize("msg", TO_WORKER, ids=_id)
+def test_to_worker_round_trip(msg):
+    assert to_worker_decoder.decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", FROM_WORKER, ids=_id)
+def test_from_worker_round_trip(msg):
+    assert from_worker_decoder.decode(encode(msg)) == msg
+
+
+def test_every_request_and_reply_type_covered():
+    import typing
+    assert {type(m) for m in REQUESTS} == set(typing.get_args(wire.Request))
+    assert {type(m) for m in REPLIES} == set(typing.get_args(wire.Reply))
+    assert {type(m) for m in TO_WORKER} == set(typing.get_args(wire.ToWorker))
+    assert {type(m) for m in FROM_WORKER} == set(typing.get_args(wire.FromWorker))
+
+
+@pytest.mark.parametrize("msg", REQUESTS + REPLIES + TO_WORKER + FROM_WORKER, ids=_id)
+def test_headers_are_maps_with_field_names(msg):
+    raw = msgspec.msgpack.decode(encode(msg))
+    assert isinstance(raw, dict)
+    assert isinstance(raw["op"], str)
+    # every key is a declared field name (or the tag), never a positional index
+    names = set(msg.__struct_fields__) | {"op"}
+    assert set(raw) <= names
+    for k, v in raw.items():
+        if k != "op":
+            assert isinstance(k, str)
+
+
+def test_infer_map_readable_by_any_client():
+    raw = msgspec.msgpack.decode(encode(REQUESTS[3]))
+    assert raw["op"] == "infer" and raw["v"] == V and raw["id"] == 8 and raw["model"] == "mlp"
+    assert raw["inputs"][1] == {"name": "t", "dtype": "int64", "shape": [2, 5], "compression": "lz4"}
+    assert raw["timeout_ms"] == 250
+
+
+def test_foreign_client_map_decodes():
+    """A header built by a plain MessagePack library (a dict), as a client in another language would."""
+    raw = msgspec.msgpack.encode({"op": "infer", "v": V, "id": 1, "model": "mlp",
+                                  "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4]}],
+                                  "future_field": {"ignored": True}})
+    msg = request_decoder.decode(raw)
+    assert isinstance(msg, Infer) and msg.inputs[0].shape == [1, 4] and msg.version is None
+    assert msg.priority == 0 and msg.outputs is None
+
+
+def test_defaults_are_omitted():
+    assert msgspec.msgpack.decode(encode(Hello(v=V))) == {"op": "hello", "v": V}
+
+
+MALFORMED = [
+    b"",
+    b"\xc1",                                           # never-used byte
+    b"\x92\x01\x02",                                   # an array, not a map
+    b"\xa5hello",                                      # a bare string
+    b"\x85",                                           # truncated map
+    encode(REQUESTS[2])[:-3],                          # truncated message
+    encode(REQUESTS[2]) + b"\x00",                     # trailing bytes
+    msgspec.msgpack.encode({"v": V, "id": 1}),         # no op tag
+    msgspec.msgpack.encode({"op": "nope", "v": V}),    # unknown op
+    msgspec.msgpack.encode({"op": "infer", "v": V}),   # missing required fields
+    msgspec.msgpack.encode({"op": "infer", "v": "1", "id": 1, "model": "m", "inputs": []}),      # wrong type
+    msgspec.msgpack.encode({"op": "infer", "v": V, "id": 1, "model": "m", "inputs": [{"name": "x"}]}),
+    msgspec.msgpack.encode({"op": "infer", "v": V, "id": 1, "model": "m", "inputs": [],
+                            "priority": 1.5}),
+    msgspec.msgpack.encode({"op": 7, "v": V}),
+    b"\xd4\x01\x00",                                   # an ext type: never turned into an object
+    msgspec.msgpack.encode(msgspec.msgpack.Ext(1, b"\x80\x04N.")),  # pickle-looking ext payload
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_requests_raise_decode_error(raw):
+    with pytest.raises(DecodeError):
+        request_decoder.decode(raw)
+
+
+@pytest.mark.parametrize("raw", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_replies_raise_decode_error(raw):
+    with pytest.raises(DecodeError):
+        reply_decoder.decode(raw)
+
+
+def test_reply_is_not_a_request():
+    with pytest.raises(DecodeError):
+        request_decoder.decode(encode(REPLIES[2]))   # op "error" is no request
+
+
+def test_envelope_reads_what_it_can():
+    raw = msgspec.msgpack.encode({"op": "infer", "v": V, "id": 42, "model": 5})
+    with pytest.raises(DecodeError):
+        request_decoder.decode(raw)
+    env = envelope_decoder.decode(raw)
+    assert env.id == 42 and env.op == "infer" and env.v == V
+
+
+def test_decode_error_tuple():
+    assert isinstance(DecodeError, tuple)
+    assert msgspec.DecodeError in DecodeError and msgspec.ValidationError in DecodeError
+
+
+def test_protocol_version_and_dtypes():
+    assert isinstance(PROTOCOL_VERSION, int) and PROTOCOL_VERSION >= 1
+    assert wire.DTYPE_SIZES["float32"] == 4 and wire.DTYPE_SIZES["bool"] == 1
+    assert wire.DTYPE_SIZES["float16"] == 2 and wire.DTYPE_SIZES["int64"] == 8
+    assert nbytes_of("float32", [2, 256]) == 2048
+    assert nbytes_of("int64", []) == 8
+    assert nbytes_of("float16", [3, 0]) == 0
+
+
+# ---- the error table ---------------------------------------------------------------------------
+
+EXPECTED = {
+    "INVALID_ARGUMENT": 400, "INVALID_INPUT_SHAPE": 400, "INVALID_INPUT_DTYPE": 400, "PAYLOAD_TOO_LARGE": 413,
+    "UNAUTHENTICATED": 401, "MODEL_NOT_FOUND": 404, "VERSION_NOT_FOUND": 404, "MODEL_NOT_READY": 503,
+    "RATE_LIMITED": 429, "OVERLOADED": 429, "DEADLINE_EXCEEDED": 504, "CIRCUIT_OPEN": 503,
+    "OUT_OF_GPU_MEMORY": 507, "OUT_OF_SHM": 507, "WORKER_DIED": 503, "MODEL_EXECUTION_ERROR": 500,
+    "INTERNAL": 500,
+}
+
+
+def test_error_table_matches_design():
+    assert {c.value for c in Code} == set(EXPECTED)
+    assert set(ERROR_TABLE) == set(Code)
+    for name, status in EXPECTED.items():
+        assert ERROR_TABLE[Code(name)][0] == status, name
+        assert http_status(name) == status
+        assert http_status(Code(name)) == status
+
+
+def test_retryable_codes():
+    assert ERROR_TABLE[Code.WORKER_DIED][1] is True
+    assert error_for("WORKER_DIED", "gone").retryable
+    for code in ("INVALID_ARGUMENT", "INVALID_INPUT_SHAPE", "INVALID_INPUT_DTYPE", "PAYLOAD_TOO_LARGE",
+                 "MODEL_NOT_FOUND", "VERSION_NOT_FOUND", "MODEL_EXECUTION_ERROR"):
+        assert not ERROR_TABLE[Code(code)][1], code
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_error_for_gives_subclass(name):
+    e = error_for(name, "msg", {"k": 1})
+    cls = ERROR_CLASSES[Code(name)]
+    assert type(e) is cls and isinstance(e, TgwError)
+    assert e.code == Code(name) and e.message == "msg" and e.details == {"k": 1}
+    assert e.http_status == EXPECTED[name]
+    assert str(e) == f"{name}: msg"
+    assert getattr(tgw.client, cls.__name__) is cls       # the client exports the same classes
+    assert getattr(errors, cls.__name__) is cls
+    assert error_for(Code(name), "m").code == Code(name)
+
+
+def test_client_exception_names():
+    assert tgw.client.ModelNotFoundError is ERROR_CLASSES[Code.MODEL_NOT_FOUND]
+    assert isinstance(error_for("MODEL_NOT_FOUND", "x"), tgw.client.ModelNotFoundError)
+    assert isinstance(error_for("OUT_OF_GPU_MEMORY", "x"), tgw.client.OutOfGpuMemoryError)
+    assert issubclass(tgw.client.WorkerDiedError, tgw.client.TgwError)
+    assert tgw.client.TgwError is TgwError
+
+
+@pytest.mark.parametrize("code", ["SOMETHING_NEW", "", 17, None])
+def test_unknown_code_gives_tgw_error(code):
+    e = error_for(code, "from a newer server", {"a": 1})
+    assert type(e) is TgwError
+    assert e.code == Code.INTERNAL
+    assert e.details["unknown_code"] == code and e.details["a"] == 1
+    assert e.message == "from a newer server"
+
+
+def test_tgw_error_defaults():
+    e = TgwError("plain")
+    assert e.code == Code.INTERNAL and e.details == {} and e.http_status == 500 and not e.retryable
+    e = TgwError("x", code="RATE_LIMITED")
+    assert e.code == Code.RATE_LIMITED and e.http_status == 429 and e.retryable
+    with pytest.raises(ValueError):
+        TgwError("x", code="NOT_A_CODE")
+
+
+def test_error_body_round_trip_to_exception():
+    body = reply_decoder.decode(encode(REPLIES[2])).error
+    e = error_for(body.code, body.message, body.details)
+    assert isinstance(e, tgw.client.ModelNotFoundError) and e.details["known"] == ["mlp"]
