@@ -91,7 +91,7 @@ class WorkersDecl(Strict):
 
 
 class ServerDecl(Strict):
-    address: Optional[str] = None          # default: ipc://$XDG_RUNTIME_DIR/tgw/tgw.sock
+    address: Optional[str] = None  # default: $TGW_ADDRESS, ipc://$XDG_RUNTIME_DIR/tgw, /run/tgw, /tmp/tgw-<uid>
     max_request_bytes: Annotated[int, Field(ge=1024)] = 64 << 20
     max_inflight_batches_per_worker: Annotated[int, Field(ge=1, le=8)] = 2
 
@@ -140,7 +140,7 @@ def _format_pydantic(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def _check_files(cfg: Config, base_dir: str) -> Config:
+def _check_files(cfg: Config, base_dir: str, source: str) -> Config:
     """Resolve model paths against the config's folder; they must exist and match sha256."""
     problems, models = [], []
     for i, m in enumerate(cfg.models):
@@ -155,7 +155,7 @@ def _check_files(cfg: Config, base_dir: str) -> Config:
             versions.append(v.model_copy(update={"path": path}))
         models.append(m.model_copy(update={"versions": versions}))
     if problems:
-        raise ConfigError("\n".join([f"invalid config: {len(problems)} problem(s)", *problems]))
+        raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
     return cfg.model_copy(update={"models": models})
 
 
@@ -172,7 +172,7 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
         cfg = Config.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_pydantic(err, source)) from None
-    return _check_files(cfg, base_dir)
+    return _check_files(cfg, base_dir, source)
 
 
 def load_config(path: str) -> Config:

@@ -17,7 +17,8 @@ from tgw.shm.errors import ERROR_TABLE, Code, TgwError
 from tgw.shm.ring import align_up
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorBody, ErrorReply, Health, HealthReply, Hello, \
     HelloReply, Infer, InferReply, ListModels, ModelsReply, Release, Stats, StatsReply, TensorMeta, WorkerFailed, \
-    WorkerHello, WorkerReady, LoadModels, Stop, encode, envelope_decoder, from_worker_decoder, request_decoder
+    WorkerHello, WorkerReady, LoadModels, Stop, encode, envelope_decoder, from_worker_decoder, nbytes_of, \
+    request_decoder
 
 from .batcher import Batcher, Pending
 from .config import Config
@@ -64,9 +65,7 @@ class Broker:
         except DecodeError as exc:
             return self._malformed(ident, frames[1].buffer, exc)
         if msg.v != PROTOCOL_VERSION:
-            return self._error(ident, msg.id, fail(
-                Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {msg.v}, broker speaks "
-                f"{PROTOCOL_VERSION}", client_protocol=msg.v, server_protocol=PROTOCOL_VERSION))
+            return self._version_mismatch(ident, msg.id, msg.v)
         if isinstance(msg, Infer):
             try:
                 self._admit(ident, msg, frames[2:])
@@ -87,10 +86,18 @@ class Broker:
     def _malformed(self, ident: bytes, header, exc: Exception) -> None:
         try:
             env = envelope_decoder.decode(header)
-            req_id = env.id if isinstance(env.id, int) else 0
         except DecodeError:
-            req_id = 0
+            env = None
+        req_id = env.id if env is not None and isinstance(env.id, int) else 0
+        if env is not None and isinstance(env.v, int) and env.v != PROTOCOL_VERSION:
+            # a newer client's header may not fit our structs: name the real problem
+            return self._version_mismatch(ident, req_id, env.v)
         self._error(ident, req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"))
+
+    def _version_mismatch(self, ident: bytes, req_id: int, version: int) -> None:
+        self._error(ident, req_id, fail(
+            Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
+            f"{PROTOCOL_VERSION}", client_protocol=version, server_protocol=PROTOCOL_VERSION))
 
     def _admit(self, ident: bytes, msg: Infer, tensor_frames: list) -> None:
         if self.stopping:
@@ -119,15 +126,15 @@ class Broker:
     def _tensor_bytes(meta: TensorMeta, buf: memoryview):
         if meta.compression is None:
             return buf
-        from tgw.shm.wire import nbytes_of
         want = nbytes_of(meta.dtype, meta.shape)
-        try:
-            raw = lz4.frame.decompress(buf)
+        inflate = lz4.frame.LZ4FrameDecompressor()
+        try:  # never inflate past the declared size: a small frame must not cost gigabytes
+            raw = inflate.decompress(buf, max_length=want)
         except RuntimeError as exc:
             raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: bad lz4 frame: {exc}") from None
-        if len(raw) != want:
-            raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: decompressed to {len(raw)} bytes, shape "
-                       f"{meta.shape} x {meta.dtype} needs {want}", input=meta.name)
+        if len(raw) != want or not inflate.eof:
+            raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: lz4 frame does not decompress to the "
+                       f"{want} bytes that shape {meta.shape} x {meta.dtype} needs", input=meta.name)
         return memoryview(raw)
 
     def _reply(self, ident: bytes, msg, *tensors) -> None:

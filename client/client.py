@@ -7,6 +7,7 @@ Not fork-safe: create a Client in each process.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 from typing import Any
@@ -72,7 +73,7 @@ class Client:
         metas, frames = encode_inputs(inputs, compress)
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
-                    timeout_ms=None if timeout is None else max(0, int(timeout * 1000)))
+                    timeout_ms=None if timeout is None else max(0, math.ceil(timeout * 1000)))
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait)
         return decode_outputs(reply.outputs, tensor_frames)

@@ -144,7 +144,7 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     id: int
     # model -> counters: requests, batches, rows, errors{code: n}, batch_sizes{size: n}
     models: dict[str, dict[str, Any]]
-    processes: list[dict[str, Any]]  # {role, pid, device}
+    processes: list[dict[str, Any]]  # {role, pid, device, state (workers)}
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply]

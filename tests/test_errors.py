@@ -123,6 +123,22 @@ def test_wrong_protocol_version(shared_broker, client):
     assert client.infer("mlp", {"x": X})["y"].shape == (2, 10)
 
 
+def test_newer_protocol_with_unknown_message_names_the_version(shared_broker):
+    reply = raw_call(shared_broker.address, [msgspec.msgpack.encode({"op": "capabilities", "v": 99, "id": 4})])
+    assert isinstance(reply, ErrorReply) and "protocol version mismatch" in reply.error.message
+    assert reply.id == 4
+
+
+def test_lz4_bomb_is_refused_without_inflating(shared_broker, client):
+    import lz4.frame
+    bomb = lz4.frame.compress(bytes(200 << 20))  # 200 MB of zeros in under 1 MB
+    reply = raw_call(shared_broker.address, [_infer_header(inputs=[
+        TensorMeta(name="x", dtype="float32", shape=[2, 256], compression="lz4")]), bomb])
+    assert isinstance(reply, ErrorReply) and reply.error.code == "INVALID_ARGUMENT"
+    assert "decompress" in reply.error.message
+    assert client.infer("mlp", {"x": X})["y"].shape == (2, 10)
+
+
 def test_request_over_max_request_bytes(client):
     big = np.zeros((64, 20000), np.float32)  # 5 MB > server.max_request_bytes (4 MiB)
     err = expect(client, Code.PAYLOAD_TOO_LARGE, "mlp", {"x": big})

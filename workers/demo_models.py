@@ -5,6 +5,7 @@ it never imports torch itself. Weights come from a fixed seed, so every build is
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -97,8 +98,11 @@ def build_demo_models(out_dir: str) -> dict[str, str]:
     for name in DEMO_MODELS:
         path = os.path.join(out_dir, f"{name}-v{DEMO_VERSION}.pt")
         if not os.path.exists(path):
+            data = io.BytesIO()
+            torch.jit.save(build_module(name), data)  # in memory: no temp name inside the archive
             tmp = f"{path}.{os.getpid()}.tmp"
-            build_module(name).save(tmp)
+            with open(tmp, "wb") as f:
+                f.write(data.getvalue())
             os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
         paths[name] = path
     return paths
