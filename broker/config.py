@@ -21,7 +21,8 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML already gives native types, so "32" or true for an int is a mistake to report
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class TensorDecl(Strict):
@@ -63,9 +64,6 @@ class ModelDecl(Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelDecl":
-        _no_duplicates([v.version for v in self.versions], "versions", "version")
-        _no_duplicates([t.name for t in self.inputs], "inputs", "input name")
-        _no_duplicates([t.name for t in self.outputs], "outputs", "output name")
         if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
             raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
         too_big = [b for b in self.warmup_batch_sizes if b > self.max_batch_size]
@@ -110,53 +108,77 @@ class Config(Strict):
     workers: WorkersDecl = WorkersDecl()
     models: Annotated[list[ModelDecl], Field(min_length=1)]
 
-    @model_validator(mode="after")
-    def _unique_models(self) -> "Config":
-        _no_duplicates([m.name for m in self.models], "models", "model name")
-        return self
-
     def model(self, name: str) -> ModelDecl:
         return next(m for m in self.models if m.name == name)
 
 
-def _no_duplicates(names: list[str], where: str, what: str) -> None:
-    seen, dups = set(), []
-    for n in names:
-        if n in seen:
-            dups.append(n)
-        seen.add(n)
-    if dups:
-        raise ValueError(f"duplicate {what} in {where}: {', '.join(sorted(set(dups)))}")
+def _items(data: object, keys: tuple) -> list[tuple[str, object]]:
+    """(key path, value) pairs at `keys` in a raw YAML tree; "*" walks a list, an int picks one
+    element; whatever is malformed along the way is skipped (it has its own error)."""
+    found = [("", data)]
+    for key in keys:
+        nxt = []
+        for path, node in found:
+            if isinstance(key, int):
+                if isinstance(node, list) and key < len(node):
+                    nxt.append((f"{path}.{key}".lstrip("."), node[key]))
+            elif key == "*" and isinstance(node, list):
+                nxt += [(f"{path}.{i}".lstrip("."), v) for i, v in enumerate(node)]
+            elif key != "*" and isinstance(node, dict) and key in node:
+                nxt.append((f"{path}.{key}".lstrip("."), node[key]))
+        found = nxt
+    return found
 
 
-def _format_pydantic(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}: {err.error_count()} problem(s)"]
+def _duplicate_problems(data: object) -> list[str]:
+    """Checked on the raw tree so they are reported even when other keys fail validation."""
+    groups = [(("models", "*", "name"), "model name")]
+    for i, _ in enumerate(_items(data, ("models", "*"))):
+        groups += [(("models", i, "versions", "*", "version"), "version"),
+                   (("models", i, "inputs", "*", "name"), "input name"),
+                   (("models", i, "outputs", "*", "name"), "output name")]
+    problems = []
+    for keys, what in groups:
+        seen: dict = {}
+        for path, name in _items(data, keys):
+            if isinstance(name, str) and name in seen:
+                problems.append(f"  {path}: duplicate {what} {name!r} (also at {seen[name]})")
+            seen.setdefault(name, path)
+    return problems
+
+
+def _loc(parts: tuple) -> str:
+    """Key path of a pydantic error, without the union-member tags pydantic inserts."""
+    keep = [str(p) for p in parts if isinstance(p, int) or not any(c in str(p) for c in "[]'(")]
+    return ".".join(keep) or "(top level)"
+
+
+def _pydantic_problems(err: ValidationError) -> list[str]:
+    lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"  {path}: {msg}")
-    return "\n".join(lines)
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        line = f"  {_loc(e['loc'])}: {msg}"
+        if line not in lines:
+            lines.append(line)
+    return lines
 
 
-def _check_files(cfg: Config, base_dir: str, source: str) -> Config:
-    """Resolve model paths against the config's folder; they must exist and match sha256."""
-    problems, models = [], []
-    for i, m in enumerate(cfg.models):
-        versions = []
-        for j, v in enumerate(m.versions):
-            path = v.path if os.path.isabs(v.path) else os.path.normpath(os.path.join(base_dir, v.path))
-            key = f"models.{i}.versions.{j}"
-            if not os.path.isfile(path):
-                problems.append(f"  {key}.path: model file not found: {path}")
-            elif v.sha256 and file_sha256(path) != v.sha256:
-                problems.append(f"  {key}.sha256: does not match {path} (sha256 {file_sha256(path)})")
-            versions.append(v.model_copy(update={"path": path}))
-        models.append(m.model_copy(update={"versions": versions}))
-    if problems:
-        raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
-    return cfg.model_copy(update={"models": models})
+def _resolve(path: str, base_dir: str) -> str:
+    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
+
+
+def _file_problems(data: object, base_dir: str) -> list[str]:
+    """Model files must exist and match their sha256 (checked on the raw tree, best effort)."""
+    problems = []
+    for vpath, v in _items(data, ("models", "*", "versions", "*")):
+        if not isinstance(v, dict) or not isinstance(v.get("path"), str):
+            continue
+        path = _resolve(v["path"], base_dir)
+        if not os.path.isfile(path):
+            problems.append(f"  {vpath}.path: model file not found: {path}")
+        elif isinstance(v.get("sha256"), str) and file_sha256(path) != v["sha256"]:
+            problems.append(f"  {vpath}.sha256: does not match {path} (sha256 {file_sha256(path)})")
+    return problems
 
 
 def file_sha256(path: str) -> str:
@@ -168,11 +190,18 @@ def file_sha256(path: str) -> str:
 
 
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
+    """Validate everything and report every problem at once; model paths come back absolute."""
+    problems, cfg = [], None
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_pydantic(err, source)) from None
-    return _check_files(cfg, base_dir, source)
+        problems += _pydantic_problems(err)
+    problems += _duplicate_problems(data) + _file_problems(data, base_dir)
+    if problems:
+        raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
+    models = [m.model_copy(update={"versions": [v.model_copy(update={"path": _resolve(v.path, base_dir)})
+                                                for v in m.versions]}) for m in cfg.models]
+    return cfg.model_copy(update={"models": models})
 
 
 def load_config(path: str) -> Config:
@@ -181,6 +210,8 @@ def load_config(path: str) -> Config:
             data = yaml.safe_load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text: {exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -73,7 +73,11 @@ class Segment:
         if self._mm is None:
             return
         self.buf.release()
-        self._mm.close()
+        try:
+            self._mm.close()
+        except BufferError:
+            self.buf = memoryview(self._mm)  # still mapped and usable; the caller may retry later
+            raise
         self._mm = None
 
     def unlink(self) -> None:

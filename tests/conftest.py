@@ -170,12 +170,14 @@ def _is_ours(p: psutil.Process) -> bool:
 def leak_guard(request):
     """No test may leave tgw segments of a dead creator or stray child processes behind."""
     before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    before_segments = set(list_segments())  # other programs' segments are not this test's doing
     yield
     deadline = time.monotonic() + 10
     while True:
         extra = [p for p in psutil.Process().children(recursive=True)
                  if p.pid not in before_children and _is_ours(p)]
-        orphans = [s for s in list_segments() if not psutil.pid_exists(int(s.split("_")[2]))]
+        orphans = [s for s in list_segments()
+                   if s not in before_segments and not psutil.pid_exists(int(s.split("_")[2]))]
         if not extra and not orphans:
             break
         if time.monotonic() > deadline:

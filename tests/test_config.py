@@ -212,8 +212,6 @@ def test_several_missing_files_at_once(model_dir):
     assert "3 problem(s)" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: model files are only checked after the schema passes, so a "
-                   "schema error hides missing model files (not 'every problem at once')")
 def test_schema_and_file_problems_reported_together(model_dir):
     data = valid()
     data["models"][0]["max_batch_size"] = "big"
@@ -223,8 +221,6 @@ def test_schema_and_file_problems_reported_together(model_dir):
     assert "models.1.versions.0.path" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Config's model_validator(mode='after') does not run when any "
-                   "field fails, so duplicate model names are hidden by an unrelated error")
 def test_duplicate_names_reported_with_other_errors(model_dir):
     data = valid()
     data["models"][1]["name"] = "a"
@@ -234,8 +230,6 @@ def test_duplicate_names_reported_with_other_errors(model_dir):
     assert "duplicate model name" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _format_pydantic keeps pydantic's union-member tags in the key "
-                   "path: 'workers.devices.list[constrained-str].0' instead of 'workers.devices.0'")
 def test_union_key_path_is_readable(model_dir):
     data = valid()
     data["workers"]["devices"] = ["cpu", "gpu0"]
@@ -295,8 +289,6 @@ def test_load_config_unreadable(model_dir):
         load_config(str(model_dir))              # a directory
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_config catches OSError and YAMLError only; a file that is "
-                   "not UTF-8 escapes as UnicodeDecodeError instead of ConfigError")
 def test_load_config_not_utf8(model_dir):
     path = model_dir / "tgw.yaml"
     path.write_bytes(b"models:\n  - name: \xff\xfe\n")

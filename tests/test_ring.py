@@ -66,8 +66,19 @@ class RingMachine(RuleBasedStateMachine):
         self.model = RingModel(self.capacity)
         self.wraps = 0
 
-    @rule(nbytes=st.integers(0, 24 * ALIGN))
+    @rule(nbytes=st.one_of(st.integers(0, 24 * ALIGN), st.integers(1, 24).map(lambda k: k * ALIGN)))
     def alloc(self, nbytes: int):
+        self._alloc(nbytes)
+
+    @rule(data=st.data())
+    def alloc_exact_gap(self, data):
+        """Sizes at the edges of a ring-order gap: exactly its length, one block more or less."""
+        start, end = data.draw(st.sampled_from(self.model.gaps()))
+        n = data.draw(st.sampled_from([end - start, end - start - 1, end - start + 1, end - start + ALIGN,
+                                       end - start - ALIGN]))
+        self._alloc(max(n, 0))
+
+    def _alloc(self, nbytes: int):
         size = align_up(max(nbytes, 1))
         if size > self.capacity:
             with pytest.raises(BlockTooLarge):

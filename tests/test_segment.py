@@ -160,8 +160,6 @@ def test_close_refused_while_slice_view_alive(made):
     seg.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Segment.close() releases self.buf before mmap.close() fails, "
-                   "so a refused close leaves the segment half-closed (seg.buf unusable)")
 def test_refused_close_leaves_segment_usable(made):
     seg = create(made)
     t = BlockTensor(name="x", dtype="uint8", shape=[64], offset=64, nbytes=64)

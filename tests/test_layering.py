@@ -1,0 +1,81 @@
+"""The dependency rule of DESIGN.md section 2, checked in fresh interpreters, and the module
+size budget (hard limit 400 lines)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_DIRS = ("broker", "workers", "shm", "client")
+
+PROBE = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+TGW = ("tgw.shm", "tgw.client", "tgw.broker", "tgw.workers")
+SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic")
+
+# package -> (modules to import, packages that must not be loaded)
+CASES = {
+    "shm": (["tgw.shm", "tgw.shm.wire", "tgw.shm.errors", "tgw.shm.ring", "tgw.shm.segment", "tgw.shm.views",
+             "tgw.shm.paths"],
+            ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", *SERVER_ONLY]),
+    "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
+               ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
+    "broker": (["tgw.broker", "tgw.broker.main", "tgw.broker.cli", "tgw.broker.server"],
+               ["tgw.client", "tgw.workers", "torch"]),
+    "workers": (["tgw.workers", "tgw.workers.main"],
+                ["tgw.client", "tgw.broker"]),
+}
+
+
+def loaded_modules(modules: list[str], cwd: Path) -> set[str]:
+    r = subprocess.run([sys.executable, "-c", PROBE, *modules], capture_output=True, text=True, timeout=120,
+                       cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return set(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def offenders(loaded: set[str], forbidden: list[str]) -> list[str]:
+    return sorted(m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden))
+
+
+@pytest.mark.parametrize("package", list(CASES))
+def test_import_layering(package, tmp_path):
+    modules, forbidden = CASES[package]
+    loaded = loaded_modules(modules, tmp_path)       # outside the repo: only the installed package
+    assert set(modules) <= loaded
+    assert offenders(loaded, forbidden) == [], f"tgw.{package} loads forbidden modules"
+    if package == "shm":
+        assert "msgspec" in loaded and "numpy" in loaded
+    if package == "workers":
+        assert "torch" in loaded                     # workers are the one place torch lives
+
+
+def test_client_and_broker_together_import_no_torch(tmp_path):
+    loaded = loaded_modules(["tgw.client", "tgw.broker", "tgw.broker.main"], tmp_path)
+    assert offenders(loaded, ["torch", "tgw.workers"]) == []
+
+
+def test_offenders_helper():
+    assert offenders({"torch", "torchvision", "torch.nn", "tgw.brokerx"}, ["torch", "tgw.broker"]) == \
+        ["torch", "torch.nn"]
+
+
+def test_module_size_budget():
+    sizes = {}
+    for d in CODE_DIRS:
+        files = sorted((ROOT / d).rglob("*.py"))
+        assert files, f"no modules found under {d}/"
+        for f in files:
+            with open(f, encoding="utf-8") as fh:
+                sizes[str(f.relative_to(ROOT))] = sum(1 for _ in fh)
+    over = {k: v for k, v in sizes.items() if v > 400}
+    assert over == {}, f"modules over the 400-line hard limit: {over}"
