@@ -12,6 +12,8 @@ from typing import Callable
 import zmq
 
 DRAIN_CHUNK = 512  # messages handled before yielding to other sockets and timers
+# plain ints: pyzmq's enum flags cost an enum operation per call on the hot path
+NOBLOCK, POLLIN, EVENTS = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
 
 
 class Pump:
@@ -33,17 +35,17 @@ class Pump:
             return
         sock, handler = self.sock, self.handler
         for _ in range(DRAIN_CHUNK):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            # reading EVENTS (not catching zmq.Again, which costs an exception per drain) also
+            # re-arms the edge-triggered FD once nothing is left
+            if not sock.getsockopt(EVENTS) & POLLIN:
                 return
-            handler(frames)
+            handler(sock.recv_multipart(NOBLOCK, copy=False))
         self.kick()  # more may be queued: continue on the next loop turn
 
     def send(self, frames: list) -> bool:
         """Send without blocking; False when the peer is gone or its queue is full."""
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            self.sock.send_multipart(frames, NOBLOCK)
             return True
         except (zmq.Again, zmq.ZMQError):
             return False
