@@ -84,19 +84,24 @@ class BrokerProcess:
         if swept:
             log.warning("swept %d stale segment(s) of dead processes: %s", len(swept), ", ".join(swept))
         self.broker.attach(loop, front, back)
+        monitor = None
         try:
             self.supervisor.spawn_all()
             for w in self.supervisor.workers:
                 self.broker.by_identity[w.identity] = w
             monitor = asyncio.create_task(self._monitor())
-            await self._wait_ready()
+            if not await self._wait_ready():
+                log.info("stopped during start-up")
+                return
+            self.broker.started = True
             log.info("serving on %s with %d worker(s)", self.address, len(self.supervisor.workers))
             sd_notify(f"READY=1\nSTATUS=serving on {self.address}")
             await self.stop_event.wait()
             sd_notify("STOPPING=1")
             await self._drain()
-            monitor.cancel()
         finally:
+            if monitor is not None:
+                monitor.cancel()
             self.broker.stopping = True
             self.broker.stop_workers()
             self.supervisor.stop()
@@ -108,7 +113,8 @@ class BrokerProcess:
                 if path and os.path.exists(path):
                     os.unlink(path)
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self) -> bool:
+        """True once every worker is ready; False if asked to stop first; raises on failure."""
         deadline = time.monotonic() + self.cfg.workers.start_timeout_s
         while not all(w.state == "ready" for w in self.supervisor.workers):
             if self.broker.startup_failure:
@@ -121,8 +127,9 @@ class BrokerProcess:
             if time.monotonic() > deadline:
                 raise StartupError(f"workers not ready after {self.cfg.workers.start_timeout_s:.0f}s")
             if self.stop_event.is_set():
-                raise StartupError("stopped during start-up")
+                return False
             await asyncio.sleep(0.02)
+        return True
 
     async def _monitor(self) -> None:
         """Notice dead workers, hand their work back, restart them with backoff; sweep deadlines."""

@@ -48,6 +48,7 @@ class Broker:
         self.stopping = False
         self._pump_scheduled = False
         self.startup_failure: str | None = None
+        self.started = False  # every worker answered its first ready handshake
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket) -> None:
         self.loop = loop
@@ -152,7 +153,7 @@ class Broker:
     def health(self, req_id: int = 0) -> HealthReply:
         models = {m.name: m.decl.default in m.ready_versions for m in self.registry.models.values()}
         workers = {w.name: w.state for w in self.supervisor.workers}
-        ready = not self.stopping and all(models.values())
+        ready = self.started and not self.stopping and all(models.values())
         return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=ready, models=models, workers=workers)
 
     def processes(self) -> list[dict]:

@@ -147,3 +147,15 @@ def test_sigterm_finishes_in_flight_work(model_files, make_broker):
     assert b.proc.wait(30) == 0
     assert results and isinstance(results[0], dict), results
     assert list_segments(b.proc.pid) == []
+
+
+def test_pin_cpus_gives_each_worker_its_own_core(model_files, make_broker):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    b = make_broker(base_config(model_files, "mlp", workers={"devices": ["cpu", "cpu"], "pin_cpus": True,
+                                                             "input_arena_mb": 4, "output_arena_mb": 2}))
+    with Client(b.address) as c:
+        pids = [p["pid"] for p in c.stats()["processes"] if p["role"] == "worker"]
+    affinities = [psutil.Process(pid).cpu_affinity() for pid in pids]
+    assert affinities == [[cores[0]], [cores[1]]]
