@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import lz4.frame
@@ -157,7 +158,6 @@ class Broker:
         return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=ready, models=models, workers=workers)
 
     def processes(self) -> list[dict]:
-        import os
         return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
             {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state} for w in self.supervisor.workers]
 
