@@ -63,7 +63,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     with Client(address) as c:
         meta = find_model(c.models(), a.model)
         if a.batch > meta["max_batch_size"]:
-            raise SystemExit(f"--batch {a.batch} exceeds {a.model}'s max_batch_size {meta['max_batch_size']}")
+            raise LookupError(f"--batch {a.batch} exceeds {a.model}'s max_batch_size {meta['max_batch_size']}")
         processes = c.stats()["processes"]
         mode, levels = ("open", a.rate) if a.rate else ("closed", a.concurrency or [1.0])
         target = TgwTarget(address, a.model, a.batch, a.version, a.timeout, a.var_len, a.input)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ConnectionError, RuntimeError) as exc:
+    except (ConnectionError, RuntimeError, LookupError) as exc:
         print(f"tgw-bench: {exc}", file=sys.stderr)
         return 2
     if a.json:

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from tgw.bench import compare_report as out
-from tgw.bench.compare_phases import Ctx, run_flask, run_floors, run_tgw, run_transport
+from tgw.bench.compare_phases import Ctx, Servers, floor_rows, run_floors
 from tgw.bench.compare_rows import SCENARIOS, SYSTEMS, format_text, scenario_result, table_rows
 from tgw.bench.inputs import reply_bytes, request_bytes
 from tgw.bench.procs import sigterm_as_interrupt, stop_all
@@ -42,8 +42,8 @@ from tgw.bench.report import write_json
 from tgw.bench.tgw_server import build_demo_models
 
 MODES = {  # seconds measured per row, warm-up per row, seconds per in-process floor batch size
-    "quick": {"duration": 2.0, "warmup": 0.5, "floor_seconds": 0.7},
-    "full": {"duration": 15.0, "warmup": 3.0, "floor_seconds": 3.0},
+    "quick": {"duration": 2.0, "warmup": 0.5, "floor_seconds": 0.5, "floor_rounds": 1},
+    "full": {"duration": 15.0, "warmup": 3.0, "floor_seconds": 3.0, "floor_rounds": 2},
 }
 
 
@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cores = os.cpu_count() or 1
     ap.add_argument("--tgw-workers", type=int, default=cores, help=f"tgw cpu workers (default: cores = {cores})")
     ap.add_argument("--flask-workers", type=int, default=cores, help="gunicorn sync workers (default: cores)")
-    ap.add_argument("--floor-threads", type=int, default=cores, help="torch threads of the in-process floor")
+    ap.add_argument("--floor-procs", type=int, default=cores,
+                    help="in-process floor: model copies, 1 torch thread each (default: cores)")
     ap.add_argument("--procs", type=int, default=0, help="load generator processes (default: loadgen's)")
     ap.add_argument("--out", help="folder for results/ and RESULTS.md (default: bench/ of the checkout)")
     ap.add_argument("--no-results-md", action="store_true", help="do not touch RESULTS.md")
@@ -93,18 +94,24 @@ def collect(a: argparse.Namespace, ctx: Ctx, t0: float) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     payloads = {m: request_bytes(ctx.models[m]) for m in ctx.models}
     replies = {m: reply_bytes(ctx.models[m]) for m in ctx.models}
+    floors = None
     if "in-process" in a.systems:
-        ctx.log("phase 1/4: in-process floor")
-        extra["floors"] = run_floors(ctx, rows)
-    if "transport" in a.systems:
-        ctx.log("phase 2/4: transport floor (pyzmq echo)")
-        run_transport(ctx, rows, payloads, replies)
-    if "tgw" in a.systems:
-        ctx.log(f"phase 3/4: tgw native ({ctx.tgw_workers} cpu workers)")
-        extra["tgw_server"] = run_tgw(ctx, rows)
-    if "flask" in a.systems:
-        ctx.log(f"phase 4/4: Flask + gunicorn ({ctx.flask_workers} sync workers)")
-        extra["flask_server"] = run_flask(ctx, rows)
+        ctx.log("in-process floor (TorchScript called directly)")
+        floors = run_floors(ctx)
+    servers = [s for s in a.systems if s != "in-process"]
+    if servers:
+        ctx.log(f"starting {', '.join(servers)} (tgw: {ctx.tgw_workers} cpu workers; gunicorn: "
+                f"{ctx.flask_workers} sync workers)")
+        with Servers(ctx, servers, payloads, replies) as srv:
+            for sc in ctx.scenarios:
+                srv.run_scenario(sc, rows)
+        extra["tgw_server"], extra["flask_server"] = srv.info["tgw"], srv.info["flask"]
+    if floors is not None and ctx.floor_rounds > 1:
+        ctx.log("in-process floor again (the best of both rounds is kept)")
+        floors = run_floors(ctx, floors)
+    if floors is not None:
+        floor_rows(ctx, floors, rows)
+        extra["floors"] = floors
     return {"scenarios": [scenario_result(sc, payloads[sc.model], rows[sc.key]) for sc in ctx.scenarios],
             **extra, "wall_s": time.monotonic() - t0}
 
@@ -127,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log(f"{mode} mode: {duration:g} s per row after {warmup:g} s warm-up; work dir {work}")
         models = build_demo_models(os.path.join(work, "models"))
-        ctx = Ctx(work, models, scenarios, duration, warmup, base["floor_seconds"], a.tgw_workers,
-                  a.flask_workers, a.floor_threads, a.procs, False if a.no_progress else None, log)
+        ctx = Ctx(work, models, scenarios, duration, warmup, base["floor_seconds"], base["floor_rounds"],
+                  a.tgw_workers, a.flask_workers, a.floor_procs, a.procs,
+                  False if a.no_progress else None, log)
         res = collect(a, ctx, t0)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
@@ -142,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"mode": mode, "date": date, "command": _command(argv), "machine": out.machine(),
               "settings": {"duration": duration, "warmup": warmup, "floor_seconds": base["floor_seconds"],
                            "tgw_workers": a.tgw_workers, "flask_workers": a.flask_workers,
-                           "floor_threads": a.floor_threads, "procs": a.procs, "systems": a.systems,
+                           "floor_procs": a.floor_procs, "procs": a.procs, "systems": a.systems,
                            "http_generator": res.get("flask_server", {}).get("generator", "-")},
               **res}
     print()

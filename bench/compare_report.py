@@ -66,16 +66,17 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         "",
         f"Settings: {s['duration']:g} s measured per row after {s['warmup']:g} s warm-up; tgw broker with "
         f"{s['tgw_workers']} cpu worker(s) x 1 thread; gunicorn {s['flask_workers']} sync workers x 1 torch "
-        f"thread; in-process floor with {s['floor_threads']} torch thread(s); HTTP load generator: "
+        f"thread; in-process floor: {s['floor_procs']} model copies x 1 torch thread; HTTP load generator: "
         f"{s['http_generator']}; wall time {result['wall_s']:.0f} s.",
         "",
         format_markdown(table_rows(result["scenarios"])),
         "",
-        "req/s of the in-process floor is samples/s at the model's max batch (sps); its p50/p99 are "
-        "one batch-1 call. tgw/Flask = throughput ratio; tgw/floor = tgw rows/s over that max-batch "
-        "samples/s. gen CPU = cores used by the load generator during the window.",
+        "req/s of the in-process floor is samples/s (sps) summed over its copies at the best of batch 1, "
+        "max/4 and max (that batch size is in the batch column); its p50/p99 are one batch-1 call. batch of "
+        "tgw = mean rows per batch the broker formed. tgw/Flask = throughput ratio; tgw/floor = tgw rows/s "
+        "over the floor's samples/s. gen CPU = cores used by the load generator in the window.",
         "",
-        f"Raw results: `{json_rel}`; plot: `{png_rel}` (not committed).",
+        f"Raw results: `{json_rel}`; plot: `{png_rel}` .",
     ]
     warnings = [f"- {sc['scenario']} / {LABELS[name]}: {w}" for sc in result["scenarios"]
                 for name in SYSTEMS for w in (sc["rows"].get(name) or {}).get("warnings", [])]
@@ -123,7 +124,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         p99 = [((s["rows"].get(system) or {}).get("latency_ms") or {}).get("p99") or 0 for s in scen]
         axes[0].bar(x + i * width, thr, width, label=LABELS[system])
         axes[1].bar(x + i * width, p99, width, label=LABELS[system])
-    axes[0].set_ylabel("throughput (req/s; floor: samples/s at max batch)")
+    axes[0].set_ylabel("throughput (req/s; floor: samples/s)")
     axes[1].set_ylabel("p99 latency (ms; floor: batch-1 call)")
     for ax in axes:
         ax.set_yscale("log")

@@ -20,7 +20,7 @@ from tgw.bench import wrk as wrklib
 from tgw.bench.loadgen import LoadSpec, run_load
 from tgw.bench.monitor import ProcessMonitor
 from tgw.bench.procs import Managed, wait_until
-from tgw.bench.summary import summarize, warnings_for
+from tgw.bench.summary import background_cpu, summarize, warnings_for
 from tgw.bench.targets import HttpTarget
 
 
@@ -95,10 +95,13 @@ def run_http(server: FlaskServer, model: str, body_path: str, concurrency: int, 
             gen_cpu = _children_cpu() - cpu0
             dur = res["duration_s"]
             n_err = sum(res["errors"].values())
-            ok = max(0, res["requests"] - res["errors"].get("status", 0) - res["errors"].get("timeout", 0))
+            # wrk counts completed responses; non-2xx ones are in errors.status, socket errors and
+            # timeouts are failed attempts outside `requests`
+            ok = max(0, res["requests"] - res["errors"].get("status", 0))
             row = {"mode": "closed", "level": concurrency, "duration_s": dur, "warmup_s": warmup, "batch": 1,
                    "requests_ok": ok, "requests_failed": n_err, "throughput_rps": ok / dur, "rows_per_s": ok / dur,
-                   "latency_ms": res["latency_ms"], "errors": {f"wrk_{k}": v for k, v in res["errors"].items()},
+                   "latency_ms": res["latency_ms"] if res["requests"] else {k: None for k in res["latency_ms"]},
+                   "errors": {f"wrk_{k}": v for k, v in res["errors"].items()},
                    "generator": {"kind": "wrk", "argv": res["argv"], "cpu_cores": gen_cpu / dur,
                                  "cpu_share_of_machine": gen_cpu / dur / (os.cpu_count() or 1),
                                  "saturated": gen_cpu / dur >= 0.9 * min(concurrency, 2)}}
@@ -110,10 +113,11 @@ def run_http(server: FlaskServer, model: str, body_path: str, concurrency: int, 
                            on_window_start=mon.window_start, on_window_end=mon.window_end)
             row = summarize(raw)
             row["generator"]["kind"] = "python-fallback"
-        busy = mon.machine_cpu_busy()
-        row["machine"] = {"cpu_busy": busy}
     finally:
         mon.stop()
     row["server_processes"] = mon.report(row["duration_s"])
+    busy = mon.machine_cpu_busy()
+    own = row["generator"]["cpu_cores"] + sum(p["cpu_cores"] or 0 for p in row["server_processes"]) + mon.self_cores()
+    row["machine"] = {"cpu_busy": busy, "cores": os.cpu_count(), "other_cpu_cores": background_cpu(busy, own)}
     row["warnings"] = warnings_for(row)
     return row

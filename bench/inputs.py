@@ -59,4 +59,4 @@ def find_model(models: list[dict[str, Any]], name: str) -> dict[str, Any]:
     for m in models:
         if m["name"] == name:
             return m
-    raise SystemExit(f"model {name!r} is not served; served: {', '.join(m['name'] for m in models)}")
+    raise LookupError(f"model {name!r} is not served; served: {', '.join(m['name'] for m in models)}")

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import resource
-import sys
+import signal
 import threading
 import time
 import traceback
@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from tgw.bench.summary import merge
 from tgw.bench.targets import error_code
 
 
@@ -92,22 +93,30 @@ def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float
         rec.messages.setdefault(code, str(exc)[:300])
 
 
-def _closed_thread(call, rec, start, ws, we) -> None:
+class _Window:
+    """Start and window times, published to the threads when `go` is set."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.start = self.ws = self.we = 0.0
+
+
+def _closed_thread(call, rec, w: _Window) -> None:
     while True:
         t0 = time.monotonic()
-        if t0 >= we:
+        if t0 >= w.we:
             return
-        _run_one(call, rec, t0, t0, ws, we)
+        _run_one(call, rec, t0, t0, w.ws, w.we)
 
 
-def _open_dispatch(q: "queue.SimpleQueue", rate: float, start: float, we: float, nthreads: int, seed: int) -> None:
+def _open_dispatch(q: "queue.SimpleQueue", rate: float, w: _Window, nthreads: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, size=4096)
-    t, i = start, 0
+    t, i = w.start, 0
     while True:
         t += gaps[i]
         i = (i + 1) % len(gaps)
-        if t >= we:
+        if t >= w.we:
             break
         delay = t - time.monotonic()
         if delay > 0:
@@ -117,36 +126,63 @@ def _open_dispatch(q: "queue.SimpleQueue", rate: float, start: float, we: float,
         q.put(None)
 
 
-def _open_thread(call, rec, q, ws, we) -> None:
+def _open_thread(call, rec, w: _Window, q) -> None:
     while True:
         t_sched = q.get()
         if t_sched is None:
             return
-        _run_one(call, rec, t_sched, time.monotonic(), ws, we)
+        _run_one(call, rec, t_sched, time.monotonic(), w.ws, w.we)
+
+
+def _thread_main(init, body, args, w: _Window, barrier: threading.Barrier, failures: list) -> None:
+    """Per-thread set-up first (e.g. the tgw client's per-thread socket and handshake), so no
+    measured request pays for connecting; then wait for the common start."""
+    try:
+        if init is not None:
+            init()
+    except Exception:  # noqa: BLE001 - reported to the parent as a fatal start-up error
+        failures.append(traceback.format_exc())
+    barrier.wait()
+    w.go.wait()
+    if not failures:
+        body(*args)
 
 
 def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, conn, progress) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     try:
         session = target.open(seed=spec.seed * 100 + index)
         callers = [session.caller(i) for i in range(nthreads)]
     except Exception:  # noqa: BLE001
         conn.send({"fatal": traceback.format_exc()})
         return
-    conn.send({"ready": True})
-    start = conn.recv()
-    ws, we = start + spec.warmup, start + spec.warmup + spec.duration
+    init = getattr(session, "thread_init", None)
+    w, barrier, failures = _Window(), threading.Barrier(nthreads + 1), []
     recs = [_Recorder() for _ in range(nthreads)]
     if spec.mode == "closed":
-        threads = [threading.Thread(target=_closed_thread, args=(c, r, start, ws, we), daemon=True)
-                   for c, r in zip(callers, recs)]
+        bodies = [(_closed_thread, (c, r, w)) for c, r in zip(callers, recs)]
     else:
         q: queue.SimpleQueue = queue.SimpleQueue()
-        threads = [threading.Thread(target=_open_thread, args=(c, r, q, ws, we), daemon=True)
-                   for c, r in zip(callers, recs)]
-        threads.append(threading.Thread(target=_open_dispatch, daemon=True,
-                                        args=(q, rate, start, we, nthreads, spec.seed * 7919 + index)))
+        bodies = [(_open_thread, (c, r, w, q)) for c, r in zip(callers, recs)]
+    threads = [threading.Thread(target=_thread_main, args=(init, body, args, w, barrier, failures), daemon=True)
+               for body, args in bodies]
     for th in threads:
         th.start()
+    barrier.wait()
+    if failures:
+        w.go.set()
+        conn.send({"fatal": failures[0]})
+        return
+    conn.send({"ready": True})
+    w.start = conn.recv()
+    w.ws, w.we = w.start + spec.warmup, w.start + spec.warmup + spec.duration
+    ws, we = w.ws, w.we
+    if spec.mode == "open":
+        threads.append(threading.Thread(target=_open_dispatch, daemon=True,
+                                        args=(q, rate, w, nthreads, spec.seed * 7919 + index)))
+        threads[-1].start()
+    time.sleep(max(0.0, w.start - time.monotonic()))
+    w.go.set()
     cpu0 = cpu1 = None
     while any(th.is_alive() for th in threads):
         now = time.monotonic()
@@ -248,19 +284,4 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
             if p.is_alive():
                 p.terminate()  # by PID, only the processes this run started
                 p.join(5)
-    return _merge(results, spec, procs)
-
-
-def _merge(results: list[dict], spec: LoadSpec, procs: int) -> dict:
-    errors: dict[str, int] = {}
-    messages: dict[str, str] = {}
-    for r in results:
-        for k, v in r["errors"].items():
-            errors[k] = errors.get(k, 0) + v
-        messages.update(r["messages"])
-    return {"t": np.concatenate([r["t"] for r in results]),
-            "lat": np.concatenate([r["lat"] for r in results]),
-            "lag": np.concatenate([r["lag"] for r in results]),
-            "errors": errors, "error_messages": messages,
-            "gen_cpu_s": [r["cpu_s"] for r in results], "gen_threads": [r["threads"] for r in results],
-            "procs": procs, "spec": spec}
+    return merge(results, spec, procs)

@@ -28,6 +28,7 @@ class ProcessMonitor:
         self._thread = threading.Thread(target=self._loop, name="tgw-bench-rss", daemon=True)
         self._machine0 = None
         self._machine = None
+        self._self0 = self._self1 = self._elapsed = 0.0
 
     def _sample(self) -> None:
         for i, (_, proc) in enumerate(self.procs):
@@ -60,11 +61,26 @@ class ProcessMonitor:
     def window_start(self) -> None:
         self.cpu0 = self._cpu()
         self._machine0 = psutil.cpu_times()
+        self._self0 = self._own_cpu()
 
     def window_end(self) -> None:
         self.cpu1 = self._cpu()
         if self._machine0 is not None:
             self._machine = psutil.cpu_times()
+            self._self1 = self._own_cpu()
+            self._elapsed = sum(self._machine) - sum(self._machine0)
+
+    @staticmethod
+    def _own_cpu() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    def self_cores(self) -> float:
+        """Cores the harness process itself (this monitor, stats calls, progress) used in the window."""
+        if self._machine is None:
+            return 0.0
+        wall = self._elapsed / (psutil.cpu_count() or 1)
+        return (self._self1 - self._self0) / wall if wall > 0 else 0.0
 
     def stop(self) -> None:
         self._stop.set()

@@ -50,7 +50,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def format_table(runs: Iterable[dict[str, Any]]) -> str:
-    head = f"{'offered':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'p99.9 ms':>9} {'errors':>7} {'gen CPU':>8}"
+    head = (f"{'offered':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'p99.9 ms':>9} "
+            f"{'errors':>7} {'gen CPU':>8}")
     rows = [head, "-" * len(head)]
     for s in runs:
         lat = s["latency_ms"]

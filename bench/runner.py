@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from tgw.bench.loadgen import LoadSpec, run_load
 from tgw.bench.monitor import ProcessMonitor
-from tgw.bench.summary import summarize, warnings_for
+from tgw.bench.summary import background_cpu, summarize, warnings_for
 
 
 class Progress:
@@ -29,6 +29,7 @@ class Progress:
         if not self.enabled or time.monotonic() - self._last < 0.2:
             return
         self._last = time.monotonic()
+        elapsed = max(0.0, elapsed)
         frac = min(1.0, elapsed / self.total) if self.total > 0 else 1.0
         bar = "#" * int(frac * 30)
         sys.stderr.write(f"\r  {self.label} [{bar:<30}] {min(elapsed, self.total):5.1f}/{self.total:.1f}s "
@@ -81,8 +82,10 @@ def measure(target: Any, spec: LoadSpec, processes: list[dict], batch: int = 1,
         mon.stop()
     s = summarize(raw, batch)
     s["target"] = getattr(target, "label", type(target).__name__)
-    s["machine"] = {"cpu_busy": mon.machine_cpu_busy(), "cores": os.cpu_count()}
     s["server_processes"] = mon.report(spec.duration)
+    busy = mon.machine_cpu_busy()
+    own = s["generator"]["cpu_cores"] + sum(p["cpu_cores"] or 0 for p in s["server_processes"]) + mon.self_cores()
+    s["machine"] = {"cpu_busy": busy, "cores": os.cpu_count(), "other_cpu_cores": background_cpu(busy, own)}
     if stats_fn and model:
         s["broker_stats"] = stats_diff(snap.get("before", {}), after or {}, model)
     s["warnings"] = warnings_for(s)

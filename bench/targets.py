@@ -72,6 +72,9 @@ class _TgwSession:
             infer(t.model, inputs, **kw)
         return call
 
+    def thread_init(self) -> None:
+        self.client.health()  # opens this thread's socket and does the handshake before the run
+
     def close(self) -> None:
         self.client.close()
 

@@ -1,0 +1,194 @@
+"""The benchmark harness end to end on tiny settings: structure and zero errors, never timings.
+
+Starts its own broker (demo mlp, one cpu worker) on a short ipc path, runs `tgw-bench` in closed
+and open loop for about a second each, checks the JSON it writes, and stops the broker by PID
+(exit status 0, nothing left in /dev/shm). The comparison's row logic is checked on synthetic
+rows; wrk's output parser on canned output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from tgw.bench import cli, compare_report, compare_rows
+from tgw.bench.loadgen import _Recorder, _run_one
+from tgw.bench.runner import measure, stats_diff
+from tgw.bench.loadgen import LoadSpec
+from tgw.bench.targets import CallError, ZmqEchoTarget
+from tgw.bench.tgw_server import TgwServer, build_demo_models, shm_leftovers, write_config
+from tgw.bench.transport import EchoServer
+from tgw.bench.wrk import parse_wrk
+
+
+@pytest.fixture(scope="module")
+def bench_dir():
+    d = tempfile.mkdtemp(prefix="tgwbt-", dir="/tmp")  # ipc paths must stay under 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def broker(bench_dir):
+    models = build_demo_models(os.path.join(bench_dir, "models"))
+    address = f"ipc://{bench_dir}/b.sock"
+    cfg = write_config(os.path.join(bench_dir, "tgw.yaml"), address, models, ["mlp"], ["cpu"])
+    srv = TgwServer(address, cfg, os.path.join(bench_dir, "broker.log"), start_timeout=60)
+    try:
+        yield srv
+    finally:
+        stop = srv.stop()
+        assert stop["exit_status"] == 0, f"broker exited {stop['exit_status']}:\n{srv.proc.log_tail()}"
+        assert stop["shm_leftovers"] == [] and shm_leftovers(srv.pid) == []
+
+
+def _check_run(run: dict, mode: str, level: float) -> None:
+    assert run["mode"] == mode and run["level"] == level
+    assert run["requests_failed"] == 0 and run["errors"] == {}, run.get("error_messages")
+    assert run["requests_ok"] > 0 and run["throughput_rps"] > 0
+    assert set(run["latency_ms"]) >= {"p50", "p90", "p99", "p99_9", "mean", "max"}
+    assert all(v is not None and v > 0 for v in run["latency_ms"].values())
+    gen = run["generator"]
+    assert gen["procs"] >= 1 and sum(gen["threads"]) >= 1 and gen["cpu_cores"] >= 0
+    assert isinstance(gen["saturated"], bool)
+    bs = run["broker_stats"]
+    # the snapshots bracket the window only to within the requests in flight at its edges
+    assert bs["requests"] >= run["requests_ok"] // 2 and bs["batches"] >= 1
+    assert sum(bs["batch_sizes"].values()) == bs["batches"]
+    assert sum(int(k) * v for k, v in bs["batch_sizes"].items()) == bs["rows"]
+    roles = sorted(p["role"] for p in run["server_processes"])
+    assert roles == ["broker", "worker"]
+    assert all(p["peak_rss_mb"] > 0 for p in run["server_processes"])
+    assert isinstance(run["warnings"], list)
+
+
+def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
+    out = os.path.join(bench_dir, "closed.json")
+    png = os.path.join(bench_dir, "closed.png")
+    rc = cli.main(["--address", broker.address, "--model", "mlp", "--concurrency", "1,2", "--duration", "1",
+                   "--warmup", "0.3", "--procs", "1", "--json", out, "--plot", png, "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    data = json.load(open(out))
+    assert data["model"] == "mlp" and data["mode"] == "closed" and len(data["runs"]) == 2
+    for run, level in zip(data["runs"], (1, 2)):
+        _check_run(run, "closed", level)
+    assert os.path.getsize(png) > 0
+    text = capsys.readouterr().out
+    assert "p99.9" in text and "batches" in text
+
+    out = os.path.join(bench_dir, "open.json")
+    rc = cli.main(["--address", broker.address, "--model", "mlp", "--rate", "40", "--duration", "1",
+                   "--warmup", "0.3", "--batch", "2", "--max-inflight", "8", "--json", out, "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    run = json.load(open(out))["runs"][0]
+    _check_run(run, "open", 40)
+    assert run["batch"] == 2 and run["rows_per_s"] == pytest.approx(2 * run["throughput_rps"])
+    assert set(run["send_lag_ms"]) == {"p50", "p99"}
+
+
+def test_tgw_bench_unknown_model_is_a_clean_error(broker, capsys):
+    assert cli.main(["--address", broker.address, "--model", "nope", "--duration", "1"]) == 2
+    assert "not served" in capsys.readouterr().err
+
+
+def test_tgw_bench_without_a_broker_is_a_clean_error(bench_dir, capsys):
+    assert cli.main(["--address", f"ipc://{bench_dir}/none.sock", "--model", "mlp", "--duration", "1"]) == 2
+    assert "no tgw broker" in capsys.readouterr().err
+
+
+def test_transport_floor_echo_through_the_loadgen(bench_dir):
+    srv = EchoServer(bench_dir)
+    try:
+        row = measure(ZmqEchoTarget(srv.front, 4096, 40), LoadSpec("closed", 2, 0.5, 0.2, 1), srv.processes,
+                      progress=False)
+    finally:
+        srv.stop()
+    assert row["requests_ok"] > 0 and row["requests_failed"] == 0
+    assert not srv.broker.alive() and not srv.worker.alive()
+
+
+def test_failures_are_counted_by_code():
+    rec = _Recorder()
+
+    def fail():
+        raise CallError("OVERLOADED", "queue full")
+    for _ in range(3):
+        _run_one(fail, rec, 1.0, 1.0, 0.0, 2.0)
+    _run_one(lambda: None, rec, 1.0, 1.0, 0.0, 2.0)
+    _run_one(lambda: None, rec, 5.0, 5.0, 0.0, 2.0)   # outside the window: not recorded
+    assert rec.errors == {"OVERLOADED": 3} and len(rec.lat) == 1 and rec.done == 5
+
+
+def test_stats_diff():
+    before = {"models": {"m": {"requests": 10, "batches": 5, "rows": 10, "batch_sizes": {"1": 2, "4": 2},
+                               "errors": {"OVERLOADED": 1}}}}
+    after = {"models": {"m": {"requests": 30, "batches": 9, "rows": 30, "batch_sizes": {"1": 4, "4": 4, "8": 1},
+                              "errors": {"OVERLOADED": 1}}}}
+    d = stats_diff(before, after, "m")
+    assert d["batch_sizes"] == {"1": 2, "4": 2, "8": 1} and d["requests"] == 20 and d["errors"] == {}
+
+
+def _row(rps: float, p50: float) -> dict:
+    return {"throughput_rps": rps, "rows_per_s": rps, "requests_failed": 0, "errors": {},
+            "latency_ms": {"p50": p50, "p90": p50, "p99": p50 * 2, "p99_9": p50 * 3},
+            "generator": {"cpu_cores": 0.1}}
+
+
+def test_compare_rows_ratios_and_tables(tmp_path):
+    floor = {"procs": 2, "threads": 1, "runs": [
+        {"batch": 1, "samples_per_s": 1000.0, "latency_ms": {"p50": 1.0, "p99": 2.0}},
+        {"batch": 32, "samples_per_s": 4000.0, "latency_ms": {"p50": 8.0, "p99": 9.0}}]}
+    sc = compare_rows.Scenario("mlp", 16)
+    rows = {"in-process": compare_rows.floor_row(floor), "transport": _row(8000, 1.0),
+            "tgw": _row(2000, 4.0), "flask": _row(500, 16.0)}
+    res = compare_rows.scenario_result(sc, 1024, rows)
+    r = res["ratios"]
+    assert r["tgw_over_flask_throughput"] == pytest.approx(4.0)
+    assert r["tgw_over_flask_p50"] == pytest.approx(0.25)
+    assert r["tgw_over_floor_throughput"] == pytest.approx(0.5)
+    assert r["tgw_over_transport_throughput"] == pytest.approx(0.25)
+    failed = compare_rows.scenario_result(compare_rows.Scenario("resnet", 1), 49152,
+                                          {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
+    assert failed["ratios"]["tgw_over_flask_throughput"] is None
+    table = compare_rows.table_rows([res, failed])
+    assert len(table) == 1 + 8 and all(len(t) == len(table[0]) for t in table)
+    assert any("FAILED" in c for t in table for c in t)
+    text, md = compare_rows.format_text(table), compare_rows.format_markdown(table)
+    assert "4.00x" in text and md.count("\n") == len(table)
+    path = str(tmp_path / "RESULTS.md")
+    compare_report.update_results_md(path, "quick", "quick body\n")
+    compare_report.update_results_md(path, "full", "full body\n")
+    compare_report.update_results_md(path, "quick", "quick body 2\n")
+    body = open(path).read()
+    assert body.index("full body") < body.index("quick body 2") and "quick body\n" not in body
+
+
+WRK_TEXT = """Running 2s test @ http://127.0.0.1:8000/infer/mlp
+  2 threads and 16 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     7.02ms    1.10ms  20.00ms   90.00%
+  Latency Distribution
+     50%    6.80ms
+     75%    7.50ms
+     90%    8.20ms
+     99%   11.08ms
+  4426 requests in 2.01s, 1.00MB read
+  Socket errors: connect 0, read 3, write 0, timeout 1
+  Non-2xx or 3xx responses: 2
+Requests/sec:   2202.00
+"""
+
+
+def test_wrk_output_parsing():
+    t = parse_wrk(WRK_TEXT)
+    assert t["requests"] == 4426 and t["duration_s"] == pytest.approx(2.01)
+    assert t["latency_ms"]["p50"] == pytest.approx(6.8) and t["latency_ms"]["p99"] == pytest.approx(11.08)
+    assert t["errors"] == {"read": 3, "timeout": 1, "status": 2} and t["source"] == "text"
+    line = ('TGW_WRK_JSON {"requests":10,"duration_us":2000000,"bytes":5,"errors":{"connect":0,"read":0,'
+            '"write":0,"status":0,"timeout":0},"latency_us":{"p50":1500.0,"p90":1.0,"p99":2.0,"p99_9":3.0,'
+            '"mean":1.0,"max":4.0}}')
+    j = parse_wrk(WRK_TEXT + line + "\n")
+    assert j["source"] == "lua" and j["latency_ms"]["p50"] == pytest.approx(1.5) and j["errors"] == {}
