@@ -25,6 +25,7 @@ from .systemd import sd_notify
 log = logging.getLogger("tgw.broker")
 STOP_DRAIN_S = 30.0
 MONITOR_S = 0.05
+WATCHDOG_S = 1.0  # systemd's WatchdogSec is tens of seconds: one ping a second is plenty
 
 
 class StartupError(RuntimeError):
@@ -133,7 +134,7 @@ class BrokerProcess:
 
     async def _monitor(self) -> None:
         """Notice dead workers, hand their work back, restart them with backoff; sweep deadlines."""
-        starting = True
+        starting, last_ping = True, 0.0
         while True:
             await asyncio.sleep(MONITOR_S)
             self.broker.sweep_deadlines()
@@ -144,7 +145,9 @@ class BrokerProcess:
                     self.supervisor.replace(w)
             for w in self.supervisor.due_restarts():
                 self.broker.by_identity[w.identity] = w
-            sd_notify("WATCHDOG=1")
+            if time.monotonic() - last_ping >= WATCHDOG_S:
+                last_ping = time.monotonic()
+                sd_notify("WATCHDOG=1")
 
     async def _drain(self) -> None:
         """Finish queued and in-flight work (new requests are refused meanwhile)."""

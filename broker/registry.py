@@ -25,6 +25,7 @@ class ModelEntry:
     input_index: dict[str, int]
     output_names: frozenset[str]
     variable: bool                           # some input has a -1 dim: batch only equal shapes
+    versions: frozenset[str]
     ready_versions: set[str] = field(default_factory=set)
 
     @property
@@ -67,7 +68,8 @@ class Registry:
                 decl=m, inputs=[_io(t) for t in m.inputs], outputs=[_io(t) for t in m.outputs],
                 input_index={t.name: i for i, t in enumerate(m.inputs)},
                 output_names=frozenset(t.name for t in m.outputs),
-                variable=any(d == -1 for t in m.inputs for d in t.shape))
+                variable=any(d == -1 for t in m.inputs for d in t.shape),
+                versions=frozenset(v.version for v in m.versions))
 
     def specs(self) -> list[ModelSpec]:
         return [s for m in self.models.values() for s in m.specs()]
@@ -78,7 +80,7 @@ class Registry:
             raise fail(Code.MODEL_NOT_FOUND, f"no model named {req.model!r}", model=req.model,
                        available=sorted(self.models))
         version = req.version or model.decl.default
-        if version not in {v.version for v in model.decl.versions}:
+        if version not in model.versions:
             raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}",
                        model=req.model, version=version, available=[v.version for v in model.decl.versions])
         if version not in model.ready_versions:
