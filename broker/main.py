@@ -145,7 +145,7 @@ class BrokerProcess:
                     self.supervisor.replace(w)
             for w in self.supervisor.due_restarts():
                 self.broker.by_identity[w.identity] = w
-            if time.monotonic() - last_ping >= WATCHDOG_S:
+            if self.broker.started and time.monotonic() - last_ping >= WATCHDOG_S:
                 last_ping = time.monotonic()
                 sd_notify("WATCHDOG=1")
 

@@ -63,10 +63,11 @@ class BrokerProc:
         self.log_path = os.path.join(workdir, "broker.log")
         self.proc: subprocess.Popen | None = None
 
-    def start(self, wait: bool = True, timeout: float = 60.0) -> "BrokerProc":
+    def start(self, wait: bool = True, timeout: float = 60.0, env: dict | None = None) -> "BrokerProc":
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tgw.broker", "start", "--config", self.config_path,
-                                      "--address", self.address], stdout=self.log, stderr=subprocess.STDOUT)
+                                      "--address", self.address], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         if wait:
             self.wait_ready(timeout)
         return self

@@ -159,3 +159,23 @@ def test_pin_cpus_gives_each_worker_its_own_core(model_files, make_broker):
         pids = [p["pid"] for p in c.stats()["processes"] if p["role"] == "worker"]
     affinities = [psutil.Process(pid).cpu_affinity() for pid in pids]
     assert affinities == [[cores[0]], [cores[1]]]
+
+
+def test_systemd_notify_ready_watchdog_stopping(model_files, make_broker, short_dir):
+    import socket
+    path = os.path.join(short_dir, "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(30)
+    try:
+        b = make_broker(base_config(model_files, "mlp"), start=False)
+        b.start(env={"NOTIFY_SOCKET": path})
+        seen = [sock.recv(4096).decode()]
+        while not any("WATCHDOG=1" in m for m in seen):
+            seen.append(sock.recv(4096).decode())
+        assert seen[0].startswith("READY=1") and "STATUS=serving on" in seen[0]
+        assert b.stop() == 0
+        while "STOPPING=1" not in seen[-1]:
+            seen.append(sock.recv(4096).decode())
+    finally:
+        sock.close()
