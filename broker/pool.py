@@ -43,6 +43,11 @@ class WorkerHandle:
 
     def __post_init__(self) -> None:
         self.inputs = RingAllocator(self.input_bytes)
+        self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
+
+    def take_releases(self) -> list[int]:
+        out, self.releases = self.releases, []
+        return out
 
     @property
     def identity(self) -> bytes:
@@ -76,7 +81,8 @@ class WorkerHandle:
             offset += align_up(sizes[k])
         self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows, now)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
-                     block=block, inputs=tensors, deadline=max(p.deadline for p in requests))
+                     block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
+                     release=self.take_releases())
 
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""

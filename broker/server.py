@@ -184,6 +184,10 @@ class Broker:
                     moved = True
                 else:
                     full.add(worker.worker_id)
+        for w in self.supervisor.workers:
+            # releases ride on the next batch; a busy worker with none coming may need the space
+            if w.releases and w.inflight:
+                self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
 
     def _pick(self, key: str, full: set[int]) -> WorkerHandle | None:
         best = None
@@ -268,7 +272,7 @@ class Broker:
                 self._reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model,
                                                  version=p.version, outputs=metas), *payload)
                 counters.replies += 1
-            self.back.send([worker.identity, encode(Release(blocks=[done.block]))])
+            worker.releases.append(done.block)
         self.schedule()
 
     def worker_lost(self, worker: WorkerHandle) -> None:

@@ -200,6 +200,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     block: int                # input-arena block holding every input of the batch
     inputs: list[BlockTensor]
     deadline: float = 0.0     # CLOCK_MONOTONIC seconds (system-wide): past it, nobody waits - skip
+    release: list[int] = []   # output blocks the broker is done with (saves a Release message)
 
 
 class Done(Struct, tag_field="op", tag="w_done"):

@@ -32,6 +32,13 @@ class Spin(nn.Module):
         return x + m[0, 0]
 
 
+class Double(nn.Module):
+    """Output as large as the input: fills small output arenas, exercising block release."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
 class WrongDtype(nn.Module):
     """Declared float32 out, returns float64: start-up must fail naming the model."""
 
@@ -53,6 +60,9 @@ MODELS = {
     "spin": (Spin, {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
         "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}),
+    "double": (Double, {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [-1]}]}),
     "wrongdtype": (WrongDtype, {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
         "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}),

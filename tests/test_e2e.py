@@ -147,3 +147,28 @@ def test_models_and_health(shared_broker):
     assert models["embed"]["inputs"] == [{"name": "tokens", "dtype": "int64", "shape": [-1]}]
     assert models["mlp"]["outputs"] == [{"name": "y", "dtype": "float32", "shape": [10]}]
     assert models["mlp"]["versions"] == ["1"] and models["mlp"]["max_batch_size"] == 64
+
+
+def test_output_arena_smaller_than_the_load_recycles_blocks(model_files, make_broker):
+    """Each output needs most of the 1 MiB output arena: every batch waits for released blocks."""
+    from conftest import base_config
+    b = make_broker(base_config(model_files, "double", workers={
+        "devices": ["cpu"], "input_arena_mb": 4, "output_arena_mb": 1}, double={"max_batch_size": 1}))
+    errors: list[str] = []
+
+    def caller(c: Client, seed: int) -> None:
+        for i in range(10):
+            x = np.random.default_rng(seed * 100 + i).standard_normal((1, 150_000), dtype=np.float32)  # 600 KB
+            y = c.infer("double", {"x": x}, timeout=30)["y"]
+            if not np.array_equal(y, x * 2):
+                errors.append(f"caller {seed} request {i}: wrong result")
+
+    with Client(b.address) as c:
+        threads = [threading.Thread(target=caller, args=(c, s)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        stats = c.stats()["models"]["double"]
+    assert not errors
+    assert stats["replies"] == 40 and stats["errors"] == {}

@@ -109,15 +109,16 @@ def _try(c: Client, model: str, inputs: dict):
 def test_deadline_exceeded_before_compute(model_files, make_broker):
     b = make_broker(base_config(model_files, "spin", spin={"max_batch_size": 1}))
     with Client(b.address) as c:
-        t = threading.Thread(target=lambda: c.infer("spin", spin(400)))
+        c.infer("spin", spin(1))  # this thread's socket is open: the next call goes out at once
+        t = threading.Thread(target=lambda: c.infer("spin", spin(1500)))  # ~0.7 s of compute
         t.start()
-        time.sleep(0.1)
+        time.sleep(0.3)
         with pytest.raises(TgwError) as info:
-            c.infer("spin", spin(1), timeout=0.05)
+            c.infer("spin", spin(1), timeout=0.1)
         assert info.value.code == Code.DEADLINE_EXCEEDED
         t.join(60)
         stats = c.stats()["models"]["spin"]
-    assert stats["rows"] == 1  # only the long spin was computed (warm-up is not counted)
+    assert stats["rows"] == 2  # the first and the long spin; the late one never ran (warm-up not counted)
     assert stats["errors"] == {"DEADLINE_EXCEEDED": 1}
 
 

@@ -1,7 +1,8 @@
 """The worker's serving loop: batches in, outputs written to its output arena, completions out.
 
 The worker reads the input arena in place (torch.frombuffer views, no copy) and is the one
-writer of the output arena; the broker's Release messages free output blocks.
+writer of the output arena; the broker frees output blocks by listing them on its next batch
+(or in a Release message when none is coming).
 """
 from __future__ import annotations
 
@@ -42,12 +43,18 @@ class Server:
         while True:
             msg = self._next()
             if isinstance(msg, Batch):
+                self._apply_releases(msg)
                 self.sock.send(encode(self.run_batch(msg)))
             elif isinstance(msg, Release):
-                for block in msg.blocks:
-                    self.outputs.release(block)
+                self._apply_releases(msg)
             elif isinstance(msg, Stop):
                 return
+
+    def _apply_releases(self, msg: Batch | Release) -> None:
+        blocks = msg.release if isinstance(msg, Batch) else msg.blocks
+        for block in blocks:
+            self.outputs.release(block)
+        blocks.clear()  # a batch parked in the inbox must not release twice
 
     def run_batch(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
@@ -100,11 +107,10 @@ class Server:
             if not self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 raise OutputSpaceTimeout(f"output arena full for {RELEASE_WAIT_S:.0f}s ({nbytes} bytes wanted)")
             msg = to_worker_decoder.decode(self.sock.recv())
-            if isinstance(msg, Release):
-                for b in msg.blocks:
-                    self.outputs.release(b)
+            if isinstance(msg, (Batch, Release)):
+                self._apply_releases(msg)
                 block = self.outputs.alloc(nbytes)
-            else:
+            if not isinstance(msg, Release):
                 self.inbox.append(msg)
         return block
 
