@@ -26,6 +26,8 @@ class ModelEntry:
     output_names: frozenset[str]
     variable: bool                           # some input has a -1 dim: batch only equal shapes
     versions: frozenset[str]
+    # versions some worker has loaded since start: admitted even while that worker restarts
+    # (the request waits, bounded by its deadline); health reports the live state instead
     ready_versions: set[str] = field(default_factory=set)
 
     @property
@@ -38,11 +40,11 @@ class ModelEntry:
                           warmup_batch_sizes=list(self.decl.warmup_batch_sizes))
                 for v in self.decl.versions]
 
-    def info(self) -> ModelInfo:
+    def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=[v.version for v in self.decl.versions],
                          default_version=self.decl.default, max_batch_size=self.decl.max_batch_size,
                          inputs=self.inputs, outputs=self.outputs,
-                         ready=self.decl.default in self.ready_versions)
+                         ready=ready)
 
 
 @dataclass(slots=True)

@@ -78,7 +78,8 @@ class Broker:
                                           max_request_bytes=self.max_request))
         elif isinstance(msg, ListModels):
             self._reply(ident, ModelsReply(v=PROTOCOL_VERSION, id=msg.id,
-                                           models=[m.info() for m in self.registry.models.values()]))
+                                           models=[m.info(self._serving(m.name, m.decl.default))
+                                                   for m in self.registry.models.values()]))
         elif isinstance(msg, Health):
             self._reply(ident, self.health(msg.id))
         elif isinstance(msg, Stats):
@@ -152,10 +153,15 @@ class Broker:
         self._error(p.client, p.req_id, fail(code, message, model=p.model), p.model)
 
     def health(self, req_id: int = 0) -> HealthReply:
-        models = {m.name: m.decl.default in m.ready_versions for m in self.registry.models.values()}
+        models = {m.name: self._serving(m.name, m.decl.default) for m in self.registry.models.values()}
         workers = {w.name: w.state for w in self.supervisor.workers}
         ready = self.started and not self.stopping and all(models.values())
         return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=ready, models=models, workers=workers)
+
+    def _serving(self, model: str, version: str) -> bool:
+        """A live, ready worker has this version loaded now."""
+        key = f"{model}:{version}"
+        return any(w.state == "ready" and key in w.models for w in self.supervisor.workers)
 
     def processes(self) -> list[dict]:
         return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [

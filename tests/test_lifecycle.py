@@ -180,3 +180,18 @@ def test_systemd_notify_ready_watchdog_stopping(model_files, make_broker, short_
             seen.append(sock.recv(4096).decode())
     finally:
         sock.close()
+
+
+def test_health_follows_the_workers(model_files, make_broker):
+    """With its only worker dead, the broker is live but not ready; ready again after the restart."""
+    b = make_broker(base_config(model_files, "mlp"))
+    with Client(b.address) as c:
+        os.kill(b.worker_pids()[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while c.health()["ready"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        h = c.health()
+        assert h["live"] and not h["ready"] and h["models"] == {"mlp": False}
+        # admitted meanwhile: it waits for the restarted worker instead of failing
+        assert c.infer("mlp", {"x": X}, timeout=30)["y"].shape == (1, 10)
+        assert c.health()["ready"]
