@@ -73,6 +73,10 @@ class Broker:
                 self._admit(ident, msg, frames[2:])
             except TgwError as err:
                 self._error(ident, msg.id, err, msg.model)
+            except Exception as exc:  # a broker bug must still answer, and must not stop the drain
+                log.exception("request %d for %r failed inside the broker", msg.id, msg.model)
+                self._error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"),
+                            msg.model)
         elif isinstance(msg, Hello):
             self._reply(ident, HelloReply(v=PROTOCOL_VERSION, id=msg.id, server=SERVER_NAME,
                                           max_request_bytes=self.max_request))

@@ -7,10 +7,12 @@ send schedules one more drain of the same socket.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable
 
 import zmq
 
+log = logging.getLogger("tgw.broker")
 DRAIN_CHUNK = 512  # messages handled before yielding to other sockets and timers
 # plain ints: pyzmq's enum flags cost an enum operation per call on the hot path
 NOBLOCK, POLLIN, EVENTS = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
@@ -39,7 +41,11 @@ class Pump:
             # re-arms the edge-triggered FD once nothing is left
             if not sock.getsockopt(EVENTS) & POLLIN:
                 return
-            handler(sock.recv_multipart(NOBLOCK, copy=False))
+            frames = sock.recv_multipart(NOBLOCK, copy=False)
+            try:
+                handler(frames)
+            except Exception:  # one bad message must not stall the rest of the queue
+                log.exception("handler failed on a message; continuing")
         self.kick()  # more may be queued: continue on the next loop turn
 
     def send(self, frames: list) -> bool:
