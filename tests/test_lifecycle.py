@@ -84,9 +84,12 @@ def test_worker_killed_is_restarted_and_work_is_not_lost(model_files, make_broke
     b = make_broker(base_config(model_files, "mlp", "spin"))
     results: list = []
     with Client(b.address) as c:
-        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(300))))
+        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(1500))))  # ~0.7 s
         t.start()
-        time.sleep(0.3)  # the spin request is computing now
+        deadline = time.monotonic() + 10
+        while c.stats()["models"]["spin"]["requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the spin request is computing now
         old = b.worker_pids()[0]
         os.kill(old, signal.SIGKILL)
         t.join(60)
@@ -126,7 +129,7 @@ def test_queue_full_is_overloaded(model_files, make_broker):
     b = make_broker(base_config(model_files, "spin", spin={"max_batch_size": 1, "max_queue": 2}))
     codes: list = []
     with Client(b.address) as c:
-        threads = [threading.Thread(target=lambda: codes.append(_try(c, "spin", spin(150)))) for _ in range(8)]
+        threads = [threading.Thread(target=lambda: codes.append(_try(c, "spin", spin(600)))) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
@@ -140,9 +143,11 @@ def test_sigterm_finishes_in_flight_work(model_files, make_broker):
     b = make_broker(base_config(model_files, "spin"))
     results: list = []
     with Client(b.address) as c:
-        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(300))))
+        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(1500))))  # ~0.7 s
         t.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while c.stats()["models"]["spin"]["requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # SIGTERM only once the broker holds the request
         b.proc.send_signal(signal.SIGTERM)
         t.join(60)
     assert b.proc.wait(30) == 0
