@@ -22,7 +22,6 @@ class Inflight:
     requests: list[Pending]
     block: int
     rows: int
-    sent: float
 
 
 @dataclass
@@ -39,7 +38,6 @@ class WorkerHandle:
     pid: int = 0
     models: set[str] = field(default_factory=set)     # "name:version" loaded and warmed up
     inflight: dict[int, Inflight] = field(default_factory=dict)
-    batches_done: int = 0
 
     def __post_init__(self) -> None:
         self.inputs = RingAllocator(self.input_bytes)
@@ -60,7 +58,7 @@ class WorkerHandle:
     def can_take(self, model_key: str, max_inflight: int) -> bool:
         return self.state == "ready" and model_key in self.models and len(self.inflight) < max_inflight
 
-    def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec], now: float) -> Batch | None:
+    def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec]) -> Batch | None:
         """Copy the batch's inputs into the input arena; None while the arena has no room."""
         sizes = [sum(p.nbytes[k] for p in requests) for k in range(len(inputs))]
         block = self.inputs.alloc(batch_bytes(sizes))
@@ -79,7 +77,7 @@ class WorkerHandle:
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
                                        nbytes=sizes[k]))
             offset += align_up(sizes[k])
-        self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows, now)
+        self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                      release=self.take_releases())
@@ -89,7 +87,6 @@ class WorkerHandle:
         batch = self.inflight.pop(done.batch_id, None)
         if batch is not None:
             self.inputs.release(batch.block)
-            self.batches_done += 1
         return batch
 
     def output_rows(self, done: Done, batch: Inflight):

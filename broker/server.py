@@ -88,7 +88,8 @@ class Broker:
             self._reply(ident, self.health(msg.id))
         elif isinstance(msg, Stats):
             self._reply(ident, StatsReply(v=PROTOCOL_VERSION, id=msg.id, models={
-                n: c.as_dict() for n, c in self.stats.models.items()}, processes=self.processes()))
+                n: c.as_dict() for n, c in self.stats.models.items()}, processes=self.processes(),
+                errors=dict(self.stats.unrouted_errors)))
 
     def _malformed(self, ident: bytes, header, exc: Exception) -> None:
         try:
@@ -219,7 +220,7 @@ class Broker:
         if not live:
             return True
         self.batch_seq += 1
-        msg = worker.stage(self.batch_seq, live, self.registry.models[model].inputs, now)
+        msg = worker.stage(self.batch_seq, live, self.registry.models[model].inputs)
         if msg is None:  # input arena full until a completion frees a block
             for p in reversed(live):
                 self.batcher.push(p, front=True)

@@ -88,7 +88,7 @@ class Client:
 
     def stats(self) -> dict:
         r, _ = self._call(Stats(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
-        return {"models": r.models, "processes": r.processes}
+        return {"models": r.models, "processes": r.processes, "errors": r.errors}
 
     # ---- plumbing ----------------------------------------------------------------------------
 

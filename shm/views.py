@@ -10,7 +10,3 @@ def block_view(buf: memoryview, t: BlockTensor) -> np.ndarray:
     """The array a BlockTensor describes; keep it short-lived, it pins the mapping."""
     return np.frombuffer(buf, dtype=np.dtype(t.dtype), count=t.nbytes // np.dtype(t.dtype).itemsize,
                          offset=t.offset).reshape(t.shape)
-
-
-def little_endian(dtype: str) -> np.dtype:
-    return np.dtype(dtype).newbyteorder("<")

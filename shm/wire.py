@@ -145,6 +145,7 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     # model -> counters: requests, batches, rows, errors{code: n}, batch_sizes{size: n}
     models: dict[str, dict[str, Any]]
     processes: list[dict[str, Any]]  # {role, pid, device, state (workers)}
+    errors: dict[str, int] = {}      # code -> n for requests that named no served model
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply]

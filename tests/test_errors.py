@@ -55,6 +55,8 @@ def test_bad_request_gets_structured_error(client, case):
         return _raw_negative_timeout(client)
     err = expect(client, code, model, inputs, **kw)
     assert err.http_status in (400, 404, 413, 500)
+    if code == Code.MODEL_NOT_FOUND:  # counted although no served model is named
+        assert client.stats()["errors"]["MODEL_NOT_FOUND"] >= 1
 
 
 def _raw_negative_timeout(client):
