@@ -70,6 +70,15 @@ def test_torch_tensors_accepted(shared_broker, local_models):
     np.testing.assert_allclose(y, run_local(local_models["mlp"], x.numpy()).numpy(), rtol=1e-5, atol=1e-6)
 
 
+def run_threads(target, client: Client, n: int) -> None:
+    """target(client, seed) in n threads at once; returns when all are done."""
+    threads = [threading.Thread(target=target, args=(client, seed)) for seed in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
 def _distinct_rows(seed: int, rows: int) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((rows, 256), dtype=np.float32)
     x[:, 0] = seed  # a fingerprint of the caller
@@ -88,11 +97,7 @@ def test_threads_sharing_one_client_get_their_own_rows(shared_broker, local_mode
                 errors.append(f"thread {seed} request {i} got someone else's rows")
 
     with Client(shared_broker.address) as c:
-        threads = [threading.Thread(target=caller, args=(c, s)) for s in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_threads(caller, c, 8)
     assert not errors
     with Client(shared_broker.address) as c:
         sizes = c.stats()["models"]["mlp"]["batch_sizes"]
@@ -164,11 +169,7 @@ def test_output_arena_smaller_than_the_load_recycles_blocks(model_files, make_br
                 errors.append(f"caller {seed} request {i}: wrong result")
 
     with Client(b.address) as c:
-        threads = [threading.Thread(target=caller, args=(c, s)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        run_threads(caller, c, 4)
         stats = c.stats()["models"]["double"]
     assert not errors
     assert stats["replies"] == 40 and stats["errors"] == {}

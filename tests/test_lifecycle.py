@@ -84,11 +84,7 @@ def test_worker_killed_is_restarted_and_work_is_not_lost(model_files, make_broke
     b = make_broker(base_config(model_files, "mlp", "spin"))
     results: list = []
     with Client(b.address) as c:
-        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(1500))))  # ~0.7 s
-        t.start()
-        deadline = time.monotonic() + 10
-        while c.stats()["models"]["spin"]["requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        t = _long_spin_in_flight(c, results)
         time.sleep(0.1)  # the spin request is computing now
         old = b.worker_pids()[0]
         os.kill(old, signal.SIGKILL)
@@ -100,6 +96,16 @@ def test_worker_killed_is_restarted_and_work_is_not_lost(model_files, make_broke
             time.sleep(0.1)
         assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)
     assert b.worker_pids() and b.worker_pids()[0] != old
+
+
+def _long_spin_in_flight(c: Client, results: list) -> threading.Thread:
+    """Start a ~0.7 s spin request in a thread; return once the broker has admitted it."""
+    t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(1500))))
+    t.start()
+    deadline = time.monotonic() + 10
+    while c.stats()["models"]["spin"]["requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return t
 
 
 def _try(c: Client, model: str, inputs: dict):
@@ -143,11 +149,7 @@ def test_sigterm_finishes_in_flight_work(model_files, make_broker):
     b = make_broker(base_config(model_files, "spin"))
     results: list = []
     with Client(b.address) as c:
-        t = threading.Thread(target=lambda: results.append(_try(c, "spin", spin(1500))))  # ~0.7 s
-        t.start()
-        deadline = time.monotonic() + 10
-        while c.stats()["models"]["spin"]["requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # SIGTERM only once the broker holds the request
+        t = _long_spin_in_flight(c, results)  # SIGTERM only once the broker holds the request
         b.proc.send_signal(signal.SIGTERM)
         t.join(60)
     assert b.proc.wait(30) == 0
