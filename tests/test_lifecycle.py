@@ -202,3 +202,15 @@ def test_health_follows_the_workers(model_files, make_broker):
         # admitted meanwhile: it waits for the restarted worker instead of failing
         assert c.infer("mlp", {"x": X}, timeout=30)["y"].shape == (1, 10)
         assert c.health()["ready"]
+
+
+def test_tcp_address_on_loopback(model_files, make_broker):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b = make_broker(base_config(model_files, "mlp"), start=False)
+    b.address = f"tcp://127.0.0.1:{port}"
+    b.start()
+    with Client(b.address) as c:
+        assert c.infer("mlp", {"x": X}, compress=True)["y"].shape == (1, 10)
