@@ -96,8 +96,9 @@ class Broker:
             env = envelope_decoder.decode(header)
         except DecodeError:
             env = None
-        req_id = env.id if env is not None and isinstance(env.id, int) else 0
-        if env is not None and isinstance(env.v, int) and env.v != PROTOCOL_VERSION:
+        # `type(...) is int`: a bool is an int to isinstance, but not on the wire
+        req_id = env.id if env is not None and type(env.id) is int else 0
+        if env is not None and type(env.v) is int and env.v != PROTOCOL_VERSION:
             # a newer client's header may not fit our structs: name the real problem
             return self._version_mismatch(ident, req_id, env.v)
         self._error(ident, req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"))
