@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -121,9 +122,10 @@ class Client:
         sock = sock or self._socket()
         copy = sum(len(f) for f in frames) < ZERO_COPY_MIN
         sock.send_multipart([encode(msg), *frames], copy=copy)
-        remaining_ms = int(wait_s * 1000)
+        deadline = time.monotonic() + wait_s
         while True:
-            if not sock.poll(remaining_ms):
+            # stale replies to abandoned requests must not extend this request's wait
+            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 if isinstance(msg, Hello):
                     raise TimeoutError
                 raise ERROR_CLASSES[Code.DEADLINE_EXCEEDED](
