@@ -214,3 +214,16 @@ def test_tcp_address_on_loopback(model_files, make_broker):
     b.start()
     with Client(b.address) as c:
         assert c.infer("mlp", {"x": X}, compress=True)["y"].shape == (1, 10)
+
+
+def test_timeout_is_kept_while_computing_and_late_reply_is_discarded(model_files, make_broker):
+    b = make_broker(base_config(model_files, "spin", "mlp"))
+    with Client(b.address) as c:
+        c.infer("spin", spin(1))
+        t0 = time.monotonic()
+        with pytest.raises(TgwError) as info:
+            c.infer("spin", spin(1500), timeout=0.2)  # ~0.7 s of compute
+        assert info.value.code == Code.DEADLINE_EXCEEDED
+        assert time.monotonic() - t0 < 0.6  # the caller is not held until the compute ends
+        time.sleep(0.8)  # the late answer has arrived on this thread's socket by now
+        assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)  # ... and is not taken for this one
