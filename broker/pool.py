@@ -40,6 +40,11 @@ class WorkerHandle:
     inflight: dict[int, Inflight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.use_ring(self.segment)
+
+    def use_ring(self, segment: Segment) -> None:
+        """Start over on a fresh segment: empty input arena, nothing owed to the worker."""
+        self.segment = segment
         self.inputs = RingAllocator(self.input_bytes)
         self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
 

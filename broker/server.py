@@ -15,13 +15,12 @@ import lz4.frame
 import zmq
 
 from tgw.shm.errors import ERROR_TABLE, Code, TgwError
-from tgw.shm.ring import align_up
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorBody, ErrorReply, Health, HealthReply, Hello, \
     HelloReply, Infer, InferReply, ListModels, ModelsReply, Release, Stats, StatsReply, TensorMeta, WorkerFailed, \
     WorkerHello, WorkerReady, LoadModels, Stop, encode, envelope_decoder, from_worker_decoder, nbytes_of, \
     request_decoder
 
-from .batcher import Batcher, Pending
+from .batcher import Batcher, Pending, batch_bytes
 from .config import Config
 from .pool import WorkerHandle
 from .registry import Registry, fail
@@ -118,7 +117,7 @@ class Broker:
         checked = self.registry.validate(msg, sizes)
         tensors = [self._tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         arena = self.supervisor.workers[0].input_bytes
-        need = sum(align_up(len(t)) for t in tensors)
+        need = batch_bytes([len(t) for t in tensors])  # what staging it alone would take
         if need > arena:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
                        f"arena holds {arena} (workers.input_arena_mb)", limit=arena)

@@ -101,8 +101,7 @@ class Supervisor:
         """Give a dead worker a fresh ring and schedule its restart with backoff."""
         w.segment.close()
         w.segment.unlink()
-        w.segment = Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes)
-        w.__post_init__()  # fresh input allocator for the fresh ring
+        w.use_ring(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
         w.generation += 1
         w.models.clear()
         n = self._restarts.get(w.worker_id, 0)
