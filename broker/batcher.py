@@ -11,26 +11,24 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from tgw.shm.errors import Code
-from tgw.shm.ring import align_up
-
-from .registry import fail
+from tgw.shm.errors import Code, fail
+from tgw.shm.ring import aligned_total
 
 
 class Pending:
     """One admitted request waiting for, or riding in, a batch."""
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
-                 "outputs", "deadline", "arrived", "compress", "attempts")
+                 "outputs", "deadline", "compress", "attempts")
 
-    def __init__(self, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
-                 tensors: list, outputs: list[str], deadline: float, arrived: float, compress: bool = False):
+    def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
+                 tensors: list, outputs: list[str], deadline: float, compress: bool = False):
         self.client, self.req_id, self.model, self.version = client, req_id, model, version
         self.rows, self.shape_key, self.outputs = rows, shape_key, outputs
         self.tensors = tensors                      # buffers in declared input order
         self.nbytes = [len(t) for t in tensors]     # per declared input
-        self.deadline, self.arrived, self.compress = deadline, arrived, compress
-        self.attempts = 0
+        self.deadline, self.compress = deadline, compress   # deadline: clock seconds
+        self.attempts = 0                           # dispatches lost to a dying worker
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)
@@ -103,14 +101,10 @@ class Batcher:
                 skipped.append(p)
                 continue
             grown = [s + n for s, n in zip(sizes, p.nbytes)]
-            if batch_bytes(grown) > max_bytes:
+            if aligned_total(grown) > max_bytes:
                 skipped.append(p)
                 break
             batch.append(p)
             rows, sizes = rows + p.rows, grown
         q.items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
         return batch
-
-
-def batch_bytes(sizes: list[int]) -> int:
-    return sum(align_up(s) for s in sizes)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from tgw.shm.ring import RingAllocator, align_up
+from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, Done, IOSpec
 
-from .batcher import Pending, batch_bytes
+from .batcher import Pending
 
 
 @dataclass
@@ -66,14 +66,14 @@ class WorkerHandle:
     def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec]) -> Batch | None:
         """Copy the batch's inputs into the input arena; None while the arena has no room."""
         sizes = [sum(p.nbytes[k] for p in requests) for k in range(len(inputs))]
-        block = self.inputs.alloc(batch_bytes(sizes))
+        block = self.inputs.alloc(aligned_total(sizes))
         if block is None:
             return None
         buf = self.segment.buf
         rows = sum(p.rows for p in requests)
-        tensors, offset = [], block
-        for k, decl in enumerate(inputs):
-            pos = offset
+        tensors = []
+        for k, (decl, rel) in enumerate(zip(inputs, region_offsets(sizes))):
+            offset = pos = block + rel
             for p in requests:            # rows of one input lie contiguous: the worker's view is no gather
                 n = p.nbytes[k]
                 buf[pos:pos + n] = p.tensors[k]
@@ -81,7 +81,6 @@ class WorkerHandle:
             shape = [rows, *requests[0].shape_key[k]] if requests[0].shape_key else [rows, *decl.shape]
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
                                        nbytes=sizes[k]))
-            offset += align_up(sizes[k])
         self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),

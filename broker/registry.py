@@ -7,14 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tgw.shm.errors import ERROR_CLASSES, Code, TgwError
-from tgw.shm.wire import COMPRESSIONS, DTYPE_SIZES, Infer, IOSpec, ModelInfo, ModelSpec
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import COMPRESSIONS, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of
 
 from .config import Config, ModelDecl
-
-
-def fail(code: Code, message: str, **details) -> TgwError:
-    return ERROR_CLASSES[code](message, details)
 
 
 @dataclass
@@ -36,8 +32,7 @@ class ModelEntry:
 
     def specs(self) -> list[ModelSpec]:
         return [ModelSpec(name=self.name, version=v.version, path=v.path, inputs=self.inputs,
-                          outputs=self.outputs, max_batch_size=self.decl.max_batch_size,
-                          warmup_batch_sizes=list(self.decl.warmup_batch_sizes))
+                          outputs=self.outputs, warmup_batch_sizes=list(self.decl.warmup_batch_sizes))
                 for v in self.decl.versions]
 
     def info(self, ready: bool) -> ModelInfo:
@@ -88,8 +83,9 @@ class Registry:
         if version not in model.ready_versions:
             raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
                        model=req.model, version=version)
-        if req.timeout_ms is not None and req.timeout_ms < 0:
-            raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}")
+        if req.timeout_ms is not None and req.timeout_ms < 0:  # the client refuses it too (one rule)
+            raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}",
+                       timeout_ms=req.timeout_ms)
         order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
         outputs = self._check_outputs(model, req.outputs)
         return Checked(model, version, order, rows, shape_key, outputs)
@@ -128,9 +124,7 @@ class Registry:
             if meta.compression is not None and meta.compression not in COMPRESSIONS:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown compression {meta.compression!r} on "
                            f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
-            want = DTYPE_SIZES[decl.dtype]
-            for d in shape:
-                want *= d
+            want = nbytes_of(decl.dtype, shape)
             got = frame_sizes[order[k]]
             if meta.compression is None and got != want:
                 raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "

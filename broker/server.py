@@ -14,16 +14,17 @@ import time
 import lz4.frame
 import zmq
 
-from tgw.shm.errors import ERROR_TABLE, Code, TgwError
+from tgw.shm.errors import ERROR_TABLE, Code, TgwError, fail
+from tgw.shm.ring import aligned_total
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorBody, ErrorReply, Health, HealthReply, Hello, \
     HelloReply, Infer, InferReply, ListModels, ModelsReply, Release, Stats, StatsReply, TensorMeta, WorkerFailed, \
     WorkerHello, WorkerReady, LoadModels, Stop, encode, envelope_decoder, from_worker_decoder, nbytes_of, \
     request_decoder
 
-from .batcher import Batcher, Pending, batch_bytes
+from .batcher import Batcher, Pending
 from .config import Config
 from .pool import WorkerHandle
-from .registry import Registry, fail
+from .registry import Registry
 from .sockets import Pump
 from .stats import Stats as Counters
 from .supervisor import Supervisor
@@ -117,15 +118,16 @@ class Broker:
         checked = self.registry.validate(msg, sizes)
         tensors = [self._tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         arena = self.supervisor.workers[0].input_bytes
-        need = batch_bytes([len(t) for t in tensors])  # what staging it alone would take
+        need = aligned_total([len(t) for t in tensors])  # what staging it alone would take
         if need > arena:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
                        f"arena holds {arena} (workers.input_arena_mb)", limit=arena)
         model = checked.model.decl
         now = time.monotonic()
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
-        p = Pending(ident, msg.id, model.name, checked.version, checked.rows, checked.shape_key, tensors,
-                    checked.outputs, now + timeout_ms / 1000.0, now, msg.compress_outputs)
+        p = Pending(client=ident, req_id=msg.id, model=model.name, version=checked.version, rows=checked.rows,
+                    shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
+                    deadline=now + timeout_ms / 1000.0, compress=msg.compress_outputs)
         self.batcher.push(p)
         self.stats.models[model.name].requests += 1
         self.schedule()

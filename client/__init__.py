@@ -4,10 +4,31 @@
     with Client() as c:
         y = c.infer("mlp", {"x": np.zeros((4, 256), np.float32)})["y"]
 """
-from tgw.shm.errors import ERROR_CLASSES, Code, TgwError
+from tgw.shm.errors import (
+    Code,
+    TgwError,
+    InvalidArgumentError,
+    InvalidInputShapeError,
+    InvalidInputDtypeError,
+    PayloadTooLargeError,
+    UnauthenticatedError,
+    ModelNotFoundError,
+    VersionNotFoundError,
+    ModelNotReadyError,
+    RateLimitedError,
+    OverloadedError,
+    DeadlineExceededError,
+    CircuitOpenError,
+    OutOfGpuMemoryError,
+    OutOfShmError,
+    WorkerDiedError,
+    ModelExecutionErrorError,
+    InternalError,
+)
 
 from .client import Client, ConnectError
 
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
-
-__all__ = ["Client", "ConnectError", "TgwError", "Code", *(cls.__name__ for cls in ERROR_CLASSES.values())]
+__all__ = [
+    "Client", "ConnectError", "Code", "TgwError",
+    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError',
+]

@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from tgw.shm.errors import Code, ERROR_CLASSES, error_for
+from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import default_address, ipc_path
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Stats, \
     encode, reply_decoder
@@ -69,12 +69,15 @@ class Client:
               compress: bool = False) -> dict[str, "np.ndarray"]:  # noqa: F821
         """Run `model` on `inputs` (name -> array with a leading batch dim); returns name -> array.
 
-        `timeout` is in seconds (the model's configured timeout when None); `compress` sends
-        and receives lz4-compressed tensors (worth it for large, compressible tensors over tcp)."""
+        `timeout` is in seconds (the model's configured timeout when None; 0 = already expired;
+        negative is INVALID_ARGUMENT, as the broker rules); `compress` sends and receives
+        lz4-compressed tensors (worth it for large, compressible tensors over tcp)."""
+        if timeout is not None and not timeout >= 0:
+            raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
         metas, frames = encode_inputs(inputs, compress)
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
-                    timeout_ms=None if timeout is None else max(0, math.ceil(timeout * 1000)))
+                    timeout_ms=None if timeout is None else math.ceil(timeout * 1000))
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait)
         return decode_outputs(reply.outputs, tensor_frames)
@@ -128,18 +131,17 @@ class Client:
             if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 if isinstance(msg, Hello):
                     raise TimeoutError
-                raise ERROR_CLASSES[Code.DEADLINE_EXCEEDED](
-                    f"no reply from {self.address} within {wait_s:.1f}s", {"request_id": msg.id})
+                raise fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
+                           request_id=msg.id)
             parts = sock.recv_multipart(copy=False)
             try:
                 reply = reply_decoder.decode(parts[0].buffer)
             except DecodeError as exc:
-                raise ERROR_CLASSES[Code.INTERNAL](f"undecodable reply from broker: {exc}") from None
+                raise fail(Code.INTERNAL, f"undecodable reply from broker: {exc}") from None
             if reply.id != msg.id:
                 continue  # a late answer to an earlier request this thread gave up on
             if isinstance(reply, ErrorReply):
-                e = reply.error
-                raise error_for(e.code, e.message, e.details)
+                raise error_from_body(reply.error)
             return reply, parts[1:]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import lz4.frame
 import numpy as np
 
-from tgw.shm.errors import Code, ERROR_CLASSES
+from tgw.shm.errors import Code, fail
 from tgw.shm.wire import DTYPE_SIZES, TensorMeta
 
 ZERO_COPY_MIN = 64 * 1024  # below this, zmq copying is cheaper than tracking a borrowed buffer
@@ -16,8 +16,8 @@ def as_array(name: str, value) -> np.ndarray:
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
     if arr.dtype.name not in DTYPE_SIZES:
-        raise ERROR_CLASSES[Code.INVALID_INPUT_DTYPE](
-            f"input {name!r} has dtype {arr.dtype}; tgw carries {', '.join(DTYPE_SIZES)}", {"input": name})
+        raise fail(Code.INVALID_INPUT_DTYPE, f"input {name!r} has dtype {arr.dtype}; tgw carries "
+                   f"{', '.join(DTYPE_SIZES)}", input=name)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return np.ascontiguousarray(arr)
@@ -25,7 +25,7 @@ def as_array(name: str, value) -> np.ndarray:
 
 def encode_inputs(inputs: dict, compress: bool) -> tuple[list[TensorMeta], list]:
     if not isinstance(inputs, dict) or not inputs:
-        raise ERROR_CLASSES[Code.INVALID_ARGUMENT]("inputs must be a non-empty dict of name -> array")
+        raise fail(Code.INVALID_ARGUMENT, "inputs must be a non-empty dict of name -> array")
     metas, frames = [], []
     for name, value in inputs.items():
         arr = as_array(name, value)

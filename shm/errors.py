@@ -1,12 +1,14 @@
 """The one table of error codes (DESIGN.md section 3) and the exception that carries them.
 
-Errors cross process boundaries as data ({code, message, details, retryable}); each side turns
-them back into the exception class registered for the code.
+Errors cross process boundaries as data ({code, message, details, retryable}): one way in
+(`fail`), one way onto the wire (`TgwError.to_body`), one way back (`error_from_body`).
 """
 from __future__ import annotations
 
 from enum import Enum
 from typing import Any
+
+from .wire import ErrorBody
 
 
 class Code(str, Enum):
@@ -60,10 +62,8 @@ class TgwError(Exception):
 
     code: Code = Code.INTERNAL
 
-    def __init__(self, message: str, details: dict[str, Any] | None = None, *, code: Code | str | None = None):
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
         super().__init__(message)
-        if code is not None:
-            self.code = Code(code)
         self.message = message
         self.details = details or {}
 
@@ -78,22 +78,97 @@ class TgwError(Exception):
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
 
-
-def _class_name(code: Code) -> str:
-    return "".join(part.capitalize() for part in code.value.split("_")) + "Error"
-
-
-# One subclass per code, e.g. ModelNotFoundError, built from the table so nothing drifts.
-ERROR_CLASSES: dict[Code, type[TgwError]] = {
-    code: type(_class_name(code), (TgwError,), {"code": code, "__module__": __name__}) for code in Code
-}
-globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+    def to_body(self) -> ErrorBody:
+        """The error as data, to cross a socket (DESIGN.md section 3)."""
+        return ErrorBody(code=self.code.value, message=self.message, retryable=self.retryable,
+                         details=self.details)
 
 
-def error_for(code: Code | str, message: str, details: dict[str, Any] | None = None) -> TgwError:
-    """The exception instance for a code; an unknown code (a newer server) becomes INTERNAL."""
+# One subclass per code, written out so they can be found by grep and IDEs;
+# tests/test_wire.py checks they match the table one to one.
+
+
+class InvalidArgumentError(TgwError):
+    code = Code.INVALID_ARGUMENT
+
+
+class InvalidInputShapeError(TgwError):
+    code = Code.INVALID_INPUT_SHAPE
+
+
+class InvalidInputDtypeError(TgwError):
+    code = Code.INVALID_INPUT_DTYPE
+
+
+class PayloadTooLargeError(TgwError):
+    code = Code.PAYLOAD_TOO_LARGE
+
+
+class UnauthenticatedError(TgwError):
+    code = Code.UNAUTHENTICATED
+
+
+class ModelNotFoundError(TgwError):
+    code = Code.MODEL_NOT_FOUND
+
+
+class VersionNotFoundError(TgwError):
+    code = Code.VERSION_NOT_FOUND
+
+
+class ModelNotReadyError(TgwError):
+    code = Code.MODEL_NOT_READY
+
+
+class RateLimitedError(TgwError):
+    code = Code.RATE_LIMITED
+
+
+class OverloadedError(TgwError):
+    code = Code.OVERLOADED
+
+
+class DeadlineExceededError(TgwError):
+    code = Code.DEADLINE_EXCEEDED
+
+
+class CircuitOpenError(TgwError):
+    code = Code.CIRCUIT_OPEN
+
+
+class OutOfGpuMemoryError(TgwError):
+    code = Code.OUT_OF_GPU_MEMORY
+
+
+class OutOfShmError(TgwError):
+    code = Code.OUT_OF_SHM
+
+
+class WorkerDiedError(TgwError):
+    code = Code.WORKER_DIED
+
+
+class ModelExecutionErrorError(TgwError):
+    code = Code.MODEL_EXECUTION_ERROR
+
+
+class InternalError(TgwError):
+    code = Code.INTERNAL
+
+
+ERROR_CLASSES: dict[Code, type[TgwError]] = {cls.code: cls for cls in TgwError.__subclasses__()}
+
+
+def fail(code: Code | str, message: str, **details: Any) -> TgwError:
+    """The exception for `code`, e.g. `raise fail(Code.OVERLOADED, "queue full", max_queue=8)`."""
+    return ERROR_CLASSES[Code(code)](message, details)
+
+
+def error_from_body(body: ErrorBody) -> TgwError:
+    """The exception an error that crossed a socket stands for; an unknown code (a newer peer)
+    becomes INTERNAL with the code kept in its details."""
     try:
-        cls = ERROR_CLASSES[Code(code)]
+        cls = ERROR_CLASSES[Code(body.code)]
     except ValueError:
-        return TgwError(message, {**(details or {}), "unknown_code": code})
-    return cls(message, details)
+        return TgwError(body.message, {**body.details, "unknown_code": body.code})
+    return cls(body.message, dict(body.details))

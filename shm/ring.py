@@ -16,6 +16,20 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) & ~(align - 1)
 
 
+def aligned_total(sizes) -> int:
+    """Bytes of one block holding regions of these sizes, each starting 64-byte aligned."""
+    return sum(align_up(s) for s in sizes)
+
+
+def region_offsets(sizes) -> list[int]:
+    """Where each region starts inside such a block (the layout both writers use)."""
+    offsets, pos = [], 0
+    for s in sizes:
+        offsets.append(pos)
+        pos += align_up(s)
+    return offsets
+
+
 class BlockTooLarge(ValueError):
     """The request can never fit in this arena, however much is released."""
 

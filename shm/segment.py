@@ -11,8 +11,10 @@ import errno
 import mmap
 import os
 import re
+import logging
 import secrets
 
+log = logging.getLogger("tgw.shm")
 SHM_DIR = "/dev/shm"
 PREFIX = "tgw_"
 _NAME_RE = re.compile(r"^tgw_([a-z0-9]+)_(\d+)_([0-9a-f]+)$")
@@ -118,10 +120,18 @@ def list_segments(creator_pid: int | None = None) -> list[str]:
 
 
 def sweep_stale() -> list[str]:
-    """Unlink tgw segments whose creator process is gone; returns the names removed."""
+    """Unlink tgw segments whose creator process is gone; returns the names removed.
+
+    Never fails: an entry this process may not remove (another user's segment, a directory
+    someone named like one) is skipped with one log line, as it is not ours to clean."""
     removed = []
     for name in list_segments():
         pid = int(_NAME_RE.match(name).group(2))
-        if not _pid_alive(pid) and unlink(name):
-            removed.append(name)
+        if _pid_alive(pid):
+            continue
+        try:
+            if unlink(name):
+                removed.append(name)
+        except OSError as exc:
+            log.warning("stale segment %s left in place: %s", name, exc.strerror or exc)
     return removed

@@ -159,7 +159,6 @@ class ModelSpec(Struct):
     path: str
     inputs: list[IOSpec]
     outputs: list[IOSpec]
-    max_batch_size: int
     warmup_batch_sizes: list[int] = []
 
 
@@ -231,6 +230,16 @@ envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+def model_key(name: str, version: str) -> str:
+    """How workers and the broker name one loaded version: "name:version"."""
+    return f"{name}:{version}"
+
+
+def split_model_key(key: str) -> tuple[str, str]:
+    name, version = key.split(":", 1)
+    return name, version
 
 
 def nbytes_of(dtype: str, shape: list[int]) -> int:

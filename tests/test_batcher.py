@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tgw.broker.batcher import Batcher, Pending, batch_bytes
+from tgw.broker.batcher import Batcher, Pending
 from tgw.shm.errors import Code, TgwError
-from tgw.shm.ring import align_up
+from tgw.shm.ring import align_up, aligned_total, region_offsets
 
 
 class Clock:
@@ -26,7 +26,7 @@ def req(model="m", rows=1, version="1", shape_key=(), nbytes=(16,), deadline=Non
     return Pending(client=b"c", req_id=req_id if req_id is not None else next(_ids), model=model,
                    version=version, rows=rows, shape_key=shape_key,
                    tensors=[bytes(n * rows) for n in nbytes], outputs=["y"],
-                   deadline=now + 30 if deadline is None else deadline, arrived=now)
+                   deadline=now + 30 if deadline is None else deadline)
 
 
 def ids(batch) -> list[int]:
@@ -161,12 +161,12 @@ def test_max_bytes_budget(b):
     ps = [req(rows=1, nbytes=(100, 10)) for _ in range(6)]
     for p in ps:
         b.push(p)
-    budget = batch_bytes([300, 30])            # room for three requests
+    budget = aligned_total([300, 30])            # room for three requests
     assert budget == align_up(300) + align_up(30)
     batch = b.next_batch("m", budget)
     assert len(batch) == 3
     sizes = [sum(p.nbytes[k] for p in batch) for k in range(2)]
-    assert batch_bytes(sizes) <= budget
+    assert aligned_total(sizes) <= budget
     assert ids(batch) == ids(ps[:3])
     assert ids(b.next_batch("m", budget)) == ids(ps[3:])
 
@@ -182,7 +182,7 @@ def test_max_bytes_never_exceeded_beyond_head(b, budget):
         assert batch
         sizes = [sum(p.nbytes[k] for p in batch) for k in range(2)]
         if len(batch) > 1:
-            assert batch_bytes(sizes) <= budget
+            assert aligned_total(sizes) <= budget
         seen += ids(batch)
     assert seen == ids(ps)
 
@@ -195,10 +195,10 @@ def test_head_over_budget_still_returned(b):
     assert b.queued("m") == 1
 
 
-def test_batch_bytes():
-    assert batch_bytes([]) == 0
-    assert batch_bytes([1]) == 64
-    assert batch_bytes([64, 65, 0]) == 64 + 128 + 0
+def test_aligned_total():
+    assert aligned_total([]) == 0
+    assert aligned_total([1]) == 64
+    assert aligned_total([64, 65, 0]) == 64 + 128 + 0
 
 
 def test_expired_removes_exactly_the_due(b, clock):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tgw.shm.wire import IOSpec, ModelSpec
+from tgw.shm.wire import IOSpec, ModelSpec, model_key
 
 TORCH_DTYPES = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -30,7 +30,7 @@ class ModelRunner:
 
     @property
     def key(self) -> str:
-        return f"{self.spec.name}:{self.spec.version}"
+        return model_key(self.spec.name, self.spec.version)
 
     def warm_up(self) -> None:
         """Run each warm-up batch size once; also proves the outputs match the declaration."""

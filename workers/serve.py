@@ -12,10 +12,10 @@ from collections import deque
 import torch
 import zmq
 
-from tgw.shm.errors import ERROR_TABLE, Code
-from tgw.shm.ring import BlockTooLarge, RingAllocator, align_up
+from tgw.shm.errors import Code, fail
+from tgw.shm.ring import BlockTooLarge, RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, ErrorBody, Release, Stop, encode, to_worker_decoder
+from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_key, to_worker_decoder
 
 from .runner import TORCH_DTYPES, ModelRunner
 
@@ -60,7 +60,7 @@ class Server:
         t0 = time.perf_counter()
         if batch.deadline and time.monotonic() > batch.deadline:
             return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
-        runner = self.runners.get(f"{batch.model}:{batch.version}")
+        runner = self.runners.get(model_key(batch.model, batch.version))
         if runner is None:
             return _error(batch, Code.MODEL_NOT_READY, f"{batch.model}:{batch.version} is not loaded on this worker")
         try:
@@ -70,11 +70,12 @@ class Server:
         except torch.cuda.OutOfMemoryError as exc:
             return _error(batch, Code.OUT_OF_GPU_MEMORY, str(exc).splitlines()[0])
         except Exception as exc:  # a model bug fails this batch, not the worker
-            return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000])
+            return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000],
+                          exception=type(exc).__name__)
         try:
             block, tensors = self._write(outs, runner)
         except (BlockTooLarge, OutputSpaceTimeout) as exc:
-            return _error(batch, Code.OUT_OF_SHM, str(exc))
+            return _error(batch, Code.OUT_OF_SHM, str(exc), arena="output")
         return Done(batch_id=batch.batch_id, outputs=tensors, block=block,
                     compute_us=int((time.perf_counter() - t0) * 1e6))
 
@@ -87,16 +88,16 @@ class Server:
 
     def _write(self, outs: list[torch.Tensor], runner: ModelRunner):
         sizes = [t.numel() * t.element_size() for t in outs]
-        block = self._alloc(sum(align_up(s) for s in sizes))
-        tensors, offset = [], self.output_base + block
-        for decl, t, size in zip(runner.outputs, outs, sizes):
+        block = self._alloc(aligned_total(sizes))
+        tensors = []
+        for decl, t, size, rel in zip(runner.outputs, outs, sizes, region_offsets(sizes)):
+            offset = self.output_base + block + rel
             if size:
                 dst = torch.frombuffer(self.segment.buf, dtype=t.dtype, count=t.numel(), offset=offset)
                 dst.copy_(t.reshape(-1))
                 del dst
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=list(t.shape),
                                        offset=offset, nbytes=size))
-            offset += align_up(size)
         return block, tensors
 
     def _alloc(self, nbytes: int) -> int:
@@ -115,6 +116,5 @@ class Server:
         return block
 
 
-def _error(batch: Batch, code: Code, message: str) -> Done:
-    return Done(batch_id=batch.batch_id, error=ErrorBody(code=code.value, message=message,
-                                                         retryable=ERROR_TABLE[code][1]))
+def _error(batch: Batch, code: Code, message: str, **details) -> Done:
+    return Done(batch_id=batch.batch_id, error=fail(code, message, **details).to_body())
