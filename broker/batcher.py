@@ -64,9 +64,9 @@ class Batcher:
                        model=p.model, max_queue=q.max_queue)
         (q.items.appendleft if front else q.items.append)(p)
 
-    def expired(self) -> list[Pending]:
-        """Remove and return every queued request whose deadline has passed."""
-        now, out = self.clock(), []
+    def expired(self, now: float | None = None) -> list[Pending]:
+        """Remove and return every queued request whose deadline has passed (by `now`, else the clock)."""
+        now, out = self.clock() if now is None else now, []
         for q in self.queues.values():
             if any(p.deadline <= now for p in q.items):
                 keep = deque()

@@ -87,6 +87,15 @@ class WorkersDecl(Strict):
     output_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 32
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
 
+    @property
+    def input_bytes(self) -> int:
+        """Each worker's input arena: the most one batch (and so one request) may occupy."""
+        return self.input_arena_mb << 20
+
+    @property
+    def output_bytes(self) -> int:
+        return self.output_arena_mb << 20
+
 
 class ServerDecl(Strict):
     address: Optional[str] = None  # default: $TGW_ADDRESS, ipc://$XDG_RUNTIME_DIR/tgw, /run/tgw, /tmp/tgw-<uid>

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
+from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
@@ -24,8 +25,30 @@ class Inflight:
     rows: int
 
 
+class WorkerState(str, Enum):
+    PLANNED = "planned"      # ring made, no process yet
+    STARTING = "starting"    # process spawned: handshake, loading and warming up its models
+    READY = "ready"          # serving the versions in `models`
+    STOPPING = "stopping"    # told to stop: finishes what it holds, then exits
+    DEAD = "dead"            # process gone; the supervisor may restart it on a fresh ring
+
+
+_NEXT = {
+    WorkerState.PLANNED: {WorkerState.STARTING},
+    WorkerState.STARTING: {WorkerState.READY, WorkerState.STOPPING, WorkerState.DEAD},
+    WorkerState.READY: {WorkerState.STOPPING, WorkerState.DEAD},
+    WorkerState.STOPPING: {WorkerState.DEAD},
+    WorkerState.DEAD: {WorkerState.STARTING},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A broker bug: a worker moved along an edge its life cycle does not have."""
+
+
 @dataclass
 class WorkerHandle:
+    """One worker's state; `state` changes only through the methods below (see _NEXT)."""
     worker_id: int
     device: str
     cpus: list[int]
@@ -34,16 +57,47 @@ class WorkerHandle:
     output_bytes: int
     generation: int = 0
     proc: subprocess.Popen | None = None
-    state: str = "starting"        # starting -> ready -> (dead | stopping)
     pid: int = 0
     models: set[str] = field(default_factory=set)     # "name:version" loaded and warmed up
     inflight: dict[int, Inflight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.use_ring(self.segment)
+        self._state = WorkerState.PLANNED
+        self._use_ring(self.segment)
 
-    def use_ring(self, segment: Segment) -> None:
-        """Start over on a fresh segment: empty input arena, nothing owed to the worker."""
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    def _move(self, to: WorkerState) -> None:
+        if to not in _NEXT[self._state]:
+            raise IllegalTransition(f"{self.name}: {self._state.value} -> {to.value}")
+        self._state = to
+
+    def spawned(self, proc: subprocess.Popen | None) -> None:
+        self._move(WorkerState.STARTING)
+        self.proc, self.pid = proc, proc.pid if proc is not None else 0
+
+    def became_ready(self, models: list[str]) -> None:
+        self._move(WorkerState.READY)
+        self.models = set(models)
+
+    def told_to_stop(self) -> None:
+        self._move(WorkerState.STOPPING)
+
+    def exited(self) -> None:
+        self._move(WorkerState.DEAD)
+
+    def renew(self, segment: Segment) -> None:
+        """A dead worker's next life: a fresh ring and identity, nothing loaded, nothing owed."""
+        if self._state is not WorkerState.DEAD:
+            raise IllegalTransition(f"{self.name}: renewed while {self._state.value}")
+        self.generation += 1
+        self.models.clear()
+        self.inflight.clear()
+        self._use_ring(segment)
+
+    def _use_ring(self, segment: Segment) -> None:
         self.segment = segment
         self.inputs = RingAllocator(self.input_bytes)
         self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
@@ -61,7 +115,7 @@ class WorkerHandle:
         return f"worker{self.worker_id}[{self.device}]"
 
     def can_take(self, model_key: str, max_inflight: int) -> bool:
-        return self.state == "ready" and model_key in self.models and len(self.inflight) < max_inflight
+        return self._state is WorkerState.READY and model_key in self.models and len(self.inflight) < max_inflight
 
     def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec]) -> Batch | None:
         """Copy the batch's inputs into the input arena; None while the arena has no room."""

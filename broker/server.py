@@ -1,60 +1,110 @@
 """The broker's serving core: client requests in, batches to workers, replies out.
 
-Everything here runs as plain callbacks on one uvloop loop: decode once, validate, queue,
-and let one pump per loop turn form batches for idle workers (so a burst drained from the
-socket becomes one batch, not many).
+Everything here runs as plain callbacks on one uvloop loop: decode once, admit, queue, and
+let one pump per loop turn form batches for workers with room (so a burst drained from the
+socket becomes one batch, not many). The state it owns: the worker roster and routing, the
+phase (starting, serving, stopping) and the batch sequence; the queues live in the batcher,
+the checks in admission, the worker handshake in handshake, read-only answers in status.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
+from enum import Enum
+from typing import Callable
 
 import lz4.frame
 import zmq
 
-from tgw.shm.errors import ERROR_TABLE, Code, TgwError, fail
-from tgw.shm.ring import aligned_total
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorBody, ErrorReply, Health, HealthReply, Hello, \
-    HelloReply, Infer, InferReply, ListModels, ModelsReply, Release, Stats, StatsReply, TensorMeta, WorkerFailed, \
-    WorkerHello, WorkerReady, LoadModels, Stop, encode, envelope_decoder, from_worker_decoder, nbytes_of, \
-    request_decoder
+from tgw.shm.errors import Code, TgwError, error_from_body, fail
+from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Health, Hello, Infer, InferReply, \
+    ListModels, Release, Stats, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, encode, \
+    envelope_decoder, from_worker_decoder, model_key, request_decoder
 
+from . import status
+from .admission import Admission
 from .batcher import Batcher, Pending
 from .config import Config
-from .pool import WorkerHandle
+from .handshake import Handshake
+from .pool import WorkerHandle, WorkerState
 from .registry import Registry
 from .sockets import Pump
 from .stats import Stats as Counters
-from .supervisor import Supervisor
 
 log = logging.getLogger("tgw.broker")
-SERVER_NAME = "tgw/0.1.0"
+
+
+class Phase(Enum):
+    STARTING = "starting"    # workers loading; requests for versions not yet ready are refused
+    SERVING = "serving"
+    STOPPING = "stopping"    # new requests refused; queued and in-flight ones finish
 
 
 class Broker:
-    def __init__(self, cfg: Config, supervisor: Supervisor):
-        self.cfg, self.supervisor = cfg, supervisor
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.registry = Registry(cfg)
-        self.batcher = Batcher()
+        self.batcher = Batcher(clock)
         self.stats = Counters()
         for m in cfg.models:
             self.batcher.add_model(m.name, m.max_batch_size, m.max_queue)
             self.stats.model(m.name)
-        self.max_request = cfg.server.max_request_bytes
+        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, clock)
+        self.handshake = Handshake(self.registry)
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
-        self.by_identity: dict[bytes, WorkerHandle] = {}
+        self.roster: list[WorkerHandle] = []              # every worker, in any state
+        self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
+        self.phase = Phase.STARTING
         self.batch_seq = 0
-        self.stopping = False
         self._pump_scheduled = False
-        self.startup_failure: str | None = None
-        self.started = False  # every worker answered its first ready handshake
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket) -> None:
         self.loop = loop
         self.front = Pump(loop, front, self.on_client)
         self.back = Pump(loop, back, self.on_worker)
+
+    # ---- control: called by the lifecycle -----------------------------------------------------
+
+    def add_worker(self, w: WorkerHandle) -> None:
+        """Route messages from (a new life of) this worker to it."""
+        if w not in self.roster:
+            self.roster.append(w)
+        self.routes[w.identity] = w
+
+    def remove_worker(self, w: WorkerHandle) -> None:
+        """The worker's process is gone: retry its in-flight requests once elsewhere, answer the rest."""
+        self.routes.pop(w.identity, None)
+        again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
+        for p in reversed(again):
+            self.batcher.push(p, front=True)
+        for p in gone:
+            self._fail_pending(p, fail(Code.WORKER_DIED, f"{w.name} died while running this request"))
+        self.schedule()
+
+    def tick(self, now: float) -> None:
+        """Periodic work: answer queued requests whose deadline has passed (never computed)."""
+        for p in self.batcher.expired(now):
+            self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+
+    def is_serving(self) -> bool:
+        return self.phase is Phase.SERVING
+
+    def start_serving(self) -> None:
+        self.phase = Phase.SERVING
+
+    def begin_stop(self) -> None:
+        self.phase = Phase.STOPPING
+        self.admission.open = False
+
+    def busy(self) -> bool:
+        return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
+
+    def stop_workers(self) -> None:
+        for w in self.roster:
+            if w.state in (WorkerState.STARTING, WorkerState.READY):
+                w.told_to_stop()
+                self.back.send([w.identity, encode(Stop())])
 
     # ---- client side -------------------------------------------------------------------------
 
@@ -70,7 +120,8 @@ class Broker:
             return self._version_mismatch(ident, msg.id, msg.v)
         if isinstance(msg, Infer):
             try:
-                self._admit(ident, msg, frames[2:])
+                self.admission.admit(ident, msg, frames[2:])
+                self.schedule()
             except TgwError as err:
                 self._error(ident, msg.id, err, msg.model)
             except Exception as exc:  # a broker bug must still answer, and must not stop the drain
@@ -78,18 +129,13 @@ class Broker:
                 self._error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"),
                             msg.model)
         elif isinstance(msg, Hello):
-            self._reply(ident, HelloReply(v=PROTOCOL_VERSION, id=msg.id, server=SERVER_NAME,
-                                          max_request_bytes=self.max_request))
+            self._reply(ident, status.hello(self, msg.id))
         elif isinstance(msg, ListModels):
-            self._reply(ident, ModelsReply(v=PROTOCOL_VERSION, id=msg.id,
-                                           models=[m.info(self._serving(m.name, m.decl.default))
-                                                   for m in self.registry.models.values()]))
+            self._reply(ident, status.models(self, msg.id))
         elif isinstance(msg, Health):
-            self._reply(ident, self.health(msg.id))
+            self._reply(ident, status.health(self, msg.id))
         elif isinstance(msg, Stats):
-            self._reply(ident, StatsReply(v=PROTOCOL_VERSION, id=msg.id, models={
-                n: c.as_dict() for n, c in self.stats.models.items()}, processes=self.processes(),
-                errors=dict(self.stats.unrouted_errors)))
+            self._reply(ident, status.stats(self, msg.id))
 
     def _malformed(self, ident: bytes, header, exc: Exception) -> None:
         try:
@@ -108,71 +154,17 @@ class Broker:
             Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
             f"{PROTOCOL_VERSION}", client_protocol=version, server_protocol=PROTOCOL_VERSION))
 
-    def _admit(self, ident: bytes, msg: Infer, tensor_frames: list) -> None:
-        if self.stopping:
-            raise fail(Code.MODEL_NOT_READY, "broker is shutting down")
-        sizes = [len(f) for f in tensor_frames]
-        if sum(sizes) > self.max_request:
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
-                       f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
-        checked = self.registry.validate(msg, sizes)
-        tensors = [self._tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
-        arena = self.supervisor.workers[0].input_bytes
-        need = aligned_total([len(t) for t in tensors])  # what staging it alone would take
-        if need > arena:
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
-                       f"arena holds {arena} (workers.input_arena_mb)", limit=arena)
-        model = checked.model.decl
-        now = time.monotonic()
-        timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
-        p = Pending(client=ident, req_id=msg.id, model=model.name, version=checked.version, rows=checked.rows,
-                    shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
-                    deadline=now + timeout_ms / 1000.0, compress=msg.compress_outputs)
-        self.batcher.push(p)
-        self.stats.models[model.name].requests += 1
-        self.schedule()
-
-    @staticmethod
-    def _tensor_bytes(meta: TensorMeta, buf: memoryview):
-        if meta.compression is None:
-            return buf
-        want = nbytes_of(meta.dtype, meta.shape)
-        inflate = lz4.frame.LZ4FrameDecompressor()
-        try:  # never inflate past the declared size: a small frame must not cost gigabytes
-            raw = inflate.decompress(buf, max_length=want)
-        except RuntimeError as exc:
-            raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: bad lz4 frame: {exc}") from None
-        if len(raw) != want or not inflate.eof:
-            raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: lz4 frame does not decompress to the "
-                       f"{want} bytes that shape {meta.shape} x {meta.dtype} needs", input=meta.name)
-        return memoryview(raw)
-
     def _reply(self, ident: bytes, msg, *tensors) -> None:
+        # the send copies every frame (zmq's default copy=True), so ring views may be released after
         self.front.send([ident, encode(msg), *tensors])
 
     def _error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None) -> None:
         self.stats.error(model, err.code.value)
-        body = ErrorBody(code=err.code.value, message=err.message, retryable=ERROR_TABLE[err.code][1],
-                         details=err.details)
-        self._reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=body))
+        self._reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
 
-    def _fail_pending(self, p: Pending, code: Code, message: str) -> None:
-        self._error(p.client, p.req_id, fail(code, message, model=p.model), p.model)
-
-    def health(self, req_id: int = 0) -> HealthReply:
-        models = {m.name: self._serving(m.name, m.decl.default) for m in self.registry.models.values()}
-        workers = {w.name: w.state for w in self.supervisor.workers}
-        ready = self.started and not self.stopping and all(models.values())
-        return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=ready, models=models, workers=workers)
-
-    def _serving(self, model: str, version: str) -> bool:
-        """A live, ready worker has this version loaded now."""
-        key = f"{model}:{version}"
-        return any(w.state == "ready" and key in w.models for w in self.supervisor.workers)
-
-    def processes(self) -> list[dict]:
-        return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
-            {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state} for w in self.supervisor.workers]
+    def _fail_pending(self, p: Pending, err: TgwError) -> None:
+        err.details.setdefault("model", p.model)
+        self._error(p.client, p.req_id, err, p.model)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -190,33 +182,32 @@ class Broker:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.queues[model].items[0]
-                worker = self._pick(f"{model}:{head.version}", full)
+                worker = self._pick(model_key(model, head.version), full)
                 if worker is None:
                     continue
                 if self._dispatch(model, worker):
                     moved = True
                 else:
                     full.add(worker.worker_id)
-        for w in self.supervisor.workers:
+        for w in self.routes.values():
             # releases ride on the next batch; a busy worker with none coming may need the space
             if w.releases and w.inflight:
                 self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
 
     def _pick(self, key: str, full: set[int]) -> WorkerHandle | None:
         best = None
-        for w in self.supervisor.workers:
+        for w in self.routes.values():
             if w.worker_id not in full and w.can_take(key, self.max_inflight):
                 if best is None or len(w.inflight) < len(best.inflight):
                     best = w
         return best
 
     def _dispatch(self, model: str, worker: WorkerHandle) -> bool:
-        now = time.monotonic()
-        batch = self.batcher.next_batch(model, worker.input_bytes)
+        now = self.clock()
         live = []
-        for p in batch:
+        for p in self.batcher.next_batch(model, worker.input_bytes):
             if p.deadline <= now:
-                self._fail_pending(p, Code.DEADLINE_EXCEEDED, "deadline passed while queued")
+                self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
             else:
                 live.append(p)
         if not live:
@@ -230,10 +221,6 @@ class Broker:
         self.back.send([worker.identity, encode(msg)])
         return True
 
-    def sweep_deadlines(self) -> None:
-        for p in self.batcher.expired():
-            self._fail_pending(p, Code.DEADLINE_EXCEEDED, "deadline passed while queued")
-
     # ---- worker side -------------------------------------------------------------------------
 
     def on_worker(self, frames: list) -> None:
@@ -243,25 +230,19 @@ class Broker:
         except (DecodeError, IndexError) as exc:
             log.error("undecodable message from worker %r: %s", ident, exc)
             return
-        worker = self.by_identity.get(ident)
+        worker = self.routes.get(ident)
         if worker is None:
             log.warning("message from unknown or replaced worker %r ignored", ident)
             return
         if isinstance(msg, Done):
             self._complete(worker, msg)
         elif isinstance(msg, WorkerHello):
-            worker.pid = msg.pid
-            self.back.send([ident, encode(LoadModels(models=self.registry.specs()))])
+            self.back.send([ident, encode(self.handshake.hello(worker, msg))])
         elif isinstance(msg, WorkerReady):
-            self.supervisor.ready(worker, msg.models)
-            for key in msg.models:
-                name, version = key.split(":", 1)
-                self.registry.models[name].ready_versions.add(version)
-            log.info("%s ready with %s", worker.name, ", ".join(msg.models))
-            self.schedule()
+            if self.handshake.ready(worker, msg):
+                self.schedule()
         elif isinstance(msg, WorkerFailed):
-            self.startup_failure = f"{worker.name} failed to load model {msg.model}: {msg.error}"
-            log.error("%s", self.startup_failure)
+            self.handshake.failed(worker, msg)
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
         batch = worker.finish(done)
@@ -269,43 +250,24 @@ class Broker:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
         if done.error is not None:
-            for p in batch.requests:
-                self._fail_pending(p, Code(done.error.code), done.error.message)
+            for p in batch.requests:  # each its own exception: details are filled in per request
+                self._fail_pending(p, error_from_body(done.error))
         else:
             self.stats.batch(batch.model, batch.rows, done.compute_us)
             counters = self.stats.models[batch.model]
             for p, views in worker.output_rows(done, batch):
-                metas, payload = [], []
-                for name in p.outputs:
-                    t, view = views[name]
-                    data = lz4.frame.compress(view) if p.compress else view
-                    metas.append(TensorMeta(name=name, dtype=t.dtype, shape=[p.rows, *t.shape[1:]],
-                                            compression="lz4" if p.compress else None))
-                    payload.append(data)
-                self._reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model,
-                                                 version=p.version, outputs=metas), *payload)
+                self._reply_outputs(p, views)
                 counters.replies += 1
+            # safe right after the replies: each send copied its frames out of the ring
             worker.releases.append(done.block)
         self.schedule()
 
-    def worker_lost(self, worker: WorkerHandle) -> None:
-        """Retry a dead worker's in-flight requests once elsewhere; answer the rest WORKER_DIED."""
-        self.by_identity.pop(worker.identity, None)
-        for batch in worker.inflight.values():
-            for p in reversed(batch.requests):
-                if p.attempts == 0 and not self.stopping:
-                    p.attempts += 1
-                    self.batcher.push(p, front=True)
-                else:
-                    self._fail_pending(p, Code.WORKER_DIED, f"{worker.name} died while running this request")
-        worker.inflight.clear()
-        self.schedule()
-
-    def busy(self) -> bool:
-        return self.batcher.queued() > 0 or any(w.inflight for w in self.supervisor.workers)
-
-    def stop_workers(self) -> None:
-        for w in self.supervisor.workers:
-            if w.state != "dead":
-                w.state = "stopping"
-                self.back.send([w.identity, encode(Stop())])
+    def _reply_outputs(self, p: Pending, views: dict) -> None:
+        metas, payload = [], []
+        for name in p.outputs:
+            t, view = views[name]
+            metas.append(TensorMeta(name=name, dtype=t.dtype, shape=[p.rows, *t.shape[1:]],
+                                    compression="lz4" if p.compress else None))
+            payload.append(lz4.frame.compress(view) if p.compress else view)
+        self._reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
+                                         outputs=metas), *payload)

@@ -15,7 +15,7 @@ from tgw.shm import segment as shm_segment
 from tgw.shm.segment import Segment, ShmError
 
 from .config import WorkersDecl
-from .pool import WorkerHandle
+from .pool import WorkerHandle, WorkerState
 
 log = logging.getLogger("tgw.supervisor")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
@@ -53,7 +53,6 @@ class Supervisor:
     def __init__(self, decl: WorkersDecl, endpoint: str):
         self.decl, self.endpoint = decl, endpoint
         self.workers: list[WorkerHandle] = []
-        self.stopping = False
         self._restarts: dict[int, int] = {}
         self._restart_at: dict[int, float] = {}
 
@@ -61,7 +60,7 @@ class Supervisor:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
         swept = shm_segment.sweep_stale()
         devices = plan_devices(self.decl)
-        in_b, out_b = self.decl.input_arena_mb << 20, self.decl.output_arena_mb << 20
+        in_b, out_b = self.decl.input_bytes, self.decl.output_bytes
         need, free = len(devices) * (in_b + out_b), shm_segment.free_bytes()
         if need > free:
             raise ShmError(28, f"{len(devices)} worker rings need {need >> 20} MiB in {shm_segment.SHM_DIR} "
@@ -79,46 +78,50 @@ class Supervisor:
                "--input-bytes", str(w.input_bytes), "--output-bytes", str(w.output_bytes),
                "--endpoint", self.endpoint, "--threads", str(self.decl.threads_per_worker),
                "--cpus", ",".join(map(str, w.cpus))]
-        w.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        w.pid, w.state = w.proc.pid, "starting"
+        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
         log.info("spawned %s pid %d", w.name, w.pid)
 
-    def spawn_all(self) -> None:
+    def spawn_all(self) -> list[WorkerHandle]:
         for w in self.workers:
             self.spawn(w)
+        return list(self.workers)
 
-    def dead(self) -> list[WorkerHandle]:
-        """Workers whose process has exited since the last look (state becomes 'dead')."""
+    def reap(self) -> list[WorkerHandle]:
+        """Workers whose process has exited since the last look (now DEAD); a worker that
+        reached READY has its restart backoff forgiven."""
         out = []
         for w in self.workers:
-            if w.proc is not None and w.state != "dead" and w.proc.poll() is not None:
+            if w.state is WorkerState.READY:
+                self._restarts[w.worker_id] = 0
+            if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
                 log.warning("%s pid %d exited with %s", w.name, w.pid, w.proc.returncode)
-                w.state = "dead"
+                w.exited()
                 out.append(w)
         return out
 
-    def replace(self, w: WorkerHandle) -> None:
-        """Give a dead worker a fresh ring and schedule its restart with backoff."""
+    def schedule_restart(self, w: WorkerHandle) -> None:
+        """Give a dead worker a fresh ring now and its process after a backoff."""
         w.segment.close()
         w.segment.unlink()
-        w.use_ring(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
-        w.generation += 1
-        w.models.clear()
+        w.renew(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
         n = self._restarts.get(w.worker_id, 0)
         self._restarts[w.worker_id] = n + 1
         self._restart_at[w.worker_id] = time.monotonic() + RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
 
     def due_restarts(self) -> list[WorkerHandle]:
+        """Spawn the dead workers whose backoff has run out; returns them."""
         now = time.monotonic()
-        due = [w for w in self.workers if w.state == "dead" and self._restart_at.get(w.worker_id, now + 1) <= now]
+        due = [w for w in self.workers if w.state is WorkerState.DEAD and self._restart_at.get(w.worker_id, now + 1) <= now]
         for w in due:
             del self._restart_at[w.worker_id]
             self.spawn(w)
         return due
 
-    def ready(self, w: WorkerHandle, models: list[str]) -> None:
-        w.state, w.models = "ready", set(models)
-        self._restarts[w.worker_id] = 0
+    def all_ready(self) -> bool:
+        return all(w.state is WorkerState.READY for w in self.workers)
+
+    def first_dead(self) -> WorkerHandle | None:
+        return next((w for w in self.workers if w.state is WorkerState.DEAD), None)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Wait for workers to exit (after the broker sent Stop), then force; unlink every ring."""

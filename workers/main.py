@@ -12,6 +12,7 @@ import signal
 import sys
 import traceback
 
+import setproctitle
 import torch
 import zmq
 
@@ -22,7 +23,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello
 from .runner import ModelRunner
 from .serve import Server
 
-PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+PR_SET_PDEATHSIG = 1
 
 
 def _prctl(option: int, arg) -> None:
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _setup_process(args: argparse.Namespace) -> torch.device:
-    _prctl(PR_SET_NAME, f"tgw-w{args.worker_id}".encode())
+    setproctitle.setproctitle(f"tgw-worker {args.worker_id} {args.device}")  # what ps and top show
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the broker holds our segment: die with it
     if os.getppid() == 1:
         sys.exit("tgw worker: parent already gone")

@@ -1,0 +1,63 @@
+"""The broker's half of each worker's life on the socket: hello, load, ready, failed, lost.
+
+hello  → the broker answers with every model spec to load;
+ready  → the worker serves those versions (routing may use it);
+failed → a model did not load or warm up: start-up fails with the worker's reason;
+lost   → the process died: its in-flight requests are retried once elsewhere, the rest
+         answered WORKER_DIED.
+"""
+from __future__ import annotations
+
+import logging
+
+from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady, split_model_key
+
+from .batcher import Pending
+from .pool import WorkerHandle, WorkerState
+from .registry import Registry
+
+log = logging.getLogger("tgw.broker")
+
+
+class Handshake:
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self.failure: str | None = None  # the first load failure, which fails start-up
+
+    def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
+        w.pid = msg.pid
+        return LoadModels(models=self.registry.specs())
+
+    def ready(self, w: WorkerHandle, msg: WorkerReady) -> bool:
+        """True if the worker now serves; a worker told to stop meanwhile stays stopping."""
+        if w.state is not WorkerState.STARTING:
+            log.info("%s ready while %s: ignored", w.name, w.state.value)
+            return False
+        w.became_ready(msg.models)
+        for key in msg.models:
+            name, version = split_model_key(key)
+            self.registry.models[name].ready_versions.add(version)
+        log.info("%s ready with %s", w.name, ", ".join(msg.models))
+        return True
+
+    def failed(self, w: WorkerHandle, msg: WorkerFailed) -> None:
+        reason = f"{w.name} failed to load model {msg.model}: {msg.error}"
+        log.error("%s", reason)
+        self.failure = self.failure or reason
+
+    @staticmethod
+    def lost(w: WorkerHandle, retry: bool) -> tuple[list[Pending], list[Pending]]:
+        """Split a dead worker's in-flight requests into (retry now, answer WORKER_DIED).
+
+        Each request is retried at most once: a request that kills two workers is likely
+        the cause, and must not take down a third."""
+        again, gone = [], []
+        for batch in w.inflight.values():
+            for p in batch.requests:
+                if retry and p.attempts == 0:
+                    p.attempts += 1
+                    again.append(p)
+                else:
+                    gone.append(p)
+        w.inflight.clear()
+        return again, gone

@@ -1,0 +1,98 @@
+"""The broker process over time: start workers and wait for them, watch them while serving,
+drain and stop.
+
+The only place that moves the broker between phases and connects the supervisor (processes,
+rings, restarts) with the serving core (routing, queues): the supervisor reaps a dead worker,
+the broker takes back its requests, the supervisor schedules its restart, the broker routes to
+the new process once spawned.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .endpoints import StartupError
+from .server import Broker, Phase
+from .supervisor import Supervisor
+from .systemd import sd_notify
+
+log = logging.getLogger("tgw.broker")
+STOP_DRAIN_S = 30.0
+MONITOR_S = 0.05
+WATCHDOG_S = 1.0  # systemd's WatchdogSec is tens of seconds: one ping a second is plenty
+
+
+class Lifecycle:
+    def __init__(self, broker: Broker, supervisor: Supervisor, start_timeout_s: float):
+        self.broker, self.supervisor = broker, supervisor
+        self.start_timeout_s = start_timeout_s
+        self.stop_event = asyncio.Event()
+        self._last_ping = 0.0
+
+    async def run(self, address: str) -> None:
+        """Start, serve until stop_event, drain; the caller stops workers and closes sockets."""
+        monitor = asyncio.create_task(self._monitor())
+        try:
+            for w in self.supervisor.spawn_all():
+                self.broker.add_worker(w)
+            if not await self._wait_ready():
+                log.info("stopped during start-up")
+                return
+            self.broker.start_serving()
+            log.info("serving on %s with %d worker(s)", address, len(self.supervisor.workers))
+            sd_notify(f"READY=1\nSTATUS=serving on {address}")
+            await self.stop_event.wait()
+            sd_notify("STOPPING=1")
+            await self._drain()
+        finally:
+            monitor.cancel()
+
+    def shutdown(self) -> None:
+        """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
+        self.broker.begin_stop()
+        self.broker.stop_workers()
+        self.supervisor.stop()
+
+    async def _wait_ready(self) -> bool:
+        """True once every worker is ready; False if asked to stop first; raises on failure."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.supervisor.all_ready():
+            if self.broker.handshake.failure:
+                raise StartupError(self.broker.handshake.failure)
+            dead = self.supervisor.first_dead()
+            if dead is not None:
+                raise StartupError(f"{dead.name} exited with code {dead.proc.returncode} during start-up "
+                                   "(its error is printed above)")
+            if time.monotonic() > deadline:
+                raise StartupError(f"workers not ready after {self.start_timeout_s:.0f}s")
+            if self.stop_event.is_set():
+                return False
+            await asyncio.sleep(MONITOR_S)
+        return True
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_S)
+            self.watch(time.monotonic())
+
+    def watch(self, now: float) -> None:
+        """One look: deadlines, dead workers (restarted once serving), due restarts, watchdog."""
+        self.broker.tick(now)
+        serving = self.broker.is_serving()
+        for w in self.supervisor.reap():
+            self.broker.remove_worker(w)
+            if serving:  # a death during start-up fails the start instead (see _wait_ready)
+                self.supervisor.schedule_restart(w)
+        for w in self.supervisor.due_restarts():
+            self.broker.add_worker(w)
+        if self.broker.phase is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
+            self._last_ping = now
+            sd_notify("WATCHDOG=1")
+
+    async def _drain(self) -> None:
+        """Finish queued and in-flight work (new requests are refused meanwhile)."""
+        self.broker.begin_stop()
+        deadline = time.monotonic() + STOP_DRAIN_S
+        while self.broker.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)

@@ -1,0 +1,53 @@
+"""Read-only answers about the broker: hello, models, health, stats.
+
+Built from the state the broker owns (registry, worker roster, queues, counters); nothing here
+changes it.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from tgw.shm.wire import PROTOCOL_VERSION, HealthReply, HelloReply, ModelsReply, StatsReply, model_key
+
+from .pool import WorkerState
+
+if TYPE_CHECKING:
+    from .server import Broker
+
+SERVER_NAME = "tgw/0.1.0"
+
+
+def hello(b: "Broker", req_id: int) -> HelloReply:
+    return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=b.admission.max_request)
+
+
+def serving(b: "Broker", model: str, version: str) -> bool:
+    """A live, ready worker has this version loaded now."""
+    key = model_key(model, version)
+    return any(w.state is WorkerState.READY and key in w.models for w in b.roster)
+
+
+def models(b: "Broker", req_id: int) -> ModelsReply:
+    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[
+        m.info(serving(b, m.name, m.decl.default)) for m in b.registry.models.values()])
+
+
+def health(b: "Broker", req_id: int = 0) -> HealthReply:
+    ready_models = {m.name: serving(b, m.name, m.decl.default) for m in b.registry.models.values()}
+    return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=b.is_serving() and all(ready_models.values()),
+                       models=ready_models, workers={w.name: w.state.value for w in b.roster})
+
+
+def stats(b: "Broker", req_id: int) -> StatsReply:
+    models = {}
+    for name, counters in b.stats.models.items():
+        models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name)}
+    return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
+                      errors=dict(b.stats.unrouted_errors))
+
+
+def processes(b: "Broker") -> list[dict]:
+    return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
+        {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state.value, "inflight": len(w.inflight)}
+        for w in b.roster]
