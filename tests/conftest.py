@@ -21,6 +21,7 @@ import yaml
 from tgw.shm.segment import list_segments
 
 HERE = os.path.dirname(__file__)
+POLL_S = 0.01  # how often wait_until looks; a look is cheap, and the bound is what matters
 sys.path.insert(0, HERE)
 
 BASE_MODELS = ("mlp", "embed")          # from the demo set
@@ -41,6 +42,25 @@ def model_files(tmp_path_factory) -> dict:
         save(name, path)
         files[name] = (path, MODELS[name][1])
     return files
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+    """Poll `condition()` until it returns something truthy (returned); fail after `timeout` s.
+
+    The one way tests wait: on an observable condition with a bound, never a bare sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def in_flight(client) -> int:
+    """Batches the broker has handed to workers and not yet seen completed."""
+    return sum(p.get("inflight", 0) for p in client.stats()["processes"] if p["role"] == "worker")
 
 
 def model_entry(files: dict, name: str, **overrides) -> dict:
@@ -74,18 +94,20 @@ class BrokerProc:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         from tgw.client import Client, ConnectError
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 with Client(self.address, connect_timeout=1.0) as c:
-                    if c.health()["ready"]:
-                        return
+                    return c.health()["ready"]
             except ConnectError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"broker not ready in {timeout}s:\n{self.output()}")
+                return False
+
+        try:
+            wait_until(ready, timeout, "the broker to be ready")
+        except AssertionError:
+            raise TimeoutError(f"broker not ready in {timeout}s:\n{self.output()}") from None
 
     def output(self) -> str:
         with open(self.log_path, "rb") as f:
@@ -173,16 +195,18 @@ def leak_guard(request):
     before_children = {p.pid for p in psutil.Process().children(recursive=True)}
     before_segments = set(list_segments())  # other programs' segments are not this test's doing
     yield
-    deadline = time.monotonic() + 10
-    while True:
-        extra = [p for p in psutil.Process().children(recursive=True)
-                 if p.pid not in before_children and _is_ours(p)]
-        orphans = [s for s in list_segments()
-                   if s not in before_segments and not psutil.pid_exists(int(s.split("_")[2]))]
-        if not extra and not orphans:
-            break
-        if time.monotonic() > deadline:
-            for p in extra:
-                p.kill()
-            pytest.fail(f"leaked: children {[p.pid for p in extra]}, segments {orphans}")
-        time.sleep(0.1)
+    leaks: dict = {}
+
+    def clean() -> bool:
+        leaks["children"] = [p for p in psutil.Process().children(recursive=True)
+                             if p.pid not in before_children and _is_ours(p)]
+        leaks["segments"] = [s for s in list_segments()
+                             if s not in before_segments and not psutil.pid_exists(int(s.split("_")[2]))]
+        return not leaks["children"] and not leaks["segments"]
+
+    try:
+        wait_until(clean, 10, "children to exit and segments to go")
+    except AssertionError:
+        for p in leaks["children"]:
+            p.kill()
+        pytest.fail(f"leaked: children {[p.pid for p in leaks['children']]}, segments {leaks['segments']}")

@@ -2,11 +2,14 @@
 creator's pid, no resource_tracker unlink from an attaching process, scoped views, stale sweep."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -215,3 +218,45 @@ def test_sweep_ignores_foreign_names(private_shm_dir):
 
 def test_free_bytes():
     assert free_bytes() > 0
+
+
+def test_sweep_skips_a_directory_named_like_a_segment(private_shm_dir, caplog):
+    name = f"tgw_ring_{_dead_pid()}_00ab"            # any local user can make this in /dev/shm
+    os.mkdir(os.path.join(seg_mod.SHM_DIR, name))
+    assert sweep_stale() == []
+    assert exists(name) and name in caplog.text     # one log line, and start-up goes on
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_sweep_skips_another_users_segment_it_cannot_unlink(monkeypatch, caplog):
+    """/dev/shm is sticky (1777): a user cannot unlink another user's stale segment. The sweep,
+    run here by `nobody` on root's segment in a private sticky folder, logs it and goes on."""
+    shared = tempfile.mkdtemp(prefix="tgw-sticky-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o1777)
+        monkeypatch.setattr(seg_mod, "SHM_DIR", shared)
+        theirs = f"tgw_ring_{_dead_pid()}_00cd"
+        os.close(os.open(os.path.join(shared, theirs), os.O_CREAT | os.O_RDWR, 0o600))  # root's
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: become nobody, sweep, report
+            os.close(read)
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                removed = sweep_stale()
+                os.write(write, json.dumps({"removed": removed, "log": caplog.text}).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        with os.fdopen(read) as f:
+            report = f.read()
+        assert os.waitpid(child, 0)[1] == 0, "the sweep raised instead of skipping"
+        result = json.loads(report)
+        assert result["removed"] == []
+        assert theirs in result["log"] and "left in place" in result["log"]
+        assert exists(theirs)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

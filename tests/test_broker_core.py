@@ -1,0 +1,172 @@
+"""The broker's serving core in-process: real Broker, real ZeroMQ sockets over inproc://, a real
+ring segment, an injected clock; the test plays both the client and the worker.
+
+Proves without processes or wall-clock races that an expired request is never computed, that a
+worker's error reaches the caller with its details, and that a lost worker's requests are
+retried once, then answered WORKER_DIED.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import base_config
+from tgw.broker.config import parse_config
+from tgw.broker.pool import WorkerHandle, WorkerState
+from tgw.broker.server import Broker
+from tgw.shm.errors import Code, fail
+from tgw.shm.segment import Segment, new_name
+from tgw.shm.wire import PROTOCOL_VERSION, Batch, Done, ErrorReply, Infer, LoadModels, Stats, StatsReply, \
+    TensorMeta, WorkerHello, WorkerReady, encode, reply_decoder, to_worker_decoder
+
+X = np.zeros((1, 256), np.float32)
+WAIT_S = 10.0
+_ports = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def until(condition, what: str) -> None:
+    """Let the broker's loop run until `condition()` holds (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+async def recv(sock: zmq.Socket) -> list[bytes]:
+    await until(lambda: sock.poll(0), "a message")
+    return sock.recv_multipart()
+
+
+class Rig:
+    """A Broker on inproc sockets, one worker handle over a real segment, a client and a fake worker."""
+
+    def __init__(self, cfg, clock: Clock):
+        self.ctx = zmq.Context()
+        n = next(_ports)
+        self.front_addr, self.back_addr = f"inproc://front{n}", f"inproc://back{n}"
+        front, back = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.ROUTER)
+        front.bind(self.front_addr)
+        back.bind(self.back_addr)
+        self.broker = Broker(cfg, clock=clock)
+        self.broker.attach(asyncio.get_running_loop(), front, back)
+        self.client = self.ctx.socket(zmq.DEALER)
+        self.client.connect(self.front_addr)
+        w = cfg.workers
+        self.handle = WorkerHandle(0, "cpu", [], Segment.create(new_name("ring"), w.input_bytes + w.output_bytes),
+                                   w.input_bytes, w.output_bytes)
+        self.worker: zmq.Socket | None = None
+
+    async def start_worker(self) -> None:
+        """Spawn (a new life of) the worker and take it through the handshake."""
+        self.handle.spawned(None)
+        self.broker.add_worker(self.handle)
+        self.worker = self.ctx.socket(zmq.DEALER)
+        self.worker.setsockopt(zmq.IDENTITY, self.handle.identity)
+        self.worker.connect(self.back_addr)
+        self.worker.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=4242)))
+        load = to_worker_decoder.decode((await recv(self.worker))[0])
+        assert isinstance(load, LoadModels) and [m.name for m in load.models] == ["mlp"]
+        self.worker.send(encode(WorkerReady(worker_id=0, models=["mlp:1"])))
+        await until(lambda: self.handle.state is WorkerState.READY, "the worker to be ready")
+
+    def infer(self, req_id: int, timeout_ms: int) -> None:
+        header = Infer(v=PROTOCOL_VERSION, id=req_id, model="mlp", timeout_ms=timeout_ms,
+                       inputs=[TensorMeta(name="x", dtype="float32", shape=list(X.shape))])
+        self.client.send_multipart([encode(header), X.tobytes()])
+
+    async def reply(self):
+        return reply_decoder.decode((await recv(self.client))[0])
+
+    async def batch(self) -> Batch:
+        msg = to_worker_decoder.decode((await recv(self.worker))[0])
+        assert isinstance(msg, Batch)
+        return msg
+
+    async def stats(self) -> dict:
+        """The broker's stats; its reply also proves that what was scheduled before it has run."""
+        self.client.send(encode(Stats(v=PROTOCOL_VERSION, id=999)))
+        reply = await self.reply()
+        assert isinstance(reply, StatsReply)
+        return reply.models["mlp"]
+
+    def close(self) -> None:
+        self.broker.front.close()
+        self.broker.back.close()
+        self.ctx.destroy(linger=0)
+        self.handle.segment.close()
+        self.handle.segment.unlink()
+
+
+def run(model_files, scenario, **server):
+    cfg = parse_config(base_config(model_files, "mlp", server=server), base_dir="/", source="test")
+
+    async def main():
+        rig = Rig(cfg, Clock())
+        try:
+            await rig.start_worker()
+            await scenario(rig, rig.broker.clock)
+        finally:
+            rig.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("sweep", [True, False], ids=["swept-by-tick", "dropped-at-dispatch"])
+def test_expired_request_is_never_computed(model_files, sweep):
+    async def scenario(rig: Rig, clock: Clock):
+        rig.infer(1, timeout_ms=60_000)
+        first = await rig.batch()                    # computing on the (test's) worker
+        rig.infer(2, timeout_ms=100)                 # one batch in flight per worker: this one queues
+        assert (await rig.stats())["queued"] == 1
+        clock.t += 1.0                               # its deadline passes while queued
+        if sweep:
+            rig.broker.tick(clock())
+            err = await rig.reply()
+            assert isinstance(err, ErrorReply) and err.id == 2 and err.error.code == "DEADLINE_EXCEEDED"
+        body = fail(Code.MODEL_EXECUTION_ERROR, "boom", exception="ValueError").to_body()
+        rig.worker.send(encode(Done(batch_id=first.batch_id, error=body)))
+        replies = {r.id: r for r in [await rig.reply() for _ in range(1 if sweep else 2)]}
+        relayed = replies[1].error                   # the worker's error reaches the caller whole
+        assert relayed.code == "MODEL_EXECUTION_ERROR" and relayed.message == "boom"
+        assert relayed.details == {"exception": "ValueError", "model": "mlp"}
+        if not sweep:
+            assert replies[2].error.code == "DEADLINE_EXCEEDED"
+        stats = await rig.stats()
+        assert stats["errors"] == {"DEADLINE_EXCEEDED": 1, "MODEL_EXECUTION_ERROR": 1} and stats["queued"] == 0
+        assert not rig.worker.poll(0), "the expired request reached the worker"
+
+    run(model_files, scenario, max_inflight_batches_per_worker=1)
+
+
+def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
+    async def scenario(rig: Rig, clock: Clock):
+        rig.infer(7, timeout_ms=60_000)
+        for life in range(2):
+            batch = await rig.batch()
+            assert [len(t.shape) for t in batch.inputs] == [2] and batch.rows == 1
+            rig.handle.exited()                      # the process died holding the batch
+            rig.broker.remove_worker(rig.handle)
+            if life == 0:                            # retried on the worker's next life
+                rig.worker.close(linger=0)
+                old = rig.handle.segment
+                rig.handle.renew(Segment.create(new_name("ring"), old.size))
+                old.close()
+                old.unlink()
+                await rig.start_worker()
+        err = await rig.reply()
+        assert err.id == 7 and err.error.code == "WORKER_DIED" and err.error.retryable
+
+    run(model_files, scenario)
