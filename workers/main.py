@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from tgw.shm.segment import Segment
-from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, \
+from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
 from .runner import ModelRunner
@@ -73,7 +73,7 @@ def _load(spec_msg: LoadModels, device: torch.device, worker_id: int):
             runner = ModelRunner(spec, device)
             runner.warm_up()
         except Exception as exc:
-            return None, WorkerFailed(worker_id=worker_id, model=f"{spec.name}:{spec.version}",
+            return None, WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
                                       error=f"{type(exc).__name__}: {exc}".strip()[:4000])
         runners[runner.key] = runner
     return runners, WorkerReady(worker_id=worker_id, models=sorted(runners))
