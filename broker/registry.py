@@ -145,4 +145,4 @@ class Registry:
 
 
 def _dims_match(got: list[int], declared: list[int]) -> bool:
-    return all((d == -1 and g >= 0) or g == d for g, d in zip(got, declared))
+    return all(g >= 0 and (d == -1 or g == d) for g, d in zip(got, declared))

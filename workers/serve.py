@@ -6,6 +6,7 @@ writer of the output arena; the broker frees output blocks by listing them on it
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -19,6 +20,7 @@ from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_
 
 from .runner import TORCH_DTYPES, ModelRunner
 
+log = logging.getLogger("tgw.worker")
 RELEASE_WAIT_S = 30.0  # how long a batch may wait for output space before failing OUT_OF_SHM
 
 
@@ -53,16 +55,20 @@ class Server:
     def _apply_releases(self, msg: Batch | Release) -> None:
         blocks = msg.release if isinstance(msg, Batch) else msg.blocks
         for block in blocks:
-            self.outputs.release(block)
+            try:
+                self.outputs.release(block)
+            except KeyError:  # a broker bug (a block released twice, or never lent) must not stop serving
+                log.warning("release of output block %d ignored: it is not allocated", block)
         blocks.clear()  # a batch parked in the inbox must not release twice
 
     def run_batch(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
         if batch.deadline and time.monotonic() > batch.deadline:
             return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
-        runner = self.runners.get(model_key(batch.model, batch.version))
+        key = model_key(batch.model, batch.version)
+        runner = self.runners.get(key)
         if runner is None:
-            return _error(batch, Code.MODEL_NOT_READY, f"{batch.model}:{batch.version} is not loaded on this worker")
+            return _error(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
         try:
             inputs = [self._view(t) for t in batch.inputs]
             outs = runner.run(inputs, batch.rows)

@@ -1,0 +1,282 @@
+"""The worker's serving loop (workers/serve.py) in-process: Server.serve() in a thread on a DEALER,
+driven from a ROUTER over inproc:// as the broker drives it, with real TorchScript models and a
+real segment. Model errors, unknown models, passed deadlines, a full output arena, bad releases.
+
+Every wait is bounded and waits on something observable (a reply, the thread's end); no test
+relies on timing to prove that something did not happen."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from models import MODELS, save
+from tgw.shm.errors import Code
+from tgw.shm.ring import aligned_total
+from tgw.shm.segment import Segment, new_name
+from tgw.shm.views import block_view
+from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, Done, IOSpec, ModelSpec, Release, Stop,
+                          WorkerHello, encode, from_worker_decoder)
+from tgw.workers.runner import ModelRunner
+from tgw.workers.serve import Server
+
+IN_BYTES = 64 << 10
+ONE_BATCH = 4096                 # an output arena that holds one [1, 1024] float32 output
+WAIT_S = 10.0                    # bound on every wait for a reply or for the thread to end
+IDENTITY = b"w0.0"
+_endpoints = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory) -> dict[str, ModelRunner]:
+    """"double:1" (y = 2x, any width) and "fails:1" (y = x + 1, raises on a negative x[0, 0])."""
+    d = tmp_path_factory.mktemp("worker_models")
+    out = {}
+    for name in ("double", "fails"):
+        path = str(d / f"{name}.pt")
+        save(name, path)
+        io = {k: [IOSpec(**t) for t in MODELS[name][1][k]] for k in ("inputs", "outputs")}
+        runner = ModelRunner(ModelSpec(name=name, version="1", path=path, **io), torch.device("cpu"))
+        out[runner.key] = runner
+    return out
+
+
+class Worker:
+    """A Server serving in a thread; this side plays the broker: it writes inputs into the input
+    arena, sends Batch/Release/Stop on a ROUTER and reads Done messages back."""
+
+    def __init__(self, runners: dict[str, ModelRunner], output_bytes: int):
+        self.segment = Segment.create(new_name("ring"), IN_BYTES + output_bytes)
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.server = Server(self.dealer, self.segment, IN_BYTES, output_bytes, runners)
+        self.thread = threading.Thread(target=self._serve, name="tgw-test-worker", daemon=True)
+        self.error: BaseException | None = None
+        self.returned = False
+        self.next_in, self.batch_ids = 0, itertools.count(1)
+        try:
+            self._connect(f"inproc://tgw-worker-{next(_endpoints)}")
+        except BaseException:
+            self.close()
+            raise
+        self.thread.start()
+
+    def _connect(self, endpoint: str) -> None:
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a message to nobody raises, never vanishes
+        self.router.bind(endpoint)
+        self.dealer.setsockopt(zmq.IDENTITY, IDENTITY)
+        self.dealer.connect(endpoint)
+        # the worker's hello, as in workers/main.py: once read, the router can address the worker
+        self.dealer.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=os.getpid())))
+        assert self.router.poll(int(WAIT_S * 1000)), "the hello never reached the router"
+        self.router.recv_multipart()
+
+    def _serve(self) -> None:
+        try:
+            self.server.serve()
+            self.returned = True
+        except BaseException as exc:  # reported by recv()/stop() in the test's thread
+            self.error = exc
+
+    def send(self, msg) -> None:
+        self.router.send_multipart([IDENTITY, encode(msg)])
+
+    def batch(self, x: np.ndarray, model: str = "double", version: str = "1", **fields) -> Batch:
+        """Write x into a fresh input block and send a batch of it; returns what was sent."""
+        block = self.next_in
+        self.next_in += aligned_total([x.nbytes])
+        assert self.next_in <= IN_BYTES, "test bug: input arena exhausted"
+        self.segment.buf[block:block + x.nbytes] = x.tobytes()
+        msg = Batch(batch_id=next(self.batch_ids), model=model, version=version, rows=len(x), block=block,
+                    inputs=[BlockTensor(name="x", dtype=x.dtype.name, shape=list(x.shape), offset=block,
+                                        nbytes=x.nbytes)], **fields)
+        self.send(msg)
+        return msg
+
+    def recv(self) -> Done:
+        deadline = time.monotonic() + WAIT_S
+        while not self.router.poll(100):
+            # a thread seen dead may have sent its last reply just after that poll
+            assert self.thread.is_alive() or self.router.poll(0), f"serve() ended: {self.error!r}"
+            assert time.monotonic() < deadline, f"no reply from the worker in {WAIT_S:.0f} s"
+        ident, payload = self.router.recv_multipart()
+        msg = from_worker_decoder.decode(payload)
+        assert ident == IDENTITY and isinstance(msg, Done), msg
+        return msg
+
+    def outputs(self, done: Done) -> list[np.ndarray]:
+        assert done.error is None, done.error
+        return [block_view(self.segment.buf, t).copy() for t in done.outputs]
+
+    def stop(self) -> None:
+        self.send(Stop())
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "serve() did not return after Stop"
+        assert self.returned and self.error is None, self.error
+
+    def close(self) -> None:
+        try:
+            if self.thread.is_alive():
+                self.stop()
+        finally:
+            self.router.close(linger=0)
+            if not self.thread.is_alive():   # a hung thread keeps its socket, the context and the mapping
+                self.dealer.close(linger=0)
+                self.ctx.term()
+                self.segment.close()
+            self.segment.unlink()
+
+
+@pytest.fixture
+def start(runners):
+    """start(output_bytes=64 KiB) -> a serving Worker; each is stopped and cleaned up at teardown."""
+    workers: list[Worker] = []
+
+    def factory(output_bytes: int = 64 << 10) -> Worker:
+        w = Worker(runners, output_bytes)
+        workers.append(w)
+        return w
+
+    yield factory
+    for w in workers:
+        w.close()
+
+
+def rows(n: int, width: int = 2, first: float = 1.0) -> np.ndarray:
+    return np.arange(n * width, dtype=np.float32).reshape(n, width) + first
+
+
+def full(seed: float) -> np.ndarray:
+    """Input of "double" whose output fills a ONE_BATCH arena exactly."""
+    return rows(1, ONE_BATCH // 4, seed)
+
+
+def expect_error(w: Worker, batch: Batch, code: Code) -> Done:
+    """The next reply fails `batch` with `code`, carrying no outputs."""
+    done = w.recv()
+    assert done.batch_id == batch.batch_id
+    assert done.error is not None and done.error.code == code.value, done.error
+    assert done.outputs == [] and done.block is None
+    return done
+
+
+def expect_doubled(w: Worker, batch: Batch, x: np.ndarray, block: int) -> Done:
+    """The next reply answers `batch` (of "double" on x) with 2x in output block `block`."""
+    done = w.recv()
+    assert done.batch_id == batch.batch_id and done.block == block
+    (y,) = w.outputs(done)
+    np.testing.assert_array_equal(y, 2 * x)
+    return done
+
+
+def ignored_releases(caplog) -> list[int]:
+    """The blocks the worker logged as bad releases."""
+    return [r.args[0] for r in caplog.records if r.name == "tgw.worker" and r.levelno == logging.WARNING]
+
+
+# ---- running batches ---------------------------------------------------------------------------
+
+def test_batch_output_lands_in_the_output_arena(start):
+    w = start()
+    x = rows(3, 5)
+    (y,) = expect_doubled(w, w.batch(x), x, block=0).outputs
+    assert (y.name, y.dtype, y.shape, y.offset, y.nbytes) == ("y", "float32", [3, 5], IN_BYTES, x.nbytes)
+    x2 = rows(1, 7, -4.0)
+    expect_doubled(w, w.batch(x2), x2, block=aligned_total([x.nbytes]))  # block 0 is still lent
+
+
+def test_model_exception_fails_that_batch_only(start):
+    w = start()
+    bad = w.batch(np.array([[-1.0, 2.0]], dtype=np.float32), "fails")
+    done = expect_error(w, bad, Code.MODEL_EXECUTION_ERROR)
+    assert "negative input rejected" in done.error.message
+    x = rows(2)
+    good = w.batch(x, "fails")
+    done = w.recv()
+    assert done.batch_id == good.batch_id
+    np.testing.assert_array_equal(w.outputs(done)[0], x + 1)
+
+
+@pytest.mark.parametrize("model, version", [("nope", "1"), ("double", "2")])
+def test_model_not_loaded(start, model, version):
+    w = start()
+    expect_error(w, w.batch(rows(1), model, version), Code.MODEL_NOT_READY)
+    x = rows(2)
+    expect_doubled(w, w.batch(x), x, block=0)
+
+
+def test_passed_deadline_skips_the_model(start):
+    w = start()
+    past = time.monotonic() - 1.0
+    # had the model run, this input would have failed it: MODEL_EXECUTION_ERROR
+    b = w.batch(np.array([[-1.0, 0.0]], dtype=np.float32), "fails", deadline=past)
+    expect_error(w, b, Code.DEADLINE_EXCEEDED)
+    expect_error(w, w.batch(rows(4), deadline=past), Code.DEADLINE_EXCEEDED)
+    x = rows(2)
+    b = w.batch(x, deadline=time.monotonic() + 3600)
+    expect_doubled(w, b, x, block=0)              # the skipped batches took no output space
+
+
+# ---- output arena space ------------------------------------------------------------------------
+
+def test_full_output_arena_waits_for_a_release(start):
+    w = start(ONE_BATCH)
+    x1, x2 = full(1.0), full(-7.0)
+    expect_doubled(w, w.batch(x1), x1, block=0)
+    b2 = w.batch(x2)                 # no room until block 0 is released
+    w.send(Release(blocks=[0]))
+    # batch 2 can only have got space from that release, sent after it
+    expect_doubled(w, b2, x2, block=0)
+
+
+def test_release_on_a_batch_that_arrives_while_waiting(start, caplog):
+    caplog.set_level(logging.WARNING, logger="tgw.worker")
+    w = start(ONE_BATCH)
+    x1, x2, x4 = full(1.0), full(2.0), full(3.0)
+    expect_doubled(w, w.batch(x1), x1, block=0)
+    b2 = w.batch(x2)                                 # waits for space
+    b3 = w.batch(rows(1), "nope", release=[0])       # frees it; is served after batch 2
+    expect_doubled(w, b2, x2, block=0)
+    expect_error(w, b3, Code.MODEL_NOT_READY)
+    w.send(Release(blocks=[0]))
+    expect_doubled(w, w.batch(x4), x4, block=0)
+    assert ignored_releases(caplog) == []            # batch 3's release was applied once, not again
+
+
+def test_output_larger_than_the_arena(start):
+    w = start(ONE_BATCH)
+    done = expect_error(w, w.batch(rows(1, ONE_BATCH // 4 + 16)), Code.OUT_OF_SHM)
+    assert done.error.details["arena"] == "output"
+    x = full(5.0)
+    expect_doubled(w, w.batch(x), x, block=0)
+
+
+def test_bad_releases_are_logged_and_ignored(start, caplog):
+    caplog.set_level(logging.WARNING, logger="tgw.worker")
+    w = start(ONE_BATCH)
+    x1, x2, x3, x4 = full(1.0), full(2.0), full(3.0), full(4.0)
+    expect_doubled(w, w.batch(x1), x1, block=0)
+    w.send(Release(blocks=[0]))
+    w.send(Release(blocks=[0, 640]))                 # released already; never lent
+    expect_doubled(w, w.batch(x2), x2, block=0)
+    b3 = w.batch(x3)                                 # waits for space
+    w.send(Release(blocks=[192, 0]))                 # read while waiting: the bad block does not stop the good one
+    expect_doubled(w, b3, x3, block=0)
+    expect_doubled(w, w.batch(x4, release=[704, 0]), x4, block=0)   # the same on a batch
+    assert ignored_releases(caplog) == [0, 640, 192, 704]
+
+
+def test_stop_ends_serve_after_the_work_before_it(start):
+    w = start()
+    x = rows(2)
+    b = w.batch(x)
+    w.stop()
+    expect_doubled(w, b, x, block=0)
