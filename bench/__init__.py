@@ -1,10 +1,11 @@
-"""tgw.bench: the benchmark harness.
+"""tgw.bench: the benchmark harness, one entry: `tgw-bench` (cli.py).
 
-* `tgw-bench` (cli.py) drives a running broker: closed loop (--concurrency) or open loop
-  (--rate, Poisson arrivals), several generator processes, latency percentiles, errors by code,
-  the broker's batch-size distribution and peak RSS of every tgw process.
-* `python bench/compare.py` runs the side-by-side comparison (in-process floor, transport floor,
-  tgw native, Flask+gunicorn baseline) in one invocation and writes bench/RESULTS.md.
+* `tgw-bench load` drives a running broker (closed or open loop) and reports throughput,
+  latency percentiles, errors by code, the broker's batch sizes and every tgw process's RSS/CPU.
+* `tgw-bench compare` (alias: `python bench/compare.py`) puts the in-process floor, the transport
+  floor, tgw native and Flask+gunicorn side by side and writes bench/RESULTS.md.
 
-Nothing here is imported by the server; torch is only imported in the floor / Flask processes.
+One pipeline: cli -> comparison -> measure (loadgen or wrk) -> report; bench/README.md has the
+layout and why this package ships in the wheel. The server never imports it; torch is imported
+only by the floor's copies, the demo-model builder and the Flask workers.
 """

@@ -1,24 +1,31 @@
-"""tgw-bench: load a running tgw broker and report throughput, latency, errors, batching, memory.
+"""tgw-bench: the benchmark's one entry.
 
-    tgw-bench --model mlp --concurrency 1,16,64 --duration 10 --json out.json --plot out.png
-    tgw-bench --model resnet --rate 50,100,200 --duration 20
+    tgw-bench load --model mlp --concurrency 1,16,64 --duration 10 --json out.json --plot out.png
+    tgw-bench load --model resnet --rate 50,100,200 --duration 20
+    tgw-bench compare --quick        # also: python bench/compare.py --quick
 
-Closed loop (--concurrency N: N requests always in flight) or open loop (--rate R: Poisson
-arrivals at R requests/s, latency counted from each request's scheduled send time). A list of
-levels runs one after the other against the same broker. Exit status: 0 when every request
-succeeded, 1 when some failed, 2 on usage or connection problems.
+load: drive a running broker in closed loop (--concurrency N: N requests always in flight) or
+open loop (--rate R: Poisson arrivals at R requests/s, latency counted from each request's
+scheduled send time); a list of levels runs one after the other against the same broker.
+`tgw-bench --model ...` without a subcommand is `load` (the form of earlier versions).
+compare: the side-by-side comparison (comparison.py); writes bench/results/ and RESULTS.md.
+
+Exit status: 0 success (compare: every row filled, no request failed, the broker stopped
+cleanly), 1 some requests failed, 2 usage or connection problems, 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
 import sys
-from typing import Any
+from typing import Optional
 
 from tgw.bench import report
-from tgw.bench.inputs import GENERATORS, VAR_LEN, find_model
 from tgw.bench.loadgen import LoadSpec
-from tgw.bench.runner import measure
-from tgw.bench.targets import TgwTarget
+from tgw.bench.measure import measure
+from tgw.bench.targets import GENERATORS, VAR_LEN, TgwTarget, find_model
 
 
 def _levels(text: str) -> list[float]:
@@ -31,78 +38,121 @@ def _levels(text: str) -> list[float]:
     return vals
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tgw-bench", description=__doc__.split("\n\n")[0],
+def _systems(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    if not names or set(names) - set(report.SYSTEMS):
+        raise argparse.ArgumentTypeError(f"choose from {','.join(report.SYSTEMS)}, got {text!r}")
+    return names
+
+
+def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--address", help="broker address (default: $TGW_ADDRESS or the runtime-dir socket)")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--version", help="model version (default: the model's default version)")
-    load = ap.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", type=_levels, help="closed loop: requests in flight, e.g. 1,16,64")
-    load.add_argument("--rate", type=_levels, help="open loop: Poisson arrivals per second, e.g. 100,500")
-    ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per level (default 10)")
-    ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
-    ap.add_argument("--batch", type=int, default=1, help="rows per request (default 1)")
-    ap.add_argument("--input", choices=GENERATORS, default="random", help="input generator (default random)")
-    ap.add_argument("--var-len", type=int, default=VAR_LEN, help=f"length used for -1 dims (default {VAR_LEN})")
-    ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (default: the model's)")
-    ap.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
-    ap.add_argument("--max-inflight", type=int, default=256,
+    sub = ap.add_subparsers(dest="command")
+    ld = sub.add_parser("load", help="load a running broker")
+    ld.add_argument("--address", help="broker address (default: $TGW_ADDRESS or the runtime-dir socket)")
+    ld.add_argument("--model", required=True)
+    ld.add_argument("--version", help="model version (default: the model's default version)")
+    level = ld.add_mutually_exclusive_group()
+    level.add_argument("--concurrency", type=_levels, help="closed loop: requests in flight, e.g. 1,16,64")
+    level.add_argument("--rate", type=_levels, help="open loop: Poisson arrivals per second, e.g. 100,500")
+    ld.add_argument("--duration", type=float, default=10.0, help="measured seconds per level (default 10)")
+    ld.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
+    ld.add_argument("--batch", type=int, default=1, help="rows per request (default 1)")
+    ld.add_argument("--input", choices=GENERATORS, default="random", help="input generator (default random)")
+    ld.add_argument("--var-len", type=int, default=VAR_LEN, help=f"length used for -1 dims (default {VAR_LEN})")
+    ld.add_argument("--timeout", type=float, help="per-request timeout in seconds (default: the model's)")
+    ld.add_argument("--max-inflight", type=int, default=256,
                     help="open loop: sender threads over all processes (default 256)")
-    ap.add_argument("--json", metavar="FILE", help="write every level's result as JSON")
-    ap.add_argument("--plot", metavar="FILE.png", help="plot latency percentiles against offered load")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
+    ld.add_argument("--json", metavar="FILE", help="write every level's result as JSON")
+    ld.add_argument("--plot", metavar="FILE.png", help="plot latency percentiles against offered load")
+
+    cmp = sub.add_parser("compare", help="in-process floor, transport floor, tgw, Flask+gunicorn side by side")
+    cmp.add_argument("--quick", action="store_true", help="short runs (about 90 s in all) for development")
+    cmp.add_argument("--duration", type=float, help="override: measured seconds per row")
+    cmp.add_argument("--warmup", type=float, help="override: warm-up seconds per row")
+    cmp.add_argument("--systems", default=",".join(report.SYSTEMS), type=_systems,
+                     help=f"comma-separated subset of {','.join(report.SYSTEMS)} (default: all)")
+    cmp.add_argument("--models", help="comma-separated subset of the scenario models (mlp,resnet,resnet224)")
+    cores = os.cpu_count() or 1
+    cmp.add_argument("--tgw-workers", type=int, default=cores, help=f"tgw cpu workers (default: cores = {cores})")
+    cmp.add_argument("--flask-workers", type=int, default=cores, help="gunicorn sync workers (default: cores)")
+    cmp.add_argument("--floor-procs", type=int, default=cores,
+                     help="in-process floor: model copies, 1 torch thread each (default: cores)")
+    cmp.add_argument("--floor-module", choices=("freeze", "none", "optimize"), default="freeze",
+                     help="in-process floor: torch.jit.freeze as tgw's worker (default), as loaded, or frozen + "
+                          "optimize_for_inference")
+    cmp.add_argument("--out", help="folder for results/ and RESULTS.md (default: bench/ of the checkout, else .)")
+    cmp.add_argument("--no-results-md", action="store_true", help="do not touch RESULTS.md")
+    cmp.add_argument("--keep", action="store_true", help="keep the temporary folder (models, logs, sockets)")
+
+    for p in (ld, cmp):
+        p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     return ap
 
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def load(a: argparse.Namespace) -> int:
     from tgw.client import Client
     from tgw.shm.paths import default_address
 
-    address = a.address or default_address()
-    with Client(address) as c:
-        meta = find_model(c.models(), a.model)
-        if a.batch > meta["max_batch_size"]:
-            raise LookupError(f"--batch {a.batch} exceeds {a.model}'s max_batch_size {meta['max_batch_size']}")
-        processes = c.stats()["processes"]
-        mode, levels = ("open", a.rate) if a.rate else ("closed", a.concurrency or [1.0])
-        target = TgwTarget(address, a.model, a.batch, a.version, a.timeout, a.var_len, a.input)
-        runs = []
-        for level in levels:
-            spec = LoadSpec(mode, level if mode == "open" else int(level), a.duration, a.warmup, a.procs,
-                            a.max_inflight)
-            s = measure(target, spec, processes, a.batch, stats_fn=c.stats, model=a.model,
-                        label=f"{a.model} {'c=' if mode == 'closed' else ''}{level:g}{'/s' if mode == 'open' else ''}",
-                        progress=False if a.no_progress else None)
-            s["model"] = a.model
-            runs.append(s)
-            print(report.format_summary(s), flush=True)
-    if len(runs) > 1:
-        print()
-        print(report.format_table(runs))
-    return {"address": address, "model": a.model, "model_meta": meta, "mode": mode, "runs": runs,
-            "command": " ".join(["tgw-bench", *sys.argv[1:]])}
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
     if a.batch < 1 or a.duration <= 0 or a.warmup < 0:
-        parser().error("--batch must be >= 1, --duration > 0, --warmup >= 0")
+        print("tgw-bench: --batch must be >= 1, --duration > 0, --warmup >= 0", file=sys.stderr)
+        return 2
+    address, runs = a.address or default_address(), []
+    mode, levels = ("open", a.rate) if a.rate else ("closed", a.concurrency or [1.0])
     try:
-        result = run(a)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        with Client(address) as c:
+            meta = find_model(c.models(), a.model)
+            if a.batch > meta["max_batch_size"]:
+                raise LookupError(f"--batch {a.batch} exceeds {a.model}'s max_batch_size {meta['max_batch_size']}")
+            target = TgwTarget(address, a.model, a.batch, a.version, a.timeout, a.var_len, a.input)
+            processes = c.stats()["processes"]
+            for lv in levels:
+                spec = LoadSpec(mode, lv if mode == "open" else int(lv), a.duration, a.warmup, a.procs, a.max_inflight)
+                runs.append({**measure(target, spec, processes, a.batch, stats_fn=c.stats, model=a.model,
+                                       label=f"{a.model} {f'{lv:g}/s' if mode == 'open' else f'c={lv:g}'}",
+                                       progress=False if a.no_progress else None), "model": a.model})
+                print(report.format_summary(runs[-1]), flush=True)
     except (ConnectionError, RuntimeError, LookupError) as exc:
         print(f"tgw-bench: {exc}", file=sys.stderr)
         return 2
+    if len(runs) > 1:
+        print("\n" + report.text_table(report.level_table(runs), 0))
     if a.json:
-        report.write_json(a.json, result)
+        report.write_json(a.json, {"address": address, "model": a.model, "model_meta": meta, "mode": mode,
+                                   "runs": runs, "command": a.command_line})
         print(f"wrote {a.json}")
     if a.plot:
-        report.plot_levels(result["runs"], a.plot, f"tgw-bench {a.model} ({result['mode']} loop)")
+        report.plot_levels(runs, a.plot, f"tgw-bench {a.model} ({mode} loop)")
         print(f"wrote {a.plot}")
-    return 1 if any(s["requests_failed"] for s in result["runs"]) else 0
+    return 1 if any(s["requests_failed"] for s in runs) else 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # SIGTERM unwinds like Ctrl-C: `finally` stops what was started
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Optional[str] = None) -> int:
+    """command: a fixed subcommand (bench/compare.py passes "compare" and its own prog)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    full = ([command] if command else []) + args
+    if full and full[0] not in ("load", "compare", "-h", "--help"):
+        full.insert(0, "load")  # the form without a subcommand
+    a = parser(prog).parse_args(full)
+    if a.command is None:
+        parser(prog).print_help()
+        return 2
+    a.command_line = " ".join([prog, *map(shlex.quote, args)])
+    try:
+        if a.command == "load":
+            return load(a)
+        signal.signal(signal.SIGTERM, _interrupt)
+        from tgw.bench.comparison import run
+        return run(a, a.command_line)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

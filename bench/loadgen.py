@@ -26,11 +26,11 @@ import time
 import traceback
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tgw.bench.summary import merge
 from tgw.bench.targets import error_code
 
 
@@ -47,15 +47,13 @@ class LoadSpec:
 
 def default_procs(spec: LoadSpec) -> int:
     """Half the cores (the server needs the rest), at least 2, at most 4, never more than threads."""
-    cores = os.cpu_count() or 1
-    n = max(2, min(4, cores // 2))
-    if spec.mode == "closed":
-        n = min(n, int(spec.level))
-    return max(1, n)
+    n = max(2, min(4, (os.cpu_count() or 1) // 2))
+    return max(1, min(n, int(spec.level)) if spec.mode == "closed" else n)
 
 
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    """CPU time of this process (or, with RUSAGE_CHILDREN, of its reaped children)."""
+    r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
 
@@ -64,27 +62,27 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 class _Recorder:
-    """Per-thread samples: start (closed) or scheduled (open) time, latency, send lag."""
+    """Per-thread samples: latency and send lag of each success, failures by code."""
 
     def __init__(self) -> None:
-        self.t, self.lat, self.lag = array("d"), array("d"), array("d")
+        self.lat, self.lag = array("d"), array("d")
         self.errors: dict[str, int] = {}
         self.messages: dict[str, str] = {}
         self.done = 0
 
 
 def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float, ws: float, we: float) -> None:
+    """One request; recorded only if its reference time (start or schedule) is inside [ws, we)."""
     try:
         call()
-        ok, exc = True, None
+        exc = None
     except Exception as e:  # noqa: BLE001 - every failure is counted by code
-        ok, exc = False, e
+        exc = e
     t1 = time.monotonic()
     rec.done += 1
     if not (ws <= t_ref < we):
         return
-    if ok:
-        rec.t.append(t_ref)
+    if exc is None:
         rec.lat.append(t1 - t_ref)
         rec.lag.append(sent - t_ref)
     else:
@@ -93,48 +91,28 @@ def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float
         rec.messages.setdefault(code, str(exc)[:300])
 
 
-class _Window:
-    """Start and window times, published to the threads when `go` is set."""
-
-    def __init__(self) -> None:
-        self.go = threading.Event()
-        self.start = self.ws = self.we = 0.0
-
-
-def _closed_thread(call, rec, w: _Window) -> None:
-    while True:
-        t0 = time.monotonic()
-        if t0 >= w.we:
-            return
+def _closed(call, rec: _Recorder, w: SimpleNamespace) -> None:
+    while (t0 := time.monotonic()) < w.we:
         _run_one(call, rec, t0, t0, w.ws, w.we)
 
 
-def _open_dispatch(q: "queue.SimpleQueue", rate: float, w: _Window, nthreads: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, size=4096)
-    t, i = w.start, 0
-    while True:
-        t += gaps[i]
-        i = (i + 1) % len(gaps)
-        if t >= w.we:
-            break
-        delay = t - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
+def _open(call, rec: _Recorder, w: SimpleNamespace, q: "queue.SimpleQueue") -> None:
+    while (t_sched := q.get()) is not None:
+        _run_one(call, rec, t_sched, time.monotonic(), w.ws, w.we)
+
+
+def _dispatch(q: "queue.SimpleQueue", rate: float, w: SimpleNamespace, nthreads: int, seed: int) -> None:
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=4096)
+    t, i = w.start + gaps[0], 1
+    while t < w.we:
+        time.sleep(max(0.0, t - time.monotonic()))
         q.put(t)
+        t, i = t + gaps[i % len(gaps)], i + 1
     for _ in range(nthreads):
         q.put(None)
 
 
-def _open_thread(call, rec, w: _Window, q) -> None:
-    while True:
-        t_sched = q.get()
-        if t_sched is None:
-            return
-        _run_one(call, rec, t_sched, time.monotonic(), w.ws, w.we)
-
-
-def _thread_main(init, body, args, w: _Window, barrier: threading.Barrier, failures: list) -> None:
+def _thread(init, body, args, barrier: threading.Barrier, failures: list) -> None:
     """Per-thread set-up first (e.g. the tgw client's per-thread socket and handshake), so no
     measured request pays for connecting; then wait for the common start."""
     try:
@@ -142,105 +120,107 @@ def _thread_main(init, body, args, w: _Window, barrier: threading.Barrier, failu
             init()
     except Exception:  # noqa: BLE001 - reported to the parent as a fatal start-up error
         failures.append(traceback.format_exc())
-    barrier.wait()
-    w.go.wait()
-    if not failures:
-        body(*args)
+        barrier.abort()
+        return
+    try:
+        barrier.wait()  # every thread is set up
+        barrier.wait()  # go: the window's times are published
+    except threading.BrokenBarrierError:
+        return
+    body(*args)
 
 
 def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, conn, progress) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     try:
-        session = target.open(seed=spec.seed * 100 + index)
-        callers = [session.caller(i) for i in range(nthreads)]
+        target = target.open(seed=spec.seed * 100 + index)
+        callers = [target.caller(i) for i in range(nthreads)]
     except Exception:  # noqa: BLE001
         conn.send({"fatal": traceback.format_exc()})
         return
-    init = getattr(session, "thread_init", None)
-    w, barrier, failures = _Window(), threading.Barrier(nthreads + 1), []
+    w = SimpleNamespace(start=0.0, ws=0.0, we=0.0)
     recs = [_Recorder() for _ in range(nthreads)]
-    if spec.mode == "closed":
-        bodies = [(_closed_thread, (c, r, w)) for c, r in zip(callers, recs)]
-    else:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        bodies = [(_open_thread, (c, r, w, q)) for c, r in zip(callers, recs)]
-    threads = [threading.Thread(target=_thread_main, args=(init, body, args, w, barrier, failures), daemon=True)
-               for body, args in bodies]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    body, extra = (_closed, ()) if spec.mode == "closed" else (_open, (q,))
+    barrier, failures = threading.Barrier(nthreads + 1), []
+    threads = [threading.Thread(target=_thread, daemon=True, args=(getattr(target, "thread_init", None), body,
+                                                                    (c, r, w, *extra), barrier, failures))
+               for c, r in zip(callers, recs)]
     for th in threads:
         th.start()
-    barrier.wait()
-    if failures:
-        w.go.set()
-        conn.send({"fatal": failures[0]})
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        conn.send({"fatal": failures[0] if failures else "a generator thread failed"})
         return
     conn.send({"ready": True})
     w.start = conn.recv()
     w.ws, w.we = w.start + spec.warmup, w.start + spec.warmup + spec.duration
-    ws, we = w.ws, w.we
     if spec.mode == "open":
-        threads.append(threading.Thread(target=_open_dispatch, daemon=True,
+        threads.append(threading.Thread(target=_dispatch, daemon=True,
                                         args=(q, rate, w, nthreads, spec.seed * 7919 + index)))
         threads[-1].start()
     time.sleep(max(0.0, w.start - time.monotonic()))
-    w.go.set()
-    cpu0 = cpu1 = None
+    barrier.wait()
+    cpu: dict[str, float] = {}  # this process's CPU time at the window's edges
     while any(th.is_alive() for th in threads):
         now = time.monotonic()
-        if cpu0 is None and now >= ws:
-            cpu0 = _cpu_seconds()
-        if cpu1 is None and now >= we:
-            cpu1 = _cpu_seconds()
+        for edge in ("ws", "we"):
+            if edge not in cpu and now >= getattr(w, edge):
+                cpu[edge] = cpu_seconds()
         progress[index] = sum(r.done for r in recs)
-        time.sleep(0.05 if cpu0 is None or cpu1 is None else 0.2)
-    cpu1 = _cpu_seconds() if cpu1 is None else cpu1
-    cpu0 = cpu1 if cpu0 is None else cpu0
-    errors: dict[str, int] = {}
-    messages: dict[str, str] = {}
-    for r in recs:
-        for k, v in r.errors.items():
-            errors[k] = errors.get(k, 0) + v
-        messages.update(r.messages)
+        time.sleep(0.05 if len(cpu) < 2 else 0.2)
+    end = cpu.get("we", cpu_seconds())
     cat = lambda name: np.concatenate([np.frombuffer(getattr(r, name), dtype=np.float64) for r in recs])  # noqa: E731
-    conn.send({"t": cat("t"), "lat": cat("lat"), "lag": cat("lag"), "errors": errors,
-               "messages": messages, "cpu_s": cpu1 - cpu0, "threads": nthreads, "pid": os.getpid()})
+    conn.send({"lat": cat("lat"), "lag": cat("lag"), "errors": [r.errors for r in recs],
+               "messages": [r.messages for r in recs], "cpu_s": end - cpu.get("ws", end), "threads": nthreads})
     try:
-        session.close()
+        target.close()
     except Exception:  # noqa: BLE001 - closing is best effort, the numbers are already sent
         pass
+
+
+def _merge(results: list[dict], spec: LoadSpec, procs: int) -> dict:
+    errors: dict[str, int] = {}
+    messages: dict[str, str] = {}
+    for r in results:
+        for e, m in zip(r["errors"], r["messages"]):
+            for k, v in e.items():
+                errors[k] = errors.get(k, 0) + v
+            messages.update(m)
+    return {"lat": np.concatenate([r["lat"] for r in results]), "lag": np.concatenate([r["lag"] for r in results]),
+            "errors": errors, "error_messages": messages, "gen_cpu_s": [r["cpu_s"] for r in results],
+            "gen_threads": [r["threads"] for r in results], "procs": procs, "spec": spec}
 
 
 def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[], None]] = None,
              on_window_end: Optional[Callable[[], None]] = None,
              on_tick: Optional[Callable[[float, int], None]] = None, ready_timeout: float = 60.0,
              drain_timeout: float = 60.0) -> dict:
-    """Run one load level; returns raw samples merged over processes (see summarize())."""
-    procs = spec.procs or default_procs(spec)
-    if spec.mode == "closed":
-        threads = _split(int(spec.level), procs)
-        rates = [0.0] * procs
-    elif spec.mode == "open":
-        threads = _split(max(spec.max_inflight, procs), procs)
-        rates = [spec.level / procs] * procs
-    else:
+    """Run one load level; returns the raw samples merged over processes (see measure.summarize)."""
+    if spec.mode not in ("closed", "open"):
         raise ValueError(f"mode must be closed or open, got {spec.mode!r}")
+    procs = spec.procs or default_procs(spec)
+    closed = spec.mode == "closed"
+    threads = _split(int(spec.level) if closed else max(spec.max_inflight, procs), procs)
+    rate = 0.0 if closed else spec.level / procs
     ctx = mp.get_context("spawn")
     progress = ctx.RawArray("q", procs)
     children, conns = [], []
     try:
         for i in range(procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_child, args=(i, target, spec, threads[i], rates[i], child, progress),
-                            name=f"tgw-bench-gen-{i}", daemon=True)
-            p.start()
-            children.append(p)
+            children.append(ctx.Process(target=_child, args=(i, target, spec, threads[i], rate, child, progress),
+                                        name=f"tgw-bench-gen-{i}", daemon=True))
+            children[-1].start()
             conns.append(parent)
         for c, p in zip(conns, children):
             deadline = time.monotonic() + ready_timeout
             while not c.poll(0.1):
                 if not p.is_alive():
-                    raise RuntimeError(f"load generator process {p.pid} exited with status {p.exitcode} "
-                                       f"before it was ready (spawned children re-import __main__: "
-                                       f"guard the caller with `if __name__ == '__main__':`)")
+                    raise RuntimeError(f"load generator process {p.pid} exited with status {p.exitcode} before it "
+                                       f"was ready (spawned children re-import __main__: guard the caller with "
+                                       f"`if __name__ == '__main__':`)")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"load generator process did not start within {ready_timeout}s")
             msg = c.recv()
@@ -250,26 +230,21 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
         for c in conns:
             c.send(start)
         ws, we = start + spec.warmup, start + spec.warmup + spec.duration
-        window_started = window_ended = False
+        hooks = [(ws, on_window_start), (we, on_window_end)]  # called once each, in order
         while True:
             now = time.monotonic()
-            if not window_started and now >= ws:
-                window_started = True
-                if on_window_start:
-                    on_window_start()
-            if window_started and not window_ended and now >= we:
-                window_ended = True
-                if on_window_end:
-                    on_window_end()
+            while hooks and now >= hooks[0][0]:
+                fn = hooks.pop(0)[1]
+                if fn:
+                    fn()
             if on_tick:
                 on_tick(now - start, int(sum(progress)))
-            if now >= we and all(c.poll() for c in conns):
+            if not hooks and all(c.poll() for c in conns):
                 break
             if now >= we + drain_timeout:
                 raise RuntimeError(f"requests still in flight {drain_timeout:g}s after the window ended "
                                    f"(server stuck?); generator processes stopped")
-            nxt = ws if not window_started else (we if not window_ended else now + 0.1)
-            time.sleep(min(0.1, max(0.001, nxt - now)))
+            time.sleep(min(0.1, max(0.001, hooks[0][0] - now)) if hooks else 0.1)
         results = []
         for c, p in zip(conns, children):
             try:
@@ -284,4 +259,4 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
             if p.is_alive():
                 p.terminate()  # by PID, only the processes this run started
                 p.join(5)
-    return merge(results, spec, procs)
+    return _merge(results, spec, procs)

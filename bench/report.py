@@ -1,16 +1,33 @@
-"""Printing, JSON and plots for `tgw-bench` results (matplotlib is imported only for --plot)."""
+"""Every output of the bench: `tgw-bench load`'s text, the comparison's tables, RESULTS.md
+sections, JSON and the PNG plots (matplotlib is imported only to plot)."""
 from __future__ import annotations
 
 import json
 import os
+import platform
+import re
+from importlib import metadata
 from typing import Any, Iterable
 
 import numpy as np
+
+SYSTEMS = ("in-process", "transport", "tgw", "flask")
+LABELS = {"in-process": "in-process floor", "transport": "transport floor (pyzmq echo)",
+          "tgw": "tgw native", "flask": "Flask+gunicorn"}
+LATENCY_KEYS = (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"))
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
+
+def label(system: str, row: dict[str, Any]) -> str:
+    """The system's name; HTTP rows add the generator that loaded them (wrk or python-fallback)."""
+    kind = (row.get("generator") or {}).get("kind")
+    return LABELS[system] + (f" ({kind})" if system == "flask" and kind else "")
+
+
+# ---- tgw-bench load ------------------------------------------------------------------------------
 
 def format_summary(s: dict[str, Any]) -> str:
     lat = s["latency_ms"]
@@ -20,8 +37,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"{s['duration_s']:g}s measured after {s['warmup_s']:g}s warm-up",
         f"  throughput   {s['throughput_rps']:,.1f} req/s ({s['rows_per_s']:,.1f} rows/s), "
         f"{s['requests_ok']:,d} ok, {s['requests_failed']:,d} failed",
-        f"  latency ms   p50 {_f(lat['p50'], '{:.3f}')}  p90 {_f(lat['p90'], '{:.3f}')}  "
-        f"p99 {_f(lat['p99'], '{:.3f}')}  p99.9 {_f(lat['p99_9'], '{:.3f}')}  max {_f(lat['max'], '{:.3f}')}",
+        "  latency ms   " + "  ".join(f"{name} {_f(lat[k], '{:.3f}')}" for k, name in (*LATENCY_KEYS, ("max", "max"))),
     ]
     if "send_lag_ms" in s:
         lag = s["send_lag_ms"]
@@ -29,68 +45,190 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"(scheduled -> sent; counted in latency)")
     if s["errors"]:
         lines.append("  errors       " + ", ".join(f"{k} {v}" for k, v in s["errors"].items()))
-        for k, msg in s.get("error_messages", {}).items():
-            lines.append(f"    {k}: {msg}")
+        lines += [f"    {k}: {msg}" for k, msg in s.get("error_messages", {}).items()]
     bs = s.get("broker_stats")
     if bs:
         dist = " ".join(f"{k}:{v}" for k, v in bs["batch_sizes"].items()) or "-"
         lines.append(f"  batches      {bs['batches']:,d} for {bs['requests']:,d} requests, mean "
                      f"{_f(bs['mean_batch_rows'])} rows; sizes {dist}")
     gen = s["generator"]
-    busy = s.get("machine", {}).get("cpu_busy")
-    threads = "+".join(str(t) for t in gen["threads"])
-    lines.append(f"  generator    {gen['procs']} proc(s) x {threads} threads, {gen['cpu_cores']:.2f} cores "
-                 f"({gen['cpu_share_of_machine']:.0%} of the machine); machine CPU busy {_f(busy, '{:.0%}')}")
+    lines.append(f"  generator    {gen['procs']} proc(s) x {'+'.join(str(t) for t in gen['threads'])} threads, "
+                 f"{gen['cpu_cores']:.2f} cores ({gen['cpu_share_of_machine']:.0%} of the machine); machine CPU "
+                 f"busy {_f(s.get('machine', {}).get('cpu_busy'), '{:.0%}')}")
     for p in s.get("server_processes", []):
         lines.append(f"  {p['role']:<12} pid {p['pid']:<7} {str(p.get('device', '')):<7} peak RSS "
                      f"{p['peak_rss_mb']:8.1f} MB  CPU {_f(p.get('cpu_cores'), '{:.2f}')} cores")
-    for w in s.get("warnings", []):
-        lines.append(f"  WARNING: {w}")
+    lines += [f"  WARNING: {w}" for w in s.get("warnings", [])]
     return "\n".join(lines)
 
 
-def format_table(runs: Iterable[dict[str, Any]]) -> str:
-    head = (f"{'offered':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'p99.9 ms':>9} "
-            f"{'errors':>7} {'gen CPU':>8}")
-    rows = [head, "-" * len(head)]
+def level_table(runs: Iterable[dict[str, Any]]) -> list[list[str]]:
+    out = [["offered", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "errors", "gen CPU"]]
     for s in runs:
         lat = s["latency_ms"]
-        off = f"c={s['level']:g}" if s["mode"] == "closed" else f"{s['level']:g}/s"
-        rows.append(f"{off:>10} {s['throughput_rps']:>10,.1f} {_f(lat['p50']):>9} {_f(lat['p90']):>9} "
-                    f"{_f(lat['p99']):>9} {_f(lat['p99_9']):>9} {s['requests_failed']:>7d} "
-                    f"{s['generator']['cpu_cores']:>7.2f}c")
-    return "\n".join(rows)
+        out.append([f"c={s['level']:g}" if s["mode"] == "closed" else f"{s['level']:g}/s",
+                    f"{s['throughput_rps']:,.1f}", *(_f(lat[k]) for k, _ in LATENCY_KEYS),
+                    str(s["requests_failed"]), f"{s['generator']['cpu_cores']:.2f}c"])
+    return out
 
 
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, (np.floating, np.integer)):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+# ---- tables --------------------------------------------------------------------------------------
 
+def text_table(rows: list[list[str]], left: int = 1) -> str:
+    """Columns before `left` are left-aligned, the others right-aligned; a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def markdown_table(rows: list[list[str]], left: int = 1) -> str:
+    head, *body = rows
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < left else "---:" for i in range(len(head))) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body])
+
+
+def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
+    """Header + one line per (scenario, system); the first 3 columns are text."""
+    out = [["scenario", "payload", "system", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors", "batch",
+            "gen CPU", "tgw/Flask", "tgw/floor"]]
+    for res in results:
+        r, n = res["ratios"], res["payload_bytes"]
+        for system in SYSTEMS:
+            row = res["rows"].get(system)
+            if row is None:
+                continue
+            gen = row.get("generator", {})
+            first = [res["scenario"], f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B", label(system, row)]
+            if "error" in row:
+                out.append(first + ["FAILED: " + str(row["error"]).splitlines()[0][:60]] + [""] * 8)
+                continue
+            lat, tgw = row["latency_ms"], system == "tgw"
+            batch = {"tgw": _f((row.get("broker_stats") or {}).get("mean_batch_rows"), "{:.1f}"),
+                     "in-process": str(row.get("floor", {}).get("best_batch"))}.get(system, "")
+            out.append(first + [
+                _f(row["throughput_rps"], "{:,.0f}") + (" sps" if system == "in-process" else ""),
+                *(_f(lat.get(k), "{:.3f}") for k in ("p50", "p99", "p99_9")), str(row.get("requests_failed", 0)),
+                batch, _f(gen.get("cpu_cores")),
+                _f(r["tgw_over_flask_throughput"], "{:.2f}x") if tgw else "",
+                _f(r["tgw_over_floor_throughput"]) if tgw else ""])
+    return out
+
+
+# ---- the comparison's RESULTS.md -----------------------------------------------------------------
+
+RESULTS_HEADER = """# tgw benchmark results
+
+Written by `tgw-bench compare` (`python bench/compare.py`; see bench/README.md for what each row
+means and how the load generator was checked). Each section is replaced by the latest run of its
+mode; the raw numbers of every run are in `bench/results/<date>.json`. Compare ratios, not
+absolute numbers: this machine is shared and noisy.
+"""
+SECTIONS = ("full", "quick", "custom")
+
+
+def machine() -> dict[str, Any]:
+    def grep(path: str, pattern: str) -> Any:
+        try:
+            with open(path) as f:
+                m = re.search(pattern, f.read(), re.M)
+            return m.group(1).strip() if m else None
+        except OSError:
+            return None
+    versions = {}
+    for pkg in ("torch", "pyzmq", "numpy", "msgspec", "flask", "gunicorn"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    import zmq
+    versions["libzmq"] = zmq.zmq_version()
+    mem = grep("/proc/meminfo", r"^MemTotal:\s*(\d+) kB")
+    return {"cores": os.cpu_count(), "cpu_model": grep("/proc/cpuinfo", r"^model name\s*:\s*(.+)$") or "unknown",
+            "mem_gib": round(int(mem) / 2**20, 1) if mem else None, "kernel": platform.release(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str:
+    s, m = result["settings"], result["machine"]
+    v = m["versions"]
+    lines = [
+        f"## {result['mode']} run - {result['date']}", "",
+        f"Command: `{result['command']}`", "",
+        f"Machine: {m['cores']} cores, {m['cpu_model']}, {m['mem_gib']} GiB RAM, Linux {m['kernel']}, Python "
+        f"{m['python']}, torch {v.get('torch')}, pyzmq {v.get('pyzmq')} (libzmq {v.get('libzmq')}), gunicorn "
+        f"{v.get('gunicorn')}, Flask {v.get('flask')}", "",
+        f"Settings: {s['duration']:g} s measured per row after {s['warmup']:g} s warm-up; tgw broker with "
+        f"{s['tgw_workers']} cpu worker(s) x 1 thread; gunicorn {s['flask_workers']} sync workers x 1 torch "
+        f"thread; in-process floor: {s['floor_procs']} model copies x 1 torch thread; HTTP load generator: "
+        f"{s['http_generator']}; wall time {result['wall_s']:.0f} s.", "",
+        markdown_table(compare_table(result["scenarios"]), 3), "",
+        "req/s of the in-process floor is samples/s (sps) summed over its copies at the best of batch 1, "
+        "max/4 and max (that batch size is in the batch column); its p50/p99 are one batch-1 call. batch of "
+        "tgw = mean rows per batch the broker formed. tgw/Flask = throughput ratio; tgw/floor = tgw rows/s "
+        "over the floor's samples/s. gen CPU = cores used by the load generator in the window.",
+    ]
+    if s["http_generator"].startswith("python"):
+        lines += ["", "**wrk was not installed for this run**: the Flask+gunicorn rows were loaded by the Python "
+                      "fallback generator (keep-alive http.client in loadgen.py), which spends more CPU per "
+                      "request than wrk and competes with gunicorn for the same cores, so those rows (and "
+                      "tgw/Flask) are not comparable with wrk-loaded runs. Install wrk and rerun for them."]
+    lines += ["", f"Raw results: `{json_rel}`; plot: `{png_rel}` ."]
+    warnings = [f"- {sc['scenario']} / {label(name, sc['rows'][name])}: {w}" for sc in result["scenarios"]
+                for name in SYSTEMS if name in sc["rows"] for w in sc["rows"][name].get("warnings", [])]
+    if warnings:
+        lines += ["", "Warnings raised during this run:", "", *warnings]
+    return "\n".join(lines) + "\n"
+
+
+def update_results_md(path: str, section: str, body: str) -> None:
+    """Replace this mode's section (between its markers), keep the others; full comes first."""
+    text = open(path).read() if os.path.exists(path) else RESULTS_HEADER
+    blocks = {}
+    for name in SECTIONS:
+        m = re.search(re.escape(f"<!-- {name}:start -->") + r".*?" + re.escape(f"<!-- {name}:end -->"), text, re.S)
+        if m:
+            blocks[name] = m.group(0)
+            text = text.replace(m.group(0), "")
+    blocks[section] = f"<!-- {section}:start -->\n{body}<!-- {section}:end -->"
+    head = re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
+    with open(path, "w") as f:
+        f.write(head + "".join(f"\n{blocks[k]}\n" for k in SECTIONS if k in blocks))
+
+
+# ---- files ---------------------------------------------------------------------------------------
 
 def write_json(path: str, data: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(data, f, indent=2, default=_jsonable)
+        json.dump(data, f, indent=2, default=lambda o: o.tolist() if isinstance(o, (np.ndarray, np.generic)) else str(o))
         f.write("\n")
+
+
+def _figure(rows: int, cols: int, size: tuple[float, float], **kw):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(rows, cols, figsize=size, **kw)
+
+
+def _save(fig, path: str, title: str, dpi: int) -> None:
+    import matplotlib.pyplot as plt
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def plot_levels(runs: list[dict[str, Any]], path: str, title: str) -> None:
     """Latency percentiles (log scale) and throughput against the offered load."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [s["level"] for s in runs]
     xlabel = "concurrency (requests in flight)" if runs[0]["mode"] == "closed" else "offered load (req/s)"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label in (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9")):
+    fig, (ax1, ax2) = _figure(1, 2, (11, 4.2))
+    for key, label in LATENCY_KEYS:
         ax1.plot(x, [s["latency_ms"][key] for s in runs], marker="o", label=label)
-    ax1.set_yscale("log")
-    ax1.set_xlabel(xlabel)
-    ax1.set_ylabel("latency (ms)")
+    ax1.set(yscale="log", xlabel=xlabel, ylabel="latency (ms)")
     ax1.legend()
     ax1.grid(True, which="both", alpha=0.3)
     ax2.plot(x, [s["throughput_rps"] for s in runs], marker="o", color="black", label="achieved")
@@ -100,11 +238,28 @@ def plot_levels(runs: list[dict[str, Any]], path: str, title: str) -> None:
     if min(x) > 0 and max(x) / min(x) >= 8:
         for ax in (ax1, ax2):
             ax.set_xscale("log", base=2)
-    ax2.set_xlabel(xlabel)
-    ax2.set_ylabel("throughput (req/s)")
+    ax2.set(xlabel=xlabel, ylabel="throughput (req/s)")
     ax2.grid(True, alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title, 110)
+
+
+def plot_compare(result: dict[str, Any], path: str) -> None:
+    """Throughput and p99 per scenario and system, log scale."""
+    scen = result["scenarios"]
+    systems = [x for x in SYSTEMS if any(x in s["rows"] for s in scen)]
+    x, width = np.arange(len(scen)), 0.8 / max(1, len(systems))
+    fig, axes = _figure(2, 1, (12, 8), sharex=True)
+    for i, system in enumerate(systems):
+        rows = [s["rows"].get(system) or {} for s in scen]
+        axes[0].bar(x + i * width, [r.get("throughput_rps") or 0 for r in rows], width,
+                    label=label(system, next((r for r in rows if "generator" in r), {})))
+        axes[1].bar(x + i * width, [(r.get("latency_ms") or {}).get("p99") or 0 for r in rows], width)
+    axes[0].set_ylabel("throughput (req/s; floor: samples/s)")
+    axes[1].set_ylabel("p99 latency (ms; floor: batch-1 call)")
+    for ax in axes:
+        ax.set_yscale("log")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[1].set_xticks(x + width * (len(systems) - 1) / 2, [s["scenario"] for s in scen], rotation=20)
+    _save(fig, path, f"tgw compare ({result['mode']}, {result['date']}): {result['machine']['cores']} cores, "
+                     f"{result['machine']['cpu_model']}", 100)

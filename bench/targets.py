@@ -1,25 +1,58 @@
-"""What the load generator talks to. Each target is a small picklable spec that is opened once
-per generator process; `caller()` returns a per-thread function doing one request.
+"""What the load generator talks to, and the inputs it sends.
 
-A caller returns normally on success and raises on failure; `error_code()` maps the exception
-to the code the summary counts (a tgw error code, "TIMEOUT", "HTTP_<status>", or the
-exception's class name).
-
-* TgwTarget     - the native client library (`tgw.client.Client`), one Client per process
-                  shared by its threads (the client keeps one socket per thread).
-* ZmqEchoTarget - raw pyzmq DEALER -> the transport floor's ROUTER broker (transport.py).
-* HttpTarget    - keep-alive HTTP POST of a pre-encoded JSON body (the Python fallback when
-                  `wrk` is unavailable; see wrk.py).
+A target is a small picklable dataclass. Each generator process calls `open(seed)` once, then
+`caller(i)` per thread (a function doing one request: it returns on success, raises on failure),
+`thread_init()` (if any) on each thread before the run, and `close()` at the end. TgwTarget uses
+the native client (one per process; it keeps a socket per thread), ZmqEchoTarget raw pyzmq
+against the transport floor, HttpTarget keep-alive HTTP POSTs of a JSON body file (wrk's Python
+fallback). Inputs follow a model's declaration, -1 dims get `var_len`; they are made once per
+thread before the run, so the generator spends no CPU on random numbers while it measures.
 """
 from __future__ import annotations
 
 import http.client
 import struct
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-Caller = Callable[[], None]
+import numpy as np
+
+VAR_LEN = 16
+GENERATORS = ("random", "zeros")
+
+
+def _shape(decl: dict[str, Any], batch: int, var_len: int) -> tuple[int, ...]:
+    return (batch, *[var_len if d == -1 else int(d) for d in decl["shape"]])
+
+
+def make_inputs(meta: dict[str, Any], batch: int = 1, seed: int = 0, var_len: int = VAR_LEN,
+                kind: str = "random") -> dict[str, np.ndarray]:
+    """One request's inputs: standard normal floats, integers in [0, 1000) (token-id-like), or zeros."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for d in meta["inputs"]:
+        shape, dt = _shape(d, batch, var_len), np.dtype(d["dtype"])
+        if kind == "zeros":
+            out[d["name"]] = np.zeros(shape, dt)
+        elif dt == np.bool_:
+            out[d["name"]] = rng.integers(0, 2, size=shape).astype(np.bool_)
+        elif np.issubdtype(dt, np.integer):
+            out[d["name"]] = rng.integers(0, min(np.iinfo(dt).max, 1000), size=shape, dtype=dt)
+        else:
+            out[d["name"]] = rng.standard_normal(size=shape).astype(dt)
+    return out
+
+
+def tensor_bytes(decls: list[dict[str, Any]], batch: int = 1, var_len: int = VAR_LEN) -> int:
+    """Bytes of the tensors declared by `decls` (a model's "inputs" or "outputs")."""
+    return sum(int(np.prod(_shape(d, batch, var_len))) * np.dtype(d["dtype"]).itemsize for d in decls)
+
+
+def find_model(models: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    for m in models:
+        if m["name"] == name:
+            return m
+    raise LookupError(f"model {name!r} is not served; served: {', '.join(m['name'] for m in models)}")
 
 
 class CallError(Exception):
@@ -29,10 +62,12 @@ class CallError(Exception):
 
 
 def error_code(exc: BaseException) -> str:
+    """The code a failure is counted under: a tgw error code, "TIMEOUT", "HTTP_<status>", or the class name."""
     code = getattr(exc, "code", None)
-    if code is not None:
-        return str(getattr(code, "value", code))
-    return type(exc).__name__
+    return type(exc).__name__ if code is None else str(getattr(code, "value", code))
+
+
+Caller = Callable[[], None]
 
 
 @dataclass
@@ -42,38 +77,25 @@ class TgwTarget:
     batch: int = 1
     version: Optional[str] = None
     timeout: Optional[float] = None
-    var_len: int = 16
+    var_len: int = VAR_LEN
     input_kind: str = "random"
     label: str = "tgw"
 
-    def open(self, seed: int) -> "_TgwSession":
-        return _TgwSession(self, seed)
-
-
-class _TgwSession:
-    def __init__(self, t: TgwTarget, seed: int):
+    def open(self, seed: int) -> "TgwTarget":
         from tgw.client import Client
-        from tgw.bench.inputs import find_model, make_inputs
-        self.t, self.seed = t, seed
-        self.client = Client(t.address)
-        self.meta = find_model(self.client.models(), t.model)
-        self._make = lambda i: make_inputs(self.meta, t.batch, seed * 1000 + i, t.var_len, t.input_kind)
+        self.client = Client(self.address)
+        self.meta = find_model(self.client.models(), self.model)
+        self.seed = seed
+        return self
 
     def caller(self, index: int) -> Caller:
-        inputs = self._make(index)
-        infer, t = self.client.infer, self.t
-        kw: dict[str, Any] = {}
-        if t.version is not None:
-            kw["version"] = t.version
-        if t.timeout is not None:
-            kw["timeout"] = t.timeout
-
-        def call() -> None:
-            infer(t.model, inputs, **kw)
-        return call
+        inputs = make_inputs(self.meta, self.batch, self.seed * 1000 + index, self.var_len, self.input_kind)
+        kw = {k: v for k, v in (("version", self.version), ("timeout", self.timeout)) if v is not None}
+        infer, model = self.client.infer, self.model
+        return lambda: infer(model, inputs, **kw)
 
     def thread_init(self) -> None:
-        self.client.health()  # opens this thread's socket and does the handshake before the run
+        self.client.health()  # this thread's socket and handshake, before the run
 
     def close(self) -> None:
         self.client.close()
@@ -87,31 +109,23 @@ class ZmqEchoTarget:
     timeout: float = 30.0
     label: str = "transport-floor"
 
-    def open(self, seed: int) -> "_ZmqSession":
-        return _ZmqSession(self)
-
-
-class _ZmqSession:
-    def __init__(self, t: ZmqEchoTarget):
+    def open(self, seed: int) -> "ZmqEchoTarget":
         import zmq
-        self.t, self.zmq = t, zmq
         self.ctx = zmq.Context()
         self.sockets: list[Any] = []
-        self.lock = threading.Lock()
+        return self
 
     def caller(self, index: int) -> Caller:
-        zmq, t = self.zmq, self.t
+        import zmq
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(t.address)
-        with self.lock:
-            self.sockets.append(sock)
-        header = struct.pack("<Q", t.reply_bytes)
-        payload = bytes(t.request_bytes)
-        timeout_ms = int(t.timeout * 1000)
+        sock.connect(self.address)
+        self.sockets.append(sock)  # callers are made in one thread, before the run
+        frames = [struct.pack("<Q", self.reply_bytes), bytes(self.request_bytes)]
+        timeout_ms = int(self.timeout * 1000)
 
         def call() -> None:
-            sock.send_multipart([header, payload], copy=False)
+            sock.send_multipart(frames, copy=False)
             if not sock.poll(timeout_ms):
                 raise CallError("TIMEOUT")
             sock.recv_multipart(copy=False)
@@ -128,34 +142,32 @@ class HttpTarget:
     host: str
     port: int
     path: str
-    body: bytes = field(repr=False, default=b"")
+    body_path: str  # a JSON body; wrk posts the same file
     timeout: float = 30.0
     label: str = "http"
 
-    def open(self, seed: int) -> "_HttpSession":
-        return _HttpSession(self)
+    def open(self, seed: int) -> "HttpTarget":
+        with open(self.body_path, "rb") as f:
+            self.body = f.read()
+        self.boxes: list[list[http.client.HTTPConnection]] = []
+        return self
 
-
-class _HttpSession:
-    def __init__(self, t: HttpTarget):
-        self.t = t
-        self.conns: list[http.client.HTTPConnection] = []
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def caller(self, index: int) -> Caller:
-        t = self.t
         headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
-        box = [http.client.HTTPConnection(t.host, t.port, timeout=t.timeout)]
-        self.conns.append(box[0])
+        box = [self._connect()]  # this thread's connection, replaced after an error
+        self.boxes.append(box)
 
         def call() -> None:
             try:
-                box[0].request("POST", t.path, body=t.body, headers=headers)
+                box[0].request("POST", self.path, body=self.body, headers=headers)
                 resp = box[0].getresponse()
                 resp.read()
             except (OSError, http.client.HTTPException):
                 box[0].close()  # reconnect on the next call (sync servers close connections)
-                box[0] = http.client.HTTPConnection(t.host, t.port, timeout=t.timeout)
-                self.conns.append(box[0])
+                box[0] = self._connect()
                 raise
             if resp.status != 200:
                 raise CallError(f"HTTP_{resp.status}")
@@ -164,5 +176,5 @@ class _HttpSession:
         return call
 
     def close(self) -> None:
-        for c in self.conns:
-            c.close()
+        for box in self.boxes:
+            box[0].close()

@@ -2,11 +2,8 @@
 
 No model, no shared memory, no msgpack: what any design on ZeroMQ + Python pays per request.
 The broker drains each socket with NOBLOCK until zmq.Again (as tgw's broker does) and forwards
-frames without copying them; the worker answers [header, payload] with a reply of the size the
-8-byte header asks for, so the reply matches the real model's output size.
-
-    python -m tgw.bench.transport broker FRONT_ADDR BACK_ADDR
-    python -m tgw.bench.transport worker BACK_ADDR
+frames without copying; the worker replies with as many bytes as the 8-byte header asks for
+(the model's output size). Run as `python -m tgw.bench.transport broker FRONT BACK | worker BACK`.
 """
 from __future__ import annotations
 
@@ -14,11 +11,10 @@ import os
 import signal
 import struct
 import sys
-from typing import Optional
 
 import zmq
 
-from tgw.bench.procs import Managed, wait_until
+from tgw.bench.broker_proc import Proc
 
 
 def _stop_on_sigterm() -> None:
@@ -50,10 +46,7 @@ def run_broker(front_addr: str, back_addr: str) -> None:
     try:
         while True:
             for sock, _ in poller.poll():
-                if sock is front:
-                    _drain(front, back)
-                else:
-                    _drain(back, front)
+                _drain(sock, back if sock is front else front)
     finally:
         front.close(0)
         back.close(0)
@@ -71,39 +64,35 @@ def run_worker(back_addr: str) -> None:
         while True:
             ident, header, _payload = sock.recv_multipart(copy=False)
             n = struct.unpack("<Q", header.bytes)[0]
-            reply = replies.get(n)
-            if reply is None:
-                reply = replies[n] = bytes(n)
-            sock.send_multipart([ident, reply], copy=False)
+            if n not in replies:
+                replies[n] = bytes(n)
+            sock.send_multipart([ident, replies[n]], copy=False)
     finally:
         sock.close(0)
         ctx.term()
 
 
 class EchoServer:
-    """Starts the echo broker and one worker as subprocesses; stop() stops both by PID."""
+    """The echo broker and one worker as subprocesses in `workdir`; stop() stops both by PID."""
 
-    def __init__(self, workdir: str, log_dir: Optional[str] = None):
+    def __init__(self, workdir: str):
         self.front = f"ipc://{workdir}/echo-front.sock"
-        self.back = f"ipc://{workdir}/echo-back.sock"
-        log = (lambda n: os.path.join(log_dir, n)) if log_dir else (lambda n: None)
+        back = f"ipc://{workdir}/echo-back.sock"
         py = [sys.executable, "-m", "tgw.bench.transport"]
-        self.broker = Managed([*py, "broker", self.front, self.back], "echo-broker", log("echo-broker.log"))
-        self.worker = Managed([*py, "worker", self.back], "echo-worker", log("echo-worker.log"))
+        self.broker = Proc([*py, "broker", self.front, back], os.path.join(workdir, "echo-broker.log"), "echo broker")
+        self.worker = Proc([*py, "worker", back], os.path.join(workdir, "echo-worker.log"), "echo worker")
         try:
-            wait_until(self._ping, 30, "the transport-floor echo server", self.broker)
+            self.broker.start()
+            self.worker.start()
+            self.broker.wait_for(self._ping, 30, "the transport-floor echo")
         except BaseException:
             self.stop()
             raise
-
-    @property
-    def processes(self) -> list[dict]:
-        return [{"role": "broker", "pid": self.broker.pid, "device": "-"},
-                {"role": "worker", "pid": self.worker.pid, "device": "-"}]
+        self.processes = [{"role": "broker", "pid": self.broker.pid, "device": "-"},
+                          {"role": "worker", "pid": self.worker.pid, "device": "-"}]
 
     def _ping(self) -> bool:
-        ctx = zmq.Context.instance()
-        s = ctx.socket(zmq.DEALER)
+        s = zmq.Context.instance().socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         try:
             s.connect(self.front)
@@ -113,8 +102,8 @@ class EchoServer:
             s.close(0)
 
     def stop(self) -> None:
-        for m in (self.worker, self.broker):
-            m.stop(grace=5)
+        for p in (self.worker, self.broker):
+            p.stop(timeout=5)
 
 
 def main(argv: list[str]) -> None:

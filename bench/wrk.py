@@ -1,24 +1,27 @@
-"""HTTP load from `wrk` (a compiled generator), for the Flask baseline.
+"""HTTP load for the Flask baseline: `wrk` where it is on $PATH, else the Python fallback.
 
-`ensure_wrk()` finds wrk, or installs the Debian package quietly when running as root with
-apt-get available; it returns None otherwise and the caller falls back to the Python generator
-(loadgen.py with an HttpTarget: keep-alive http.client, several processes x threads - slower per
-request than wrk, so the fallback is marked in the results).
-
-wrk posts a JSON body read from a file by a Lua script; the script's `done()` prints the latency
-percentiles (p50/p90/p99/p99.9, microseconds) and error counts as one JSON line tagged
-`TGW_WRK_JSON`, which `parse_wrk()` reads. Should that line be missing, the `--latency`
-distribution block and `Requests/sec` of wrk's normal report are parsed instead.
+A benchmark does not install system packages: without wrk the caller prints INSTALL_HINT and
+uses `fallback_drive` (loadgen.py with an HttpTarget), whose rows say `python-fallback`. wrk
+posts the body file from a Lua script whose `done()` prints the percentiles and error counts as
+one `TGW_WRK_JSON` line.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import re
+import resource
 import shutil
 import subprocess
 from typing import Any, Optional
+
+from tgw.bench.loadgen import LoadSpec, cpu_seconds
+from tgw.bench.measure import loadgen_drive
+from tgw.bench.targets import HttpTarget
+
+INSTALL_HINT = ("wrk not found on $PATH: the Flask rows use the Python fallback generator, which spends more "
+                "CPU per request. For wrk: `sudo apt-get install wrk` (Debian/Ubuntu), `sudo dnf install wrk` "
+                "(Fedora), `brew install wrk` (macOS), or build https://github.com/wg/wrk")
 
 LUA = r"""
 wrk.method = "POST"
@@ -41,79 +44,64 @@ end
 """
 
 
-def ensure_wrk(quiet: bool = True) -> Optional[str]:
-    path = shutil.which("wrk")
-    if path or os.geteuid() != 0 or not shutil.which("apt-get"):
-        return path
-    out = subprocess.DEVNULL if quiet else None
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "install", "-y", "-qq", "wrk"], ["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "wrk"]):
-        try:
-            subprocess.run(cmd, stdout=out, stderr=out, env=env, timeout=300, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if shutil.which("wrk"):
-            break
+def find_wrk() -> Optional[str]:
     return shutil.which("wrk")
 
 
-def write_lua(body_path: str, lua_path: str) -> str:
-    with open(lua_path, "w") as f:
-        f.write(LUA % {"body": body_path.replace("\\", "\\\\").replace('"', '\\"')})
-    return lua_path
-
-
-def wrk_argv(wrk: str, url: str, lua: str, connections: int, seconds: int, timeout_s: int = 60) -> list[str]:
-    threads = max(1, min(connections, 2))
-    return [wrk, "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s",
-            "--timeout", f"{timeout_s}s", "--latency", "-s", lua, url]
-
-
-_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
-
-
-def _ms(text: str) -> float:
-    m = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text.strip())
-    if not m:
-        raise ValueError(f"unparsable wrk time {text!r}")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
 def parse_wrk(stdout: str) -> dict[str, Any]:
-    """-> {requests, duration_s, errors{kind: n}, latency_ms{p50,p90,p99,p99_9,...}, source}."""
+    """-> {requests, duration_s, errors{kind: n}, latency_ms{p50, p90, p99, p99_9, mean, max}}."""
     for line in stdout.splitlines():
         if line.startswith("TGW_WRK_JSON "):
             d = json.loads(line[len("TGW_WRK_JSON "):])
             return {"requests": d["requests"], "duration_s": d["duration_us"] / 1e6,
                     "errors": {k: v for k, v in d["errors"].items() if v},
-                    "latency_ms": {k: v / 1e3 for k, v in d["latency_us"].items()}, "source": "lua"}
-    # fallback: wrk's human report
-    lat: dict[str, float] = {}
-    block = re.search(r"Latency Distribution\s*\n((?:\s+[\d.]+%\s+\S+\s*\n)+)", stdout)
-    if block:
-        for pct, val in re.findall(r"([\d.]+)%\s+(\S+)", block.group(1)):
-            lat["p" + f"{float(pct):g}".replace(".", "_")] = _ms(val)
-    m = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m)", stdout)
-    if not m:
-        raise ValueError(f"no wrk summary in output:\n{stdout[-2000:]}")
-    errors: dict[str, int] = {}
-    e = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", stdout)
-    if e:
-        errors = {k: int(v) for k, v in zip(("connect", "read", "write", "timeout"), e.groups()) if int(v)}
-    s = re.search(r"Non-2xx or 3xx responses: (\d+)", stdout)
-    if s:
-        errors["status"] = int(s.group(1))
-    return {"requests": int(m.group(1)), "duration_s": _ms(m.group(2) + m.group(3)) / 1e3,
-            "errors": errors, "latency_ms": lat, "source": "text"}
+                    "latency_ms": {k: v / 1e3 for k, v in d["latency_us"].items()}}
+    raise ValueError(f"no TGW_WRK_JSON line in wrk's output:\n{stdout[-2000:]}")
 
 
 def run_wrk(wrk: str, url: str, lua: str, connections: int, seconds: float, timeout_s: int = 60) -> dict[str, Any]:
-    secs = max(1, math.ceil(seconds))
-    argv = wrk_argv(wrk, url, lua, connections, secs, timeout_s)
+    secs = max(1, math.ceil(seconds))  # wrk takes whole seconds
+    argv = [wrk, "-t", str(max(1, min(connections, 2))), "-c", str(connections), "-d", f"{secs}s",
+            "--timeout", f"{timeout_s}s", "--latency", "-s", lua, url]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=secs + timeout_s + 30)
     if proc.returncode != 0:
         raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
-    res = parse_wrk(proc.stdout)
-    res["argv"] = argv
-    return res
+    return {**parse_wrk(proc.stdout), "argv": argv}
+
+
+def drive(wrk: str, target: HttpTarget, spec: LoadSpec, batch: int = 1, on_window_start=None, on_window_end=None,
+          on_tick=None) -> dict[str, Any]:
+    """A closed loop of spec.level connections; returns measure.summarize()'s shape (measure's `drive`)."""
+    url = f"http://{target.host}:{target.port}{target.path}"
+    lua = target.body_path + ".lua"
+    with open(lua, "w") as f:
+        f.write(LUA % {"body": target.body_path.replace("\\", "\\\\").replace('"', '\\"')})
+    conns = int(spec.level)
+    if spec.warmup > 0:
+        run_wrk(wrk, url, lua, conns, spec.warmup)
+    cpu0 = cpu_seconds(resource.RUSAGE_CHILDREN)
+    if on_window_start:
+        on_window_start()
+    res = run_wrk(wrk, url, lua, conns, spec.duration)
+    if on_window_end:
+        on_window_end()
+    dur, gen_cpu = res["duration_s"], (cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0) / res["duration_s"]
+    # wrk counts completed responses in `requests` (non-2xx ones also in errors.status); socket
+    # errors and timeouts are failed attempts outside it
+    ok = max(0, res["requests"] - res["errors"].get("status", 0))
+    threads = int(res["argv"][2])
+    return {"mode": "closed", "level": conns, "offered": "concurrency", "duration_s": dur, "warmup_s": spec.warmup,
+            "batch": 1, "requests_ok": ok, "requests_failed": sum(res["errors"].values()),
+            "throughput_rps": ok / dur, "rows_per_s": ok / dur,
+            "latency_ms": res["latency_ms"] if res["requests"] else dict.fromkeys(res["latency_ms"]),
+            "errors": {f"wrk_{k}": v for k, v in res["errors"].items()}, "error_messages": {},
+            "generator": {"kind": "wrk", "argv": res["argv"], "procs": 1, "threads": [threads],
+                          "cpu_cores": gen_cpu, "cpu_share_of_machine": gen_cpu / (os.cpu_count() or 1),
+                          "cpu_per_proc": [gen_cpu], "saturated": gen_cpu >= 0.9 * threads}}
+
+
+def fallback_drive(*args, **kw) -> dict[str, Any]:
+    """The Python generator with an HttpTarget, marked as the fallback in every row it fills."""
+    s = loadgen_drive(*args, **kw)
+    s["generator"]["kind"] = "python-fallback"
+    return s

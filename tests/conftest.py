@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 import psutil
 import pytest
-import yaml
 
+from tgw.bench.broker_proc import BrokerProc
 from tgw.shm.segment import list_segments
 
 HERE = os.path.dirname(__file__)
@@ -69,64 +67,6 @@ def model_entry(files: dict, name: str, **overrides) -> dict:
              "outputs": io["outputs"], "max_batch_size": io.get("max_batch_size", 16)}
     entry.update(overrides)
     return entry
-
-
-class BrokerProc:
-    """A `tgw-broker start` subprocess on a private ipc socket."""
-
-    def __init__(self, config: dict, workdir: str):
-        self.dir = workdir
-        self.address = f"ipc://{workdir}/s.sock"
-        self.config_path = os.path.join(workdir, "config.yaml")
-        with open(self.config_path, "w") as f:
-            yaml.safe_dump(config, f)
-        self.log_path = os.path.join(workdir, "broker.log")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True, timeout: float = 60.0, env: dict | None = None) -> "BrokerProc":
-        self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tgw.broker", "start", "--config", self.config_path,
-                                      "--address", self.address], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
-        if wait:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        from tgw.client import Client, ConnectError
-
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                with Client(self.address, connect_timeout=1.0) as c:
-                    return c.health()["ready"]
-            except ConnectError:
-                return False
-
-        try:
-            wait_until(ready, timeout, "the broker to be ready")
-        except AssertionError:
-            raise TimeoutError(f"broker not ready in {timeout}s:\n{self.output()}") from None
-
-    def output(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            self.log.close()
-
-    def worker_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.proc.pid).children()]
 
 
 @pytest.fixture

@@ -195,10 +195,11 @@ def test_head_over_budget_still_returned(b):
     assert b.queued("m") == 1
 
 
-def test_aligned_total():
+def test_aligned_total_and_region_offsets():
     assert aligned_total([]) == 0
     assert aligned_total([1]) == 64
     assert aligned_total([64, 65, 0]) == 64 + 128 + 0
+    assert region_offsets([64, 65, 0, 3]) == [0, 64, 192, 192]
 
 
 def test_expired_removes_exactly_the_due(b, clock):

@@ -1,9 +1,10 @@
 """The benchmark harness end to end on tiny settings: structure and zero errors, never timings.
 
-Starts its own broker (demo mlp, one cpu worker) on a short ipc path, runs `tgw-bench` in closed
-and open loop for about a second each, checks the JSON it writes, and stops the broker by PID
-(exit status 0, nothing left in /dev/shm). The comparison's row logic is checked on synthetic
-rows; wrk's output parser on canned output.
+Starts its own broker (demo mlp, one cpu worker) with the shared BrokerProc on a short ipc path,
+runs `tgw-bench load` in closed and open loop for about a second each (and once in the old form
+without a subcommand), checks the JSON it writes, and stops the broker by PID (exit status 0,
+nothing left in /dev/shm). The comparison's row logic is checked on synthetic rows; wrk's output
+parser on canned output; the HTTP fallback generator against a stub server.
 """
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ import tempfile
 
 import pytest
 
-from tgw.bench import cli, compare_report, compare_rows
-from tgw.bench.loadgen import _Recorder, _run_one
-from tgw.bench.runner import measure, stats_diff
-from tgw.bench.loadgen import LoadSpec
-from tgw.bench.targets import CallError, ZmqEchoTarget
-from tgw.bench.tgw_server import TgwServer, build_demo_models, shm_leftovers, write_config
+from tgw.bench import cli, comparison, report
+from tgw.bench.broker_proc import BrokerProc
+from tgw.bench.floor import floor_row
+from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
+from tgw.bench.measure import measure, stats_diff
+from tgw.bench.targets import CallError, HttpTarget, ZmqEchoTarget
 from tgw.bench.transport import EchoServer
 from tgw.bench.wrk import parse_wrk
+from tgw.shm.segment import list_segments
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +35,14 @@ def bench_dir():
 
 @pytest.fixture(scope="module")
 def broker(bench_dir):
-    models = build_demo_models(os.path.join(bench_dir, "models"))
-    address = f"ipc://{bench_dir}/b.sock"
-    cfg = write_config(os.path.join(bench_dir, "tgw.yaml"), address, models, ["mlp"], ["cpu"])
-    srv = TgwServer(address, cfg, os.path.join(bench_dir, "broker.log"), start_timeout=60)
+    models = comparison.demo_models(os.path.join(bench_dir, "models"))
+    srv = BrokerProc(comparison.tgw_config(models, ["mlp"], 1), bench_dir)
     try:
-        yield srv
+        yield srv.start(timeout=60)
     finally:
-        stop = srv.stop()
-        assert stop["exit_status"] == 0, f"broker exited {stop['exit_status']}:\n{srv.proc.log_tail()}"
-        assert stop["shm_leftovers"] == [] and shm_leftovers(srv.pid) == []
+        code = srv.stop()
+        assert code == 0, f"broker exited {code}:\n{srv.output()}"
+        assert list_segments(srv.pid) == [] and not srv.alive()
 
 
 def _check_run(run: dict, mode: str, level: float) -> None:
@@ -68,18 +68,19 @@ def _check_run(run: dict, mode: str, level: float) -> None:
 def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
     out = os.path.join(bench_dir, "closed.json")
     png = os.path.join(bench_dir, "closed.png")
-    rc = cli.main(["--address", broker.address, "--model", "mlp", "--concurrency", "1,2", "--duration", "1",
+    rc = cli.main(["load", "--address", broker.address, "--model", "mlp", "--concurrency", "1,2", "--duration", "1",
                    "--warmup", "0.3", "--procs", "1", "--json", out, "--plot", png, "--no-progress"])
     assert rc == 0, capsys.readouterr()
     data = json.load(open(out))
     assert data["model"] == "mlp" and data["mode"] == "closed" and len(data["runs"]) == 2
+    assert data["command"].startswith("tgw-bench load --address")
     for run, level in zip(data["runs"], (1, 2)):
         _check_run(run, "closed", level)
     assert os.path.getsize(png) > 0
     text = capsys.readouterr().out
     assert "p99.9" in text and "batches" in text
 
-    out = os.path.join(bench_dir, "open.json")
+    out = os.path.join(bench_dir, "open.json")  # the old form, without a subcommand, is `load`
     rc = cli.main(["--address", broker.address, "--model", "mlp", "--rate", "40", "--duration", "1",
                    "--warmup", "0.3", "--batch", "2", "--max-inflight", "8", "--json", out, "--no-progress"])
     assert rc == 0, capsys.readouterr()
@@ -90,12 +91,12 @@ def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
 
 
 def test_tgw_bench_unknown_model_is_a_clean_error(broker, capsys):
-    assert cli.main(["--address", broker.address, "--model", "nope", "--duration", "1"]) == 2
+    assert cli.main(["load", "--address", broker.address, "--model", "nope", "--duration", "1"]) == 2
     assert "not served" in capsys.readouterr().err
 
 
 def test_tgw_bench_without_a_broker_is_a_clean_error(bench_dir, capsys):
-    assert cli.main(["--address", f"ipc://{bench_dir}/none.sock", "--model", "mlp", "--duration", "1"]) == 2
+    assert cli.main(["load", "--address", f"ipc://{bench_dir}/none.sock", "--model", "mlp", "--duration", "1"]) == 2
     assert "no tgw broker" in capsys.readouterr().err
 
 
@@ -108,6 +109,7 @@ def test_transport_floor_echo_through_the_loadgen(bench_dir):
         srv.stop()
     assert row["requests_ok"] > 0 and row["requests_failed"] == 0
     assert not srv.broker.alive() and not srv.worker.alive()
+    assert [p["role"] for p in row["server_processes"]] == ["broker", "worker"]
 
 
 def test_failures_are_counted_by_code():
@@ -141,27 +143,34 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     floor = {"procs": 2, "threads": 1, "runs": [
         {"batch": 1, "samples_per_s": 1000.0, "latency_ms": {"p50": 1.0, "p99": 2.0}},
         {"batch": 32, "samples_per_s": 4000.0, "latency_ms": {"p50": 8.0, "p99": 9.0}}]}
-    sc = compare_rows.Scenario("mlp", 16)
-    rows = {"in-process": compare_rows.floor_row(floor), "transport": _row(8000, 1.0),
-            "tgw": _row(2000, 4.0), "flask": _row(500, 16.0)}
-    res = compare_rows.scenario_result(sc, 1024, rows)
+    sc = comparison.Scenario("mlp", 16)
+    flask = {**_row(500, 16.0), "generator": {"cpu_cores": 0.3, "kind": "python-fallback"}}
+    rows = {"in-process": floor_row(floor), "transport": _row(8000, 1.0), "tgw": _row(2000, 4.0), "flask": flask}
+    res = comparison.scenario_result(sc, 1024, rows)
     r = res["ratios"]
     assert r["tgw_over_flask_throughput"] == pytest.approx(4.0)
     assert r["tgw_over_flask_p50"] == pytest.approx(0.25)
     assert r["tgw_over_floor_throughput"] == pytest.approx(0.5)
     assert r["tgw_over_transport_throughput"] == pytest.approx(0.25)
-    failed = compare_rows.scenario_result(compare_rows.Scenario("resnet", 1), 49152,
-                                          {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
+    failed = comparison.scenario_result(comparison.Scenario("resnet", 1), 49152,
+                                        {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
     assert failed["ratios"]["tgw_over_flask_throughput"] is None
-    table = compare_rows.table_rows([res, failed])
+    table = report.compare_table([res, failed])
     assert len(table) == 1 + 8 and all(len(t) == len(table[0]) for t in table)
     assert any("FAILED" in c for t in table for c in t)
-    text, md = compare_rows.format_text(table), compare_rows.format_markdown(table)
+    assert "Flask+gunicorn (python-fallback)" in [t[2] for t in table]  # the generator is named per row
+    text, md = report.text_table(table, 3), report.markdown_table(table, 3)
     assert "4.00x" in text and md.count("\n") == len(table)
+    result = {"mode": "quick", "date": "d", "command": "tgw-bench compare --quick", "wall_s": 1.0,
+              "machine": report.machine(), "scenarios": [res, failed],
+              "settings": {"duration": 2, "warmup": 0.5, "tgw_workers": 2, "flask_workers": 2, "floor_procs": 2,
+                           "http_generator": "python fallback (wrk not installed)"}}
+    section = report.section_markdown(result, "r.json", "r.png")
+    assert "wrk was not installed" in section and "| mlp c=16 |" in section
     path = str(tmp_path / "RESULTS.md")
-    compare_report.update_results_md(path, "quick", "quick body\n")
-    compare_report.update_results_md(path, "full", "full body\n")
-    compare_report.update_results_md(path, "quick", "quick body 2\n")
+    report.update_results_md(path, "quick", "quick body\n")
+    report.update_results_md(path, "full", "full body\n")
+    report.update_results_md(path, "quick", "quick body 2\n")
     body = open(path).read()
     assert body.index("full body") < body.index("quick body 2") and "quick body\n" not in body
 
@@ -183,12 +192,47 @@ Requests/sec:   2202.00
 
 
 def test_wrk_output_parsing():
-    t = parse_wrk(WRK_TEXT)
+    line = ('TGW_WRK_JSON {"requests":4426,"duration_us":2010000,"bytes":5,"errors":{"connect":0,"read":3,'
+            '"write":0,"status":2,"timeout":1},"latency_us":{"p50":6800.0,"p90":8200.0,"p99":11080.0,'
+            '"p99_9":12000.0,"mean":7020.0,"max":20000.0}}')
+    t = parse_wrk(WRK_TEXT + line + "\n")
     assert t["requests"] == 4426 and t["duration_s"] == pytest.approx(2.01)
     assert t["latency_ms"]["p50"] == pytest.approx(6.8) and t["latency_ms"]["p99"] == pytest.approx(11.08)
-    assert t["errors"] == {"read": 3, "timeout": 1, "status": 2} and t["source"] == "text"
-    line = ('TGW_WRK_JSON {"requests":10,"duration_us":2000000,"bytes":5,"errors":{"connect":0,"read":0,'
-            '"write":0,"status":0,"timeout":0},"latency_us":{"p50":1500.0,"p90":1.0,"p99":2.0,"p99_9":3.0,'
-            '"mean":1.0,"max":4.0}}')
-    j = parse_wrk(WRK_TEXT + line + "\n")
-    assert j["source"] == "lua" and j["latency_ms"]["p50"] == pytest.approx(1.5) and j["errors"] == {}
+    assert t["errors"] == {"read": 3, "timeout": 1, "status": 2}
+    with pytest.raises(ValueError, match="TGW_WRK_JSON"):
+        parse_wrk(WRK_TEXT)
+
+
+def test_http_fallback_generator(bench_dir):
+    """The Python HTTP generator (used where wrk is missing) against a stub: keep-alive, codes counted."""
+    import http.server
+    import threading
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code = 200 if self.path == "/ok" else 503
+            self.send_response(code)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    body = os.path.join(bench_dir, "body.json")
+    with open(body, "w") as f:
+        f.write('{"inputs": {}}')
+    try:
+        spec = LoadSpec("closed", 2, 0.5, 0.1, 1)
+        ok = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/ok", body), spec, [], progress=False)
+        bad = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/bad", body), spec, [], progress=False)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert ok["requests_ok"] > 0 and ok["requests_failed"] == 0
+    assert bad["requests_ok"] == 0 and set(bad["errors"]) == {"HTTP_503"}

@@ -1,0 +1,268 @@
+"""`tgw-bench compare`: in-process floor (floor.py), transport floor (transport.py), tgw native
+(BrokerProc) and Flask + gunicorn (flask_app.py, loaded by wrk or its Python fallback: wrk.py) on
+the same demo models, inputs and closed-loop scenarios, in one invocation; bench/README.md says
+what each row and ratio means. Everything listens on Unix sockets in a fresh /tmp folder or on
+127.0.0.1, and every server is stopped by PID at the end, also on Ctrl-C, SIGTERM and errors.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from tgw.bench import report, wrk
+from tgw.bench.broker_proc import BrokerProc, stop_all
+from tgw.bench.flask_app import FlaskServer
+from tgw.bench.floor import floor_row, run_floors
+from tgw.bench.loadgen import LoadSpec
+from tgw.bench.measure import measure
+from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, make_inputs, tensor_bytes
+from tgw.bench.transport import EchoServer
+
+SERVERS = ("transport", "tgw", "flask")
+MODES = {  # seconds measured per row, warm-up per row, seconds per floor batch size, floor rounds
+    "quick": {"duration": 2.0, "warmup": 0.5, "floor_seconds": 0.5, "floor_rounds": 1},
+    "full": {"duration": 15.0, "warmup": 3.0, "floor_seconds": 3.0, "floor_rounds": 2},
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: str
+    concurrency: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} c={self.concurrency}"
+
+
+SCENARIOS = (Scenario("mlp", 1), Scenario("mlp", 16), Scenario("mlp", 64),
+             Scenario("resnet", 1), Scenario("resnet", 16), Scenario("resnet", 64),
+             Scenario("resnet224", 16))
+
+
+def ratios(rows: dict[str, dict]) -> dict[str, Optional[float]]:
+    """tgw over Flask (throughput, p50 latency), over the floor (rows/s) and over the transport floor."""
+    def get(system: str, key: str) -> Optional[float]:
+        row = rows.get(system) or {"error": None}
+        return None if "error" in row else (row["latency_ms"]["p50"] if key == "p50" else row[key])
+
+    def div(name: str, key: str) -> Optional[float]:
+        a, b = get("tgw", key), get(name, key)
+        return a / b if a is not None and b else None
+    return {"tgw_over_flask_throughput": div("flask", "throughput_rps"), "tgw_over_flask_p50": div("flask", "p50"),
+            "tgw_over_floor_throughput": div("in-process", "rows_per_s"),
+            "tgw_over_transport_throughput": div("transport", "throughput_rps")}
+
+
+def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> dict[str, Any]:
+    return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency,
+            "payload_bytes": payload_bytes, "rows": rows, "ratios": ratios(rows)}
+
+
+def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
+    """The product's demo models, built by `python -m tgw.workers.demo_models` (build_demo_models
+    with DEMO_MODELS' declarations) in a subprocess, as the broker does, so torch stays out of the
+    harness and of its generator processes. Returns name -> {path, inputs, outputs, max_batch_size}
+    plus `resnet224`: the resnet file declared [3,224,224], so one request carries 602 KB."""
+    proc = subprocess.run([sys.executable, "-m", "tgw.workers.demo_models", out_dir],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the demo models failed:\n{proc.stderr[-2000:]}")
+    models = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = models["resnet"]
+    models["resnet224"] = {**r, "inputs": [{**r["inputs"][0], "shape": [3, 224, 224]}], "max_batch_size": 16}
+    return models
+
+
+def tgw_config(models: dict[str, dict[str, Any]], names: list[str], workers: int) -> dict[str, Any]:
+    return {"server": {"max_request_bytes": 64 << 20},
+            "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1, "input_arena_mb": 64,
+                        "output_arena_mb": 32},
+            "models": [{"name": n, "versions": [{"version": "1", "path": models[n]["path"]}],
+                        "inputs": models[n]["inputs"], "outputs": models[n]["outputs"],
+                        "max_batch_size": models[n]["max_batch_size"], "max_queue": 4096, "timeout_ms": 60000,
+                        "warmup_batch_sizes": [1]} for n in names]}
+
+
+class Servers:
+    """The transport echo, the tgw broker and gunicorn, started once; rows run against them and
+    stop() stops them by PID. A server that fails to start marks its rows {"error": ...}; the
+    other systems still run."""
+
+    def __init__(self, a: argparse.Namespace, work: str, models: dict, names: list[str], log: Callable[[str], None]):
+        self.a, self.work, self.models, self.names, self.log = a, work, models, names, log
+        self.failed: dict[str, str] = {}
+        self.info: dict[str, dict[str, Any]] = {"tgw": {}, "flask": {}}
+        self.echo = self.tgw = self.flask = self.client = None
+        self.wrk = wrk.find_wrk()
+
+    def start(self, system: str) -> None:
+        try:
+            if system == "transport":
+                self.echo = EchoServer(self.work)
+            elif system == "tgw":
+                from tgw.client import Client
+                self.tgw = BrokerProc(tgw_config(self.models, self.names, self.a.tgw_workers), self.work)
+                self.info["tgw"]["config"] = self.tgw.config_path
+                self.client = Client(self.tgw.start(timeout=180).address)
+                self.info["tgw"]["processes"] = self.client.stats()["processes"]
+            else:
+                self.info["flask"]["generator"] = f"wrk ({self.wrk})" if self.wrk else \
+                    "python fallback (wrk not installed: keep-alive http.client in loadgen.py)"
+                if not self.wrk:
+                    self.log(wrk.INSTALL_HINT)
+                for n in self.names:
+                    with open(os.path.join(self.work, f"body-{n}.json"), "w") as f:
+                        json.dump({"inputs": {k: v.tolist() for k, v in make_inputs(self.models[n]).items()}}, f)
+                self.flask = FlaskServer({n: self.models[n] for n in self.names}, self.a.flask_workers, self.work)
+        except Exception as exc:  # noqa: BLE001 - the other systems still run
+            self.failed[system] = f"{type(exc).__name__}: {exc}"
+            self.log(f"{system} could not start: {self.failed[system]}")
+
+    def row(self, system: str, sc: Scenario) -> dict[str, Any]:
+        """One measured row, or {"error": ...}: a failure is recorded and the run goes on."""
+        if system in self.failed:
+            return {"error": self.failed[system]}
+        a, m, name = self.a, self.models[sc.model], f"{report.LABELS[system]} {sc.key}"
+        spec = LoadSpec("closed", sc.concurrency, a.duration, a.warmup, a.procs)
+        kw: dict[str, Any] = {"label": f"{system} {sc.key}", "progress": False if a.no_progress else None}
+        body = os.path.join(self.work, f"body-{sc.model}.json")
+        try:
+            if system == "transport":
+                target = ZmqEchoTarget(self.echo.front, tensor_bytes(m["inputs"]), tensor_bytes(m["outputs"]))
+                row = measure(target, spec, self.echo.processes, **kw)
+            elif system == "tgw":
+                row = measure(TgwTarget(self.tgw.address, sc.model, timeout=60.0), spec, self.info["tgw"]["processes"],
+                              stats_fn=self.client.stats, model=sc.model, **kw)
+            else:
+                target = HttpTarget("127.0.0.1", self.flask.port, f"/infer/{sc.model}", body)
+                row = measure(target, spec, self.flask.processes, **kw,
+                              drive=functools.partial(wrk.drive, self.wrk) if self.wrk else wrk.fallback_drive)
+        except Exception as exc:  # noqa: BLE001
+            self.log(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        if system == "flask":
+            row["body_bytes"] = os.path.getsize(body)
+        p50 = row["latency_ms"]["p50"]
+        self.log(f"{name}: {row['throughput_rps']:,.0f} req/s" + (f", p50 {p50:.3f} ms" if p50 is not None else "")
+                 + (f", {row['requests_failed']} failed" if row["requests_failed"] else ""))
+        return row
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        for srv in (self.echo, self.flask):
+            if srv is not None:
+                srv.stop()
+        if self.tgw is not None and self.tgw.proc is not None:
+            from tgw.shm.segment import list_segments
+            info = self.info["tgw"]
+            info.update(exit_status=self.tgw.stop(timeout=20), shm_leftovers=list_segments(self.tgw.pid))
+            if info["exit_status"] != 0 or info["shm_leftovers"]:
+                self.log(f"tgw broker stop: exit status {info['exit_status']}, /dev/shm leftovers {info['shm_leftovers']}")
+
+
+def collect(a: argparse.Namespace, work: str, models: dict, scenarios: list[Scenario],
+            log: Callable[[str], None]) -> dict[str, Any]:
+    """Floors first, then every scenario's server rows back to back across systems (so slow drifts
+    of a shared machine's background load hit every system alike; idle servers sleep in
+    poll/accept), then in full mode the floors again."""
+    names = list(dict.fromkeys(sc.model for sc in scenarios))
+    rows: dict[str, dict[str, Any]] = {sc.key: {} for sc in scenarios}
+    res: dict[str, Any] = {}
+    floor = functools.partial(run_floors, models, names, a.floor_seconds, a.floor_procs, log, module=a.floor_module)
+    if "in-process" in a.systems:
+        log("in-process floor (TorchScript called directly)")
+        res["floors"] = floor()
+    servers = [s for s in SERVERS if s in a.systems]
+    if servers:
+        log(f"starting {', '.join(servers)} (tgw: {a.tgw_workers} cpu workers; gunicorn: {a.flask_workers} sync workers)")
+        srv = Servers(a, work, models, names, log)
+        try:
+            for system in servers:
+                srv.start(system)
+            for sc in scenarios:
+                for system in servers:
+                    rows[sc.key][system] = srv.row(system, sc)
+        finally:
+            srv.stop()
+        res["tgw_server"], res["flask_server"] = srv.info["tgw"], srv.info["flask"]
+    if "floors" in res and a.floor_rounds > 1:
+        log("in-process floor again (the best of both rounds is kept)")
+        res["floors"] = floor(previous=res["floors"])
+    for sc in scenarios:
+        if "floors" in res:
+            rows[sc.key]["in-process"] = floor_row(res["floors"][sc.model])
+    return {"scenarios": [scenario_result(sc, tensor_bytes(models[sc.model]["inputs"]), rows[sc.key])
+                          for sc in scenarios], **res}
+
+
+def _out_dir(a: argparse.Namespace) -> str:
+    """--out, else bench/ of the checkout (run from its root, or an editable install), else ."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return a.out or ("bench" if os.path.isfile("bench/compare.py") else
+                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
+
+
+def run(a: argparse.Namespace, command: str) -> int:
+    """The whole comparison; exit status 0 when every row was filled without a failed request and
+    the broker stopped cleanly, 1 otherwise, 130 when interrupted."""
+    base = MODES["quick" if a.quick else "full"]
+    custom = (a.duration, a.warmup, a.models) != (None, None, None) or a.floor_module != "freeze" \
+        or set(a.systems) != set(report.SYSTEMS)
+    mode = "custom" if custom else ("quick" if a.quick else "full")
+    a.duration = base["duration"] if a.duration is None else a.duration
+    a.warmup = base["warmup"] if a.warmup is None else a.warmup
+    a.floor_seconds, a.floor_rounds = base["floor_seconds"], base["floor_rounds"]
+    scenarios = [sc for sc in SCENARIOS if not a.models or sc.model in a.models.split(",")]
+    if not scenarios:
+        print(f"tgw-bench compare: no scenario for models {a.models!r}", file=sys.stderr)
+        return 2
+    log = lambda msg: print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    work = tempfile.mkdtemp(prefix="tgwb-", dir="/tmp")  # short: ipc paths must fit 107 bytes
+    t0, date = time.monotonic(), datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    try:
+        log(f"{mode} mode: {a.duration:g} s per row after {a.warmup:g} s warm-up; work dir {work}")
+        res = collect(a, work, demo_models(os.path.join(work, "models")), scenarios, log)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every server this run started", file=sys.stderr)
+        return 130
+    finally:
+        stop_all()
+        if a.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    settings = {k: getattr(a, k) for k in ("duration", "warmup", "floor_seconds", "floor_module", "tgw_workers",
+                                           "flask_workers", "floor_procs", "procs", "systems")}
+    settings["http_generator"] = res.get("flask_server", {}).get("generator", "-")
+    result = {"mode": mode, "date": date, "command": command, "machine": report.machine(), "settings": settings,
+              **res, "wall_s": time.monotonic() - t0}
+    print("\n" + report.text_table(report.compare_table(result["scenarios"]), 3))
+    dest = _out_dir(a)
+    stem = os.path.join(dest, "results", date + ("" if mode == "full" else "-" + mode))
+    report.write_json(stem + ".json", result)
+    try:
+        report.plot_compare(result, stem + ".png")
+    except Exception as exc:  # noqa: BLE001 - matplotlib is optional
+        print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if not a.no_results_md:
+        report.update_results_md(os.path.join(dest, "RESULTS.md"), mode, report.section_markdown(
+            result, os.path.relpath(stem + ".json", dest), os.path.relpath(stem + ".png", dest)))
+        print(f"\nupdated {os.path.join(dest, 'RESULTS.md')} ({mode} section)")
+    print(f"wrote {stem}.json and .png; {result['wall_s']:.0f} s")
+    srv = result.get("tgw_server", {})
+    complete = all("error" not in row and not row.get("requests_failed")
+                   for sc in result["scenarios"] for row in sc["rows"].values())
+    return 0 if complete and srv.get("exit_status", 0) == 0 and not srv.get("shm_leftovers") else 1
