@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tgw.broker.batcher import Pending
-from tgw.broker.pool import WorkerHandle
+from tgw.broker.pool import IllegalTransition, WorkerHandle, WorkerState
 from tgw.shm.ring import ALIGN, align_up
 from tgw.shm.segment import Segment, new_name
 from tgw.shm.views import block_view
@@ -159,3 +159,25 @@ def test_output_rows_slices_each_requests_rows(handle):
         row += p.rows
         del views
     assert got == reqs
+
+
+def test_worker_state_moves_only_along_its_life_cycle(handle):
+    assert handle.state is WorkerState.PLANNED
+    with pytest.raises(IllegalTransition):
+        handle.became_ready(["m:1"])                 # not spawned yet
+    handle.spawned(None)
+    handle.became_ready(["m:1"])
+    assert handle.state is WorkerState.READY and handle.can_take("m:1", 2) and not handle.can_take("m:2", 2)
+    with pytest.raises(IllegalTransition):
+        handle.renew(handle.segment)                 # only a dead worker gets a next life
+    handle.exited()
+    assert not handle.can_take("m:1", 2)
+    identity = handle.identity
+    handle.renew(handle.segment)
+    assert handle.identity != identity and handle.models == set() and handle.inflight == {}
+    handle.spawned(None)
+    handle.told_to_stop()
+    with pytest.raises(IllegalTransition):
+        handle.became_ready(["m:1"])                 # a late ready does not undo a stop
+    handle.exited()
+    assert handle.state is WorkerState.DEAD
