@@ -24,8 +24,9 @@ from .stats import Stats
 
 class Admission:
     def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
+        self.unavailable = unavailable  # why no worker may serve now ("" while one may)
         self.max_request = cfg.server.max_request_bytes
         self.arena = cfg.workers.input_bytes  # a request that alone overflows it could never be staged
         self.open = True
@@ -33,12 +34,15 @@ class Admission:
     def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
         """Queue the request (or raise the TgwError that answers it)."""
         if not self.open:
-            raise fail(Code.MODEL_NOT_READY, "broker is shutting down")
+            raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         sizes = [len(f) for f in tensor_frames]
         if sum(sizes) > self.max_request:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
                        f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
         checked = self.registry.validate(msg, sizes)
+        why = self.unavailable()
+        if why:
+            raise fail(Code.MODEL_NOT_READY, why, reason="crash_loop", model=msg.model)
         tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         need = aligned_total([len(t) for t in tensors])
         if need > self.arena:

@@ -19,7 +19,7 @@ class Pending:
     """One admitted request waiting for, or riding in, a batch."""
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
-                 "outputs", "deadline", "compress", "attempts")
+                 "outputs", "deadline", "compress", "attempts", "alone")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False):
@@ -29,6 +29,7 @@ class Pending:
         self.nbytes = [len(t) for t in tensors]     # per declared input
         self.deadline, self.compress = deadline, compress   # deadline: clock seconds
         self.attempts = 0                           # dispatches lost to a dying worker
+        self.alone = False                          # runs in a batch of its own (a retry after a death)
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)
@@ -75,6 +76,13 @@ class Batcher:
                 q.items = keep
         return out
 
+    def take_all(self) -> list[Pending]:
+        """Remove and return every queued request."""
+        out = [p for q in self.queues.values() for p in q.items]
+        for q in self.queues.values():
+            q.items.clear()
+        return out
+
     def models_with_work(self) -> list[str]:
         """Models with queued requests, rotated so each gets its turn first."""
         self._rr.rotate(-1)
@@ -90,6 +98,8 @@ class Batcher:
         if not q.items:
             return []
         head = q.items.popleft()
+        if head.alone:
+            return [head]
         batch, rows, sizes = [head], head.rows, list(head.nbytes)
         group = head.group()
         skipped: list[Pending] = []
@@ -97,7 +107,7 @@ class Batcher:
         while q.items and rows < q.max_batch_size and scanned < self.SCAN_LIMIT:
             p = q.items.popleft()
             scanned += 1
-            if p.group() != group or rows + p.rows > q.max_batch_size:
+            if p.alone or p.group() != group or rows + p.rows > q.max_batch_size:
                 skipped.append(p)
                 continue
             grown = [s + n for s, n in zip(sizes, p.nbytes)]

@@ -8,6 +8,40 @@ import sys
 from .config import ConfigError, load_config
 
 
+def show_status(args) -> int:
+    import json
+
+    import msgspec
+
+    from tgw.shm.errors import TgwError
+    from tgw.shm.paths import default_address
+    from tgw.shm.wire import PROTOCOL_VERSION, Status
+
+    from .control import Unreachable, ask
+    address = args.address or default_address()
+    try:
+        reply = ask(address, Status(v=PROTOCOL_VERSION), args.timeout)
+    except (Unreachable, TgwError) as exc:
+        print(f"tgw-broker status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
+        return 0
+    print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s")
+    print(f"{'worker':<16}{'pid':>8} {'state':<9}{'inflight':>9}{'rss MiB':>9}{'batches':>9}{'beat s':>8}"
+          f"{'restarts':>9}  last death / benched")
+    for w in reply.workers:
+        rss = f"{w['rss'] / 2**20:.0f}" if "rss" in w else "-"
+        age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']:.1f}"
+        print(f"{w['name']:<16}{w['pid']:>8} {w['state']:<9}{w['inflight']:>9}{rss:>9}{w.get('batches', '-'):>9}"
+              f"{age:>8}{w['restarts']:>9}  {w['benched'] or w['last_death']}")
+    print(f"{'model':<16}{'ready':>6}{'queued':>8}{'requests':>10}{'replies':>9}  errors")
+    for name, m in reply.models.items():
+        print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
+              f"{m['errors'] or ''}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="tgw-broker", description="tgw torch inference gateway broker")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -17,7 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument("--log-level", default="INFO")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
+    status = sub.add_parser("status", help="workers, models and queues of a running broker")
+    status.add_argument("--address", help="the broker's address (default: as the broker's default)")
+    status.add_argument("--json", action="store_true", help="print the reply as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
     args = ap.parse_args(argv)
+
+    if args.cmd == "status":
+        sys.exit(show_status(args))
 
     if args.cmd == "check-config":
         try:

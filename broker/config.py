@@ -86,6 +86,9 @@ class WorkersDecl(Strict):
     input_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 64
     output_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 32
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
+    # its models load: how a deployment registers the custom ops its models call
+    preload: list[Annotated[str, Field(min_length=1)]] = []
 
     @property
     def input_bytes(self) -> int:
@@ -112,9 +115,32 @@ class ServerDecl(Strict):
         return v
 
 
+class CrashLoopDecl(Strict):
+    deaths: Annotated[int, Field(ge=2)] = 5        # this many deaths of one worker ...
+    window_s: Annotated[float, Field(gt=0)] = 60.0  # ... within this window is a crash loop:
+    backoff_s: Annotated[float, Field(gt=0)] = 30.0  # its models are unavailable on it this long
+
+
+class SupervisorDecl(Strict):
+    heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
+    batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
+    batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its model's mean)
+    crash_loop: CrashLoopDecl = CrashLoopDecl()
+    shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+    @model_validator(mode="after")
+    def _beats_fit(self) -> "SupervisorDecl":
+        if self.hang_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least twice heartbeat_s "
+                             f"({self.heartbeat_s}): one late beat is not a hang")
+        return self
+
+
 class Config(Strict):
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
+    supervisor: SupervisorDecl = SupervisorDecl()
     models: Annotated[list[ModelDecl], Field(min_length=1)]
 
     def model(self, name: str) -> ModelDecl:

@@ -28,12 +28,12 @@ class Handshake:
         w.pid = msg.pid
         return LoadModels(models=self.registry.specs())
 
-    def ready(self, w: WorkerHandle, msg: WorkerReady) -> bool:
+    def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
         """True if the worker now serves; a worker told to stop meanwhile stays stopping."""
         if w.state is not WorkerState.STARTING:
             log.info("%s ready while %s: ignored", w.name, w.state.value)
             return False
-        w.became_ready(msg.models)
+        w.became_ready(msg.models, now)
         for key in msg.models:
             name, version = split_model_key(key)
             self.registry.models[name].ready_versions.add(version)
@@ -49,15 +49,26 @@ class Handshake:
     def lost(w: WorkerHandle, retry: bool) -> tuple[list[Pending], list[Pending]]:
         """Split a dead worker's in-flight requests into (retry now, answer WORKER_DIED).
 
-        Each request is retried at most once: a request that kills two workers is likely
-        the cause, and must not take down a third."""
+        Each is retried once and alone (a batch of one), so a poison request cannot take the
+        requests batched with it down again; one that was in flight at two deaths is likely
+        the cause, is never run again, and its fingerprint is logged."""
         again, gone = [], []
         for batch in w.inflight.values():
             for p in batch.requests:
-                if retry and p.attempts == 0:
-                    p.attempts += 1
+                p.attempts += 1
+                if p.attempts >= 2:
+                    log.error("request in flight at two worker deaths, not retried: %s", fingerprint(p))
+                if retry and p.attempts == 1:
+                    p.alone = True
                     again.append(p)
                 else:
                     gone.append(p)
         w.inflight.clear()
         return again, gone
+
+
+def fingerprint(p: Pending) -> str:
+    """What identifies a request in the logs without its data."""
+    shapes = f"variable dims {list(p.shape_key)}" if p.shape_key else "fixed dims"
+    return (f"model={p.model} version={p.version} rows={p.rows} {shapes} "
+            f"input_bytes={p.nbytes} client={p.client.hex()} id={p.req_id}")

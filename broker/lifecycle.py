@@ -12,23 +12,33 @@ import asyncio
 import logging
 import time
 
+from .config import Config
 from .endpoints import StartupError
+from .hangs import HangJudge
 from .server import Broker, Phase
 from .supervisor import Supervisor
 from .systemd import sd_notify
 
 log = logging.getLogger("tgw.broker")
-STOP_DRAIN_S = 30.0
 MONITOR_S = 0.05
 WATCHDOG_S = 1.0  # systemd's WatchdogSec is tens of seconds: one ping a second is plenty
 
 
 class Lifecycle:
-    def __init__(self, broker: Broker, supervisor: Supervisor, start_timeout_s: float):
+    def __init__(self, broker: Broker, supervisor: Supervisor, cfg: Config):
         self.broker, self.supervisor = broker, supervisor
-        self.start_timeout_s = start_timeout_s
-        self.stop_event = asyncio.Event()
+        self.start_timeout_s = cfg.workers.start_timeout_s
+        self.grace_s = cfg.supervisor.shutdown_grace_s
+        self.hangs = HangJudge(cfg.supervisor, broker.stats)
+        self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: drain, then stop
+        self.force_event = asyncio.Event()   # a second one: stop now
         self._last_ping = 0.0
+
+    def on_stop_signal(self) -> None:
+        if self.stop_event.is_set():
+            log.warning("second stop signal: not waiting for the drain")
+            self.force_event.set()
+        self.stop_event.set()
 
     async def run(self, address: str) -> None:
         """Start, serve until stop_event, drain; the caller stops workers and closes sockets."""
@@ -77,8 +87,11 @@ class Lifecycle:
             self.watch(time.monotonic())
 
     def watch(self, now: float) -> None:
-        """One look: deadlines, dead workers (restarted once serving), due restarts, watchdog."""
+        """One look: deadlines, hung workers (killed), dead workers (restarted once serving),
+        due restarts, watchdog."""
         self.broker.tick(now)
+        for w, reason in self.hangs.hung(self.broker.roster, now):
+            self.supervisor.kill(w, reason)
         serving = self.broker.is_serving()
         for w in self.supervisor.reap():
             self.broker.remove_worker(w)
@@ -91,8 +104,13 @@ class Lifecycle:
             sd_notify("WATCHDOG=1")
 
     async def _drain(self) -> None:
-        """Finish queued and in-flight work (new requests are refused meanwhile)."""
+        """Finish queued and in-flight work within the grace (new requests are refused
+        meanwhile); whatever is left then, or at a second signal, is answered, not dropped."""
         self.broker.begin_stop()
-        deadline = time.monotonic() + STOP_DRAIN_S
-        while self.broker.busy() and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.grace_s
+        while self.broker.busy() and time.monotonic() < deadline and not self.force_event.is_set():
             await asyncio.sleep(0.01)
+        if self.broker.busy():
+            why = "second stop signal" if self.force_event.is_set() else f"shutdown_grace_s ({self.grace_s:g} s) ran out"
+            log.warning("stopping with work left: %s", why)
+            self.broker.abandon(f"broker stopped before this request ran ({why})")

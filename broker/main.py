@@ -29,12 +29,12 @@ log = logging.getLogger("tgw.broker")
 async def serve(cfg: Config, address: str) -> None:
     backend = backend_address(address)
     ctx = zmq.Context()
-    supervisor = Supervisor(cfg.workers, backend)
+    supervisor = Supervisor(cfg.workers, cfg.supervisor, backend)
     broker = Broker(cfg)
-    lifecycle = Lifecycle(broker, supervisor, cfg.workers.start_timeout_s)
+    lifecycle = Lifecycle(broker, supervisor, cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lifecycle.stop_event.set)
+        loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     front = bind(ctx, address, public=True)  # refuses first if a live broker has the address
     try:
         broker.attach(loop, front, bind(ctx, backend, public=False))

@@ -11,7 +11,7 @@ from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, IOSpec
+from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec
 
 from .batcher import Pending
 
@@ -60,6 +60,12 @@ class WorkerHandle:
     pid: int = 0
     models: set[str] = field(default_factory=set)     # "name:version" loaded and warmed up
     inflight: dict[int, Inflight] = field(default_factory=dict)
+    beat: Heartbeat | None = None     # the last heartbeat of this life ...
+    beat_at: float = 0.0              # ... and when it arrived (or when the life began)
+    restarts: int = 0
+    last_death: str = ""              # why the previous life ended
+    kill_reason: str = ""             # set when the supervisor kills this life
+    benched: str = ""                 # why its models are unavailable on it (crash loop)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -74,13 +80,15 @@ class WorkerHandle:
             raise IllegalTransition(f"{self.name}: {self._state.value} -> {to.value}")
         self._state = to
 
-    def spawned(self, proc: subprocess.Popen | None) -> None:
+    def spawned(self, proc: subprocess.Popen | None, now: float = 0.0) -> None:
         self._move(WorkerState.STARTING)
         self.proc, self.pid = proc, proc.pid if proc is not None else 0
+        self.beat, self.beat_at, self.kill_reason = None, now, ""
 
-    def became_ready(self, models: list[str]) -> None:
+    def became_ready(self, models: list[str], now: float = 0.0) -> None:
         self._move(WorkerState.READY)
         self.models = set(models)
+        self.beat_at = max(self.beat_at, now)  # silence is judged from here on
 
     def told_to_stop(self) -> None:
         self._move(WorkerState.STOPPING)
@@ -109,6 +117,11 @@ class WorkerHandle:
     @property
     def identity(self) -> bytes:
         return f"w{self.worker_id}.{self.generation}".encode()
+
+    @property
+    def control_identity(self) -> bytes:
+        """The socket of the worker's heartbeat thread (zmq sockets are one thread's each)."""
+        return self.identity + b"~ctl"
 
     @property
     def name(self) -> str:

@@ -18,14 +18,15 @@ import lz4.frame
 import zmq
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Health, Hello, Infer, InferReply, \
-    ListModels, Release, Stats, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, encode, \
-    envelope_decoder, from_worker_decoder, model_key, request_decoder
+from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Health, Heartbeat, Hello, Infer, \
+    InferReply, ListModels, Release, Stats, Status, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, encode, \
+    from_worker_decoder, model_key
 
 from . import status
 from .admission import Admission
 from .batcher import Batcher, Pending
 from .config import Config
+from .frontdoor import Refused, read_request
 from .handshake import Handshake
 from .pool import WorkerHandle, WorkerState
 from .registry import Registry
@@ -50,12 +51,13 @@ class Broker:
         for m in cfg.models:
             self.batcher.add_model(m.name, m.max_batch_size, m.max_queue)
             self.stats.model(m.name)
-        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, clock)
+        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, clock, self.unavailable)
         self.handshake = Handshake(self.registry)
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.roster: list[WorkerHandle] = []              # every worker, in any state
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
         self.phase = Phase.STARTING
+        self.started_at = clock()
         self.batch_seq = 0
         self._pump_scheduled = False
 
@@ -67,25 +69,51 @@ class Broker:
     # ---- control: called by the lifecycle -----------------------------------------------------
 
     def add_worker(self, w: WorkerHandle) -> None:
-        """Route messages from (a new life of) this worker to it."""
+        """Route messages from (a new life of) this worker, and of its heartbeat thread, to it."""
         if w not in self.roster:
             self.roster.append(w)
-        self.routes[w.identity] = w
+        self.routes[w.identity] = self.routes[w.control_identity] = w
 
     def remove_worker(self, w: WorkerHandle) -> None:
         """The worker's process is gone: retry its in-flight requests once elsewhere, answer the rest."""
         self.routes.pop(w.identity, None)
+        self.routes.pop(w.control_identity, None)
         again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
         for p in reversed(again):
             self.batcher.push(p, front=True)
         for p in gone:
-            self._fail_pending(p, fail(Code.WORKER_DIED, f"{w.name} died while running this request"))
+            if p.attempts >= 2:
+                err = fail(Code.WORKER_DIED, f"in flight at {p.attempts} worker deaths ({w.name}: {w.last_death}); "
+                           "not run again: it is likely what kills them", worker_deaths=p.attempts, poison=True)
+            else:
+                err = fail(Code.WORKER_DIED, f"{w.name} died while running this request ({w.last_death})",
+                           worker_deaths=p.attempts)
+            self._fail_pending(p, err)
         self.schedule()
 
     def tick(self, now: float) -> None:
-        """Periodic work: answer queued requests whose deadline has passed (never computed)."""
+        """Periodic work: answer queued requests whose deadline has passed (never computed), and
+        those of models no worker may serve now (crash loop) instead of letting them wait."""
         for p in self.batcher.expired(now):
             self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+        why = self.unavailable()
+        if why:
+            for p in self.batcher.take_all():
+                self._fail_pending(p, fail(Code.MODEL_NOT_READY, why, reason="crash_loop"))
+
+    def unavailable(self) -> str:
+        """Why no worker may serve now ("" while one may): every worker is benched."""
+        if self.roster and all(w.benched for w in self.roster):
+            return "; ".join(w.benched for w in self.roster)
+        return ""
+
+    def abandon(self, message: str) -> None:
+        """Answer everything still queued or in flight (the shutdown grace ran out)."""
+        left = self.batcher.take_all() + [p for w in self.roster for b in w.inflight.values() for p in b.requests]
+        for w in self.roster:
+            w.inflight.clear()
+        for p in left:
+            self._fail_pending(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
 
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING
@@ -110,14 +138,10 @@ class Broker:
 
     def on_client(self, frames: list) -> None:
         ident = frames[0].bytes
-        if len(frames) < 2:
-            return self._error(ident, 0, fail(Code.INVALID_ARGUMENT, "empty message: a header frame is required"))
         try:
-            msg = request_decoder.decode(frames[1].buffer)
-        except DecodeError as exc:
-            return self._malformed(ident, frames[1].buffer, exc)
-        if msg.v != PROTOCOL_VERSION:
-            return self._version_mismatch(ident, msg.id, msg.v)
+            msg = read_request(frames)
+        except Refused as refused:
+            return self._error(ident, refused.req_id, refused.error)
         if isinstance(msg, Infer):
             try:
                 self.admission.admit(ident, msg, frames[2:])
@@ -136,23 +160,8 @@ class Broker:
             self._reply(ident, status.health(self, msg.id))
         elif isinstance(msg, Stats):
             self._reply(ident, status.stats(self, msg.id))
-
-    def _malformed(self, ident: bytes, header, exc: Exception) -> None:
-        try:
-            env = envelope_decoder.decode(header)
-        except DecodeError:
-            env = None
-        # `type(...) is int`: a bool is an int to isinstance, but not on the wire
-        req_id = env.id if env is not None and type(env.id) is int else 0
-        if env is not None and type(env.v) is int and env.v != PROTOCOL_VERSION:
-            # a newer client's header may not fit our structs: name the real problem
-            return self._version_mismatch(ident, req_id, env.v)
-        self._error(ident, req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"))
-
-    def _version_mismatch(self, ident: bytes, req_id: int, version: int) -> None:
-        self._error(ident, req_id, fail(
-            Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
-            f"{PROTOCOL_VERSION}", client_protocol=version, server_protocol=PROTOCOL_VERSION))
+        elif isinstance(msg, Status):
+            self._reply(ident, status.status(self, msg.id))
 
     def _reply(self, ident: bytes, msg, *tensors) -> None:
         # the send copies every frame (zmq's default copy=True), so ring views may be released after
@@ -236,10 +245,12 @@ class Broker:
             return
         if isinstance(msg, Done):
             self._complete(worker, msg)
+        elif isinstance(msg, Heartbeat):
+            worker.beat, worker.beat_at = msg, self.clock()
         elif isinstance(msg, WorkerHello):
             self.back.send([ident, encode(self.handshake.hello(worker, msg))])
         elif isinstance(msg, WorkerReady):
-            if self.handshake.ready(worker, msg):
+            if self.handshake.ready(worker, msg, self.clock()):
                 self.schedule()
         elif isinstance(msg, WorkerFailed):
             self.handshake.failed(worker, msg)

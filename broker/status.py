@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tgw.shm.wire import PROTOCOL_VERSION, HealthReply, HelloReply, ModelsReply, StatsReply, model_key
+from tgw.shm.wire import PROTOCOL_VERSION, HealthReply, HelloReply, ModelsReply, StatsReply, StatusReply, model_key
 
 from .pool import WorkerState
 
@@ -51,3 +51,28 @@ def processes(b: "Broker") -> list[dict]:
     return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
         {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state.value, "inflight": len(w.inflight)}
         for w in b.roster]
+
+
+def status(b: "Broker", req_id: int) -> StatusReply:
+    now = b.clock()
+    models = {}
+    for m in b.registry.models.values():
+        c = b.stats.models[m.name]
+        models[m.name] = {"default_version": m.decl.default, "versions": sorted(m.versions),
+                          "ready": serving(b, m.name, m.decl.default), "queued": b.batcher.queued(m.name),
+                          "requests": c.requests, "replies": c.replies, "errors": dict(c.errors)}
+    return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=b.phase.value, uptime_s=round(now - b.started_at, 3),
+                       workers=[worker_status(w, now) for w in b.roster], models=models)
+
+
+def worker_status(w, now: float) -> dict:
+    out = {"name": w.name, "pid": w.pid, "device": w.device, "state": w.state.value, "models": sorted(w.models),
+           "inflight": len(w.inflight), "restarts": w.restarts, "last_death": w.last_death, "benched": w.benched,
+           "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None}
+    if w.beat is not None:
+        beat = w.beat
+        out.update(rss=beat.rss, cpu_s=round(beat.cpu_s, 3), fds=beat.fds, threads=beat.threads,
+                   batches=beat.batches, busy_s=round(now - beat.batch_since, 3) if beat.batch_id is not None else 0.0)
+        if beat.cuda_reserved:
+            out.update(cuda_allocated=beat.cuda_allocated, cuda_reserved=beat.cuda_reserved)
+    return out

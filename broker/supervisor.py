@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections import deque
 
 from tgw.shm import segment as shm_segment
 from tgw.shm.segment import Segment, ShmError
 
-from .config import WorkersDecl
+from .config import SupervisorDecl, WorkersDecl
 from .pool import WorkerHandle, WorkerState
 
 log = logging.getLogger("tgw.supervisor")
@@ -34,6 +36,15 @@ def cuda_device_count() -> int:
         return 0
 
 
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 def plan_devices(decl: WorkersDecl) -> list[str]:
     if decl.devices != "auto":
         return list(decl.devices)
@@ -50,11 +61,12 @@ def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
 
 
 class Supervisor:
-    def __init__(self, decl: WorkersDecl, endpoint: str):
-        self.decl, self.endpoint = decl, endpoint
+    def __init__(self, decl: WorkersDecl, watch: SupervisorDecl, endpoint: str):
+        self.decl, self.watch, self.endpoint = decl, watch, endpoint
         self.workers: list[WorkerHandle] = []
-        self._restarts: dict[int, int] = {}
+        self._restarts: dict[int, int] = {}         # consecutive restarts, for the backoff
         self._restart_at: dict[int, float] = {}
+        self._deaths: dict[int, deque] = {}         # recent death times, for the crash-loop guard
 
     def prepare(self) -> list[str]:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
@@ -77,8 +89,9 @@ class Supervisor:
                "--identity", w.identity.decode(), "--device", w.device, "--segment", w.segment.name,
                "--input-bytes", str(w.input_bytes), "--output-bytes", str(w.output_bytes),
                "--endpoint", self.endpoint, "--threads", str(self.decl.threads_per_worker),
-               "--cpus", ",".join(map(str, w.cpus))]
-        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+               "--cpus", ",".join(map(str, w.cpus)), "--heartbeat-s", str(self.watch.heartbeat_s),
+               "--preload", ",".join(self.decl.preload)]
+        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), time.monotonic())
         log.info("spawned %s pid %d", w.name, w.pid)
 
     def spawn_all(self) -> list[WorkerHandle]:
@@ -86,27 +99,51 @@ class Supervisor:
             self.spawn(w)
         return list(self.workers)
 
+    def kill(self, w: WorkerHandle, reason: str) -> None:
+        """SIGKILL a live worker (ours, by PID) that stopped serving; reap() then sees it dead."""
+        if w.proc is None or w.proc.poll() is not None or w.kill_reason:
+            return
+        log.error("%s pid %d: %s; killing it", w.name, w.pid, reason)
+        w.kill_reason = reason
+        w.proc.kill()
+
     def reap(self) -> list[WorkerHandle]:
         """Workers whose process has exited since the last look (now DEAD); a worker that
-        reached READY has its restart backoff forgiven."""
+        reached READY has its backoff and crash-loop record forgiven (a successful start)."""
         out = []
         for w in self.workers:
-            if w.state is WorkerState.READY:
+            if w.state is WorkerState.READY and (self._restarts.get(w.worker_id) or w.benched):
                 self._restarts[w.worker_id] = 0
+                self._deaths.pop(w.worker_id, None)
+                w.benched = ""
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
-                log.warning("%s pid %d exited with %s", w.name, w.pid, w.proc.returncode)
+                w.last_death = w.kill_reason or exit_reason(w.proc.returncode)
+                log.warning("%s pid %d ended: %s", w.name, w.pid, w.last_death)
                 w.exited()
                 out.append(w)
         return out
 
     def schedule_restart(self, w: WorkerHandle) -> None:
-        """Give a dead worker a fresh ring now and its process after a backoff."""
+        """Give a dead worker a fresh ring now and its process after a backoff (a long one, and
+        its models benched on it, when it is crash-looping)."""
         w.segment.close()
         w.segment.unlink()
         w.renew(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
+        now, loop = time.monotonic(), self.watch.crash_loop
+        deaths = self._deaths.setdefault(w.worker_id, deque())
+        deaths.append(now)
+        while deaths and deaths[0] < now - loop.window_s:
+            deaths.popleft()
         n = self._restarts.get(w.worker_id, 0)
         self._restarts[w.worker_id] = n + 1
-        self._restart_at[w.worker_id] = time.monotonic() + RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
+        w.restarts += 1
+        delay = RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
+        if len(deaths) >= loop.deaths:
+            w.benched = (f"crash loop: {w.name} died {len(deaths)} times in {loop.window_s:g} s "
+                         f"(last: {w.last_death}); next start in {loop.backoff_s:g} s")
+            log.error("%s", w.benched)
+            delay = max(delay, loop.backoff_s)
+        self._restart_at[w.worker_id] = now + delay
 
     def due_restarts(self) -> list[WorkerHandle]:
         """Spawn the dead workers whose backoff has run out; returns them."""

@@ -18,7 +18,7 @@ import zmq
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import default_address, ipc_path
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Stats, \
-    encode, reply_decoder
+    Status, encode, reply_decoder
 
 from .tensors import ZERO_COPY_MIN, decode_outputs, encode_inputs
 
@@ -93,6 +93,12 @@ class Client:
     def stats(self) -> dict:
         r, _ = self._call(Stats(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
         return {"models": r.models, "processes": r.processes, "errors": r.errors}
+
+    def status(self) -> dict:
+        """What `tgw-broker status` shows: phase, uptime, workers (heartbeat figures, restarts,
+        last death, crash-loop), models with their queues."""
+        r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
+        return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models}
 
     # ---- plumbing ----------------------------------------------------------------------------
 

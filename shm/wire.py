@@ -75,7 +75,12 @@ class Stats(Struct, tag_field="op", tag="stats"):
     id: int = 0
 
 
-Request = Union[Hello, Infer, ListModels, Health, Stats]
+class Status(Struct, tag_field="op", tag="status"):
+    v: int
+    id: int = 0
+
+
+Request = Union[Hello, Infer, ListModels, Health, Stats, Status]
 
 
 class Envelope(Struct):
@@ -148,7 +153,20 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     errors: dict[str, int] = {}      # code -> n for requests that named no served model
 
 
-Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply]
+class StatusReply(Struct, tag_field="op", tag="status"):
+    """What an operator asks of a running broker (`tgw-broker status`)."""
+    v: int
+    id: int
+    phase: str                          # starting, serving or stopping
+    uptime_s: float
+    # per worker: name, pid, device, state, models, inflight, restarts, last_death, benched,
+    # heartbeat_age_s, and from its last heartbeat rss, cpu_s, fds, threads, batches, busy_s
+    workers: list[dict[str, Any]]
+    # per model: default_version, versions, ready, queued, requests, replies, errors
+    models: dict[str, dict[str, Any]]
+
+
+Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply]
 
 
 # ---- broker <-> worker -----------------------------------------------------------------------
@@ -219,8 +237,47 @@ class Stop(Struct, tag_field="op", tag="w_stop"):
     pass
 
 
-ToWorker = Union[LoadModels, Batch, Release, Stop]
-FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done]
+class Heartbeat(Struct, tag_field="op", tag="w_beat"):
+    """Sent every heartbeat_s by a thread of the worker that does not depend on its serving
+    loop, on the worker's control socket (identity: the worker's + b"~ctl")."""
+    worker_id: int
+    pid: int
+    sent: float                      # CLOCK_MONOTONIC seconds (system-wide)
+    rss: int                         # bytes
+    cpu_s: float                     # user + system seconds since the process started
+    fds: int
+    threads: int
+    batches: int                     # batches completed since start
+    batch_id: Optional[int] = None   # the batch computing now, if any ...
+    batch_since: float = 0.0         # ... and since when (CLOCK_MONOTONIC)
+    cuda_allocated: int = 0          # bytes, GPU workers only
+    cuda_reserved: int = 0
+
+
+class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):
+    """Broker -> worker control socket: report memory figures. The first request starts
+    tracemalloc (it costs nothing until then); later ones report growth since the first."""
+    snapshot_id: int
+    top: int = 25
+
+
+class LineGrowth(Struct):
+    where: str            # "file:line"
+    size_diff: int        # bytes allocated there since tracing started
+    count_diff: int
+
+
+class WorkerSnapshot(Struct, tag_field="op", tag="w_snapped"):
+    snapshot_id: int
+    worker_id: int
+    tracing_since: float                      # CLOCK_MONOTONIC when tracemalloc started
+    traced_bytes: int = 0
+    growth: list[LineGrowth] = []             # top growth by line since tracing started
+    cuda: dict[str, Any] = {}                 # torch.cuda.memory_snapshot() summary on GPU
+
+
+ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest]
+FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done, Heartbeat, WorkerSnapshot]
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

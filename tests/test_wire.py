@@ -9,7 +9,8 @@ import tgw.client
 from tgw.shm import errors, wire
 from tgw.shm.errors import ERROR_CLASSES, ERROR_TABLE, Code, TgwError, error_from_body, fail, http_status
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, DecodeError, Done, ErrorBody, ErrorReply, Health,
-                          HealthReply, Hello, HelloReply, Infer, InferReply, IOSpec, ListModels, LoadModels,
+                          HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
+                          ListModels, LoadModels, SnapshotRequest, Status, StatusReply, WorkerSnapshot,
                           ModelInfo, ModelSpec, ModelsReply, Release, Stats, StatsReply, Stop, TensorMeta,
                           WorkerFailed, WorkerHello, WorkerReady, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
@@ -28,6 +29,7 @@ REQUESTS = [
     ListModels(v=V, id=3),
     Health(v=V, id=4),
     Stats(v=V, id=5),
+    Status(v=V, id=6),
 ]
 
 REPLIES = [
@@ -44,6 +46,8 @@ REPLIES = [
     HealthReply(v=V, id=4, live=True, ready=True),
     StatsReply(v=V, id=5, models={"mlp": {"requests": 3, "errors": {"INTERNAL": 1}}},
                processes=[{"role": "broker", "pid": 1, "device": None}]),
+    StatusReply(v=V, id=6, phase="serving", uptime_s=12.5, models={"mlp": {"ready": True, "queued": 0}},
+                workers=[{"name": "worker0[cpu]", "pid": 7, "state": "ready", "heartbeat_age_s": 0.4}]),
 ]
 
 TO_WORKER = [
@@ -53,6 +57,7 @@ TO_WORKER = [
           inputs=[BlockTensor(name="x", dtype="float32", shape=[2, 256], offset=128, nbytes=2048)]),
     Release(blocks=[0, 64, 4096]),
     Stop(),
+    SnapshotRequest(snapshot_id=3, top=10),
 ]
 
 FROM_WORKER = [
@@ -62,6 +67,10 @@ FROM_WORKER = [
     Done(batch_id=1, outputs=[BlockTensor(name="y", dtype="float32", shape=[2, 10], offset=0, nbytes=80)],
          block=0, compute_us=75),
     Done(batch_id=2, error=ErrorBody(code="MODEL_EXECUTION_ERROR", message="bad")),
+    Heartbeat(worker_id=0, pid=1234, sent=5.5, rss=1 << 26, cpu_s=1.25, fds=12, threads=4, batches=9,
+              batch_id=10, batch_since=5.0),
+    WorkerSnapshot(snapshot_id=3, worker_id=0, tracing_since=4.0, traced_bytes=2048,
+                   growth=[LineGrowth(where="m.py:3", size_diff=1024, count_diff=2)]),
 ]
 
 

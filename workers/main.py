@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from tgw.shm.segment import Segment
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
+from .heartbeat import Beacon, Progress
 from .runner import ModelRunner
 from .serve import Server
 
@@ -44,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default="", help="comma-separated cores to pin to")
+    ap.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
+    ap.add_argument("--preload", default="",
+                    help="comma-separated modules to import, .py files or .so libraries to load before any model "
+                         "(they register the custom ops models call)")
     return ap.parse_args(argv)
 
 
@@ -64,6 +70,23 @@ def _setup_process(args: argparse.Namespace) -> torch.device:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def preload(entries: str) -> None:
+    """Import each module (a name, or a .py file by path) or load each .so with torch.ops.load_library.
+
+    Raises RuntimeError naming the entry that failed."""
+    for entry in filter(None, (e.strip() for e in entries.split(","))):
+        try:
+            if entry.endswith(".so"):
+                torch.ops.load_library(entry)
+            elif entry.endswith(".py"):  # by path: its folder joins sys.path so a second mention is a no-op
+                sys.path.insert(0, os.path.dirname(os.path.abspath(entry)))
+                importlib.import_module(os.path.basename(entry)[:-3])
+            else:
+                importlib.import_module(entry)
+        except Exception as exc:
+            raise RuntimeError(f"preload {entry!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def _load(spec_msg: LoadModels, device: torch.device, worker_id: int):
@@ -88,27 +111,43 @@ def run_worker(argv: list[str] | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(args.endpoint)
     segment = Segment.attach(args.segment)
+    progress = Progress()
+    # beats from here on: a worker stuck importing or loading models is seen as hung
+    beacon = Beacon(ctx, args.endpoint, args.identity.encode(), args.worker_id, progress, args.heartbeat_s, device)
+    beacon.start()
     try:
+        failure = _preload(args)
         sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid())))
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
-        runners, answer = _load(msg, device, args.worker_id)
+        runners, answer = (None, failure) if failure else _load(msg, device, args.worker_id)
         sock.send(encode(answer))
         if runners is None:
             return 1
-        Server(sock, segment, args.input_bytes, args.output_bytes, runners).serve()
+        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress).serve()
         return 0
     except Exception:
         traceback.print_exc()  # the death notice: the supervisor logs our stderr and restarts us
         return 1
     finally:
+        beacon.stop()
         sock.close()
         ctx.term()
         try:
             segment.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+
+def _preload(args: argparse.Namespace) -> WorkerFailed | None:
+    """Run the preloads; a failure answers the load message, as a model that fails to load does."""
+    try:
+        preload(args.preload)
+    except RuntimeError as exc:
+        traceback.print_exc()
+        return WorkerFailed(worker_id=args.worker_id, model="<preload>", error=str(exc)[:4000])
+    return None
 
 
 def main() -> None:

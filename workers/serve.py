@@ -18,6 +18,7 @@ from tgw.shm.ring import BlockTooLarge, RingAllocator, aligned_total, region_off
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_key, to_worker_decoder
 
+from .heartbeat import Progress
 from .runner import TORCH_DTYPES, ModelRunner
 
 log = logging.getLogger("tgw.worker")
@@ -30,8 +31,9 @@ class OutputSpaceTimeout(RuntimeError):
 
 class Server:
     def __init__(self, sock: zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
-                 runners: dict[str, ModelRunner]):
+                 runners: dict[str, ModelRunner], progress: Progress | None = None):
         self.sock, self.segment, self.runners = sock, segment, runners
+        self.progress = progress or Progress()  # read by the beacon thread
         self.output_base = input_bytes
         self.outputs = RingAllocator(output_bytes)
         self.inbox: deque = deque()   # messages read while waiting for output space
@@ -62,6 +64,12 @@ class Server:
         blocks.clear()  # a batch parked in the inbox must not release twice
 
     def run_batch(self, batch: Batch) -> Done:
+        try:
+            return self._run(batch)
+        finally:
+            self.progress.end()
+
+    def _run(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
         if batch.deadline and time.monotonic() > batch.deadline:
             return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
@@ -69,6 +77,7 @@ class Server:
         runner = self.runners.get(key)
         if runner is None:
             return _error(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
+        self.progress.start(batch.batch_id)
         try:
             inputs = [self._view(t) for t in batch.inputs]
             outs = runner.run(inputs, batch.rows)

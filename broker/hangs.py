@@ -1,0 +1,43 @@
+"""Which live workers look hung - a pure judgement over heartbeats, with the time passed in.
+
+A worker is hung when its heartbeats stop for hang_timeout_s (SIGSTOP, a native deadlock
+holding the GIL, a machine too loaded to schedule it), or when the batch it reports computing
+has run longer than max(batch_timeout_s, batch_timeout_factor x its model's mean batch time)
+(a deadlock that releases the GIL: the beats go on, the batch never ends).
+"""
+from __future__ import annotations
+
+from .config import SupervisorDecl
+from .pool import WorkerHandle, WorkerState
+from .stats import Stats
+
+WATCHED = (WorkerState.STARTING, WorkerState.READY, WorkerState.STOPPING)
+
+
+class HangJudge:
+    def __init__(self, decl: SupervisorDecl, stats: Stats):
+        self.decl, self.stats = decl, stats
+
+    def batch_limit_s(self, model: str) -> float:
+        c = self.stats.models.get(model)
+        mean_s = c.compute_us / c.batches / 1e6 if c is not None and c.batches else 0.0
+        return max(self.decl.batch_timeout_s, self.decl.batch_timeout_factor * mean_s)
+
+    def hung(self, workers: list[WorkerHandle], now: float) -> list[tuple[WorkerHandle, str]]:
+        """(worker, reason) for each watched worker that should be killed and replaced."""
+        out = []
+        for w in workers:
+            if w.state not in WATCHED or w.kill_reason:
+                continue
+            silent = now - w.beat_at  # since the last beat arrived, or the life began
+            if silent > self.decl.hang_timeout_s:
+                out.append((w, f"no heartbeat for {silent:.1f} s (hang_timeout_s {self.decl.hang_timeout_s:g})"))
+                continue
+            beat = w.beat
+            if beat is None or beat.batch_id is None or beat.batch_id not in w.inflight:
+                continue
+            model = w.inflight[beat.batch_id].model
+            running, limit = now - beat.batch_since, self.batch_limit_s(model)
+            if running > limit:
+                out.append((w, f"batch {beat.batch_id} of {model} computing for {running:.1f} s (limit {limit:.1f} s)"))
+        return out

@@ -1,0 +1,130 @@
+"""Supervision without processes: hang verdicts from heartbeats, poison requests retried alone
+then given up, the crash-loop guard, and admission refusing while every worker is benched.
+Times are passed in; nothing here waits."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import base_config
+from tgw.broker.batcher import Batcher, Pending
+from tgw.broker.config import CrashLoopDecl, SupervisorDecl, WorkersDecl, parse_config
+from tgw.broker.handshake import Handshake
+from tgw.broker.hangs import HangJudge
+from tgw.broker.pool import Inflight, WorkerHandle
+from tgw.broker.server import Broker
+from tgw.broker.stats import Stats
+from tgw.broker.supervisor import Supervisor
+from tgw.shm.errors import Code, TgwError
+from tgw.shm.segment import Segment, new_name
+from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, Infer, TensorMeta
+
+DECL = SupervisorDecl(heartbeat_s=1.0, hang_timeout_s=5.0, batch_timeout_s=10.0, batch_timeout_factor=4.0)
+
+
+@pytest.fixture
+def worker():
+    seg = Segment.create(new_name("ring"), 128 << 10)
+    w = WorkerHandle(0, "cpu", [], seg, 64 << 10, 64 << 10)
+    yield w
+    w.segment.close()
+    w.segment.unlink()
+
+
+def pending(req_id: int, model: str = "m") -> Pending:
+    return Pending(client=b"\x01c", req_id=req_id, model=model, version="1", rows=1, shape_key=(),
+                   tensors=[b"x" * 8], outputs=["y"], deadline=1e9)
+
+
+def beat(batch_id=None, since=0.0) -> Heartbeat:
+    return Heartbeat(worker_id=0, pid=1, sent=0.0, rss=1, cpu_s=0.0, fds=1, threads=1, batches=0,
+                     batch_id=batch_id, batch_since=since)
+
+
+def test_silent_worker_is_judged_hung(worker):
+    judge = HangJudge(DECL, Stats())
+    worker.spawned(None, now=100.0)
+    assert judge.hung([worker], 104.0) == []                  # still loading, within the bound
+    (w, reason), = judge.hung([worker], 106.0)
+    assert w is worker and "no heartbeat for 6.0 s" in reason
+    worker.beat, worker.beat_at = beat(), 105.5                # a beat arrives: fine again
+    assert judge.hung([worker], 106.0) == []
+
+
+def test_batch_running_past_its_limit_is_judged_hung(worker):
+    stats = Stats()
+    stats.batch("m", rows=4, compute_us=5_000_000)            # a mean of 5 s per batch: limit 4 x 5 = 20 s
+    judge = HangJudge(DECL, stats)
+    assert judge.batch_limit_s("m") == 20.0 and judge.batch_limit_s("other") == 10.0
+    worker.spawned(None, now=0.0)
+    worker.became_ready(["m:1"], now=0.0)
+    worker.inflight[7] = Inflight(7, "m", [pending(1)], 0, 1)
+    worker.beat, worker.beat_at = beat(batch_id=7, since=100.0), 119.0
+    assert judge.hung([worker], 119.5) == []
+    worker.beat_at = 121.0
+    (w, reason), = judge.hung([worker], 121.0)
+    assert "batch 7 of m computing for 21.0 s (limit 20.0 s)" in reason
+    worker.kill_reason = reason                               # already being killed: judged once
+    assert judge.hung([worker], 130.0) == []
+
+
+def test_retried_requests_run_alone_and_others_do_not_join_them():
+    b = Batcher()
+    b.add_model("m", max_batch_size=8, max_queue=16)
+    first, retried, third = pending(1), pending(2), pending(3)
+    retried.alone = True
+    for p in (first, retried, third):
+        b.push(p)
+    assert [p.req_id for p in b.next_batch("m", 1 << 20)] == [1, 3]
+    assert [p.req_id for p in b.next_batch("m", 1 << 20)] == [2]
+
+
+def test_lost_requests_are_retried_once_alone_then_given_up(worker, caplog):
+    batch = [pending(1), pending(2)]
+    worker.inflight[1] = Inflight(1, "m", batch, 0, 2)
+    again, gone = Handshake.lost(worker, retry=True)
+    assert again == batch and gone == [] and all(p.alone and p.attempts == 1 for p in batch)
+    worker.inflight[2] = Inflight(2, "m", [batch[0]], 0, 1)   # the poison one kills a second worker
+    with caplog.at_level(logging.ERROR, logger="tgw.broker"):
+        again, gone = Handshake.lost(worker, retry=True)
+    assert again == [] and gone == [batch[0]]
+    assert "two worker deaths" in caplog.text and "model=m version=1 rows=1" in caplog.text
+
+
+def test_crash_loop_benches_the_worker_until_it_starts_well():
+    watch = SupervisorDecl(crash_loop=CrashLoopDecl(deaths=3, window_s=60.0, backoff_s=45.0))
+    sup = Supervisor(WorkersDecl(devices=["cpu"], input_arena_mb=1, output_arena_mb=1), watch, "ipc:///nowhere")
+    sup.prepare()
+    w = sup.workers[0]
+    try:
+        for death in range(3):
+            w.spawned(None)
+            w.exited()
+            w.last_death = "killed by SIGSEGV"
+            sup.schedule_restart(w)
+            assert bool(w.benched) == (death == 2)
+        assert "died 3 times in 60 s (last: killed by SIGSEGV)" in w.benched and w.restarts == 3
+        w.spawned(None)
+        w.became_ready([])
+        sup.reap()                                            # a successful start forgives it
+        assert w.benched == ""
+    finally:
+        sup.stop()
+
+
+def test_admission_refuses_while_every_worker_is_benched(model_files, worker):
+    broker = Broker(parse_config(base_config(model_files, "mlp"), base_dir="/", source="test"))
+    broker.registry.models["mlp"].ready_versions.add("1")
+    broker.add_worker(worker)
+    x = np.zeros((1, 256), np.float32)
+    req = Infer(v=PROTOCOL_VERSION, id=1, model="mlp", inputs=[TensorMeta(name="x", dtype="float32", shape=[1, 256])])
+    worker.benched = "crash loop: worker0[cpu] died 5 times in 60 s"
+    with pytest.raises(TgwError) as info:
+        broker.admission.admit(b"c", req, [zmq.Frame(x.tobytes())])
+    assert info.value.code == Code.MODEL_NOT_READY and info.value.details["reason"] == "crash_loop"
+    assert "died 5 times" in info.value.message
+    worker.benched = ""
+    assert broker.admission.admit(b"c", req, [zmq.Frame(x.tobytes())]).req_id == 1

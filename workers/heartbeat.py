@@ -1,0 +1,177 @@
+"""The worker's beacon: a thread that reports liveness and resource use, and answers leak snapshots.
+
+It owns its own DEALER (identity: the worker's + b"~ctl") on the worker's zmq Context, so it never
+touches the serving loop's socket (zmq sockets are not thread-safe) and keeps beating while a
+forward runs (torch releases the GIL in ops). Silence is the broker's hang signal: a native
+deadlock that holds the GIL stops the beats too, as intended.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import threading
+import time
+import tracemalloc
+
+import torch
+import zmq
+
+from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot, encode, to_worker_decoder
+
+log = logging.getLogger("tgw.worker")
+CTL_SUFFIX = b"~ctl"
+TRACE_FRAMES = 4      # frames kept per traced allocation once a snapshot is asked for
+_SKIP = [tracemalloc.Filter(False, tracemalloc.__file__)]  # the snapshots' own bookkeeping
+
+
+class Progress:
+    """What the serving loop is doing: written by it, read by the beacon.
+
+    Single attribute writes are atomic under the GIL. start() writes batch_since before batch_id
+    and readers read batch_id first, so a new id is never paired with an older time."""
+
+    def __init__(self):
+        self.batches = 0                  # batches completed since start
+        self.batch_id: int | None = None  # the batch computing now, if any
+        self.batch_since = 0.0            # CLOCK_MONOTONIC when it started
+
+    def start(self, batch_id: int) -> None:
+        self.batch_since = time.monotonic()
+        self.batch_id = batch_id
+
+    def end(self) -> None:
+        self.batch_id = None
+        self.batches += 1
+
+
+class Beacon:
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, worker_id: int, progress: Progress,
+                 heartbeat_s: float = 1.0, device: torch.device | None = None):
+        self.worker_id, self.progress, self.heartbeat_s = worker_id, progress, heartbeat_s
+        self.cuda = None
+        if device is not None and device.type == "cuda":  # the index now: the current device is per thread
+            self.cuda = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self.sock = ctx.socket(zmq.DEALER)  # used only by the thread from start() on
+        self.sock.setsockopt(zmq.IDENTITY, identity + CTL_SUFFIX)
+        self.sock.setsockopt(zmq.LINGER, 0)  # beats are worthless once we stop
+        self.sock.connect(endpoint)
+        # opened now: a worker that ran out of fds can still report itself
+        self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # stop() interrupts the poll
+        self._baseline: tracemalloc.Snapshot | None = None
+        self._tracing_since, self._we_trace, self._stopped = 0.0, False, False
+        self.thread = threading.Thread(target=self._run, name="tgw-beacon", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """End the thread, which closes its socket; False if it is still running after `timeout`.
+        Call before the Context is terminated; a second call does nothing."""
+        if self._stopped:
+            return True
+        if self.thread.ident is None:  # never started
+            self._close()
+        else:
+            os.write(self._wake_w, b"x")
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return False  # it still polls the pipe: leave it open
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._stopped = True
+        return True
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while True:
+                if time.monotonic() >= next_beat:
+                    self._send(self.beat())
+                    next_beat = time.monotonic() + self.heartbeat_s
+                ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000))))
+                if self._wake_r in ready:
+                    return
+                if self.sock in ready:
+                    self._answer()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        self.sock.close()
+        os.close(self._status)
+        if self._we_trace:
+            tracemalloc.stop()
+
+    def _send(self, msg) -> None:
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the broker is not reading: it judges us by the beats it does get
+
+    def beat(self) -> Heartbeat:
+        status = _fields(os.pread(self._status, 8192, 0))
+        t = os.times()
+        batch_id = self.progress.batch_id
+        beat = Heartbeat(worker_id=self.worker_id, pid=os.getpid(), sent=time.monotonic(),
+                         rss=int(status[b"VmRSS"].split()[0]) * 1024, cpu_s=t.user + t.system,
+                         fds=_count_fds(), threads=int(status[b"Threads"]), batches=self.progress.batches,
+                         batch_id=batch_id, batch_since=self.progress.batch_since if batch_id is not None else 0.0)
+        if self.cuda is not None:
+            beat.cuda_allocated = torch.cuda.memory_allocated(self.cuda)
+            beat.cuda_reserved = torch.cuda.memory_reserved(self.cuda)
+        return beat
+
+    def _answer(self) -> None:
+        try:
+            msg = to_worker_decoder.decode(self.sock.recv())
+        except Exception as exc:  # a bad control message must not silence the beacon
+            log.warning("undecodable control message ignored: %s", exc)
+            return
+        if not isinstance(msg, SnapshotRequest):
+            log.warning("control socket got %s: ignored", type(msg).__name__)
+            return
+        try:
+            self._send(self.snapshot(msg))
+        except Exception:  # a failed snapshot is the broker's loss, not a reason to stop beating
+            log.exception("snapshot %d failed", msg.snapshot_id)
+
+    def snapshot(self, req: SnapshotRequest) -> WorkerSnapshot:
+        """The first request starts tracing and takes the baseline; later ones report growth since."""
+        growth = []
+        if self._baseline is None:
+            if not tracemalloc.is_tracing():
+                tracemalloc.start(TRACE_FRAMES)
+                self._we_trace = True
+            self._tracing_since = time.monotonic()
+            self._baseline = tracemalloc.take_snapshot().filter_traces(_SKIP)
+        else:
+            stats = tracemalloc.take_snapshot().filter_traces(_SKIP).compare_to(self._baseline, "lineno")
+            growth = [LineGrowth(where=f"{s.traceback[0].filename}:{s.traceback[0].lineno}",
+                                 size_diff=s.size_diff, count_diff=s.count_diff)
+                      for s in stats if s.size_diff > 0][:req.top]
+        return WorkerSnapshot(snapshot_id=req.snapshot_id, worker_id=self.worker_id,
+                              tracing_since=self._tracing_since, traced_bytes=tracemalloc.get_traced_memory()[0],
+                              growth=growth, cuda=_cuda_summary(self.cuda) if self.cuda is not None else {})
+
+
+def _fields(status: bytes) -> dict[bytes, bytes]:
+    return dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+
+
+def _count_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself opens
+    except OSError:  # EMFILE: the table is full, which is the figure to report
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _cuda_summary(device: torch.device) -> dict:
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", device.index) == device.index]
+    return {"segments": len(segments), "total_size": sum(s["total_size"] for s in segments),
+            "allocated_size": sum(s["allocated_size"] for s in segments),
+            "active_blocks": sum(b["state"] == "active_allocated" for s in segments for b in s["blocks"])}
