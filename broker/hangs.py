@@ -15,8 +15,10 @@ WATCHED = (WorkerState.STARTING, WorkerState.READY, WorkerState.STOPPING)
 
 
 class HangJudge:
-    def __init__(self, decl: SupervisorDecl, stats: Stats):
+    def __init__(self, decl: SupervisorDecl, stats: Stats, start_timeout_s: float):
         self.decl, self.stats = decl, stats
+        # before its first beat a worker is starting its interpreter and importing torch
+        self.first_beat_s = max(decl.hang_timeout_s, start_timeout_s)
 
     def batch_limit_s(self, model: str) -> float:
         c = self.stats.models.get(model)
@@ -30,7 +32,10 @@ class HangJudge:
             if w.state not in WATCHED or w.kill_reason:
                 continue
             silent = now - w.beat_at  # since the last beat arrived, or the life began
-            if silent > self.decl.hang_timeout_s:
+            if w.beat is None and silent > self.first_beat_s:
+                out.append((w, f"no first heartbeat {silent:.1f} s after it started"))
+                continue
+            if w.beat is not None and silent > self.decl.hang_timeout_s:
                 out.append((w, f"no heartbeat for {silent:.1f} s (hang_timeout_s {self.decl.hang_timeout_s:g})"))
                 continue
             beat = w.beat

@@ -24,6 +24,11 @@ class Inflight:
     block: int
     rows: int
 
+    @property
+    def suspect(self) -> bool:
+        """A retry after a worker death: it may be what kills workers."""
+        return self.requests[0].alone
+
 
 class WorkerState(str, Enum):
     PLANNED = "planned"      # ring made, no process yet
@@ -127,8 +132,14 @@ class WorkerHandle:
     def name(self) -> str:
         return f"worker{self.worker_id}[{self.device}]"
 
-    def can_take(self, model_key: str, max_inflight: int) -> bool:
-        return self._state is WorkerState.READY and model_key in self.models and len(self.inflight) < max_inflight
+    def can_take(self, model_key: str, max_inflight: int, suspect: bool = False) -> bool:
+        """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
+        worker holding nothing else, so if it kills the worker it takes no other request along."""
+        if self._state is not WorkerState.READY or model_key not in self.models:
+            return False
+        if suspect:
+            return not self.inflight
+        return len(self.inflight) < max_inflight and not any(b.suspect for b in self.inflight.values())
 
     def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec]) -> Batch | None:
         """Copy the batch's inputs into the input arena; None while the arena has no room."""

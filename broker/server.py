@@ -191,22 +191,22 @@ class Broker:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.queues[model].items[0]
-                worker = self._pick(model_key(model, head.version), full)
+                worker = self._pick(model_key(model, head.version), full, head.alone)
                 if worker is None:
                     continue
                 if self._dispatch(model, worker):
                     moved = True
                 else:
                     full.add(worker.worker_id)
-        for w in self.routes.values():
+        for w in self.roster:
             # releases ride on the next batch; a busy worker with none coming may need the space
             if w.releases and w.inflight:
                 self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
 
-    def _pick(self, key: str, full: set[int]) -> WorkerHandle | None:
+    def _pick(self, key: str, full: set[int], suspect: bool) -> WorkerHandle | None:
         best = None
-        for w in self.routes.values():
-            if w.worker_id not in full and w.can_take(key, self.max_inflight):
+        for w in self.roster:
+            if w.worker_id not in full and w.can_take(key, self.max_inflight, suspect):
                 if best is None or len(w.inflight) < len(best.inflight):
                     best = w
         return best

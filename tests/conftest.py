@@ -96,11 +96,14 @@ def make_broker(short_dir):
 
 
 def base_config(files: dict, *names: str, workers: dict | None = None, server: dict | None = None,
-                **model_overrides) -> dict:
-    return {"server": server or {},
-            "workers": workers or {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8,
-                                   "output_arena_mb": 4},
-            "models": [model_entry(files, n, **model_overrides.get(n, {})) for n in names]}
+                supervisor: dict | None = None, **model_overrides) -> dict:
+    cfg = {"server": server or {},
+           "workers": workers or {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8,
+                                  "output_arena_mb": 4},
+           "models": [model_entry(files, n, **model_overrides.get(n, {})) for n in names]}
+    if supervisor:
+        cfg["supervisor"] = supervisor
+    return cfg
 
 
 @pytest.fixture(scope="module")

@@ -45,19 +45,21 @@ def beat(batch_id=None, since=0.0) -> Heartbeat:
 
 
 def test_silent_worker_is_judged_hung(worker):
-    judge = HangJudge(DECL, Stats())
+    judge = HangJudge(DECL, Stats(), start_timeout_s=30.0)
     worker.spawned(None, now=100.0)
-    assert judge.hung([worker], 104.0) == []                  # still loading, within the bound
-    (w, reason), = judge.hung([worker], 106.0)
-    assert w is worker and "no heartbeat for 6.0 s" in reason
-    worker.beat, worker.beat_at = beat(), 105.5                # a beat arrives: fine again
-    assert judge.hung([worker], 106.0) == []
+    assert judge.hung([worker], 129.0) == []                  # importing torch: judged by the start limit
+    (w, reason), = judge.hung([worker], 131.0)
+    assert w is worker and "no first heartbeat 31.0 s after it started" in reason
+    worker.beat, worker.beat_at = beat(), 130.5               # a beat arrives: fine again ...
+    assert judge.hung([worker], 135.0) == []
+    (w, reason), = judge.hung([worker], 136.0)                # ... until it falls silent
+    assert "no heartbeat for 5.5 s" in reason
 
 
 def test_batch_running_past_its_limit_is_judged_hung(worker):
     stats = Stats()
     stats.batch("m", rows=4, compute_us=5_000_000)            # a mean of 5 s per batch: limit 4 x 5 = 20 s
-    judge = HangJudge(DECL, stats)
+    judge = HangJudge(DECL, stats, start_timeout_s=30.0)
     assert judge.batch_limit_s("m") == 20.0 and judge.batch_limit_s("other") == 10.0
     worker.spawned(None, now=0.0)
     worker.became_ready(["m:1"], now=0.0)
@@ -128,3 +130,15 @@ def test_admission_refuses_while_every_worker_is_benched(model_files, worker):
     assert "died 5 times" in info.value.message
     worker.benched = ""
     assert broker.admission.admit(b"c", req, [zmq.Frame(x.tobytes())]).req_id == 1
+
+
+def test_a_suspect_batch_runs_on_a_worker_holding_nothing_else(worker):
+    worker.spawned(None)
+    worker.became_ready(["m:1"])
+    assert worker.can_take("m:1", 2, suspect=True)
+    normal, retried = pending(1), pending(2)
+    retried.alone = True
+    worker.inflight[1] = Inflight(1, "m", [normal], 0, 1)
+    assert worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
+    worker.inflight = {2: Inflight(2, "m", [retried], 0, 1)}
+    assert not worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
