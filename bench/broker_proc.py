@@ -1,12 +1,10 @@
 """Subprocesses that the benchmarks and the tests start, and stop by their PID.
 
 `Proc` runs a command in its own session (a Ctrl-C in the terminal reaches only the harness,
-which then stops what it started, in order) with its output in a log file. `stop()` sends
-SIGTERM to that PID, waits, and sends SIGKILL only if it is still alive. An atexit hook stops
-any Proc still running: a last resort for when an exception skipped a `finally`.
-
-`BrokerProc` is `python -m tgw.broker start` on a private ipc socket in a work folder; both
-tests/conftest.py and the comparison's tgw rows use it.
+which then stops what it started, in order), its output in a log file; `stop()` sends SIGTERM,
+and SIGKILL only if it is still alive after a grace period. An atexit hook stops any Proc still
+running. `BrokerProc` (`python -m tgw.broker start` on a private ipc socket in a work folder) is
+shared by tests/conftest.py and the comparison's tgw rows.
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 _LIVE: dict[int, "Proc"] = {}
 
@@ -25,12 +23,11 @@ class Proc:
     def __init__(self, argv: list[str], log_path: str, name: str):
         self.argv, self.log_path, self.name = argv, log_path, name
         self.proc: Optional[subprocess.Popen] = None
-        self._log: Any = None
 
     def start(self, env: Optional[dict] = None) -> "Proc":
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the file
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(env or {})}, start_new_session=True)
         _LIVE[self.proc.pid] = self
         return self
 
@@ -48,7 +45,7 @@ class Proc:
         except OSError:
             return ""
 
-    def wait_for(self, pred: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> None:
+    def wait_for(self, pred: Callable[[], bool], timeout: float, what: str) -> None:
         """Poll pred() until it is true; raise with the log when the process exits or time runs out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -60,7 +57,7 @@ class Proc:
                     return
             except Exception:  # noqa: BLE001 - not there yet
                 pass
-            time.sleep(interval)
+            time.sleep(0.1)
         raise TimeoutError(f"{self.name}: {what} not reached in {timeout:g}s:\n{self.output()[-4000:]}")
 
     def stop(self, timeout: float = 30.0) -> int:
@@ -77,8 +74,6 @@ class Proc:
                 self.proc.kill()
                 self.proc.wait()
         _LIVE.pop(self.proc.pid, None)
-        if self._log is not None:
-            self._log.close()
         return self.proc.returncode
 
 

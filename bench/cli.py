@@ -1,17 +1,13 @@
-"""tgw-bench: the benchmark's one entry.
+"""tgw-bench: the benchmark's one entry (bench/README.md).
 
-    tgw-bench load --model mlp --concurrency 1,16,64 --duration 10 --json out.json --plot out.png
-    tgw-bench load --model resnet --rate 50,100,200 --duration 20
-    tgw-bench compare --quick        # also: python bench/compare.py --quick
+    tgw-bench load --model mlp --concurrency 1,16,64 --json out.json --plot out.png   # closed loop
+    tgw-bench load --model resnet --rate 50,100,200     # open loop: Poisson arrivals, latency from schedule
+    tgw-bench compare --quick                           # also: python bench/compare.py --quick
 
-load: drive a running broker in closed loop (--concurrency N: N requests always in flight) or
-open loop (--rate R: Poisson arrivals at R requests/s, latency counted from each request's
-scheduled send time); a list of levels runs one after the other against the same broker.
-`tgw-bench --model ...` without a subcommand is `load` (the form of earlier versions).
-compare: the side-by-side comparison (comparison.py); writes bench/results/ and RESULTS.md.
-
-Exit status: 0 success (compare: every row filled, no request failed, the broker stopped
-cleanly), 1 some requests failed, 2 usage or connection problems, 130 interrupted.
+`load` drives a running broker, one level after the other; `tgw-bench --model ...` without a
+subcommand is `load`. `compare` writes bench/results/ and RESULTS.md. Exit status: 0 success
+(compare: every row filled, no request failed, the broker stopped cleanly), 1 some requests
+failed, 2 usage or connection problems, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ import signal
 import sys
 from typing import Optional
 
-from tgw.bench import report
+from tgw.bench import comparison, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.targets import GENERATORS, VAR_LEN, TgwTarget, find_model
@@ -32,23 +28,27 @@ def _levels(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of numbers, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"levels must be positive, got {text!r}")
+        vals = []
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
     return vals
 
 
-def _systems(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    if not names or set(names) - set(report.SYSTEMS):
-        raise argparse.ArgumentTypeError(f"choose from {','.join(report.SYSTEMS)}, got {text!r}")
-    return names
+def _subset(known: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `known`."""
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        if not names or set(names) - set(known):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(known)}, got {text!r}")
+        return names
+    return parse
 
 
 def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    sub = ap.add_subparsers(dest="command")
+    description, epilog = __doc__.split("\n\n", 1)
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
     ld = sub.add_parser("load", help="load a running broker")
     ld.add_argument("--address", help="broker address (default: $TGW_ADDRESS or the runtime-dir socket)")
     ld.add_argument("--model", required=True)
@@ -71,9 +71,11 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
     cmp.add_argument("--quick", action="store_true", help="short runs (about 90 s in all) for development")
     cmp.add_argument("--duration", type=float, help="override: measured seconds per row")
     cmp.add_argument("--warmup", type=float, help="override: warm-up seconds per row")
-    cmp.add_argument("--systems", default=",".join(report.SYSTEMS), type=_systems,
+    cmp.add_argument("--systems", default=list(report.SYSTEMS), type=_subset(report.SYSTEMS),
                      help=f"comma-separated subset of {','.join(report.SYSTEMS)} (default: all)")
-    cmp.add_argument("--models", help="comma-separated subset of the scenario models (mlp,resnet,resnet224)")
+    models = tuple(dict.fromkeys(sc.model for sc in comparison.SCENARIOS))
+    cmp.add_argument("--models", type=_subset(models),
+                     help=f"comma-separated subset of {','.join(models)} (default: all)")
     cores = os.cpu_count() or 1
     cmp.add_argument("--tgw-workers", type=int, default=cores, help=f"tgw cpu workers (default: cores = {cores})")
     cmp.add_argument("--flask-workers", type=int, default=cores, help="gunicorn sync workers (default: cores)")
@@ -88,7 +90,6 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
 
     for p in (ld, cmp):
         p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar even on a terminal")
     return ap
 
 
@@ -110,9 +111,7 @@ def load(a: argparse.Namespace) -> int:
             processes = c.stats()["processes"]
             for lv in levels:
                 spec = LoadSpec(mode, lv if mode == "open" else int(lv), a.duration, a.warmup, a.procs, a.max_inflight)
-                runs.append({**measure(target, spec, processes, a.batch, stats_fn=c.stats, model=a.model,
-                                       label=f"{a.model} {f'{lv:g}/s' if mode == 'open' else f'c={lv:g}'}",
-                                       progress=False if a.no_progress else None), "model": a.model})
+                runs.append({**measure(target, spec, processes, stats=c.stats), "model": a.model})
                 print(report.format_summary(runs[-1]), flush=True)
     except (ConnectionError, RuntimeError, LookupError) as exc:
         print(f"tgw-bench: {exc}", file=sys.stderr)
@@ -140,16 +139,12 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
     if full and full[0] not in ("load", "compare", "-h", "--help"):
         full.insert(0, "load")  # the form without a subcommand
     a = parser(prog).parse_args(full)
-    if a.command is None:
-        parser(prog).print_help()
-        return 2
     a.command_line = " ".join([prog, *map(shlex.quote, args)])
     try:
         if a.command == "load":
             return load(a)
         signal.signal(signal.SIGTERM, _interrupt)
-        from tgw.bench.comparison import run
-        return run(a, a.command_line)
+        return comparison.run(a, a.command_line)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,8 +1,6 @@
-"""`tgw-bench compare`: in-process floor (floor.py), transport floor (transport.py), tgw native
-(BrokerProc) and Flask + gunicorn (flask_app.py, loaded by wrk or its Python fallback: wrk.py) on
-the same demo models, inputs and closed-loop scenarios, in one invocation; bench/README.md says
-what each row and ratio means. Everything listens on Unix sockets in a fresh /tmp folder or on
-127.0.0.1, and every server is stopped by PID at the end, also on Ctrl-C, SIGTERM and errors.
+"""`tgw-bench compare`: the baselines (baselines.py) and tgw native (BrokerProc) on the same demo
+models, inputs and closed-loop scenarios, in one invocation; bench/README.md says what each row
+and ratio means. Every server is stopped by PID at the end, also on Ctrl-C, SIGTERM and errors.
 """
 from __future__ import annotations
 
@@ -17,17 +15,14 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
-from tgw.bench import report, wrk
+from tgw.bench import report
+from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
 from tgw.bench.broker_proc import BrokerProc, stop_all
-from tgw.bench.flask_app import FlaskServer
-from tgw.bench.floor import floor_row, run_floors
 from tgw.bench.loadgen import LoadSpec
-from tgw.bench.measure import measure
+from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, make_inputs, tensor_bytes
-from tgw.bench.transport import EchoServer
 
 SERVERS = ("transport", "tgw", "flask")
 MODES = {  # seconds measured per row, warm-up per row, seconds per floor batch size, floor rounds
@@ -36,8 +31,7 @@ MODES = {  # seconds measured per row, warm-up per row, seconds per floor batch 
 }
 
 
-@dataclass(frozen=True)
-class Scenario:
+class Scenario(NamedTuple):
     model: str
     concurrency: int
 
@@ -51,30 +45,28 @@ SCENARIOS = (Scenario("mlp", 1), Scenario("mlp", 16), Scenario("mlp", 64),
              Scenario("resnet224", 16))
 
 
-def ratios(rows: dict[str, dict]) -> dict[str, Optional[float]]:
-    """tgw over Flask (throughput, p50 latency), over the floor (rows/s) and over the transport floor."""
-    def get(system: str, key: str) -> Optional[float]:
+def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> dict[str, Any]:
+    """The scenario's rows with tgw over Flask (throughput, p50), over the floor (rows/s) and over
+    the transport floor (throughput)."""
+    def value(system: str, key: str) -> Optional[float]:
         row = rows.get(system) or {"error": None}
         return None if "error" in row else (row["latency_ms"]["p50"] if key == "p50" else row[key])
 
-    def div(name: str, key: str) -> Optional[float]:
-        a, b = get("tgw", key), get(name, key)
+    def ratio(system: str, key: str) -> Optional[float]:
+        a, b = value("tgw", key), value(system, key)
         return a / b if a is not None and b else None
-    return {"tgw_over_flask_throughput": div("flask", "throughput_rps"), "tgw_over_flask_p50": div("flask", "p50"),
-            "tgw_over_floor_throughput": div("in-process", "rows_per_s"),
-            "tgw_over_transport_throughput": div("transport", "throughput_rps")}
-
-
-def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> dict[str, Any]:
-    return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency,
-            "payload_bytes": payload_bytes, "rows": rows, "ratios": ratios(rows)}
+    return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency, "payload_bytes": payload_bytes,
+            "rows": rows, "ratios": {"tgw_over_flask_throughput": ratio("flask", "throughput_rps"),
+                                     "tgw_over_flask_p50": ratio("flask", "p50"),
+                                     "tgw_over_floor_throughput": ratio("in-process", "rows_per_s"),
+                                     "tgw_over_transport_throughput": ratio("transport", "throughput_rps")}}
 
 
 def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
-    """The product's demo models, built by `python -m tgw.workers.demo_models` (build_demo_models
-    with DEMO_MODELS' declarations) in a subprocess, as the broker does, so torch stays out of the
-    harness and of its generator processes. Returns name -> {path, inputs, outputs, max_batch_size}
-    plus `resnet224`: the resnet file declared [3,224,224], so one request carries 602 KB."""
+    """The product's demo models, built by `python -m tgw.workers.demo_models` in a subprocess (as
+    the broker does) so torch stays out of the harness and of its generator processes. Returns
+    name -> {path, inputs, outputs, max_batch_size} plus `resnet224`: the resnet file declared
+    [3,224,224], so one request carries 602 KB."""
     proc = subprocess.run([sys.executable, "-m", "tgw.workers.demo_models", out_dir],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -105,7 +97,7 @@ class Servers:
         self.failed: dict[str, str] = {}
         self.info: dict[str, dict[str, Any]] = {"tgw": {}, "flask": {}}
         self.echo = self.tgw = self.flask = self.client = None
-        self.wrk = wrk.find_wrk()
+        self.wrk = shutil.which("wrk")
 
     def start(self, system: str) -> None:
         try:
@@ -114,14 +106,13 @@ class Servers:
             elif system == "tgw":
                 from tgw.client import Client
                 self.tgw = BrokerProc(tgw_config(self.models, self.names, self.a.tgw_workers), self.work)
-                self.info["tgw"]["config"] = self.tgw.config_path
                 self.client = Client(self.tgw.start(timeout=180).address)
-                self.info["tgw"]["processes"] = self.client.stats()["processes"]
+                self.info["tgw"].update(config=self.tgw.config_path, processes=self.client.stats()["processes"])
             else:
                 self.info["flask"]["generator"] = f"wrk ({self.wrk})" if self.wrk else \
-                    "python fallback (wrk not installed: keep-alive http.client in loadgen.py)"
+                    "python fallback (wrk not installed: keep-alive http.client through loadgen.py)"
                 if not self.wrk:
-                    self.log(wrk.INSTALL_HINT)
+                    self.log(WRK_INSTALL_HINT)
                 for n in self.names:
                     with open(os.path.join(self.work, f"body-{n}.json"), "w") as f:
                         json.dump({"inputs": {k: v.tolist() for k, v in make_inputs(self.models[n]).items()}}, f)
@@ -134,26 +125,24 @@ class Servers:
         """One measured row, or {"error": ...}: a failure is recorded and the run goes on."""
         if system in self.failed:
             return {"error": self.failed[system]}
-        a, m, name = self.a, self.models[sc.model], f"{report.LABELS[system]} {sc.key}"
-        spec = LoadSpec("closed", sc.concurrency, a.duration, a.warmup, a.procs)
-        kw: dict[str, Any] = {"label": f"{system} {sc.key}", "progress": False if a.no_progress else None}
+        m, name = self.models[sc.model], f"{report.LABELS[system]} {sc.key}"
+        spec = LoadSpec("closed", sc.concurrency, self.a.duration, self.a.warmup, self.a.procs)
         body = os.path.join(self.work, f"body-{sc.model}.json")
         try:
             if system == "transport":
                 target = ZmqEchoTarget(self.echo.front, tensor_bytes(m["inputs"]), tensor_bytes(m["outputs"]))
-                row = measure(target, spec, self.echo.processes, **kw)
+                row = measure(target, spec, self.echo.processes)
             elif system == "tgw":
-                row = measure(TgwTarget(self.tgw.address, sc.model, timeout=60.0), spec, self.info["tgw"]["processes"],
-                              stats_fn=self.client.stats, model=sc.model, **kw)
+                target = TgwTarget(self.tgw.address, sc.model, timeout=60.0)
+                row = measure(target, spec, self.info["tgw"]["processes"], stats=self.client.stats)
             else:
+                drive = functools.partial(wrk_drive, self.wrk) if self.wrk else \
+                    functools.partial(loadgen_drive, kind="python-fallback")
                 target = HttpTarget("127.0.0.1", self.flask.port, f"/infer/{sc.model}", body)
-                row = measure(target, spec, self.flask.processes, **kw,
-                              drive=functools.partial(wrk.drive, self.wrk) if self.wrk else wrk.fallback_drive)
+                row = {**measure(target, spec, self.flask.processes, drive=drive), "body_bytes": os.path.getsize(body)}
         except Exception as exc:  # noqa: BLE001
             self.log(f"{name} FAILED: {type(exc).__name__}: {exc}")
             return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        if system == "flask":
-            row["body_bytes"] = os.path.getsize(body)
         p50 = row["latency_ms"]["p50"]
         self.log(f"{name}: {row['throughput_rps']:,.0f} req/s" + (f", p50 {p50:.3f} ms" if p50 is not None else "")
                  + (f", {row['requests_failed']} failed" if row["requests_failed"] else ""))
@@ -208,13 +197,6 @@ def collect(a: argparse.Namespace, work: str, models: dict, scenarios: list[Scen
                           for sc in scenarios], **res}
 
 
-def _out_dir(a: argparse.Namespace) -> str:
-    """--out, else bench/ of the checkout (run from its root, or an editable install), else ."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return a.out or ("bench" if os.path.isfile("bench/compare.py") else
-                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
-
-
 def run(a: argparse.Namespace, command: str) -> int:
     """The whole comparison; exit status 0 when every row was filled without a failed request and
     the broker stopped cleanly, 1 otherwise, 130 when interrupted."""
@@ -225,10 +207,7 @@ def run(a: argparse.Namespace, command: str) -> int:
     a.duration = base["duration"] if a.duration is None else a.duration
     a.warmup = base["warmup"] if a.warmup is None else a.warmup
     a.floor_seconds, a.floor_rounds = base["floor_seconds"], base["floor_rounds"]
-    scenarios = [sc for sc in SCENARIOS if not a.models or sc.model in a.models.split(",")]
-    if not scenarios:
-        print(f"tgw-bench compare: no scenario for models {a.models!r}", file=sys.stderr)
-        return 2
+    scenarios = [sc for sc in SCENARIOS if not a.models or sc.model in a.models]
     log = lambda msg: print(f"[compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     work = tempfile.mkdtemp(prefix="tgwb-", dir="/tmp")  # short: ipc paths must fit 107 bytes
     t0, date = time.monotonic(), datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
@@ -250,18 +229,11 @@ def run(a: argparse.Namespace, command: str) -> int:
     result = {"mode": mode, "date": date, "command": command, "machine": report.machine(), "settings": settings,
               **res, "wall_s": time.monotonic() - t0}
     print("\n" + report.text_table(report.compare_table(result["scenarios"]), 3))
-    dest = _out_dir(a)
-    stem = os.path.join(dest, "results", date + ("" if mode == "full" else "-" + mode))
-    report.write_json(stem + ".json", result)
-    try:
-        report.plot_compare(result, stem + ".png")
-    except Exception as exc:  # noqa: BLE001 - matplotlib is optional
-        print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
-    if not a.no_results_md:
-        report.update_results_md(os.path.join(dest, "RESULTS.md"), mode, report.section_markdown(
-            result, os.path.relpath(stem + ".json", dest), os.path.relpath(stem + ".png", dest)))
-        print(f"\nupdated {os.path.join(dest, 'RESULTS.md')} ({mode} section)")
-    print(f"wrote {stem}.json and .png; {result['wall_s']:.0f} s")
+    # --out, else bench/ of the checkout (run from its root, or an editable install), else .
+    here = os.path.dirname(os.path.abspath(__file__))
+    dest = a.out or ("bench" if os.path.isfile("bench/compare.py") else
+                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
+    report.write_outputs(result, dest, results_md=not a.no_results_md)
     srv = result.get("tgw_server", {})
     complete = all("error" not in row and not row.get("requests_failed")
                    for sc in result["scenarios"] for row in sc["rows"].values())

@@ -1,18 +1,13 @@
-"""The load generator: several spawned processes, each with threads, each thread one caller.
+"""The load generator: spawned processes, each with threads, each thread one caller.
 
-Closed loop (`mode="closed"`, level = concurrency): every thread keeps one request in flight;
-latency is measured from the moment it sends.
-
-Open loop (`mode="open"`, level = requests/s): each process runs a Poisson arrival process of
-rate level/procs (the superposition is Poisson of the full rate). A dispatcher thread queues the
-*scheduled* send times; a pool of sender threads takes them. Latency is measured from the
-scheduled time, so when the server (or the generator) falls behind, the queueing shows up as
-latency instead of silently lowering the offered load (no coordinated omission). The gap between
-scheduled and actual send (`send_lag`) is reported to show when the generator itself lags.
-
-All processes share one start time (CLOCK_MONOTONIC is system-wide on Linux). Requests started
-(closed) or scheduled (open) during the warm-up are not recorded; recording stops at the end of
-the window, and requests still in flight then are waited for and counted.
+Closed loop (level = concurrency): every thread keeps one request in flight; latency from its
+send. Open loop (level = requests/s): each process runs a Poisson arrival process of rate
+level/procs; a dispatcher thread queues the *scheduled* send times and a pool of sender threads
+takes them; latency counts from the scheduled time, so a server (or generator) that falls behind
+shows up as latency, not as a lower offered load (no coordinated omission); `send_lag` shows when
+the generator itself lags. All processes share one start time (CLOCK_MONOTONIC is system-wide);
+only requests started or scheduled inside the window are recorded, and those still in flight at
+its end are waited for.
 """
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ import threading
 import time
 import traceback
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -33,6 +29,9 @@ import numpy as np
 
 from tgw.bench.targets import error_code
 
+READY_TIMEOUT = 60.0   # seconds for a generator process to start, connect and set up its threads
+DRAIN_TIMEOUT = 60.0   # seconds after the window for the requests still in flight
+
 
 @dataclass
 class LoadSpec:
@@ -40,15 +39,9 @@ class LoadSpec:
     level: float = 1
     duration: float = 5.0
     warmup: float = 1.0
-    procs: int = 0                # 0: default_procs()
+    procs: int = 0                # 0: half the cores (the server needs the rest), 2..4
     max_inflight: int = 256       # open loop: sender threads in all processes together
     seed: int = 1
-
-
-def default_procs(spec: LoadSpec) -> int:
-    """Half the cores (the server needs the rest), at least 2, at most 4, never more than threads."""
-    n = max(2, min(4, (os.cpu_count() or 1) // 2))
-    return max(1, min(n, int(spec.level)) if spec.mode == "closed" else n)
 
 
 def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
@@ -57,18 +50,13 @@ def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _split(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
-
-
 class _Recorder:
-    """Per-thread samples: latency and send lag of each success, failures by code."""
+    """One thread's samples: latency and send lag of each success, failures by code."""
 
     def __init__(self) -> None:
         self.lat, self.lag = array("d"), array("d")
-        self.errors: dict[str, int] = {}
+        self.errors: Counter = Counter()
         self.messages: dict[str, str] = {}
-        self.done = 0
 
 
 def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float, ws: float, we: float) -> None:
@@ -79,7 +67,6 @@ def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float
     except Exception as e:  # noqa: BLE001 - every failure is counted by code
         exc = e
     t1 = time.monotonic()
-    rec.done += 1
     if not (ws <= t_ref < we):
         return
     if exc is None:
@@ -87,18 +74,8 @@ def _run_one(call: Callable[[], None], rec: _Recorder, t_ref: float, sent: float
         rec.lag.append(sent - t_ref)
     else:
         code = error_code(exc)
-        rec.errors[code] = rec.errors.get(code, 0) + 1
+        rec.errors[code] += 1
         rec.messages.setdefault(code, str(exc)[:300])
-
-
-def _closed(call, rec: _Recorder, w: SimpleNamespace) -> None:
-    while (t0 := time.monotonic()) < w.we:
-        _run_one(call, rec, t0, t0, w.ws, w.we)
-
-
-def _open(call, rec: _Recorder, w: SimpleNamespace, q: "queue.SimpleQueue") -> None:
-    while (t_sched := q.get()) is not None:
-        _run_one(call, rec, t_sched, time.monotonic(), w.ws, w.we)
 
 
 def _dispatch(q: "queue.SimpleQueue", rate: float, w: SimpleNamespace, nthreads: int, seed: int) -> None:
@@ -112,44 +89,47 @@ def _dispatch(q: "queue.SimpleQueue", rate: float, w: SimpleNamespace, nthreads:
         q.put(None)
 
 
-def _thread(init, body, args, barrier: threading.Barrier, failures: list) -> None:
-    """Per-thread set-up first (e.g. the tgw client's per-thread socket and handshake), so no
-    measured request pays for connecting; then wait for the common start."""
+def _thread(target: Any, index: int, rec: _Recorder, w: SimpleNamespace, q: Optional[queue.SimpleQueue],
+            ready: threading.Barrier, go: threading.Event, failures: list) -> None:
+    """The thread's caller is made in the thread (its socket, connection and handshake), so no
+    measured request pays for connecting; then, from the common start, closed loop (q is None) or
+    open loop (a send at each scheduled time taken from q)."""
     try:
-        if init is not None:
-            init()
+        call = target.caller(index)
     except Exception:  # noqa: BLE001 - reported to the parent as a fatal start-up error
         failures.append(traceback.format_exc())
-        barrier.abort()
+        ready.abort()
         return
     try:
-        barrier.wait()  # every thread is set up
-        barrier.wait()  # go: the window's times are published
+        ready.wait()
     except threading.BrokenBarrierError:
         return
-    body(*args)
+    go.wait()
+    if q is None:
+        while (t0 := time.monotonic()) < w.we:
+            _run_one(call, rec, t0, t0, w.ws, w.we)
+    else:
+        while (t_sched := q.get()) is not None:
+            _run_one(call, rec, t_sched, time.monotonic(), w.ws, w.we)
 
 
-def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, conn, progress) -> None:
+def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
     try:
         target = target.open(seed=spec.seed * 100 + index)
-        callers = [target.caller(i) for i in range(nthreads)]
     except Exception:  # noqa: BLE001
         conn.send({"fatal": traceback.format_exc()})
         return
     w = SimpleNamespace(start=0.0, ws=0.0, we=0.0)
     recs = [_Recorder() for _ in range(nthreads)]
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    body, extra = (_closed, ()) if spec.mode == "closed" else (_open, (q,))
-    barrier, failures = threading.Barrier(nthreads + 1), []
-    threads = [threading.Thread(target=_thread, daemon=True, args=(getattr(target, "thread_init", None), body,
-                                                                    (c, r, w, *extra), barrier, failures))
-               for c, r in zip(callers, recs)]
+    q = None if spec.mode == "closed" else queue.SimpleQueue()
+    ready, go, failures = threading.Barrier(nthreads + 1), threading.Event(), []
+    threads = [threading.Thread(target=_thread, args=(target, i, r, w, q, ready, go, failures), daemon=True)
+               for i, r in enumerate(recs)]
     for th in threads:
         th.start()
     try:
-        barrier.wait()
+        ready.wait()
     except threading.BrokenBarrierError:
         conn.send({"fatal": failures[0] if failures else "a generator thread failed"})
         return
@@ -161,97 +141,70 @@ def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, 
                                         args=(q, rate, w, nthreads, spec.seed * 7919 + index)))
         threads[-1].start()
     time.sleep(max(0.0, w.start - time.monotonic()))
-    barrier.wait()
-    cpu: dict[str, float] = {}  # this process's CPU time at the window's edges
-    while any(th.is_alive() for th in threads):
-        now = time.monotonic()
-        for edge in ("ws", "we"):
-            if edge not in cpu and now >= getattr(w, edge):
-                cpu[edge] = cpu_seconds()
-        progress[index] = sum(r.done for r in recs)
-        time.sleep(0.05 if len(cpu) < 2 else 0.2)
-    end = cpu.get("we", cpu_seconds())
+    go.set()
+    cpu = []  # this process's CPU time at the window's edges
+    for edge in (w.ws, w.we):
+        time.sleep(max(0.0, edge - time.monotonic()))
+        cpu.append(cpu_seconds())
+    for th in threads:
+        th.join()
     cat = lambda name: np.concatenate([np.frombuffer(getattr(r, name), dtype=np.float64) for r in recs])  # noqa: E731
-    conn.send({"lat": cat("lat"), "lag": cat("lag"), "errors": [r.errors for r in recs],
-               "messages": [r.messages for r in recs], "cpu_s": end - cpu.get("ws", end), "threads": nthreads})
+    conn.send({"lat": cat("lat"), "lag": cat("lag"), "errors": sum((r.errors for r in recs), Counter()),
+               "messages": {k: m for r in recs for k, m in r.messages.items()}, "cpu_s": cpu[1] - cpu[0],
+               "threads": nthreads})
     try:
         target.close()
     except Exception:  # noqa: BLE001 - closing is best effort, the numbers are already sent
         pass
 
 
-def _merge(results: list[dict], spec: LoadSpec, procs: int) -> dict:
-    errors: dict[str, int] = {}
-    messages: dict[str, str] = {}
-    for r in results:
-        for e, m in zip(r["errors"], r["messages"]):
-            for k, v in e.items():
-                errors[k] = errors.get(k, 0) + v
-            messages.update(m)
-    return {"lat": np.concatenate([r["lat"] for r in results]), "lag": np.concatenate([r["lag"] for r in results]),
-            "errors": errors, "error_messages": messages, "gen_cpu_s": [r["cpu_s"] for r in results],
-            "gen_threads": [r["threads"] for r in results], "procs": procs, "spec": spec}
+def _receive(conn, proc, timeout: float, what: str) -> dict:
+    """A generator process's next message ("ready", then its samples), or an error saying why not."""
+    try:
+        msg = conn.recv() if conn.poll(timeout) else None
+    except EOFError:  # the process is gone
+        msg = None
+    if msg is None:
+        proc.join(1)
+        raise RuntimeError(f"load generator process {proc.pid} sent no {what} (exit status {proc.exitcode}, "
+                           f"{timeout:g} s allowed): a stuck server, or a script that spawns children without "
+                           f"`if __name__ == '__main__':`")
+    if "fatal" in msg:
+        raise RuntimeError(f"load generator process failed to start:\n{msg['fatal']}")
+    return msg
 
 
 def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[], None]] = None,
-             on_window_end: Optional[Callable[[], None]] = None,
-             on_tick: Optional[Callable[[float, int], None]] = None, ready_timeout: float = 60.0,
-             drain_timeout: float = 60.0) -> dict:
-    """Run one load level; returns the raw samples merged over processes (see measure.summarize)."""
-    if spec.mode not in ("closed", "open"):
-        raise ValueError(f"mode must be closed or open, got {spec.mode!r}")
-    procs = spec.procs or default_procs(spec)
+             on_window_end: Optional[Callable[[], None]] = None) -> dict:
+    """Run one load level; returns the raw samples merged over processes (see measure.loadgen_drive)."""
     closed = spec.mode == "closed"
-    threads = _split(int(spec.level) if closed else max(spec.max_inflight, procs), procs)
-    rate = 0.0 if closed else spec.level / procs
+    procs = spec.procs or max(2, min(4, (os.cpu_count() or 1) // 2))
+    procs = max(1, min(procs, int(spec.level))) if closed else procs  # never more processes than threads
+    total = int(spec.level) if closed else max(spec.max_inflight, procs)
+    threads = [total // procs + (1 if i < total % procs else 0) for i in range(procs)]
     ctx = mp.get_context("spawn")
-    progress = ctx.RawArray("q", procs)
     children, conns = [], []
     try:
         for i in range(procs):
-            parent, child = ctx.Pipe()
-            children.append(ctx.Process(target=_child, args=(i, target, spec, threads[i], rate, child, progress),
-                                        name=f"tgw-bench-gen-{i}", daemon=True))
+            conn, child_conn = ctx.Pipe()
+            children.append(ctx.Process(target=_child, name=f"tgw-bench-gen-{i}", daemon=True,
+                                        args=(i, target, spec, threads[i], 0.0 if closed else spec.level / procs,
+                                              child_conn)))
             children[-1].start()
-            conns.append(parent)
+            child_conn.close()  # the child holds the only copy, so its death reads as EOF here
+            conns.append(conn)
         for c, p in zip(conns, children):
-            deadline = time.monotonic() + ready_timeout
-            while not c.poll(0.1):
-                if not p.is_alive():
-                    raise RuntimeError(f"load generator process {p.pid} exited with status {p.exitcode} before it "
-                                       f"was ready (spawned children re-import __main__: guard the caller with "
-                                       f"`if __name__ == '__main__':`)")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"load generator process did not start within {ready_timeout}s")
-            msg = c.recv()
-            if "fatal" in msg:
-                raise RuntimeError(f"load generator process failed to connect:\n{msg['fatal']}")
+            _receive(c, p, READY_TIMEOUT, "ready message")
         start = time.monotonic() + 0.1
         for c in conns:
             c.send(start)
-        ws, we = start + spec.warmup, start + spec.warmup + spec.duration
-        hooks = [(ws, on_window_start), (we, on_window_end)]  # called once each, in order
-        while True:
-            now = time.monotonic()
-            while hooks and now >= hooks[0][0]:
-                fn = hooks.pop(0)[1]
-                if fn:
-                    fn()
-            if on_tick:
-                on_tick(now - start, int(sum(progress)))
-            if not hooks and all(c.poll() for c in conns):
-                break
-            if now >= we + drain_timeout:
-                raise RuntimeError(f"requests still in flight {drain_timeout:g}s after the window ended "
-                                   f"(server stuck?); generator processes stopped")
-            time.sleep(min(0.1, max(0.001, hooks[0][0] - now)) if hooks else 0.1)
-        results = []
-        for c, p in zip(conns, children):
-            try:
-                results.append(c.recv())
-            except EOFError:
-                p.join(5)
-                raise RuntimeError(f"load generator process {p.pid} died (exit status {p.exitcode})") from None
+        we = start + spec.warmup + spec.duration
+        for edge, hook in ((start + spec.warmup, on_window_start), (we, on_window_end)):
+            time.sleep(max(0.0, edge - time.monotonic()))
+            if hook:
+                hook()
+        results = [_receive(c, p, max(0.0, we + DRAIN_TIMEOUT - time.monotonic()), "results")
+                   for c, p in zip(conns, children)]
         for p in children:
             p.join(10)
     finally:
@@ -259,4 +212,7 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
             if p.is_alive():
                 p.terminate()  # by PID, only the processes this run started
                 p.join(5)
-    return _merge(results, spec, procs)
+    return {"lat": np.concatenate([r["lat"] for r in results]), "lag": np.concatenate([r["lag"] for r in results]),
+            "errors": dict(sum((r["errors"] for r in results), Counter())),
+            "error_messages": {k: m for r in results for k, m in r["messages"].items()},
+            "gen_cpu_s": [r["cpu_s"] for r in results], "gen_threads": threads, "procs": procs, "spec": spec}

@@ -1,95 +1,112 @@
-"""One measured level: the load (loadgen.py, or wrk) plus what the server side did meanwhile:
-peak RSS and CPU of each server process, the machine's CPU, and for tgw the diff of the broker's
-`stats()` across the window (the batch sizes it formed for exactly the requests measured, plus
-the in-flight tail). The result is the JSON-able summary described in bench/README.md.
+"""One measured level: the load, from loadgen.py's processes (`loadgen_drive`) or from wrk for
+the HTTP rows (`wrk_drive`), plus what the server side did meanwhile: peak RSS and CPU of each
+server process, the machine's CPU, and for tgw the diff of the broker's `stats()` across the
+window (the batch sizes it formed for exactly the requests measured, plus the in-flight tail).
+The result is the JSON-able summary described in bench/README.md.
+
+Without wrk on $PATH (a benchmark does not install system packages) the comparison prints
+WRK_INSTALL_HINT and loads the HTTP rows with loadgen_drive(kind="python-fallback"), as each of
+those rows says. wrk posts the body file from a Lua script whose `done()` prints the
+percentiles and error counts as one `TGW_WRK_JSON` line.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
-import sys
-import threading
+import re
+import resource
+import subprocess
 from typing import Any, Callable, Optional
 
 import numpy as np
 import psutil
 
-from tgw.bench.loadgen import LoadSpec, run_load
+from tgw.bench.loadgen import LoadSpec, cpu_seconds, run_load
+from tgw.bench.targets import HttpTarget
 
 PERCENTILES = (50, 90, 99, 99.9)
 GEN_SATURATED = 0.90      # a Python generator process is GIL-bound to about one core
 GEN_SHARE_WARN = 0.25     # generator share of all cores worth a warning when the machine is full
+WRK_INSTALL_HINT = ("wrk not found on $PATH: the Flask rows use the Python fallback generator, which spends more "
+                    "CPU per request. For wrk: `sudo apt-get install wrk` (Debian/Ubuntu), `sudo dnf install wrk` "
+                    "(Fedora), `brew install wrk` (macOS), or build https://github.com/wg/wrk")
+
+WRK_LUA = r"""
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = assert(io.open("%(body)s", "rb"))
+wrk.body = f:read("*a")
+f:close()
+
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'TGW_WRK_JSON {"requests":%%d,"duration_us":%%d,"bytes":%%d,' ..
+    '"errors":{"connect":%%d,"read":%%d,"write":%%d,"status":%%d,"timeout":%%d},' ..
+    '"latency_us":{"p50":%%.1f,"p90":%%.1f,"p99":%%.1f,"p99_9":%%.1f,"mean":%%.1f,"max":%%.1f}}\n',
+    summary.requests, summary.duration, summary.bytes,
+    e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency:percentile(99.9), latency.mean, latency.max))
+end
+"""
 
 
 def _cpu(p: Optional[psutil.Process]) -> Optional[float]:
     try:
-        t = p.cpu_times() if p else None
-        return t.user + t.system if t else None
+        return sum(p.cpu_times()[:2]) if p else None  # user + system
     except psutil.Error:
         return None
 
 
-def _process(info: dict[str, Any]) -> Optional[psutil.Process]:
+def _peak_rss_mb(p: Optional[psutil.Process], reset: bool = False) -> Optional[float]:
+    """The kernel's peak RSS of p (VmHWM); reset first restarts it from the current RSS."""
     try:
-        return psutil.Process(int(info["pid"]))
-    except (psutil.Error, KeyError, ValueError):
+        if reset:
+            with open(f"/proc/{p.pid}/clear_refs", "w") as f:
+                f.write("5")
+        with open(f"/proc/{p.pid}/status") as f:
+            return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
+    except (OSError, AttributeError):  # gone, not ours, or p is None
         return None
 
 
 class ProcessMonitor:
-    """Peak RSS of each process, sampled at 10 Hz in a thread from construction to stop(); CPU of
-    each process, of the machine and of this harness at the window's edges."""
+    """At the window's edges (edge()): CPU of each server process, of the machine and of this
+    harness; each process's peak RSS in the window, the kernel's high-water mark, reset at the
+    start (where that is refused, the peak since the process started)."""
 
     def __init__(self, processes: list[dict[str, Any]]):
         """processes: [{"role": ..., "pid": ..., ...}] as in `Client.stats()["processes"]`."""
-        self.procs = [(dict(p), _process(p)) for p in processes]
-        self.peak = [0] * len(self.procs)
-        self.edges: list[dict[str, Any]] = []  # at window start and end: per-process CPU, machine, self
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="tgw-bench-rss", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        stopped = False
-        while True:  # one last sample after stop()
-            for i, (_, proc) in enumerate(self.procs):
-                try:
-                    self.peak[i] = max(self.peak[i], proc.memory_info().rss) if proc else 0
-                except psutil.Error:
-                    pass
-            if stopped:
-                return
-            stopped = self._stop.wait(0.1)
+        self.infos, self.procs = [dict(p) for p in processes], []
+        for p in processes:
+            try:
+                self.procs.append(psutil.Process(int(p["pid"])))
+            except (psutil.Error, KeyError, ValueError):
+                self.procs.append(None)
+        self.edges: list[dict[str, Any]] = []
 
     def edge(self) -> None:
-        """Called at the window's start and at its end."""
-        self.edges.append({"procs": [_cpu(p) for _, p in self.procs], "machine": psutil.cpu_times(),
-                           "self": _cpu(psutil.Process())})
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
+        self.edges.append({"procs": [_cpu(p) for p in self.procs], "machine": psutil.cpu_times(),
+                           "self": cpu_seconds(), "peak": [_peak_rss_mb(p, not self.edges) for p in self.procs]})
 
     def report(self, s: dict[str, Any]) -> None:
         """Adds server_processes (peak RSS, CPU cores) and machine (busy, other processes' cores) to s."""
-        dur, rows = s["duration_s"], []
-        a, b = (self.edges + [None, None])[:2]
-        for i, (info, _) in enumerate(self.procs):
-            c0, c1 = (a["procs"][i], b["procs"][i]) if b else (None, None)
-            rows.append({**info, "peak_rss_mb": round(self.peak[i] / 2**20, 1),
-                         "cpu_cores": round((c1 - c0) / dur, 3) if None not in (c0, c1) and dur > 0 else None})
+        dur, cores = s["duration_s"], os.cpu_count() or 1
+        a, b = self.edges
+        rows = [{**info, "peak_rss_mb": None if peak is None else round(peak, 1),
+                 "cpu_cores": None if None in (c0, c1) else round((c1 - c0) / dur, 3)}
+                for info, peak, c0, c1 in zip(self.infos, b["peak"], a["procs"], b["procs"])]
+        m0, m1 = a["machine"], b["machine"]
+        total = sum(m1) - sum(m0)
+        idle = (m1.idle - m0.idle) + (getattr(m1, "iowait", 0) - getattr(m0, "iowait", 0))
+        busy = max(0.0, 1 - idle / total) if total > 0 else None
+        own = s["generator"]["cpu_cores"] + sum(p["cpu_cores"] or 0 for p in rows) + (b["self"] - a["self"]) / dur
         s["server_processes"] = rows
-        busy = other = None
-        if b:
-            m0, m1 = a["machine"], b["machine"]
-            total = sum(m1) - sum(m0)
-            idle = (m1.idle - m0.idle) + (getattr(m1, "iowait", 0) - getattr(m0, "iowait", 0))
-            busy = max(0.0, 1 - idle / total) if total > 0 else None
-            wall = total / (psutil.cpu_count() or 1)
-            own = (s["generator"]["cpu_cores"] + sum(p["cpu_cores"] or 0 for p in rows)
-                   + ((b["self"] - a["self"]) / wall if wall > 0 else 0.0))
-            # cores used by processes outside this benchmark: machine busy cores minus ours
-            other = None if busy is None else max(0.0, busy * (os.cpu_count() or 1) - own)
-        s["machine"] = {"cpu_busy": busy, "cores": os.cpu_count(), "other_cpu_cores": other}
+        # cores used by processes outside this benchmark: the machine's busy cores minus ours
+        s["machine"] = {"cpu_busy": busy, "cores": cores,
+                        "other_cpu_cores": None if busy is None else max(0.0, busy * cores - own)}
 
 
 def latency_ms(lat_s: np.ndarray) -> dict[str, Optional[float]]:
@@ -101,106 +118,132 @@ def latency_ms(lat_s: np.ndarray) -> dict[str, Optional[float]]:
             "mean": float(ms.mean()), "max": float(ms.max())}
 
 
-def summarize(raw: dict, batch: int = 1) -> dict[str, Any]:
-    """The load generator's raw samples -> the summary of one run."""
-    spec, dur = raw["spec"], raw["spec"].duration
-    ok, per_proc = int(raw["lat"].size), [c / dur for c in raw["gen_cpu_s"]]
-    out: dict[str, Any] = {
-        "mode": spec.mode, "level": spec.level, "offered": "concurrency" if spec.mode == "closed" else "rate_rps",
-        "duration_s": dur, "warmup_s": spec.warmup, "batch": batch,
-        "requests_ok": ok, "requests_failed": sum(raw["errors"].values()),
-        "throughput_rps": ok / dur, "rows_per_s": ok * batch / dur, "latency_ms": latency_ms(raw["lat"]),
-        "errors": dict(sorted(raw["errors"].items())), "error_messages": raw["error_messages"],
-        "generator": {"kind": "loadgen", "procs": raw["procs"], "threads": raw["gen_threads"],
-                      "cpu_cores": sum(per_proc), "cpu_share_of_machine": sum(per_proc) / (os.cpu_count() or 1),
-                      "cpu_per_proc": per_proc, "saturated": any(c >= GEN_SATURATED for c in per_proc)},
-    }
+def generator(kind: str, threads: list[int], cpu_per_proc: list[float], limit: float = GEN_SATURATED) -> dict:
+    """The generator's own CPU (cores per process) and its saturation check."""
+    cores = sum(cpu_per_proc)
+    return {"kind": kind, "procs": len(threads), "threads": threads, "cpu_cores": cores,
+            "cpu_share_of_machine": cores / (os.cpu_count() or 1), "cpu_per_proc": cpu_per_proc,
+            "saturated": any(c >= limit for c in cpu_per_proc)}
+
+
+def summary(spec: LoadSpec, duration: float, batch: int, ok: int, errors: dict[str, int],
+            messages: dict[str, str], latency: dict, gen: dict) -> dict[str, Any]:
+    """The shape of one level's result, whoever generated the load."""
+    out = {"mode": spec.mode, "level": spec.level, "offered": "concurrency" if spec.mode == "closed" else "rate_rps",
+           "duration_s": duration, "warmup_s": spec.warmup, "batch": batch,
+           "requests_ok": ok, "requests_failed": sum(errors.values()),
+           "throughput_rps": ok / duration, "rows_per_s": ok * batch / duration, "latency_ms": latency,
+           "errors": dict(sorted(errors.items())), "error_messages": messages, "generator": gen}
     if spec.mode == "open":
-        lag = raw["lag"] * 1e3
-        out["send_lag_ms"] = ({"p50": float(np.percentile(lag, 50)), "p99": float(np.percentile(lag, 99))}
-                              if lag.size else {"p50": None, "p99": None})
         out["offered_rps"] = spec.level
     return out
 
 
+def loadgen_drive(target: Any, spec: LoadSpec, kind: str = "loadgen", **hooks) -> dict[str, Any]:
+    """measure()'s default drive: loadgen.py's processes (kind "python-fallback" for the HTTP rows)."""
+    raw = run_load(target, spec, **hooks)
+    s = summary(spec, spec.duration, getattr(target, "batch", 1), int(raw["lat"].size), raw["errors"],
+                raw["error_messages"], latency_ms(raw["lat"]),
+                generator(kind, raw["gen_threads"], [c / spec.duration for c in raw["gen_cpu_s"]]))
+    if spec.mode == "open":
+        lag = raw["lag"] * 1e3
+        s["send_lag_ms"] = {f"p{p}": float(np.percentile(lag, p)) if lag.size else None for p in (50, 99)}
+    return s
+
+
+def parse_wrk(stdout: str) -> dict[str, Any]:
+    """-> {requests, duration_s, errors{kind: n}, latency_ms{p50, p90, p99, p99_9, mean, max}}."""
+    for line in stdout.splitlines():
+        if line.startswith("TGW_WRK_JSON "):
+            d = json.loads(line[len("TGW_WRK_JSON "):])
+            return {"requests": d["requests"], "duration_s": d["duration_us"] / 1e6,
+                    "errors": {k: v for k, v in d["errors"].items() if v},
+                    "latency_ms": {k: v / 1e3 for k, v in d["latency_us"].items()}}
+    raise ValueError(f"no TGW_WRK_JSON line in wrk's output:\n{stdout[-2000:]}")
+
+
+def run_wrk(wrk: str, url: str, lua: str, connections: int, seconds: float, timeout_s: int = 60) -> dict[str, Any]:
+    secs = max(1, math.ceil(seconds))  # wrk takes whole seconds
+    argv = [wrk, "-t", str(max(1, min(connections, 2))), "-c", str(connections), "-d", f"{secs}s",
+            "--timeout", f"{timeout_s}s", "--latency", "-s", lua, url]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=secs + timeout_s + 30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return {**parse_wrk(proc.stdout), "argv": argv}
+
+
+def wrk_drive(wrk: str, target: HttpTarget, spec: LoadSpec, on_window_start, on_window_end) -> dict[str, Any]:
+    """measure()'s drive for the HTTP rows: a closed loop of spec.level connections."""
+    url = f"http://{target.host}:{target.port}{target.path}"
+    lua = target.body_path + ".lua"
+    with open(lua, "w") as f:
+        f.write(WRK_LUA % {"body": target.body_path.replace("\\", "\\\\").replace('"', '\\"')})
+    conns = int(spec.level)
+    if spec.warmup > 0:
+        run_wrk(wrk, url, lua, conns, spec.warmup)
+    cpu0 = cpu_seconds(resource.RUSAGE_CHILDREN)
+    on_window_start()
+    res = run_wrk(wrk, url, lua, conns, spec.duration)
+    on_window_end()
+    dur, threads = res["duration_s"], int(res["argv"][2])
+    gen_cpu = (cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0) / dur
+    # wrk counts completed responses in `requests` (non-2xx ones also in errors.status); socket
+    # errors and timeouts are failed attempts outside it
+    ok = max(0, res["requests"] - res["errors"].get("status", 0))
+    latency = res["latency_ms"] if res["requests"] else dict.fromkeys(res["latency_ms"])
+    s = summary(spec, dur, 1, ok, {f"wrk_{k}": v for k, v in res["errors"].items()}, {}, latency,
+                generator("wrk", [threads], [gen_cpu], limit=0.9 * threads))
+    s["generator"]["argv"] = res["argv"]
+    return s
+
+
 def warnings_for(s: dict) -> list[str]:
     w, gen, machine = [], s["generator"], s.get("machine", {})
-    if gen["saturated"] and gen["kind"] == "wrk":
-        w.append(f"wrk used {gen['cpu_cores']:.2f} cores: close to its thread count, it may limit the rate")
-    elif gen["saturated"]:
-        w.append(f"load generator saturated: a generator process used {max(gen['cpu_per_proc']):.0%} of a core "
-                 f"(GIL-bound); rerun with more --procs or fewer threads per process")
+    if gen["saturated"]:
+        w.append(f"wrk used {gen['cpu_cores']:.2f} cores, close to its thread count: it may limit the rate"
+                 if gen["kind"] == "wrk" else
+                 f"load generator saturated: a generator process used {max(gen['cpu_per_proc']):.0%} of a core "
+                 f"(GIL-bound); rerun with more --procs")
     if (machine.get("cpu_busy") or 0) >= 0.97 and gen["cpu_share_of_machine"] >= GEN_SHARE_WARN:
-        w.append(f"the machine's CPUs were {machine['cpu_busy']:.0%} busy and the generator used "
+        w.append(f"the CPUs were {machine['cpu_busy']:.0%} busy and the generator used "
                  f"{gen['cpu_share_of_machine']:.0%} of them: it took CPU from the server")
     if s["mode"] == "open" and s["throughput_rps"] < 0.95 * s["level"]:
-        w.append(f"achieved {s['throughput_rps']:.0f} req/s of {s['level']:g} offered (server over capacity or errors)")
-    if s["requests_ok"] == 0:
-        w.append("no request completed inside the measurement window (lengthen --duration)")
+        w.append(f"achieved {s['throughput_rps']:.0f} req/s of {s['level']:g} offered")
     if (machine.get("other_cpu_cores") or 0) >= 0.25:
-        w.append(f"other processes on this machine used {machine['other_cpu_cores']:.2f} cores during the window: "
-                 f"background load disturbed this row")
-    if s["requests_failed"]:
-        w.append(f"{s['requests_failed']} request(s) failed: {s['errors']}")
+        w.append(f"other processes used {machine['other_cpu_cores']:.2f} cores during the window")
     return w
 
 
 def stats_diff(before: dict, after: dict, model: str) -> dict[str, Any]:
     """The broker's counters for `model` between two `stats()` snapshots."""
-    b = (before or {}).get("models", {}).get(model, {})
-    a = (after or {}).get("models", {}).get(model, {})
-    num = lambda k: int(a.get(k, 0)) - int(b.get(k, 0))  # noqa: E731
+    b = before.get("models", {}).get(model, {})
+    a = after.get("models", {}).get(model, {})
 
     def counts(key: str) -> dict[str, int]:
         d = {str(k): int(v) - int((b.get(key) or {}).get(k, 0)) for k, v in (a.get(key) or {}).items()}
         return {k: v for k, v in d.items() if v}
-    batches, rows = num("batches"), num("rows")
-    return {"requests": num("requests"), "batches": batches, "rows": rows,
+    requests, batches, rows = (int(a.get(k, 0)) - int(b.get(k, 0)) for k in ("requests", "batches", "rows"))
+    return {"requests": requests, "batches": batches, "rows": rows,
             "mean_batch_rows": rows / batches if batches else None,
             "batch_sizes": dict(sorted(counts("batch_sizes").items(), key=lambda kv: int(kv[0]))),
             "errors": counts("errors")}
 
 
-def _progress(label: str, total_s: float, enabled: Optional[bool]) -> Optional[Callable[[float, int], None]]:
-    """A one-line progress bar on stderr, drawn only on a terminal."""
-    if not (sys.stderr.isatty() if enabled is None else enabled):
-        return None
-
-    def tick(elapsed: float, done: int) -> None:
-        frac = min(1.0, max(0.0, elapsed) / total_s) if total_s > 0 else 1.0
-        sys.stderr.write(f"\r  {label} [{'#' * int(frac * 30):<30}] {frac * total_s:5.1f}/{total_s:.1f}s "
-                         f"{done:>9,d} req ")
-    return tick
-
-
-def loadgen_drive(target: Any, spec: LoadSpec, batch: int = 1, **hooks) -> dict[str, Any]:
-    return summarize(run_load(target, spec, **hooks), batch)
-
-
-def measure(target: Any, spec: LoadSpec, processes: list[dict], batch: int = 1,
-            stats_fn: Optional[Callable[[], dict]] = None, model: Optional[str] = None, label: str = "",
-            progress: Optional[bool] = None, drive: Callable[..., dict] = loadgen_drive) -> dict[str, Any]:
-    """drive(target, spec, batch, on_window_start=, on_window_end=, on_tick=) runs the load and
-    returns summarize()'s shape: loadgen_drive, or wrk.drive for the HTTP rows."""
-    mon = ProcessMonitor(processes)
-    snap: dict[str, Any] = {}
+def measure(target: Any, spec: LoadSpec, processes: list[dict], stats: Optional[Callable[[], dict]] = None,
+            drive: Callable[..., dict] = loadgen_drive) -> dict[str, Any]:
+    """drive(target, spec, on_window_start=, on_window_end=) runs the load and returns summary()'s
+    shape (loadgen_drive, or wrk_drive for the HTTP rows). stats: the broker's `Client.stats`,
+    diffed across the window for target.model."""
+    mon, before = ProcessMonitor(processes), {}
 
     def on_start() -> None:
-        if stats_fn:
-            snap["before"] = stats_fn()
+        if stats:
+            before.update(stats())
         mon.edge()
-
-    tick = _progress(label or f"{spec.mode} {spec.level:g}", spec.warmup + spec.duration, progress)
-    try:
-        s = drive(target, spec, batch, on_window_start=on_start, on_window_end=mon.edge, on_tick=tick)
-        after = stats_fn() if stats_fn else None
-    finally:
-        mon.stop()
-        if tick:
-            sys.stderr.write("\r" + " " * 79 + "\r")
-    s["target"] = getattr(target, "label", type(target).__name__)
+    s = drive(target, spec, on_window_start=on_start, on_window_end=mon.edge)
+    s["target"] = target.label
     mon.report(s)
-    if stats_fn and model:
-        s["broker_stats"] = stats_diff(snap.get("before", {}), after or {}, model)
+    if stats:
+        s["broker_stats"] = stats_diff(before, stats(), target.model)
     s["warnings"] = warnings_for(s)
     return s

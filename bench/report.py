@@ -2,14 +2,17 @@
 sections, JSON and the PNG plots (matplotlib is imported only to plot)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
+import sys
 from importlib import metadata
 from typing import Any, Iterable
 
 import numpy as np
+import psutil
 
 SYSTEMS = ("in-process", "transport", "tgw", "flask")
 LABELS = {"in-process": "in-process floor", "transport": "transport floor (pyzmq echo)",
@@ -27,13 +30,11 @@ def label(system: str, row: dict[str, Any]) -> str:
     return LABELS[system] + (f" ({kind})" if system == "flask" and kind else "")
 
 
-# ---- tgw-bench load ------------------------------------------------------------------------------
-
 def format_summary(s: dict[str, Any]) -> str:
-    lat = s["latency_ms"]
+    lat, gen = s["latency_ms"], s["generator"]
     what = f"concurrency {s['level']:g}" if s["mode"] == "closed" else f"rate {s['level']:g} req/s (Poisson)"
     lines = [
-        f"{s.get('model', s.get('target', ''))}: {what}, batch {s['batch']}, "
+        f"{s.get('model', s['target'])}: {what}, batch {s['batch']}, "
         f"{s['duration_s']:g}s measured after {s['warmup_s']:g}s warm-up",
         f"  throughput   {s['throughput_rps']:,.1f} req/s ({s['rows_per_s']:,.1f} rows/s), "
         f"{s['requests_ok']:,d} ok, {s['requests_failed']:,d} failed",
@@ -45,34 +46,28 @@ def format_summary(s: dict[str, Any]) -> str:
                      f"(scheduled -> sent; counted in latency)")
     if s["errors"]:
         lines.append("  errors       " + ", ".join(f"{k} {v}" for k, v in s["errors"].items()))
-        lines += [f"    {k}: {msg}" for k, msg in s.get("error_messages", {}).items()]
-    bs = s.get("broker_stats")
-    if bs:
-        dist = " ".join(f"{k}:{v}" for k, v in bs["batch_sizes"].items()) or "-"
+        lines += [f"    {k}: {msg}" for k, msg in s["error_messages"].items()]
+    if "broker_stats" in s:
+        bs = s["broker_stats"]
         lines.append(f"  batches      {bs['batches']:,d} for {bs['requests']:,d} requests, mean "
-                     f"{_f(bs['mean_batch_rows'])} rows; sizes {dist}")
-    gen = s["generator"]
-    lines.append(f"  generator    {gen['procs']} proc(s) x {'+'.join(str(t) for t in gen['threads'])} threads, "
+                     f"{_f(bs['mean_batch_rows'])} rows; sizes "
+                     + (" ".join(f"{k}:{v}" for k, v in bs["batch_sizes"].items()) or "-"))
+    lines.append(f"  generator    {gen['procs']} proc(s) x {'+'.join(map(str, gen['threads']))} threads, "
                  f"{gen['cpu_cores']:.2f} cores ({gen['cpu_share_of_machine']:.0%} of the machine); machine CPU "
-                 f"busy {_f(s.get('machine', {}).get('cpu_busy'), '{:.0%}')}")
-    for p in s.get("server_processes", []):
-        lines.append(f"  {p['role']:<12} pid {p['pid']:<7} {str(p.get('device', '')):<7} peak RSS "
-                     f"{p['peak_rss_mb']:8.1f} MB  CPU {_f(p.get('cpu_cores'), '{:.2f}')} cores")
-    lines += [f"  WARNING: {w}" for w in s.get("warnings", [])]
-    return "\n".join(lines)
+                 f"busy {_f(s['machine']['cpu_busy'], '{:.0%}')}")
+    lines += [f"  {p['role']:<12} pid {p['pid']:<7} {str(p.get('device', '')):<7} peak RSS "
+              f"{_f(p['peak_rss_mb'], '{:8.1f}')} MB  CPU {_f(p['cpu_cores'])} cores" for p in s["server_processes"]]
+    return "\n".join(lines + [f"  WARNING: {w}" for w in s["warnings"]])
 
 
 def level_table(runs: Iterable[dict[str, Any]]) -> list[list[str]]:
     out = [["offered", "req/s", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "errors", "gen CPU"]]
     for s in runs:
-        lat = s["latency_ms"]
         out.append([f"c={s['level']:g}" if s["mode"] == "closed" else f"{s['level']:g}/s",
-                    f"{s['throughput_rps']:,.1f}", *(_f(lat[k]) for k, _ in LATENCY_KEYS),
+                    f"{s['throughput_rps']:,.1f}", *(_f(s["latency_ms"][k]) for k, _ in LATENCY_KEYS),
                     str(s["requests_failed"]), f"{s['generator']['cpu_cores']:.2f}c"])
     return out
 
-
-# ---- tables --------------------------------------------------------------------------------------
 
 def text_table(rows: list[list[str]], left: int = 1) -> str:
     """Columns before `left` are left-aligned, the others right-aligned; a rule under the header."""
@@ -94,11 +89,8 @@ def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
             "gen CPU", "tgw/Flask", "tgw/floor"]]
     for res in results:
         r, n = res["ratios"], res["payload_bytes"]
-        for system in SYSTEMS:
-            row = res["rows"].get(system)
-            if row is None:
-                continue
-            gen = row.get("generator", {})
+        for system in (s for s in SYSTEMS if s in res["rows"]):
+            row = res["rows"][system]
             first = [res["scenario"], f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B", label(system, row)]
             if "error" in row:
                 out.append(first + ["FAILED: " + str(row["error"]).splitlines()[0][:60]] + [""] * 8)
@@ -109,43 +101,35 @@ def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
             out.append(first + [
                 _f(row["throughput_rps"], "{:,.0f}") + (" sps" if system == "in-process" else ""),
                 *(_f(lat.get(k), "{:.3f}") for k in ("p50", "p99", "p99_9")), str(row.get("requests_failed", 0)),
-                batch, _f(gen.get("cpu_cores")),
+                batch, _f(row.get("generator", {}).get("cpu_cores")),
                 _f(r["tgw_over_flask_throughput"], "{:.2f}x") if tgw else "",
                 _f(r["tgw_over_floor_throughput"]) if tgw else ""])
     return out
 
 
-# ---- the comparison's RESULTS.md -----------------------------------------------------------------
-
 RESULTS_HEADER = """# tgw benchmark results
 
-Written by `tgw-bench compare` (`python bench/compare.py`; see bench/README.md for what each row
-means and how the load generator was checked). Each section is replaced by the latest run of its
-mode; the raw numbers of every run are in `bench/results/<date>.json`. Compare ratios, not
-absolute numbers: this machine is shared and noisy.
+Written by `tgw-bench compare` (bench/README.md says what each row means). Each section is
+replaced by the latest run of its mode. Compare ratios, not absolute numbers.
 """
 SECTIONS = ("full", "quick", "custom")
 
 
 def machine() -> dict[str, Any]:
-    def grep(path: str, pattern: str) -> Any:
-        try:
-            with open(path) as f:
-                m = re.search(pattern, f.read(), re.M)
-            return m.group(1).strip() if m else None
-        except OSError:
-            return None
-    versions = {}
-    for pkg in ("torch", "pyzmq", "numpy", "msgspec", "flask", "gunicorn"):
+    import zmq
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+    except OSError:
+        cpu = None
+    versions = {"libzmq": zmq.zmq_version()}
+    for pkg in ("torch", "pyzmq", "flask", "gunicorn"):
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    import zmq
-    versions["libzmq"] = zmq.zmq_version()
-    mem = grep("/proc/meminfo", r"^MemTotal:\s*(\d+) kB")
-    return {"cores": os.cpu_count(), "cpu_model": grep("/proc/cpuinfo", r"^model name\s*:\s*(.+)$") or "unknown",
-            "mem_gib": round(int(mem) / 2**20, 1) if mem else None, "kernel": platform.release(),
+    return {"cores": os.cpu_count(), "cpu_model": cpu.group(1).strip() if cpu else "unknown",
+            "mem_gib": round(psutil.virtual_memory().total / 2**30, 1), "kernel": platform.release(),
             "python": platform.python_version(), "versions": versions}
 
 
@@ -156,8 +140,8 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         f"## {result['mode']} run - {result['date']}", "",
         f"Command: `{result['command']}`", "",
         f"Machine: {m['cores']} cores, {m['cpu_model']}, {m['mem_gib']} GiB RAM, Linux {m['kernel']}, Python "
-        f"{m['python']}, torch {v.get('torch')}, pyzmq {v.get('pyzmq')} (libzmq {v.get('libzmq')}), gunicorn "
-        f"{v.get('gunicorn')}, Flask {v.get('flask')}", "",
+        f"{m['python']}, torch {v['torch']}, pyzmq {v['pyzmq']} (libzmq {v['libzmq']}), gunicorn "
+        f"{v['gunicorn']}, Flask {v['flask']}", "",
         f"Settings: {s['duration']:g} s measured per row after {s['warmup']:g} s warm-up; tgw broker with "
         f"{s['tgw_workers']} cpu worker(s) x 1 thread; gunicorn {s['flask_workers']} sync workers x 1 torch "
         f"thread; in-process floor: {s['floor_procs']} model copies x 1 torch thread; HTTP load generator: "
@@ -170,12 +154,12 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
     ]
     if s["http_generator"].startswith("python"):
         lines += ["", "**wrk was not installed for this run**: the Flask+gunicorn rows were loaded by the Python "
-                      "fallback generator (keep-alive http.client in loadgen.py), which spends more CPU per "
+                      "fallback generator (keep-alive http.client through loadgen.py), which spends more CPU per "
                       "request than wrk and competes with gunicorn for the same cores, so those rows (and "
                       "tgw/Flask) are not comparable with wrk-loaded runs. Install wrk and rerun for them."]
     lines += ["", f"Raw results: `{json_rel}`; plot: `{png_rel}` ."]
-    warnings = [f"- {sc['scenario']} / {label(name, sc['rows'][name])}: {w}" for sc in result["scenarios"]
-                for name in SYSTEMS if name in sc["rows"] for w in sc["rows"][name].get("warnings", [])]
+    warnings = [f"- {sc['scenario']} / {label(name, row)}: {w}" for sc in result["scenarios"]
+                for name, row in sc["rows"].items() for w in row.get("warnings", [])]
     if warnings:
         lines += ["", "Warnings raised during this run:", "", *warnings]
     return "\n".join(lines) + "\n"
@@ -196,7 +180,20 @@ def update_results_md(path: str, section: str, body: str) -> None:
         f.write(head + "".join(f"\n{blocks[k]}\n" for k in SECTIONS if k in blocks))
 
 
-# ---- files ---------------------------------------------------------------------------------------
+def write_outputs(result: dict[str, Any], dest: str, results_md: bool = True) -> None:
+    """The comparison's files: results/<date>[-mode].json and .png under dest, and its RESULTS.md section."""
+    stem = os.path.join(dest, "results", result["date"] + ("" if result["mode"] == "full" else "-" + result["mode"]))
+    write_json(stem + ".json", result)
+    try:
+        plot_compare(result, stem + ".png")
+    except Exception as exc:  # noqa: BLE001 - matplotlib is optional
+        print(f"no plot: {type(exc).__name__}: {exc}", file=sys.stderr)
+    if results_md:
+        update_results_md(os.path.join(dest, "RESULTS.md"), result["mode"], section_markdown(
+            result, os.path.relpath(stem + ".json", dest), os.path.relpath(stem + ".png", dest)))
+        print(f"\nupdated {os.path.join(dest, 'RESULTS.md')} ({result['mode']} section)")
+    print(f"wrote {stem}.json and .png; {result['wall_s']:.0f} s")
+
 
 def write_json(path: str, data: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -205,19 +202,18 @@ def write_json(path: str, data: Any) -> None:
         f.write("\n")
 
 
-def _figure(rows: int, cols: int, size: tuple[float, float], **kw):
+@contextlib.contextmanager
+def _figure(path: str, title: str, rows: int, cols: int, size: tuple[float, float], **kw):
+    """Yields the axes of a new figure, then saves it as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    return plt.subplots(rows, cols, figsize=size, **kw)
-
-
-def _save(fig, path: str, title: str, dpi: int) -> None:
-    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(rows, cols, figsize=size, **kw)
+    yield axes
     fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -225,41 +221,37 @@ def plot_levels(runs: list[dict[str, Any]], path: str, title: str) -> None:
     """Latency percentiles (log scale) and throughput against the offered load."""
     x = [s["level"] for s in runs]
     xlabel = "concurrency (requests in flight)" if runs[0]["mode"] == "closed" else "offered load (req/s)"
-    fig, (ax1, ax2) = _figure(1, 2, (11, 4.2))
-    for key, label in LATENCY_KEYS:
-        ax1.plot(x, [s["latency_ms"][key] for s in runs], marker="o", label=label)
-    ax1.set(yscale="log", xlabel=xlabel, ylabel="latency (ms)")
-    ax1.legend()
-    ax1.grid(True, which="both", alpha=0.3)
-    ax2.plot(x, [s["throughput_rps"] for s in runs], marker="o", color="black", label="achieved")
-    if runs[0]["mode"] == "open":
-        ax2.plot(x, x, linestyle="--", color="grey", label="offered")
-        ax2.legend()
-    if min(x) > 0 and max(x) / min(x) >= 8:
+    with _figure(path, title, 1, 2, (11, 4.2)) as (ax1, ax2):
+        for key, name in LATENCY_KEYS:
+            ax1.plot(x, [s["latency_ms"][key] for s in runs], marker="o", label=name)
+        ax1.set(yscale="log", xlabel=xlabel, ylabel="latency (ms)")
+        ax2.plot(x, [s["throughput_rps"] for s in runs], marker="o", color="black", label="achieved")
+        if runs[0]["mode"] == "open":
+            ax2.plot(x, x, linestyle="--", color="grey", label="offered")
+        ax2.set(xlabel=xlabel, ylabel="throughput (req/s)")
         for ax in (ax1, ax2):
-            ax.set_xscale("log", base=2)
-    ax2.set(xlabel=xlabel, ylabel="throughput (req/s)")
-    ax2.grid(True, alpha=0.3)
-    _save(fig, path, title, 110)
+            ax.legend()
+            ax.grid(True, which="both", alpha=0.3)
+            if min(x) > 0 and max(x) / min(x) >= 8:
+                ax.set_xscale("log", base=2)
 
 
 def plot_compare(result: dict[str, Any], path: str) -> None:
     """Throughput and p99 per scenario and system, log scale."""
-    scen = result["scenarios"]
+    scen, m = result["scenarios"], result["machine"]
     systems = [x for x in SYSTEMS if any(x in s["rows"] for s in scen)]
     x, width = np.arange(len(scen)), 0.8 / max(1, len(systems))
-    fig, axes = _figure(2, 1, (12, 8), sharex=True)
-    for i, system in enumerate(systems):
-        rows = [s["rows"].get(system) or {} for s in scen]
-        axes[0].bar(x + i * width, [r.get("throughput_rps") or 0 for r in rows], width,
-                    label=label(system, next((r for r in rows if "generator" in r), {})))
-        axes[1].bar(x + i * width, [(r.get("latency_ms") or {}).get("p99") or 0 for r in rows], width)
-    axes[0].set_ylabel("throughput (req/s; floor: samples/s)")
-    axes[1].set_ylabel("p99 latency (ms; floor: batch-1 call)")
-    for ax in axes:
-        ax.set_yscale("log")
-        ax.grid(True, axis="y", which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    axes[1].set_xticks(x + width * (len(systems) - 1) / 2, [s["scenario"] for s in scen], rotation=20)
-    _save(fig, path, f"tgw compare ({result['mode']}, {result['date']}): {result['machine']['cores']} cores, "
-                     f"{result['machine']['cpu_model']}", 100)
+    title = f"tgw compare ({result['mode']}, {result['date']}): {m['cores']} cores, {m['cpu_model']}"
+    with _figure(path, title, 2, 1, (12, 8), sharex=True) as axes:
+        for i, system in enumerate(systems):
+            rows = [s["rows"].get(system) or {} for s in scen]
+            axes[0].bar(x + i * width, [r.get("throughput_rps") or 0 for r in rows], width,
+                        label=label(system, next((r for r in rows if "generator" in r), {})))
+            axes[1].bar(x + i * width, [(r.get("latency_ms") or {}).get("p99") or 0 for r in rows], width)
+        axes[0].set_ylabel("throughput (req/s; floor: samples/s)")
+        axes[1].set_ylabel("p99 latency (ms; floor: batch-1 call)")
+        for ax in axes:
+            ax.set_yscale("log")
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+        axes[0].legend(fontsize=8)
+        axes[1].set_xticks(x + width * (len(systems) - 1) / 2, [s["scenario"] for s in scen], rotation=20)

@@ -1,12 +1,9 @@
 """What the load generator talks to, and the inputs it sends.
 
-A target is a small picklable dataclass. Each generator process calls `open(seed)` once, then
-`caller(i)` per thread (a function doing one request: it returns on success, raises on failure),
-`thread_init()` (if any) on each thread before the run, and `close()` at the end. TgwTarget uses
-the native client (one per process; it keeps a socket per thread), ZmqEchoTarget raw pyzmq
-against the transport floor, HttpTarget keep-alive HTTP POSTs of a JSON body file (wrk's Python
-fallback). Inputs follow a model's declaration, -1 dims get `var_len`; they are made once per
-thread before the run, so the generator spends no CPU on random numbers while it measures.
+A target is a small picklable dataclass. Each generator process calls `open(seed)` once, each of
+its threads `caller(i)` before the run (a function doing one request: it returns on success,
+raises on failure; its connection and inputs are made then, so the measured window pays for
+neither), and the process `close()` at the end.
 """
 from __future__ import annotations
 
@@ -21,31 +18,32 @@ VAR_LEN = 16
 GENERATORS = ("random", "zeros")
 
 
-def _shape(decl: dict[str, Any], batch: int, var_len: int) -> tuple[int, ...]:
+def _shape(decl: dict[str, Any], batch: int = 1, var_len: int = VAR_LEN) -> tuple[int, ...]:
+    """A declared tensor's shape with `batch` rows; -1 dims become `var_len`."""
     return (batch, *[var_len if d == -1 else int(d) for d in decl["shape"]])
 
 
 def make_inputs(meta: dict[str, Any], batch: int = 1, seed: int = 0, var_len: int = VAR_LEN,
                 kind: str = "random") -> dict[str, np.ndarray]:
     """One request's inputs: standard normal floats, integers in [0, 1000) (token-id-like), or zeros."""
-    rng = np.random.default_rng(seed)
-    out = {}
+    rng, out = np.random.default_rng(seed), {}
     for d in meta["inputs"]:
-        shape, dt = _shape(d, batch, var_len), np.dtype(d["dtype"])
+        size, dt = _shape(d, batch, var_len), np.dtype(d["dtype"])
         if kind == "zeros":
-            out[d["name"]] = np.zeros(shape, dt)
+            x = np.zeros(size)
         elif dt == np.bool_:
-            out[d["name"]] = rng.integers(0, 2, size=shape).astype(np.bool_)
+            x = rng.integers(0, 2, size=size)
         elif np.issubdtype(dt, np.integer):
-            out[d["name"]] = rng.integers(0, min(np.iinfo(dt).max, 1000), size=shape, dtype=dt)
+            x = rng.integers(0, min(np.iinfo(dt).max, 1000), size=size)
         else:
-            out[d["name"]] = rng.standard_normal(size=shape).astype(dt)
+            x = rng.standard_normal(size=size)
+        out[d["name"]] = x.astype(dt)
     return out
 
 
-def tensor_bytes(decls: list[dict[str, Any]], batch: int = 1, var_len: int = VAR_LEN) -> int:
-    """Bytes of the tensors declared by `decls` (a model's "inputs" or "outputs")."""
-    return sum(int(np.prod(_shape(d, batch, var_len))) * np.dtype(d["dtype"]).itemsize for d in decls)
+def tensor_bytes(decls: list[dict[str, Any]]) -> int:
+    """Bytes of one row of the tensors declared by `decls` (a model's "inputs" or "outputs")."""
+    return sum(int(np.prod(_shape(d))) * np.dtype(d["dtype"]).itemsize for d in decls)
 
 
 def find_model(models: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -92,10 +90,8 @@ class TgwTarget:
         inputs = make_inputs(self.meta, self.batch, self.seed * 1000 + index, self.var_len, self.input_kind)
         kw = {k: v for k, v in (("version", self.version), ("timeout", self.timeout)) if v is not None}
         infer, model = self.client.infer, self.model
+        self.client.health()  # this thread's socket and handshake
         return lambda: infer(model, inputs, **kw)
-
-    def thread_init(self) -> None:
-        self.client.health()  # this thread's socket and handshake, before the run
 
     def close(self) -> None:
         self.client.close()
@@ -112,7 +108,6 @@ class ZmqEchoTarget:
     def open(self, seed: int) -> "ZmqEchoTarget":
         import zmq
         self.ctx = zmq.Context()
-        self.sockets: list[Any] = []
         return self
 
     def caller(self, index: int) -> Caller:
@@ -120,7 +115,6 @@ class ZmqEchoTarget:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.address)
-        self.sockets.append(sock)  # callers are made in one thread, before the run
         frames = [struct.pack("<Q", self.reply_bytes), bytes(self.request_bytes)]
         timeout_ms = int(self.timeout * 1000)
 
@@ -132,9 +126,7 @@ class ZmqEchoTarget:
         return call
 
     def close(self) -> None:
-        for s in self.sockets:
-            s.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes every socket made in caller()
 
 
 @dataclass
@@ -149,32 +141,25 @@ class HttpTarget:
     def open(self, seed: int) -> "HttpTarget":
         with open(self.body_path, "rb") as f:
             self.body = f.read()
-        self.boxes: list[list[http.client.HTTPConnection]] = []
         return self
-
-    def _connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def caller(self, index: int) -> Caller:
         headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
-        box = [self._connect()]  # this thread's connection, replaced after an error
-        self.boxes.append(box)
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
         def call() -> None:
+            # http.client reconnects by itself after a close, its own (a response that closes the
+            # connection, as gunicorn's sync workers send) or ours after an error
             try:
-                box[0].request("POST", self.path, body=self.body, headers=headers)
-                resp = box[0].getresponse()
+                conn.request("POST", self.path, body=self.body, headers=headers)
+                resp = conn.getresponse()
                 resp.read()
             except (OSError, http.client.HTTPException):
-                box[0].close()  # reconnect on the next call (sync servers close connections)
-                box[0] = self._connect()
+                conn.close()
                 raise
             if resp.status != 200:
                 raise CallError(f"HTTP_{resp.status}")
-            if resp.will_close:
-                box[0].close()
         return call
 
     def close(self) -> None:
-        for box in self.boxes:
-            box[0].close()
+        pass  # the process exits next, which closes its connections

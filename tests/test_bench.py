@@ -3,11 +3,13 @@
 Starts its own broker (demo mlp, one cpu worker) with the shared BrokerProc on a short ipc path,
 runs `tgw-bench load` in closed and open loop for about a second each (and once in the old form
 without a subcommand), checks the JSON it writes, and stops the broker by PID (exit status 0,
-nothing left in /dev/shm). The comparison's row logic is checked on synthetic rows; wrk's output
-parser on canned output; the HTTP fallback generator against a stub server.
+nothing left in /dev/shm). The transport echo and the in-process floor run for a fraction of a
+second; the comparison's row logic is checked on synthetic rows, wrk's output parser on canned
+output, the HTTP fallback generator against a stub server.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -16,13 +18,11 @@ import tempfile
 import pytest
 
 from tgw.bench import cli, comparison, report
+from tgw.bench.baselines import EchoServer, floor_row, run_floors
 from tgw.bench.broker_proc import BrokerProc
-from tgw.bench.floor import floor_row
 from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
-from tgw.bench.measure import measure, stats_diff
+from tgw.bench.measure import loadgen_drive, measure, parse_wrk, stats_diff
 from tgw.bench.targets import CallError, HttpTarget, ZmqEchoTarget
-from tgw.bench.transport import EchoServer
-from tgw.bench.wrk import parse_wrk
 from tgw.shm.segment import list_segments
 
 
@@ -34,8 +34,12 @@ def bench_dir():
 
 
 @pytest.fixture(scope="module")
-def broker(bench_dir):
-    models = comparison.demo_models(os.path.join(bench_dir, "models"))
+def models(bench_dir):
+    return comparison.demo_models(os.path.join(bench_dir, "models"))
+
+
+@pytest.fixture(scope="module")
+def broker(bench_dir, models):
     srv = BrokerProc(comparison.tgw_config(models, ["mlp"], 1), bench_dir)
     try:
         yield srv.start(timeout=60)
@@ -69,7 +73,7 @@ def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
     out = os.path.join(bench_dir, "closed.json")
     png = os.path.join(bench_dir, "closed.png")
     rc = cli.main(["load", "--address", broker.address, "--model", "mlp", "--concurrency", "1,2", "--duration", "1",
-                   "--warmup", "0.3", "--procs", "1", "--json", out, "--plot", png, "--no-progress"])
+                   "--warmup", "0.3", "--procs", "1", "--json", out, "--plot", png])
     assert rc == 0, capsys.readouterr()
     data = json.load(open(out))
     assert data["model"] == "mlp" and data["mode"] == "closed" and len(data["runs"]) == 2
@@ -82,7 +86,7 @@ def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
 
     out = os.path.join(bench_dir, "open.json")  # the old form, without a subcommand, is `load`
     rc = cli.main(["--address", broker.address, "--model", "mlp", "--rate", "40", "--duration", "1",
-                   "--warmup", "0.3", "--batch", "2", "--max-inflight", "8", "--json", out, "--no-progress"])
+                   "--warmup", "0.3", "--batch", "2", "--max-inflight", "8", "--json", out])
     assert rc == 0, capsys.readouterr()
     run = json.load(open(out))["runs"][0]
     _check_run(run, "open", 40)
@@ -103,13 +107,25 @@ def test_tgw_bench_without_a_broker_is_a_clean_error(bench_dir, capsys):
 def test_transport_floor_echo_through_the_loadgen(bench_dir):
     srv = EchoServer(bench_dir)
     try:
-        row = measure(ZmqEchoTarget(srv.front, 4096, 40), LoadSpec("closed", 2, 0.5, 0.2, 1), srv.processes,
-                      progress=False)
+        row = measure(ZmqEchoTarget(srv.front, 4096, 40), LoadSpec("closed", 2, 0.5, 0.2, 1), srv.processes)
     finally:
         srv.stop()
     assert row["requests_ok"] > 0 and row["requests_failed"] == 0
     assert not srv.broker.alive() and not srv.worker.alive()
     assert [p["role"] for p in row["server_processes"]] == ["broker", "worker"]
+
+
+def test_in_process_floor(models):
+    """Two rounds of one copy on the demo mlp: batch 1, max/4 and max, the best kept per batch size."""
+    logged = []
+    floors = run_floors(models, ["mlp"], 0.05, 1, logged.append)
+    floors = run_floors(models, ["mlp"], 0.05, 1, logged.append, previous=floors)
+    floor = floors["mlp"]
+    assert [r["batch"] for r in floor["runs"]] == [1, 16, 64] and floor["rounds"] == 2
+    assert all(r["calls"] >= 5 and r["samples_per_s"] > 0 for r in floor["runs"])
+    row = floor_row(floor)
+    assert row["throughput_rps"] == max(r["samples_per_s"] for r in floor["runs"])
+    assert row["floor"]["module"] == "frozen" and len(logged) == 2
 
 
 def test_failures_are_counted_by_code():
@@ -121,7 +137,7 @@ def test_failures_are_counted_by_code():
         _run_one(fail, rec, 1.0, 1.0, 0.0, 2.0)
     _run_one(lambda: None, rec, 1.0, 1.0, 0.0, 2.0)
     _run_one(lambda: None, rec, 5.0, 5.0, 0.0, 2.0)   # outside the window: not recorded
-    assert rec.errors == {"OVERLOADED": 3} and len(rec.lat) == 1 and rec.done == 5
+    assert rec.errors == {"OVERLOADED": 3} and len(rec.lat) == 1
 
 
 def test_stats_diff():
@@ -140,7 +156,7 @@ def _row(rps: float, p50: float) -> dict:
 
 
 def test_compare_rows_ratios_and_tables(tmp_path):
-    floor = {"procs": 2, "threads": 1, "runs": [
+    floor = {"procs": 2, "threads": 1, "background_cpu_cores": 0.0, "runs": [
         {"batch": 1, "samples_per_s": 1000.0, "latency_ms": {"p50": 1.0, "p99": 2.0}},
         {"batch": 32, "samples_per_s": 4000.0, "latency_ms": {"p50": 8.0, "p99": 9.0}}]}
     sc = comparison.Scenario("mlp", 16)
@@ -228,11 +244,11 @@ def test_http_fallback_generator(bench_dir):
     with open(body, "w") as f:
         f.write('{"inputs": {}}')
     try:
-        spec = LoadSpec("closed", 2, 0.5, 0.1, 1)
-        ok = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/ok", body), spec, [], progress=False)
-        bad = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/bad", body), spec, [], progress=False)
+        spec, drive = LoadSpec("closed", 2, 0.5, 0.1, 1), functools.partial(loadgen_drive, kind="python-fallback")
+        ok = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/ok", body), spec, [], drive=drive)
+        bad = measure(HttpTarget("127.0.0.1", srv.server_address[1], "/bad", body), spec, [], drive=drive)
     finally:
         srv.shutdown()
         srv.server_close()
-    assert ok["requests_ok"] > 0 and ok["requests_failed"] == 0
+    assert ok["requests_ok"] > 0 and ok["requests_failed"] == 0 and ok["generator"]["kind"] == "python-fallback"
     assert bad["requests_ok"] == 0 and set(bad["errors"]) == {"HTTP_503"}
