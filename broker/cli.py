@@ -8,25 +8,34 @@ import sys
 from .config import ConfigError, load_config
 
 
-def show_status(args) -> int:
+def query(args) -> int:
+    """status / snapshot against a running broker; 1 with the reason on stderr if it fails."""
     import json
 
     import msgspec
 
     from tgw.shm.errors import TgwError
     from tgw.shm.paths import default_address
-    from tgw.shm.wire import PROTOCOL_VERSION, Status
+    from tgw.shm.wire import PROTOCOL_VERSION, Snapshot, Status
 
     from .control import Unreachable, ask
     address = args.address or default_address()
+    msg = Status(v=PROTOCOL_VERSION) if args.cmd == "status" else Snapshot(v=PROTOCOL_VERSION, worker=args.worker)
     try:
-        reply = ask(address, Status(v=PROTOCOL_VERSION), args.timeout)
+        reply = ask(address, msg, args.timeout)
     except (Unreachable, TgwError) as exc:
-        print(f"tgw-broker status: {exc}", file=sys.stderr)
+        print(f"tgw-broker {args.cmd}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
-        return 0
+    elif args.cmd == "snapshot":
+        print("\n".join(reply.files + [f"no answer from {name}" for name in reply.missing]))
+    else:
+        print_status(address, reply)
+    return 1 if args.cmd == "snapshot" and reply.missing else 0
+
+
+def print_status(address: str, reply) -> None:
     print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s")
     print(f"{'worker':<16}{'pid':>8} {'state':<9}{'inflight':>9}{'rss MiB':>9}{'batches':>9}{'beat s':>8}"
           f"{'restarts':>9}  last death / benched")
@@ -39,7 +48,6 @@ def show_status(args) -> int:
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
               f"{m['errors'] or ''}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,14 +59,18 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument("--log-level", default="INFO")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
-    status = sub.add_parser("status", help="workers, models and queues of a running broker")
-    status.add_argument("--address", help="the broker's address (default: as the broker's default)")
-    status.add_argument("--json", action="store_true", help="print the reply as JSON")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker")
+    for verb, what, wait_s in (("status", "workers, models and queues of a running broker", 5.0),
+                               ("snapshot", "write a memory snapshot of each live worker, print the files", 30.0)):
+        q = sub.add_parser(verb, help=what)
+        q.add_argument("--address", help="the broker's address (default: as the broker's default)")
+        q.add_argument("--json", action="store_true", help="print the reply as JSON")
+        q.add_argument("--timeout", type=float, default=wait_s, help="seconds to wait for the answer")
+        if verb == "snapshot":
+            q.add_argument("--worker", type=int, help="only worker N (as in worker<N>[...])")
     args = ap.parse_args(argv)
 
-    if args.cmd == "status":
-        sys.exit(show_status(args))
+    if args.cmd in ("status", "snapshot"):
+        sys.exit(query(args))
 
     if args.cmd == "check-config":
         try:

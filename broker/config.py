@@ -121,12 +121,25 @@ class CrashLoopDecl(Strict):
     backoff_s: Annotated[float, Field(gt=0)] = 30.0  # its models are unavailable on it this long
 
 
+class LeakDecl(Strict):
+    """When a worker's memory counts as leaking: a snapshot, then a graceful recycle."""
+    window_s: Annotated[float, Field(gt=0)] = 120.0       # RSS history judged
+    min_samples: Annotated[int, Field(ge=3)] = 20          # beats in the window before judging a slope
+    mib_per_min: Optional[Annotated[float, Field(gt=0)]] = None          # sustained rise per minute
+    mib_per_1k_batches: Optional[Annotated[float, Field(gt=0)]] = None   # ... or per 1,000 batches
+    rss_ceiling_mb: Optional[Annotated[int, Field(ge=1)]] = None         # RSS above this, whatever the slope
+    trace_s: Annotated[float, Field(gt=0)] = 10.0          # tracemalloc runs this long before the snapshot
+    recycle: bool = True                                    # replace the worker after the snapshot
+
+
 class SupervisorDecl(Strict):
     heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
     batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
     batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its model's mean)
     crash_loop: CrashLoopDecl = CrashLoopDecl()
+    leak: LeakDecl = LeakDecl()
+    snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots
     shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
 
     @model_validator(mode="after")
@@ -236,7 +249,10 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
     models = [m.model_copy(update={"versions": [v.model_copy(update={"path": _resolve(v.path, base_dir)})
                                                 for v in m.versions]}) for m in cfg.models]
-    return cfg.model_copy(update={"models": models})
+    sup = cfg.supervisor
+    if sup.snapshot_dir is not None:
+        sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
+    return cfg.model_copy(update={"models": models, "supervisor": sup})
 
 
 def load_config(path: str) -> Config:

@@ -15,6 +15,7 @@ import time
 from .config import Config
 from .endpoints import StartupError
 from .hangs import HangJudge
+from .pool import WorkerState
 from .server import Broker, Phase
 from .supervisor import Supervisor
 from .systemd import sd_notify
@@ -39,6 +40,10 @@ class Lifecycle:
             log.warning("second stop signal: not waiting for the drain")
             self.force_event.set()
         self.stop_event.set()
+
+    def on_snapshot_signal(self) -> None:
+        log.info("SIGUSR1: memory snapshot of every live worker")
+        self.broker.memory.snapshot_all(self.broker.roster, "SIGUSR1", time.monotonic())
 
     async def run(self, address: str) -> None:
         """Start, serve until stop_event, drain; the caller stops workers and closes sockets."""
@@ -94,14 +99,33 @@ class Lifecycle:
             self.supervisor.kill(w, reason)
         serving = self.broker.is_serving()
         for w in self.supervisor.reap():
+            if w.retiring:
+                self.broker.drop_worker(w)
+                self.supervisor.forget(w)
+                continue
             self.broker.remove_worker(w)
             if serving:  # a death during start-up fails the start instead (see _wait_ready)
                 self.supervisor.schedule_restart(w)
+        if serving:
+            self._recycle()
         for w in self.supervisor.due_restarts():
             self.broker.add_worker(w)
         if self.broker.phase is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")
+
+    def _recycle(self) -> None:
+        """Leaking workers: start a successor; once it serves, route nothing more to the old one;
+        once the old one holds nothing, stop it (reap then forgets it). No request fails."""
+        for w in self.broker.memory.to_recycle:
+            if w.successor is None and not w.retiring:
+                self.broker.add_worker(self.supervisor.spawn_successor(w))
+        self.broker.memory.to_recycle.clear()
+        for w in list(self.broker.roster):
+            if w.successor is not None and w.successor.state is WorkerState.READY:
+                w.retiring = True
+            if w.retiring and not w.inflight:
+                self.broker.stop_worker(w)
 
     async def _drain(self) -> None:
         """Finish queued and in-flight work within the grace (new requests are refused

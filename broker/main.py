@@ -35,6 +35,7 @@ async def serve(cfg: Config, address: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
+    loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
     front = bind(ctx, address, public=True)  # refuses first if a live broker has the address
     try:
         broker.attach(loop, front, bind(ctx, backend, public=False))

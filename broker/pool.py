@@ -71,6 +71,8 @@ class WorkerHandle:
     last_death: str = ""              # why the previous life ended
     kill_reason: str = ""             # set when the supervisor kills this life
     benched: str = ""                 # why its models are unavailable on it (crash loop)
+    successor: "WorkerHandle | None" = None   # its replacement, while it is being recycled
+    retiring: bool = False            # the successor serves: this one takes no new batches
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -135,7 +137,7 @@ class WorkerHandle:
     def can_take(self, model_key: str, max_inflight: int, suspect: bool = False) -> bool:
         """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
         worker holding nothing else, so if it kills the worker it takes no other request along."""
-        if self._state is not WorkerState.READY or model_key not in self.models:
+        if self._state is not WorkerState.READY or model_key not in self.models or self.retiring:
             return False
         if suspect:
             return not self.inflight

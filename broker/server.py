@@ -18,9 +18,9 @@ import lz4.frame
 import zmq
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Health, Heartbeat, Hello, Infer, \
-    InferReply, ListModels, Release, Stats, Status, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, encode, \
-    from_worker_decoder, model_key
+from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Heartbeat, Infer, \
+    InferReply, Release, Snapshot, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot, \
+    encode, from_worker_decoder, model_key
 
 from . import status
 from .admission import Admission
@@ -28,6 +28,7 @@ from .batcher import Batcher, Pending
 from .config import Config
 from .frontdoor import Refused, read_request
 from .handshake import Handshake
+from .memory import MemoryWatch
 from .pool import WorkerHandle, WorkerState
 from .registry import Registry
 from .sockets import Pump
@@ -53,6 +54,7 @@ class Broker:
             self.stats.model(m.name)
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, clock, self.unavailable)
         self.handshake = Handshake(self.registry)
+        self.memory = MemoryWatch(cfg.supervisor, lambda ident, msg: self.back.send([ident, encode(msg)]))
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.roster: list[WorkerHandle] = []              # every worker, in any state
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
@@ -78,6 +80,7 @@ class Broker:
         """The worker's process is gone: retry its in-flight requests once elsewhere, answer the rest."""
         self.routes.pop(w.identity, None)
         self.routes.pop(w.control_identity, None)
+        self.memory.forget(w)
         again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
         for p in reversed(again):
             self.batcher.push(p, front=True)
@@ -96,6 +99,7 @@ class Broker:
         those of models no worker may serve now (crash loop) instead of letting them wait."""
         for p in self.batcher.expired(now):
             self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+        self.memory.snapshots.tick(now)
         why = self.unavailable()
         if why:
             for p in self.batcher.take_all():
@@ -130,9 +134,17 @@ class Broker:
 
     def stop_workers(self) -> None:
         for w in self.roster:
-            if w.state in (WorkerState.STARTING, WorkerState.READY):
-                w.told_to_stop()
-                self.back.send([w.identity, encode(Stop())])
+            self.stop_worker(w)
+
+    def stop_worker(self, w: WorkerHandle) -> None:
+        if w.state in (WorkerState.STARTING, WorkerState.READY):
+            w.told_to_stop()
+            self.back.send([w.identity, encode(Stop())])
+
+    def drop_worker(self, w: WorkerHandle) -> None:
+        """A retired worker is gone for good."""
+        self.remove_worker(w)
+        self.roster.remove(w)
 
     # ---- client side -------------------------------------------------------------------------
 
@@ -152,16 +164,13 @@ class Broker:
                 log.exception("request %d for %r failed inside the broker", msg.id, msg.model)
                 self._error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"),
                             msg.model)
-        elif isinstance(msg, Hello):
-            self._reply(ident, status.hello(self, msg.id))
-        elif isinstance(msg, ListModels):
-            self._reply(ident, status.models(self, msg.id))
-        elif isinstance(msg, Health):
-            self._reply(ident, status.health(self, msg.id))
-        elif isinstance(msg, Stats):
-            self._reply(ident, status.stats(self, msg.id))
-        elif isinstance(msg, Status):
-            self._reply(ident, status.status(self, msg.id))
+        elif isinstance(msg, Snapshot):
+            try:
+                self.memory.request(self.roster, msg, self.clock(), lambda reply: self._reply(ident, reply))
+            except TgwError as err:
+                self._error(ident, msg.id, err)
+        else:
+            self._reply(ident, status.ANSWERS[type(msg)](self, msg.id))
 
     def _reply(self, ident: bytes, msg, *tensors) -> None:
         # the send copies every frame (zmq's default copy=True), so ring views may be released after
@@ -247,6 +256,9 @@ class Broker:
             self._complete(worker, msg)
         elif isinstance(msg, Heartbeat):
             worker.beat, worker.beat_at = msg, self.clock()
+            self.memory.on_beat(worker, msg, worker.beat_at)
+        elif isinstance(msg, WorkerSnapshot):
+            self.memory.on_snapshot(worker, msg, self.clock())
         elif isinstance(msg, WorkerHello):
             self.back.send([ident, encode(self.handshake.hello(worker, msg))])
         elif isinstance(msg, WorkerReady):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tgw.shm.wire import PROTOCOL_VERSION, HealthReply, HelloReply, ModelsReply, StatsReply, StatusReply, model_key
+from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Stats, \
+    StatsReply, Status, StatusReply, model_key
 
 from .pool import WorkerState
 
@@ -76,3 +77,7 @@ def worker_status(w, now: float) -> dict:
         if beat.cuda_reserved:
             out.update(cuda_allocated=beat.cuda_allocated, cuda_reserved=beat.cuda_reserved)
     return out
+
+
+# the read-only ops, by request type: each answers (broker, request id)
+ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status}

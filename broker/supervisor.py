@@ -84,6 +84,27 @@ class Supervisor:
             self.workers.append(WorkerHandle(i, device, cpus[i], seg, in_b, out_b))
         return swept
 
+    def spawn_successor(self, old: WorkerHandle) -> WorkerHandle:
+        """A new worker for old's device and cores, with a ring of its own, spawned now; old
+        keeps serving until the lifecycle retires it."""
+        seg = Segment.create(shm_segment.new_name("ring"), old.input_bytes + old.output_bytes)
+        new = WorkerHandle(max(w.worker_id for w in self.workers) + 1, old.device, old.cpus, seg,
+                           old.input_bytes, old.output_bytes)
+        self.workers.append(new)
+        self.spawn(new)
+        old.successor = new
+        log.warning("%s is being recycled: %s starts in its place", old.name, new.name)
+        return new
+
+    def forget(self, w: WorkerHandle) -> None:
+        """A retired worker has exited: its ring goes, and it is not restarted."""
+        self.workers.remove(w)
+        self._restarts.pop(w.worker_id, None)
+        self._deaths.pop(w.worker_id, None)
+        w.segment.close()
+        w.segment.unlink()
+        log.info("%s retired", w.name)
+
     def spawn(self, w: WorkerHandle) -> None:
         cmd = [sys.executable, "-m", "tgw.workers", "--worker-id", str(w.worker_id),
                "--identity", w.identity.decode(), "--device", w.device, "--segment", w.segment.name,

@@ -80,7 +80,14 @@ class Status(Struct, tag_field="op", tag="status"):
     id: int = 0
 
 
-Request = Union[Hello, Infer, ListModels, Health, Stats, Status]
+class Snapshot(Struct, tag_field="op", tag="snapshot"):
+    """Take a memory snapshot of one worker (its index) or all; answered once written."""
+    v: int
+    id: int = 0
+    worker: Optional[int] = None
+
+
+Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot]
 
 
 class Envelope(Struct):
@@ -166,7 +173,14 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     models: dict[str, dict[str, Any]]
 
 
-Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply]
+class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
+    v: int
+    id: int
+    files: list[str]                    # the JSON files written, one per worker
+    missing: list[str] = []             # workers that did not answer in time
+
+
+Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply]
 
 
 # ---- broker <-> worker -----------------------------------------------------------------------

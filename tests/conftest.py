@@ -10,18 +10,22 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 
 import psutil
 import pytest
 
 from tgw.bench.broker_proc import BrokerProc
+from tgw.client import Client, TgwError
 from tgw.shm.segment import list_segments
 
 HERE = os.path.dirname(__file__)
 POLL_S = 0.01  # how often wait_until looks; a look is cheap, and the bound is what matters
 sys.path.insert(0, HERE)
 
+EXT = os.path.join(HERE, "worker_ext.py")  # the test preload: custom ops that crash or leak
 BASE_MODELS = ("mlp", "embed")          # from the demo set
 TEST_MODELS = ("mixed", "fails", "spin")  # from tests/models.py
 
@@ -59,6 +63,48 @@ def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
 def in_flight(client) -> int:
     """Batches the broker has handed to workers and not yet seen completed."""
     return sum(p.get("inflight", 0) for p in client.stats()["processes"] if p["role"] == "worker")
+
+
+@pytest.fixture(scope="module")
+def ext_models(tmp_path_factory) -> dict:
+    import worker_ext  # registers the custom ops in this process, to script the models
+    out = tmp_path_factory.mktemp("ext")
+    files = {}
+    for name in worker_ext.MODELS:
+        path = str(out / f"{name}.pt")
+        worker_ext.save(name, path)
+        files[name] = (path, worker_ext.MODELS[name][1])
+    return files
+
+
+class Load:
+    """Closed-loop callers, each one request at a time, recording every outcome."""
+
+    def __init__(self, address: str, n: int, make_inputs, model: str = "mlp", timeout: float = 30.0):
+        self.client = Client(address)
+        self.results: list = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i, make_inputs, model, timeout)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, make_inputs, model: str, timeout: float) -> None:
+        k = 0
+        while not self.stop.is_set():
+            try:
+                self.results.append(self.client.infer(model, make_inputs(i, k), timeout=timeout))
+            except TgwError as err:
+                self.results.append(err)
+            k += 1
+
+    def finish(self) -> Counter:
+        """Stop, wait for every caller's last answer, and count outcomes by code ("ok" for results)."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+            assert not t.is_alive(), "a caller never got its answer"
+        self.client.close()
+        return Counter("ok" if isinstance(r, dict) else r.code.value for r in self.results)
 
 
 def model_entry(files: dict, name: str, **overrides) -> dict:

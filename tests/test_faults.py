@@ -14,18 +14,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 
 import numpy as np
 import pytest
 
-from conftest import HERE, base_config, wait_until
+from conftest import EXT, Load, base_config, wait_until
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 from tgw.shm.segment import list_segments
 
 KILL_ROUNDS = 6 if os.environ.get("TGW_SLOW") else 2
-EXT = os.path.join(HERE, "worker_ext.py")
 TWO_WORKERS = {"devices": ["cpu", "cpu"], "threads_per_worker": 1, "input_arena_mb": 4, "output_arena_mb": 2}
 X = np.ones((1, 256), np.float32)
 
@@ -37,48 +35,6 @@ def no_core_files():
     resource.setrlimit(resource.RLIMIT_CORE, (0, old[1]))
     yield
     resource.setrlimit(resource.RLIMIT_CORE, old)
-
-
-@pytest.fixture(scope="module")
-def ext_models(tmp_path_factory) -> dict:
-    import worker_ext  # registers the custom ops in this process, to script the models
-    out = tmp_path_factory.mktemp("ext")
-    files = {}
-    for name in worker_ext.MODELS:
-        path = str(out / f"{name}.pt")
-        worker_ext.save(name, path)
-        files[name] = (path, worker_ext.MODELS[name][1])
-    return files
-
-
-class Load:
-    """Closed-loop callers, each one request at a time, recording every outcome."""
-
-    def __init__(self, address: str, n: int, make_inputs, model: str = "mlp", timeout: float = 30.0):
-        self.client = Client(address)
-        self.results: list = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i, make_inputs, model, timeout)) for i in range(n)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, i: int, make_inputs, model: str, timeout: float) -> None:
-        k = 0
-        while not self.stop.is_set():
-            try:
-                self.results.append(self.client.infer(model, make_inputs(i, k), timeout=timeout))
-            except TgwError as err:
-                self.results.append(err)
-            k += 1
-
-    def finish(self) -> Counter:
-        """Stop, wait for every caller's last answer, and count outcomes by code ("ok" for results)."""
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-            assert not t.is_alive(), "a caller never got its answer"
-        self.client.close()
-        return Counter("ok" if isinstance(r, dict) else r.code.value for r in self.results)
 
 
 def worker_pids(c: Client) -> list[int]:

@@ -11,7 +11,8 @@ import zmq
 
 from conftest import base_config
 from tgw.broker.batcher import Batcher, Pending
-from tgw.broker.config import CrashLoopDecl, SupervisorDecl, WorkersDecl, parse_config
+from tgw.broker.config import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl, parse_config
+from tgw.broker.leaks import LeakJudge
 from tgw.broker.handshake import Handshake
 from tgw.broker.hangs import HangJudge
 from tgw.broker.pool import Inflight, WorkerHandle
@@ -142,3 +143,26 @@ def test_a_suspect_batch_runs_on_a_worker_holding_nothing_else(worker):
     assert worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
     worker.inflight = {2: Inflight(2, "m", [retried], 0, 1)}
     assert not worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
+
+
+def _leak_beats(judge: LeakJudge, points) -> str:
+    why = ""
+    for i, (batches, rss_mib) in enumerate(points):
+        b = beat()
+        b.batches, b.rss = batches, rss_mib << 20
+        why = judge.record(b"w0.0", b, float(i))
+    return why
+
+
+def test_leak_judge_needs_a_sustained_rise_over_enough_batches():
+    judge = LeakJudge(LeakDecl(window_s=60.0, min_samples=5, mib_per_1k_batches=50.0))
+    assert _leak_beats(judge, [(0, 100), (10, 300), (20, 300), (30, 301), (40, 300)]) == ""   # too few batches
+    judge.forget(b"w0.0")
+    flat = [(i * 50, 300 + (i % 2)) for i in range(10)]
+    assert _leak_beats(judge, flat) == ""                                                   # noise, no trend
+    judge.forget(b"w0.0")
+    why = _leak_beats(judge, [(i * 50, 300 + 5 * i) for i in range(10)])                    # 100 MiB / 1k batches
+    assert why.startswith("RSS rising 100.0 MiB per 1,000 batches")
+    ceiling = LeakJudge(LeakDecl(rss_ceiling_mb=512))
+    assert _leak_beats(ceiling, [(0, 600)]) == "RSS 600 MiB is over rss_ceiling_mb 512"
+    assert LeakJudge(LeakDecl()).record(b"w", beat(), 0.0) == ""                            # off by default

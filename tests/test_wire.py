@@ -10,7 +10,8 @@ from tgw.shm import errors, wire
 from tgw.shm.errors import ERROR_CLASSES, ERROR_TABLE, Code, TgwError, error_from_body, fail, http_status
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, DecodeError, Done, ErrorBody, ErrorReply, Health,
                           HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
-                          ListModels, LoadModels, SnapshotRequest, Status, StatusReply, WorkerSnapshot,
+                          ListModels, LoadModels, Snapshot, SnapshotReply, SnapshotRequest, Status, StatusReply,
+                          WorkerSnapshot,
                           ModelInfo, ModelSpec, ModelsReply, Release, Stats, StatsReply, Stop, TensorMeta,
                           WorkerFailed, WorkerHello, WorkerReady, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
@@ -30,6 +31,8 @@ REQUESTS = [
     Health(v=V, id=4),
     Stats(v=V, id=5),
     Status(v=V, id=6),
+    Snapshot(v=V, id=7, worker=1),
+    Snapshot(v=V, id=8),
 ]
 
 REPLIES = [
@@ -48,6 +51,7 @@ REPLIES = [
                processes=[{"role": "broker", "pid": 1, "device": None}]),
     StatusReply(v=V, id=6, phase="serving", uptime_s=12.5, models={"mlp": {"ready": True, "queued": 0}},
                 workers=[{"name": "worker0[cpu]", "pid": 7, "state": "ready", "heartbeat_age_s": 0.4}]),
+    SnapshotReply(v=V, id=7, files=["/var/lib/tgw/snapshots/a.json"], missing=["worker1[cpu]"]),
 ]
 
 TO_WORKER = [

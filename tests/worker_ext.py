@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 POISON = 13.0            # the input value CrashOn aborts on
 LEAK_BYTES = 1 << 20     # what Leaky leaks per call
-LEAKED: list[bytearray] = []
+LEAKED: list[bytes] = []
 
 
 @torch.library.custom_op("tgw_test::crash_if", mutates_args=())
@@ -28,7 +28,7 @@ def crash_if(x: Tensor, trigger: float) -> Tensor:
 
 @torch.library.custom_op("tgw_test::leak", mutates_args=())
 def leak(x: Tensor, nbytes: int) -> Tensor:
-    LEAKED.append(bytearray(nbytes))  # the line a leak snapshot should name
+    LEAKED.append(b"\x01" * nbytes)  # touched pages, so RSS grows too; the line a snapshot names
     return x.clone()
 
 
