@@ -129,13 +129,13 @@ class Supervisor:
         w.proc.kill()
 
     def reap(self) -> list[WorkerHandle]:
-        """Workers whose process has exited since the last look (now DEAD); a worker that
-        reached READY has its backoff and crash-loop record forgiven (a successful start)."""
+        """Workers whose process has exited since the last look (now DEAD). A worker that
+        reached READY has its backoff forgiven and is no longer benched (a successful start);
+        its deaths still count for the crash-loop guard until they leave the window."""
         out = []
         for w in self.workers:
             if w.state is WorkerState.READY and (self._restarts.get(w.worker_id) or w.benched):
                 self._restarts[w.worker_id] = 0
-                self._deaths.pop(w.worker_id, None)
                 w.benched = ""
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
                 w.last_death = w.kill_reason or exit_reason(w.proc.returncode)
