@@ -48,6 +48,8 @@ def print_status(address: str, reply) -> None:
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
               f"{m['errors'] or ''}")
+    for path in reply.snapshots:
+        print(f"snapshot: {path}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,7 +63,8 @@ def status(b: "Broker", req_id: int) -> StatusReply:
                           "ready": serving(b, m.name, m.decl.default), "queued": b.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors)}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=b.phase.value, uptime_s=round(now - b.started_at, 3),
-                       workers=[worker_status(w, now) for w in b.roster], models=models)
+                       workers=[worker_status(w, now) for w in b.roster], models=models,
+                       snapshots=list(b.memory.snapshots.recent))
 
 
 def worker_status(w, now: float) -> dict:

@@ -98,7 +98,8 @@ class Client:
         """What `tgw-broker status` shows: phase, uptime, workers (heartbeat figures, restarts,
         last death, crash-loop), models with their queues."""
         r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
-        return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models}
+        return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
+                "snapshots": r.snapshots}
 
     # ---- plumbing ----------------------------------------------------------------------------
 

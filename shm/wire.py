@@ -171,6 +171,7 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     workers: list[dict[str, Any]]
     # per model: default_version, versions, ready, queued, requests, replies, errors
     models: dict[str, dict[str, Any]]
+    snapshots: list[str] = []           # the most recent snapshot files, newest last
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

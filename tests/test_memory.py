@@ -65,5 +65,7 @@ def test_snapshot_on_demand_and_on_sigusr1(model_files, make_broker, short_dir):
     assert snap["tracemalloc"]["growth"] == []                 # tracing starts with the first snapshot
     b.proc.send_signal(signal.SIGUSR1)
     wait_until(lambda: len(snapshots(snap_dir)) == 2, 60, "the SIGUSR1 snapshot")
+    with Client(b.address) as c:                               # status lists the recent files
+        assert wait_until(lambda: c.status()["snapshots"] == snapshots(snap_dir), 30, "status to list both")
     bad = subprocess.run(cmd + ["--worker", "7"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "no live worker 7" in bad.stderr
