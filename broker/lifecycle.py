@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+from tgw.shm.segment import ShmError
+
 from .config import Config
 from .endpoints import StartupError
 from .hangs import HangJudge
@@ -89,7 +91,10 @@ class Lifecycle:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_S)
-            self.watch(time.monotonic())
+            try:
+                self.watch(time.monotonic())
+            except Exception:  # e.g. no room in /dev/shm for a new ring: watching must go on
+                log.exception("supervision step failed; trying again on the next look")
 
     def watch(self, now: float) -> None:
         """One look: deadlines, hung workers (killed), dead workers (restarted once serving),
@@ -117,10 +122,13 @@ class Lifecycle:
     def _recycle(self) -> None:
         """Leaking workers: start a successor; once it serves, route nothing more to the old one;
         once the old one holds nothing, stop it (reap then forgets it). No request fails."""
-        for w in self.broker.memory.to_recycle:
+        while self.broker.memory.to_recycle:
+            w = self.broker.memory.to_recycle.pop()
             if w.successor is None and not w.retiring:
-                self.broker.add_worker(self.supervisor.spawn_successor(w))
-        self.broker.memory.to_recycle.clear()
+                try:
+                    self.broker.add_worker(self.supervisor.spawn_successor(w))
+                except ShmError as exc:  # the leaking worker keeps serving; its snapshot is written
+                    log.error("cannot recycle %s: %s", w.name, exc)
         for w in list(self.broker.roster):
             if w.successor is not None and w.successor.state is WorkerState.READY:
                 w.retiring = True
@@ -135,6 +143,7 @@ class Lifecycle:
         while self.broker.busy() and time.monotonic() < deadline and not self.force_event.is_set():
             await asyncio.sleep(0.01)
         if self.broker.busy():
-            why = "second stop signal" if self.force_event.is_set() else f"shutdown_grace_s ({self.grace_s:g} s) ran out"
+            why = ("second stop signal" if self.force_event.is_set()
+                   else f"shutdown_grace_s ({self.grace_s:g} s) ran out")
             log.warning("stopping with work left: %s", why)
             self.broker.abandon(f"broker stopped before this request ran ({why})")
