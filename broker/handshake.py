@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady, split_model_key
 
 from .batcher import Pending
@@ -65,6 +66,15 @@ class Handshake:
                     gone.append(p)
         w.inflight.clear()
         return again, gone
+
+
+def death_error(w: WorkerHandle, p: Pending) -> TgwError:
+    """The answer to a request given up after `lost`: a likely poison at its second death."""
+    if p.attempts >= 2:
+        return fail(Code.WORKER_DIED, f"in flight at {p.attempts} worker deaths ({w.name}: {w.last_death}); "
+                    "not run again: it is likely what kills them", worker_deaths=p.attempts, poison=True)
+    return fail(Code.WORKER_DIED, f"{w.name} died while running this request ({w.last_death})",
+                worker_deaths=p.attempts)
 
 
 def fingerprint(p: Pending) -> str:

@@ -27,7 +27,7 @@ from .admission import Admission
 from .batcher import Batcher, Pending
 from .config import Config
 from .frontdoor import Refused, read_request
-from .handshake import Handshake
+from .handshake import Handshake, death_error
 from .memory import MemoryWatch
 from .pool import WorkerHandle, WorkerState
 from .registry import Registry
@@ -85,13 +85,7 @@ class Broker:
         for p in reversed(again):
             self.batcher.push(p, front=True)
         for p in gone:
-            if p.attempts >= 2:
-                err = fail(Code.WORKER_DIED, f"in flight at {p.attempts} worker deaths ({w.name}: {w.last_death}); "
-                           "not run again: it is likely what kills them", worker_deaths=p.attempts, poison=True)
-            else:
-                err = fail(Code.WORKER_DIED, f"{w.name} died while running this request ({w.last_death})",
-                           worker_deaths=p.attempts)
-            self._fail_pending(p, err)
+            self._fail_pending(p, death_error(w, p))
         self.schedule()
 
     def tick(self, now: float) -> None:
