@@ -183,10 +183,27 @@ def test_ipc_path_limit_boundary(model_dir):
     assert "server.address" in problems(bad, model_dir)
 
 
-def test_tcp_address_accepted(model_dir):
+def test_tcp_address_needs_curve_keys(model_dir, tmp_path):
     data = valid()
     data["server"]["address"] = "tcp://127.0.0.1:5555"
-    assert parse_config(data, str(model_dir)).server.address == "tcp://127.0.0.1:5555"
+    with pytest.raises(ConfigError, match="server: .*curve_secret_key_file"):
+        parse_config(data, str(model_dir))
+    key = tmp_path / "broker.key_secret"
+    key.write_text("not checked here")
+    key.chmod(0o640)
+    data["server"]["curve_secret_key_file"] = str(key)
+    cfg = parse_config(data, str(model_dir))
+    assert (cfg.server.address, cfg.server.curve_secret_key_file) == ("tcp://127.0.0.1:5555", str(key))
+    key.chmod(0o644)
+    with pytest.raises(ConfigError, match="readable by every user"):
+        parse_config(data, str(model_dir))
+
+
+def test_socket_dir_mode_must_be_private(model_dir):
+    data = valid()
+    data["server"]["socket_dir_mode"] = "0770"
+    with pytest.raises(ConfigError, match="server.socket_dir_mode: .*other users replace the socket"):
+        parse_config(data, str(model_dir))
 
 
 def test_several_problems_at_once(model_dir):

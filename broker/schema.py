@@ -1,0 +1,187 @@
+"""The YAML configuration's schema (pydantic): every key, its type, range and default.
+
+Loading, the problem report and file checks live in config.py, which re-exports these.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tgw.shm.paths import check_ipc_address
+from tgw.shm.wire import DTYPE_SIZES
+
+
+class Strict(BaseModel):
+    # strict: YAML already gives native types, so "32" or true for an int is a mistake to report
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TensorDecl(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    dtype: str
+    shape: list[int] = Field(description="dims without the batch dimension; -1 = variable")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPE_SIZES)}")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, v: list[int]) -> list[int]:
+        if any(d == 0 or d < -1 for d in v):
+            raise ValueError(f"dims must be positive or -1 (variable), got {v}")
+        return v
+
+
+class VersionDecl(Strict):
+    version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
+    path: str
+    sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+
+
+class ModelDecl(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    versions: Annotated[list[VersionDecl], Field(min_length=1)]
+    default_version: Optional[str] = None
+    inputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    outputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_queue: Annotated[int, Field(ge=1)] = 1024
+    timeout_ms: Annotated[int, Field(ge=1)] = 30000
+    warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelDecl":
+        if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
+            raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
+        too_big = [b for b in self.warmup_batch_sizes if b > self.max_batch_size]
+        if too_big:
+            raise ValueError(f"warmup_batch_sizes {too_big} exceed max_batch_size {self.max_batch_size}")
+        return self
+
+    @property
+    def default(self) -> str:
+        return self.default_version or self.versions[-1].version
+
+
+Device = Annotated[str, Field(pattern=r"^(cpu|cuda:\d+)$")]
+
+
+class WorkersDecl(Strict):
+    devices: Union[Literal["auto"], Annotated[list[Device], Field(min_length=1)]] = "auto"
+    threads_per_worker: Annotated[int, Field(ge=1, le=256)] = 1
+    pin_cpus: bool = False
+    input_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 64
+    output_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 32
+    start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
+    # its models load: how a deployment registers the custom ops its models call
+    preload: list[Annotated[str, Field(min_length=1)]] = []
+
+    @property
+    def input_bytes(self) -> int:
+        """Each worker's input arena: the most one batch (and so one request) may occupy."""
+        return self.input_arena_mb << 20
+
+    @property
+    def output_bytes(self) -> int:
+        return self.output_arena_mb << 20
+
+
+class ServerDecl(Strict):
+    """The client-facing socket and the limits every caller is held to (checked before any
+    allocation a request would cause; the README's threat model says what each one defends)."""
+    address: Optional[str] = None  # default: $TGW_ADDRESS, ipc://$XDG_RUNTIME_DIR/tgw, /run/tgw, /tmp/tgw-<uid>
+    # decoded tensor bytes of one request (from the declared shapes, before any decompression);
+    # also bounds each frame on the wire (ZMQ_MAXMSGSIZE), so a larger one is never received whole
+    max_request_bytes: Annotated[int, Field(ge=1024)] = 64 << 20
+    max_header_bytes: Annotated[int, Field(ge=256, le=16 << 20)] = 64 << 10
+    max_tensors_per_request: Annotated[int, Field(ge=1, le=4096)] = 64
+    max_dims: Annotated[int, Field(ge=1, le=64)] = 16              # per tensor, batch dim included
+    max_elements: Annotated[int, Field(ge=1)] = 1 << 28            # per tensor
+    max_inflight_per_client: Annotated[int, Field(ge=1)] = 1024    # admitted, not yet answered
+    max_clients: Annotated[int, Field(ge=1)] = 1000                # connected callers
+    client_queue_bytes: Annotated[int, Field(ge=1 << 16)] = 64 << 20   # replies waiting for one slow reader
+    client_queue_messages: Annotated[int, Field(ge=1)] = 1000
+    max_inflight_batches_per_worker: Annotated[int, Field(ge=1, le=8)] = 2
+    socket_dir_mode: Annotated[str, Field(pattern=r"^0?[0-7]{3}$")] = "0750"
+    socket_group: Optional[Annotated[str, Field(min_length=1)]] = None   # may use the front socket
+    auth_token_file: Optional[str] = None         # shared token every native request must carry
+    curve_secret_key_file: Optional[str] = None   # ZeroMQ CURVE key pair (tgw-broker keygen)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            if not v.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"address must start with ipc:// or tcp://, got {v!r}")
+            check_ipc_address(v)
+        return v
+
+    @field_validator("socket_dir_mode")
+    @classmethod
+    def _private_dir(cls, v: str) -> str:
+        if int(v, 8) & 0o022:
+            raise ValueError(f"socket_dir_mode {v} lets other users replace the socket; "
+                             "group and others may not write (e.g. 0750)")
+        return v
+
+    @model_validator(mode="after")
+    def _tcp_is_encrypted(self) -> "ServerDecl":
+        if self.address and self.address.startswith("tcp://") and not self.curve_secret_key_file:
+            raise ValueError("a tcp:// address needs server.curve_secret_key_file (a ZeroMQ CURVE key "
+                             "pair: `tgw-broker keygen DIR` writes one)")
+        return self
+
+    @property
+    def dir_mode(self) -> int:
+        return int(self.socket_dir_mode, 8)
+
+
+class CrashLoopDecl(Strict):
+    deaths: Annotated[int, Field(ge=2)] = 5        # this many deaths of one worker ...
+    window_s: Annotated[float, Field(gt=0)] = 60.0  # ... within this window is a crash loop:
+    backoff_s: Annotated[float, Field(gt=0)] = 30.0  # its models are unavailable on it this long
+
+
+class LeakDecl(Strict):
+    """When a worker's memory counts as leaking: a snapshot, then a graceful recycle."""
+    window_s: Annotated[float, Field(gt=0)] = 120.0       # RSS history judged
+    min_samples: Annotated[int, Field(ge=3)] = 20          # beats in the window before judging a slope
+    mib_per_min: Optional[Annotated[float, Field(gt=0)]] = None          # sustained rise per minute
+    mib_per_1k_batches: Optional[Annotated[float, Field(gt=0)]] = None   # ... or per 1,000 batches
+    rss_ceiling_mb: Optional[Annotated[int, Field(ge=1)]] = None         # RSS above this, whatever the slope
+    trace_s: Annotated[float, Field(gt=0)] = 10.0          # tracemalloc runs this long before the snapshot
+    recycle: bool = True                                    # replace the worker after the snapshot
+
+
+class SupervisorDecl(Strict):
+    heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
+    batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
+    batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its model's mean)
+    crash_loop: CrashLoopDecl = CrashLoopDecl()
+    leak: LeakDecl = LeakDecl()
+    snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots
+    shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+
+    @model_validator(mode="after")
+    def _beats_fit(self) -> "SupervisorDecl":
+        if self.hang_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least twice heartbeat_s "
+                             f"({self.heartbeat_s}): one late beat is not a hang")
+        return self
+
+
+class Config(Strict):
+    server: ServerDecl = ServerDecl()
+    workers: WorkersDecl = WorkersDecl()
+    supervisor: SupervisorDecl = SupervisorDecl()
+    models: Annotated[list[ModelDecl], Field(min_length=1)]
+
+    def model(self, name: str) -> ModelDecl:
+        return next(m for m in self.models if m.name == name)
