@@ -20,14 +20,15 @@ from .batcher import Pending
 class Inflight:
     batch_id: int
     model: str
-    requests: list[Pending]
+    requests: list[Pending]      # not yet answered: a part's requests leave as it arrives
     block: int
     rows: int
+    answered: int = 0            # requests answered by parts so far (they come in order)
 
     @property
     def suspect(self) -> bool:
         """A retry after a worker death: it may be what kills workers."""
-        return self.requests[0].alone
+        return bool(self.requests) and self.requests[0].alone
 
 
 class WorkerState(str, Enum):
@@ -164,7 +165,7 @@ class WorkerHandle:
         self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
-                     release=self.take_releases())
+                     release=self.take_releases(), splits=[p.rows for p in requests])
 
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""
@@ -173,14 +174,33 @@ class WorkerHandle:
             self.inputs.release(batch.block)
         return batch
 
-    def output_rows(self, done: Done, batch: Inflight):
-        """Yield (request, {output name: memoryview of its rows}) for each request of the batch."""
+    def take_part(self, done: Done) -> tuple[Inflight | None, list[Pending]]:
+        """The batch a completion answers (None: unknown) and the requests it answers, taken out
+        of that batch; the final part (a whole batch's completion is one) takes the batch out of
+        flight too."""
+        batch = self.inflight.get(done.batch_id)
+        if batch is None:
+            return None, []
+        lo = done.first - batch.answered
+        hi = lo + done.count if done.count else len(batch.requests)
+        part = batch.requests[lo:hi]
+        del batch.requests[lo:hi]  # answered now: a later worker death must not retry them
+        batch.answered += len(part)
+        if done.final:
+            self.finish(done)
+        return batch, part
+
+    def output_rows(self, done: Done, batch: Inflight, requests: list[Pending] | None = None):
+        """Yield (request, {output name: memoryview of its rows}) for each request the completion
+        answers: those given (a part's), else every request of the batch."""
         buf = self.segment.buf
+        requests = batch.requests if requests is None else requests
+        rows = sum(p.rows for p in requests)
         row = 0
-        for p in batch.requests:
+        for p in requests:
             views = {}
             for t in done.outputs:
-                per_row = t.nbytes // batch.rows
+                per_row = t.nbytes // rows
                 start = t.offset + row * per_row
                 views[t.name] = (t, buf[start:start + p.rows * per_row])
             yield p, views

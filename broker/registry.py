@@ -30,6 +30,13 @@ class ModelEntry:
     def name(self) -> str:
         return self.decl.name
 
+    def output_bytes(self, rows: int) -> list[int] | None:
+        """Bytes of each declared output (the worker writes them all) for `rows` rows; None when
+        some output dim is -1, so the size is known only after compute."""
+        if any(d == -1 for t in self.outputs for d in t.shape):
+            return None
+        return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
+
     def specs(self) -> list[ModelSpec]:
         return [ModelSpec(name=self.name, version=v.version, path=v.path, inputs=self.inputs,
                           outputs=self.outputs, warmup_batch_sizes=list(self.decl.warmup_batch_sizes))

@@ -39,6 +39,21 @@ class Double(nn.Module):
         return x * 2
 
 
+class Wide(nn.Module):
+    """A large fixed-size output: each row is x repeated 65536 times (256 KiB of float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, 65536)
+
+
+class Grow(nn.Module):
+    """An output whose width (a -1 dim) the caller sets: each row is its x[:, 0] repeated
+    max(x[:, 1]) times, so its size is known only after compute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :1].repeat(1, int(x[:, 1].max().item()))
+
+
 class WrongDtype(nn.Module):
     """Declared float32 out, returns float64: start-up must fail naming the model."""
 
@@ -62,6 +77,12 @@ MODELS = {
         "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}),
     "double": (Double, {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [-1]}]}),
+    "wide": (Wide, {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [65536]}]}),
+    "grow": (Grow, {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
         "outputs": [{"name": "y", "dtype": "float32", "shape": [-1]}]}),
     "wrongdtype": (WrongDtype, {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],

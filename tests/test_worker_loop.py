@@ -259,6 +259,49 @@ def test_output_larger_than_the_arena(start):
     expect_doubled(w, w.batch(x), x, block=0)
 
 
+def expect_part(w: Worker, batch: Batch, first: int, count: int, final: bool) -> Done:
+    """The next reply is the part of `batch` answering requests first..first+count-1."""
+    done = w.recv()
+    assert (done.batch_id, done.first, done.count, done.final) == (batch.batch_id, first, count, final)
+    return done
+
+
+def test_outputs_too_large_for_the_arena_come_in_parts(start):
+    w = start(ONE_BATCH)
+    x = rows(5, ONE_BATCH // 4 // 4)                     # a row's output is a quarter of the arena
+    b = w.batch(x, splits=[2, 1, 2])                     # three requests: 5 rows do not fit at once
+    p0 = expect_part(w, b, 0, 2, final=False)            # rows 0-2 fit; request 2's would not
+    assert p0.block == 0 and p0.error is None
+    np.testing.assert_array_equal(w.outputs(p0)[0], 2 * x[:3])
+    w.send(Release(blocks=[0]))                          # the arena is full until then
+    p1 = expect_part(w, b, 2, 1, final=True)
+    assert p1.block == 0                                 # its space can only have come from that release
+    np.testing.assert_array_equal(w.outputs(p1)[0], 2 * x[3:])
+    w.send(Release(blocks=[0]))
+    y = rows(2, 8)                                       # a batch that fits: one completion, as before
+    done = expect_doubled(w, w.batch(y, splits=[1, 1]), y, block=0)
+    assert (done.first, done.count, done.final) == (0, 0, True)
+
+
+def test_request_too_large_alone_fails_alone(start):
+    w = start(ONE_BATCH)
+    width = ONE_BATCH // 4 // 2                          # a row's output is half the arena
+    x = rows(5, width)
+    b = w.batch(x, splits=[1, 3, 1])                     # the middle request can never fit
+    p0 = expect_part(w, b, 0, 1, final=False)
+    np.testing.assert_array_equal(w.outputs(p0)[0], 2 * x[:1])
+    err = expect_part(w, b, 1, 1, final=False)
+    assert err.error.code == Code.OUT_OF_SHM.value and err.outputs == [] and err.block is None
+    need = aligned_total([3 * width * 4])
+    assert f"{need} bytes" in err.error.message and str(ONE_BATCH) in err.error.message
+    assert "workers.output_arena_mb" in err.error.message
+    assert err.error.details == {"arena": "output", "needed": need, "limit": ONE_BATCH,
+                                 "config_key": "workers.output_arena_mb"}
+    p2 = expect_part(w, b, 2, 1, final=True)             # fits beside part 0: no release needed
+    assert p2.block == aligned_total([width * 4])
+    np.testing.assert_array_equal(w.outputs(p2)[0], 2 * x[4:])
+
+
 def test_bad_releases_are_logged_and_ignored(start, caplog):
     caplog.set_level(logging.WARNING, logger="tgw.worker")
     w = start(ONE_BATCH)

@@ -6,6 +6,7 @@ writer of the output arena; the broker frees output blocks by listing them on it
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -89,10 +90,48 @@ class Server:
                           exception=type(exc).__name__)
         try:
             block, tensors = self._write(outs, runner)
-        except (BlockTooLarge, OutputSpaceTimeout) as exc:
+        except BlockTooLarge:  # can never fit as one block: answer it in parts
+            done = self._write_parts(batch, outs, runner)
+        except OutputSpaceTimeout as exc:
             return _error(batch, Code.OUT_OF_SHM, str(exc), arena="output")
-        return Done(batch_id=batch.batch_id, outputs=tensors, block=block,
-                    compute_us=int((time.perf_counter() - t0) * 1e6))
+        else:
+            done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+        done.compute_us = int((time.perf_counter() - t0) * 1e6)
+        return done
+
+    def _write_parts(self, batch: Batch, outs: list[torch.Tensor], runner: ModelRunner) -> Done:
+        """Write the outputs in parts at request boundaries, packed greedily so each part fits the
+        arena, and send each part but the last (returned) as soon as it is written: the broker
+        replies and releases its block while later parts wait for space. A request whose outputs
+        alone can never fit is answered OUT_OF_SHM; the others get their outputs."""
+        splits = batch.splits if sum(batch.splits) == batch.rows else [batch.rows]
+        starts = list(itertools.accumulate(splits, initial=0))
+        row_bytes = [t.numel() * t.element_size() // batch.rows for t in outs]
+        cap, n, i = self.outputs.capacity, len(splits), 0
+
+        def need(lo: int, hi: int) -> int:  # one block holding the outputs of requests lo..hi-1
+            return aligned_total([(starts[hi] - starts[lo]) * size for size in row_bytes])
+
+        while True:
+            j = i + 1
+            alone = need(i, j)
+            if alone > cap:
+                done = _error(batch, Code.OUT_OF_SHM, f"request's outputs need {alone} bytes of shared memory; "
+                              f"a worker's output arena holds {cap} (workers.output_arena_mb)", arena="output",
+                              needed=alone, limit=cap, config_key="workers.output_arena_mb")
+            else:
+                while j < n and need(i, j + 1) <= cap:
+                    j += 1
+                try:
+                    block, tensors = self._write([t[starts[i]:starts[j]] for t in outs], runner)
+                    done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+                except OutputSpaceTimeout as exc:  # the rest of the batch fails with it
+                    done, j = _error(batch, Code.OUT_OF_SHM, str(exc), arena="output"), n
+            done.first, done.count, done.final = i, j - i, j == n
+            if done.final:
+                return done
+            self.sock.send(encode(done))
+            i = j
 
     def _view(self, t: BlockTensor) -> torch.Tensor:
         dtype = TORCH_DTYPES[t.dtype]
