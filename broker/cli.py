@@ -1,8 +1,9 @@
-"""`tgw-broker`: start (with a config, or the embedded demo) and check-config."""
+"""`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, keygen."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import ConfigError, load_config
@@ -18,12 +19,16 @@ def query(args) -> int:
     from tgw.shm.paths import default_address
     from tgw.shm.wire import PROTOCOL_VERSION, Snapshot, Status
 
+    from .auth import load_token
     from .control import Unreachable, ask
+    from .endpoints import StartupError
     address = args.address or default_address()
     msg = Status(v=PROTOCOL_VERSION) if args.cmd == "status" else Snapshot(v=PROTOCOL_VERSION, worker=args.worker)
     try:
-        reply = ask(address, msg, args.timeout)
-    except (Unreachable, TgwError) as exc:
+        token = load_token(args.token_file) if args.token_file else os.environ.get("TGW_TOKEN", "").strip() or None
+        server_key = args.server_key or os.environ.get("TGW_SERVER_KEY") or None
+        reply = ask(address, msg, args.timeout, token=token, server_key=server_key)
+    except (Unreachable, TgwError, StartupError) as exc:
         print(f"tgw-broker {args.cmd}: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -33,6 +38,27 @@ def query(args) -> int:
     else:
         print_status(address, reply)
     return 1 if args.cmd == "snapshot" and reply.missing else 0
+
+
+def keygen(args) -> int:
+    """Write a CURVE key pair for server.curve_secret_key_file and print how to use it."""
+    from .auth import keygen as write_pair
+    try:
+        public, secret = write_pair(args.dir, args.name)
+    except (OSError, ValueError) as exc:
+        print(f"tgw-broker keygen: {exc}", file=sys.stderr)
+        return 1
+    import shlex
+
+    import zmq.auth
+    z85_key = zmq.auth.load_certificate(public)[0].decode()
+    print(f"public key (give to clients): {public}\nsecret key (broker only, 0600): {secret}\n\n"
+          f"broker config:\n  server:\n    address: tcp://HOST:PORT\n    curve_secret_key_file: {secret}\n\n"
+          f"clients: Client(address, server_key={public!r}), or TGW_SERVER_KEY={shlex.quote(public)}\n"
+          f"  or the key itself: TGW_SERVER_KEY={shlex.quote(z85_key)}\n"
+          f"  tgw-broker status --address tcp://HOST:PORT --server-key {shlex.quote(public)}\n"
+          f"other languages: set ZMQ_CURVE_SERVERKEY to {z85_key} (z85) and give the socket any client key pair")
+    return 0
 
 
 def print_status(address: str, reply) -> None:
@@ -67,9 +93,18 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--address", help="the broker's address (default: as the broker's default)")
         q.add_argument("--json", action="store_true", help="print the reply as JSON")
         q.add_argument("--timeout", type=float, default=wait_s, help="seconds to wait for the answer")
+        q.add_argument("--token-file", help="file holding the broker's auth token (default: $TGW_TOKEN, the token)")
+        q.add_argument("--server-key", help="the broker's CURVE public key: its .key file or z85 text "
+                                            "(default: $TGW_SERVER_KEY; needed for tcp://)")
         if verb == "snapshot":
             q.add_argument("--worker", type=int, help="only worker N (as in worker<N>[...])")
+    kg = sub.add_parser("keygen", help="write a CURVE key pair (DIR/NAME.key, DIR/NAME.key_secret) for tcp://")
+    kg.add_argument("dir", help="directory to write to (created 0700 if missing)")
+    kg.add_argument("--name", default="broker", help="file name stem (default: broker)")
     args = ap.parse_args(argv)
+
+    if args.cmd == "keygen":
+        sys.exit(keygen(args))
 
     if args.cmd in ("status", "snapshot"):
         sys.exit(query(args))

@@ -11,8 +11,12 @@ import os
 import yaml
 from pydantic import ValidationError
 
-from .schema import (  # noqa: F401  (re-exported: the rest of the broker imports the schema from here)
-    Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl, TensorDecl, VersionDecl, WorkersDecl)
+from .schema import (Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl, TensorDecl,
+                     VersionDecl, WorkersDecl)
+
+# the rest of the broker imports the schema from here
+__all__ = ["Config", "ConfigError", "CrashLoopDecl", "LeakDecl", "ModelDecl", "ServerDecl", "SupervisorDecl",
+           "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config", "parse_config"]
 
 
 class ConfigError(ValueError):

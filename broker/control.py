@@ -1,7 +1,8 @@
 """Asking a running broker over its native socket, for the `tgw-broker` verbs (status, ...).
 
 The broker package may not import the client library (layering rule), and these verbs need
-only one request and its reply: a DEALER, a hello to check the protocol, the request.
+only one request and its reply: a DEALER, a hello to check the protocol, the request. Like the
+client, they carry the shared token and speak CURVE when given the broker's public key.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import itertools
 import os
 
 import zmq
+import zmq.auth
+from zmq.utils import z85
 
 from tgw.shm.errors import error_from_body
 from tgw.shm.paths import ipc_path
@@ -21,21 +24,49 @@ class Unreachable(ConnectionError):
     pass
 
 
-def ask(address: str, msg, timeout_s: float = 5.0):
-    """Send `msg` (its id is set here) and return the reply; raises Unreachable or the TgwError."""
+def server_public_key(value: str) -> bytes:
+    """The broker's CURVE public key from its z85 text (40 characters) or its `.key` file."""
+    if os.path.isfile(value):
+        try:
+            return zmq.auth.load_certificate(value)[0]
+        except (OSError, ValueError) as exc:
+            raise Unreachable(f"cannot read the server key file {value}: {exc}") from None
+    value = value.strip()
+    if len(value) == 40:
+        try:
+            z85.decode(value)
+            return value.encode()
+        except (ValueError, KeyError, IndexError):
+            pass
+    raise Unreachable(f"server key {value[:60]!r} is neither a 40-character z85 CURVE public key nor an "
+                      "existing certificate file (the broker's .key file from `tgw-broker keygen`)")
+
+
+def ask(address: str, msg, timeout_s: float = 5.0, *, token: str | None = None, server_key: str | None = None):
+    """Send `msg` (its id and token are set here) and return the reply; raises Unreachable or the
+    TgwError. `server_key`: the broker's CURVE public key (z85 text or its .key file)."""
     path = ipc_path(address)
     if path is not None and not os.path.exists(path):
         raise Unreachable(f"no tgw broker at {address}: {path} does not exist")
+    if address.startswith("tcp://") and not server_key:
+        raise Unreachable(f"{address}: a tcp:// broker only speaks CURVE; pass --server-key or set TGW_SERVER_KEY "
+                          "to the broker's public key (its .key file or the z85 text)")
+    key = server_public_key(server_key) if server_key else None
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        if key is not None:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.curve_serverkey = key
         sock.connect(address)
         for m in (Hello(v=PROTOCOL_VERSION, id=0, client="tgw-broker"), msg):
             m.id = next(_ids)
+            m.token = token
             sock.send(encode(m))
             if not sock.poll(int(timeout_s * 1000)):
-                raise Unreachable(f"no answer from {address} within {timeout_s:g} s")
+                hint = " (a wrong server key looks the same)" if key is not None else ""
+                raise Unreachable(f"no answer from {address} within {timeout_s:g} s{hint}")
             reply = reply_decoder.decode(sock.recv_multipart()[0])
             if isinstance(reply, ErrorReply):
                 raise error_from_body(reply.error)

@@ -1,34 +1,68 @@
-"""Reading a client's message: the header decoded once, or the error that answers it.
+"""The clients' side of the broker: read each message once, refuse or route it, and answer.
 
 A header that does not decode still gets a well-formed reply: its id and protocol version are
 read leniently where possible, so a newer client learns of the version mismatch rather than of
-a "malformed" header.
+a "malformed" header. Every refusal is counted (stats `refused`) and logged at most once per
+kind in a while; replies go through the outbox, which bounds what a slow reader may hold.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import lz4.frame
+
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, envelope_decoder, request_decoder
+from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Infer, InferReply, Snapshot, TensorMeta, \
+    encode, envelope_decoder, request_decoder
+
+from . import status
+from .auth import token_ok
+from .batcher import Pending
+from .callers import EVENTS
+from .outbox import Outbox
+from .schema import ServerDecl
+from .sockets import Pump
+
+if TYPE_CHECKING:
+    from .endpoints import Listener
+    from .server import Broker
+
+NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)  # refusals that suggest a broken or hostile caller
 
 
 class Refused(Exception):
-    """The message cannot be served; `error` answers it under `req_id`."""
+    """The message cannot be served; `error` answers it under `req_id`; `kind` counts it."""
 
-    def __init__(self, req_id: int, error: TgwError):
+    def __init__(self, req_id: int, error: TgwError, kind: str):
         super().__init__(error.message)
-        self.req_id, self.error = req_id, error
+        self.req_id, self.error, self.kind = req_id, error, kind
 
 
-def read_request(frames: list):
-    """The decoded header of [identity, header, tensor frames...]; raises Refused."""
+def read_request(frames: list, server: ServerDecl, token: str | None = None):
+    """The decoded header of [identity, header, tensor frames...]; raises Refused.
+
+    Sizes are checked before decoding, so a header cannot make the decoder allocate much; the
+    token (when one is configured) before anything else is looked at."""
     if len(frames) < 2:
-        raise Refused(0, fail(Code.INVALID_ARGUMENT, "empty message: a header frame is required"))
+        raise Refused(0, fail(Code.INVALID_ARGUMENT, "empty message: a header frame is required"), "empty_message")
     header = frames[1].buffer
+    if len(header) > server.max_header_bytes:
+        raise Refused(0, fail(Code.PAYLOAD_TOO_LARGE, f"header frame of {len(header)} bytes; the limit is "
+                              f"{server.max_header_bytes} (server.max_header_bytes)",
+                              limit=server.max_header_bytes), "header_too_large")
+    if len(frames) - 2 > server.max_tensors_per_request:
+        raise Refused(0, fail(Code.INVALID_ARGUMENT, f"{len(frames) - 2} tensor frames; the limit is "
+                              f"{server.max_tensors_per_request} (server.max_tensors_per_request)",
+                              limit=server.max_tensors_per_request), "too_many_frames")
     try:
         msg = request_decoder.decode(header)
     except DecodeError as exc:
         raise _malformed(header, exc) from None
     if msg.v != PROTOCOL_VERSION:
-        raise Refused(msg.id, _version_mismatch(msg.v))
+        raise Refused(msg.id, _version_mismatch(msg.v), "version_mismatch")
+    if not token_ok(token, msg.token):
+        raise Refused(msg.id, fail(Code.UNAUTHENTICATED, "missing or wrong token (the broker is configured with "
+                                   "server.auth_token_file; clients pass token= or TGW_TOKEN)"), "unauthenticated")
     return msg
 
 
@@ -41,10 +75,91 @@ def _malformed(header, exc: Exception) -> Refused:
     req_id = env.id if env is not None and type(env.id) is int else 0
     if env is not None and type(env.v) is int and env.v != PROTOCOL_VERSION:
         # a newer client's header may not fit our structs: name the real problem
-        return Refused(req_id, _version_mismatch(env.v))
-    return Refused(req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"))
+        return Refused(req_id, _version_mismatch(env.v), "version_mismatch")
+    return Refused(req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"), "malformed_header")
 
 
 def _version_mismatch(version: int) -> TgwError:
     return fail(Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
                 f"{PROTOCOL_VERSION}", client_protocol=version, server_protocol=PROTOCOL_VERSION)
+
+
+class FrontDoor:
+    def __init__(self, b: "Broker", loop, sock, listener: "Listener | None" = None):
+        self.b, self.listener = b, listener
+        self.complaints, self.callers, self.server, self.token = b.complaints, b.callers, b.server, b.token
+        self.pump = Pump(loop, sock, self.on_message)
+        self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
+        self.monitor = Pump(loop, sock.get_monitor_socket(EVENTS), self.callers.on_monitor)
+
+    def on_message(self, frames: list) -> None:
+        ident = frames[0].bytes
+        try:
+            self.callers.let_in(ident)
+            msg = read_request(frames, self.server, self.token)
+        except Refused as refused:
+            self.complaints.note("refused", refused.kind, str(refused))
+            return self.error(ident, refused.req_id, refused.error)
+        except TgwError as err:
+            self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
+            return self.error(ident, 0, err)
+        if isinstance(msg, Infer):
+            self._infer(ident, msg, frames[2:])
+        elif isinstance(msg, Snapshot):
+            try:
+                self.b.memory.request(self.b.roster, msg, self.b.clock(), lambda reply: self.reply(ident, reply))
+            except TgwError as err:
+                self.error(ident, msg.id, err)
+        else:
+            self.reply(ident, status.ANSWERS[type(msg)](self.b, msg.id))
+
+    def _infer(self, ident: bytes, msg: Infer, tensor_frames: list) -> None:
+        try:
+            self.b.admission.admit(ident, msg, tensor_frames)
+            self.b.schedule()
+        except TgwError as err:
+            if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
+                self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
+            self.error(ident, msg.id, err, msg.model)
+        except Exception as exc:  # a broker bug must still answer, and must not stop the drain
+            self.complaints.note("broker_error", type(exc).__name__, f"request {msg.id} for {msg.model!r} failed "
+                                 "inside the broker", exc_info=True)
+            self.error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), msg.model)
+
+    def tick(self) -> None:
+        self.outbox.settle_all()
+        listen = self.callers.should_listen()
+        if listen is not None and self.listener is not None:
+            self.callers.listening = self.listener.listen(listen)
+
+    # ---- answers -----------------------------------------------------------------------------
+
+    def reply(self, ident: bytes, msg, *tensors) -> None:
+        # the outbox copies every frame, so ring views may be released after
+        self.outbox.send(ident, [encode(msg), *tensors])
+
+    def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None) -> None:
+        self.b.stats.error(model, err.code.value)
+        self.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
+
+    def fail(self, p: Pending, err: TgwError) -> None:
+        """Answer an admitted request with an error."""
+        self.callers.paid(p.client)
+        err.details.setdefault("model", p.model)
+        self.error(p.client, p.req_id, err, p.model)
+
+    def answer(self, p: Pending, views: dict) -> None:
+        """Answer an admitted request with its rows of the outputs (views into the output arena)."""
+        self.callers.paid(p.client)
+        metas, payload = [], []
+        for name in p.outputs:
+            t, view = views[name]
+            metas.append(TensorMeta(name=name, dtype=t.dtype, shape=[p.rows, *t.shape[1:]],
+                                    compression="lz4" if p.compress else None))
+            payload.append(lz4.frame.compress(view) if p.compress else view)
+        self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
+                                        outputs=metas), *payload)
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.pump.close()

@@ -17,43 +17,56 @@ import zmq
 from tgw.shm.paths import default_address
 from tgw.shm.segment import ShmError
 
+from .auth import load_token
+from .callers import fit_max_clients, raise_fd_limit
 from .config import Config
-from .endpoints import StartupError, backend_address, bind, remove_socket_files
+from .endpoints import Listener, StartupError, backend_address, bind, remove_socket_files
 from .lifecycle import Lifecycle
 from .server import Broker
-from .supervisor import Supervisor
+from .supervisor import Supervisor, plan_devices
 
 log = logging.getLogger("tgw.broker")
 
 
 async def serve(cfg: Config, address: str) -> None:
-    backend = backend_address(address)
-    ctx = zmq.Context()
-    supervisor = Supervisor(cfg.workers, cfg.supervisor, backend)
-    broker = Broker(cfg)
+    if address.startswith("tcp://") and not cfg.server.curve_secret_key_file:
+        raise StartupError("a tcp:// address needs server.curve_secret_key_file (a ZeroMQ CURVE key pair: "
+                           "`tgw-broker keygen DIR` writes one)")
+    token = load_token(cfg.server.auth_token_file) if cfg.server.auth_token_file else None
+    fd_limit = raise_fd_limit()
+    supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address))
+    max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(plan_devices(cfg.workers)))
+    broker = Broker(cfg, max_clients=max_clients, token=token)
     lifecycle = Lifecycle(broker, supervisor, cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
-    front = bind(ctx, address, public=True)  # refuses first if a live broker has the address
+    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP ignored: this broker has no runtime "
+                                                                "reload yet (restart it to apply a new config)"))
+    ctx = zmq.Context()
+    made: list[str] = []  # socket files this start created: removed on every way out
     try:
-        broker.attach(loop, front, bind(ctx, backend, public=False))
+        front = bind(ctx, address, cfg.server, public=True)  # refuses first if a live broker has the address
+        made.append(address)
+        back = bind(ctx, supervisor.endpoint, cfg.server, public=False)
+        made.append(supervisor.endpoint)
+        broker.attach(loop, front, back, Listener(front, address, cfg.server))
         try:
-            swept = supervisor.prepare()
-        except ShmError as exc:
-            raise StartupError(str(exc)) from None
-        if swept:
-            log.warning("swept %d stale segment(s) of dead processes: %s", len(swept), ", ".join(swept))
-        try:
+            try:
+                swept = supervisor.prepare()
+            except ShmError as exc:
+                raise StartupError(str(exc)) from None
+            if swept:
+                log.warning("swept %d stale segment(s) of dead processes: %s", len(swept), ", ".join(swept))
             await lifecycle.run(address)
         finally:
             lifecycle.shutdown()
-            broker.front.close()
-            broker.back.close()
+            broker.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
+            broker.close()
     finally:
         ctx.destroy(linger=0)
-        remove_socket_files(address, backend)
+        remove_socket_files(*made)
 
 
 def run_broker(cfg: Config, address: str | None = None) -> int:

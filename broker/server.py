@@ -4,7 +4,8 @@ Everything here runs as plain callbacks on one uvloop loop: decode once, admit, 
 let one pump per loop turn form batches for workers with room (so a burst drained from the
 socket becomes one batch, not many). The state it owns: the worker roster and routing, the
 phase (starting, serving, stopping) and the batch sequence; the queues live in the batcher,
-the checks in admission, the worker handshake in handshake, read-only answers in status.
+the checks in admission, the clients' side (reading, refusing, answering) in frontdoor, the
+worker handshake in handshake, read-only answers in status.
 """
 from __future__ import annotations
 
@@ -14,19 +15,19 @@ import time
 from enum import Enum
 from typing import Callable
 
-import lz4.frame
 import zmq
 
-from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, Done, ErrorReply, Heartbeat, Infer, \
-    InferReply, Release, Snapshot, Stop, TensorMeta, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot, \
-    encode, from_worker_decoder, model_key
+from tgw.shm.errors import Code, error_from_body, fail
+from tgw.shm.wire import DecodeError, Done, Heartbeat, Release, Stop, WorkerFailed, WorkerHello, WorkerReady, \
+    WorkerSnapshot, encode, from_worker_decoder, model_key
 
-from . import status
 from .admission import Admission
-from .batcher import Batcher, Pending
+from .batcher import Batcher
+from .callers import Callers
+from .complaints import Complaints
 from .config import Config
-from .frontdoor import Refused, read_request
+from .endpoints import Listener
+from .frontdoor import FrontDoor
 from .handshake import Handshake, death_error
 from .memory import MemoryWatch
 from .pool import WorkerHandle, WorkerState
@@ -44,15 +45,19 @@ class Phase(Enum):
 
 
 class Broker:
-    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
+                 token: str | None = None):
+        self.clock, self.server, self.token = clock, cfg.server, token
+        self.complaints = Complaints(clock)
+        self.callers = Callers(cfg.server, max_clients or cfg.server.max_clients, clock)
         self.registry = Registry(cfg)
         self.batcher = Batcher(clock)
         self.stats = Counters()
         for m in cfg.models:
             self.batcher.add_model(m.name, m.max_batch_size, m.max_queue)
             self.stats.model(m.name)
-        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, clock, self.unavailable)
+        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
+                                   self.unavailable)
         self.handshake = Handshake(self.registry)
         self.memory = MemoryWatch(cfg.supervisor, lambda ident, msg: self.back.send([ident, encode(msg)]))
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
@@ -63,9 +68,10 @@ class Broker:
         self.batch_seq = 0
         self._pump_scheduled = False
 
-    def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket) -> None:
+    def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
+               listener: Listener | None = None) -> None:
         self.loop = loop
-        self.front = Pump(loop, front, self.on_client)
+        self.door = FrontDoor(self, loop, front, listener)
         self.back = Pump(loop, back, self.on_worker)
 
     # ---- control: called by the lifecycle -----------------------------------------------------
@@ -85,19 +91,25 @@ class Broker:
         for p in reversed(again):
             self.batcher.push(p, front=True)
         for p in gone:
-            self._fail_pending(p, death_error(w, p))
+            self.door.fail(p, death_error(w, p))
         self.schedule()
 
     def tick(self, now: float) -> None:
         """Periodic work: answer queued requests whose deadline has passed (never computed), and
         those of models no worker may serve now (crash loop) instead of letting them wait."""
         for p in self.batcher.expired(now):
-            self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
         self.memory.snapshots.tick(now)
+        self.door.tick()
+        if self.phase is Phase.STOPPING:  # no restarts while stopping: what no live worker can run is answered
+            live = {k for w in self.roster if w.state is WorkerState.READY for k in w.models}
+            for p in self.batcher.take_where(lambda p: model_key(p.model, p.version) not in live):
+                self.door.fail(p, fail(Code.MODEL_NOT_READY, "the broker is stopping and no worker is left "
+                                           "to run this request", reason="shutting_down"))
         why = self.unavailable()
         if why:
             for p in self.batcher.take_all():
-                self._fail_pending(p, fail(Code.MODEL_NOT_READY, why, reason="crash_loop"))
+                self.door.fail(p, fail(Code.MODEL_NOT_READY, why, reason="crash_loop"))
 
     def unavailable(self) -> str:
         """Why no worker may serve now ("" while one may): every worker is benched."""
@@ -111,7 +123,7 @@ class Broker:
         for w in self.roster:
             w.inflight.clear()
         for p in left:
-            self._fail_pending(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
+            self.door.fail(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
 
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING
@@ -126,6 +138,10 @@ class Broker:
     def busy(self) -> bool:
         return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
 
+    def close(self) -> None:
+        self.door.close()
+        self.back.close()
+
     def stop_workers(self) -> None:
         for w in self.roster:
             self.stop_worker(w)
@@ -139,44 +155,6 @@ class Broker:
         """A retired worker is gone for good."""
         self.remove_worker(w)
         self.roster.remove(w)
-
-    # ---- client side -------------------------------------------------------------------------
-
-    def on_client(self, frames: list) -> None:
-        ident = frames[0].bytes
-        try:
-            msg = read_request(frames)
-        except Refused as refused:
-            return self._error(ident, refused.req_id, refused.error)
-        if isinstance(msg, Infer):
-            try:
-                self.admission.admit(ident, msg, frames[2:])
-                self.schedule()
-            except TgwError as err:
-                self._error(ident, msg.id, err, msg.model)
-            except Exception as exc:  # a broker bug must still answer, and must not stop the drain
-                log.exception("request %d for %r failed inside the broker", msg.id, msg.model)
-                self._error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"),
-                            msg.model)
-        elif isinstance(msg, Snapshot):
-            try:
-                self.memory.request(self.roster, msg, self.clock(), lambda reply: self._reply(ident, reply))
-            except TgwError as err:
-                self._error(ident, msg.id, err)
-        else:
-            self._reply(ident, status.ANSWERS[type(msg)](self, msg.id))
-
-    def _reply(self, ident: bytes, msg, *tensors) -> None:
-        # the send copies every frame (zmq's default copy=True), so ring views may be released after
-        self.front.send([ident, encode(msg), *tensors])
-
-    def _error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None) -> None:
-        self.stats.error(model, err.code.value)
-        self._reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
-
-    def _fail_pending(self, p: Pending, err: TgwError) -> None:
-        err.details.setdefault("model", p.model)
-        self._error(p.client, p.req_id, err, p.model)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -217,9 +195,9 @@ class Broker:
     def _dispatch(self, model: str, worker: WorkerHandle) -> bool:
         now = self.clock()
         live = []
-        for p in self.batcher.next_batch(model, worker.input_bytes):
+        for p in self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes):
             if p.deadline <= now:
-                self._fail_pending(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+                self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
             else:
                 live.append(p)
         if not live:
@@ -262,29 +240,22 @@ class Broker:
             self.handshake.failed(worker, msg)
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
-        batch = worker.finish(done)
+        batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
         if batch is None:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
         if done.error is not None:
-            for p in batch.requests:  # each its own exception: details are filled in per request
-                self._fail_pending(p, error_from_body(done.error))
+            for p in part:  # each its own exception: details are filled in per request
+                self.door.fail(p, error_from_body(done.error))
         else:
-            self.stats.batch(batch.model, batch.rows, done.compute_us)
             counters = self.stats.models[batch.model]
-            for p, views in worker.output_rows(done, batch):
-                self._reply_outputs(p, views)
+            for p, views in worker.output_rows(done, batch, part):
+                self.door.answer(p, views)
                 counters.replies += 1
             # safe right after the replies: each send copied its frames out of the ring
             worker.releases.append(done.block)
+        if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
+            self.stats.batch(batch.model, batch.rows, done.compute_us)
+        for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
+            self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         self.schedule()
-
-    def _reply_outputs(self, p: Pending, views: dict) -> None:
-        metas, payload = [], []
-        for name in p.outputs:
-            t, view = views[name]
-            metas.append(TensorMeta(name=name, dtype=t.dtype, shape=[p.rows, *t.shape[1:]],
-                                    compression="lz4" if p.compress else None))
-            payload.append(lz4.frame.compress(view) if p.compress else view)
-        self._reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
-                                         outputs=metas), *payload)

@@ -48,13 +48,19 @@ class Pump:
                 log.exception("handler failed on a message; continuing")
         self.kick()  # more may be queued: continue on the next loop turn
 
-    def send(self, frames: list) -> bool:
-        """Send without blocking; False when the peer is gone or its queue is full."""
+    def send(self, frames: list, track: bool = False) -> tuple[str, object]:
+        """Send without blocking: ("", tracker) once queued (tracker None unless `track`: zero-copy,
+        then it tells when libzmq is done with the frames), else ("full", None) at the peer's
+        high-water mark or ("gone", None) when no such peer is connected."""
         try:
+            if track:
+                return "", self.sock.send_multipart(frames, NOBLOCK, copy=False, track=True)
             self.sock.send_multipart(frames, NOBLOCK)
-            return True
-        except (zmq.Again, zmq.ZMQError):
-            return False
+            return "", None
+        except zmq.Again:
+            return "full", None
+        except zmq.ZMQError:
+            return "gone", None
         finally:
             if not self.sock.closed:
                 self.kick()

@@ -44,8 +44,12 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
     models = {}
     for name, counters in b.stats.models.items():
         models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name)}
+    seen = b.complaints.as_dict()
     return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
-                      errors=dict(b.stats.unrouted_errors))
+                      errors=dict(b.stats.unrouted_errors), refused=seen.get("refused", {}),
+                      dropped=seen.get("dropped", {}),
+                      clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,
+                               "owed": sum(b.callers.owed.values())})
 
 
 def processes(b: "Broker") -> list[dict]:

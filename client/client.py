@@ -3,6 +3,11 @@
 Thread safety: one Client may be shared by any number of threads; it opens one socket per
 thread (ZeroMQ sockets are not thread-safe), so calls never serialise behind each other.
 Not fork-safe: create a Client in each process.
+
+Security (docs/PROTOCOL.md §1b): `token` (default: $TGW_TOKEN) travels in every request, for a
+broker configured with `server.auth_token_file`; `server_key` (default: $TGW_SERVER_KEY), the
+broker's CURVE public key, encrypts the connection with an ephemeral client key pair. The
+broker listens on tcp:// only with CURVE, so a tcp:// address needs the server key.
 """
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ import time
 from typing import Any
 
 import zmq
+import zmq.auth
+from zmq.utils import z85
 
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import default_address, ipc_path
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Stats, \
-    Status, encode, reply_decoder
+    Status, encode, nbytes_of, reply_decoder
 
 from .tensors import ZERO_COPY_MIN, decode_outputs, encode_inputs
 
@@ -28,13 +35,43 @@ NO_TIMEOUT_WAIT_S = 600.0  # a request without timeout still stops waiting for a
 
 
 class ConnectError(ConnectionError):
-    """No tgw broker answered at the address."""
+    """No tgw broker answered at the address (or the address or server key is unusable)."""
+
+
+def server_public_key(value: str | bytes) -> bytes:
+    """A broker's CURVE public key from its z85 text (40 characters) or its `.key` certificate file."""
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    if os.path.isfile(text):
+        try:
+            return zmq.auth.load_certificate(text)[0]
+        except (OSError, ValueError) as exc:
+            raise ConnectError(f"cannot read the server key file {text}: {exc}") from None
+    text = text.strip()
+    if len(text) == 40:
+        try:
+            z85.decode(text)
+            return text.encode()
+        except (ValueError, KeyError, IndexError):
+            pass
+    raise ConnectError(f"server key {text[:60]!r} is neither a 40-character z85 CURVE public key nor an "
+                       "existing certificate file (the broker's .key file from `tgw-broker keygen`)")
 
 
 class Client:
-    def __init__(self, address: str | None = None, *, connect_timeout: float = CONNECT_TIMEOUT_S):
+    def __init__(self, address: str | None = None, *, token: str | None = None,
+                 server_key: str | bytes | None = None, connect_timeout: float = CONNECT_TIMEOUT_S):
+        """`token`: the broker's shared token (default $TGW_TOKEN); `server_key`: the broker's
+        CURVE public key, z85 text or its .key file (default $TGW_SERVER_KEY)."""
         self.address = address or default_address()
         self.connect_timeout = connect_timeout
+        self.token = token if token is not None else (os.environ.get("TGW_TOKEN", "").strip() or None)
+        if server_key is None:
+            server_key = os.environ.get("TGW_SERVER_KEY") or None
+        self._server_key = server_public_key(server_key) if server_key else None
+        if self.address.startswith("tcp://") and self._server_key is None:
+            raise ConnectError(f"{self.address}: a tcp:// broker only speaks CURVE; pass server_key= or set "
+                               "TGW_SERVER_KEY to the broker's public key (its .key file or the z85 text)")
+        self._curve = zmq.curve_keypair() if self._server_key else None  # ephemeral: any key pair will do
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []
@@ -43,7 +80,12 @@ class Client:
         self._pid = os.getpid()
         self._closed = False
         self.server: str | None = None
-        self._socket()  # connect and handshake now: a wrong address or protocol fails here
+        self.max_request_bytes = 1 << 62  # the broker's, from its hello reply
+        try:
+            self._socket()  # connect and handshake now: a wrong address, protocol or token fails here
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> "Client":
         return self
@@ -75,29 +117,32 @@ class Client:
         if timeout is not None and not timeout >= 0:
             raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
         metas, frames = encode_inputs(inputs, compress)
+        self._check_size(metas, frames)
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
-                    timeout_ms=None if timeout is None else math.ceil(timeout * 1000))
+                    timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token)
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait)
         return decode_outputs(reply.outputs, tensor_frames)
 
     def models(self) -> list[dict]:
-        reply, _ = self._call(ListModels(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
+        reply, _ = self._call(ListModels(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [],
+                              self.connect_timeout)
         return [_model_dict(m) for m in reply.models]
 
     def health(self) -> dict:
-        r, _ = self._call(Health(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
+        r, _ = self._call(Health(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
         return {"live": r.live, "ready": r.ready, "models": dict(r.models), "workers": dict(r.workers)}
 
     def stats(self) -> dict:
-        r, _ = self._call(Stats(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
-        return {"models": r.models, "processes": r.processes, "errors": r.errors}
+        r, _ = self._call(Stats(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
+        return {"models": r.models, "processes": r.processes, "errors": r.errors, "refused": r.refused,
+                "dropped": r.dropped, "clients": r.clients}
 
     def status(self) -> dict:
         """What `tgw-broker status` shows: phase, uptime, workers (heartbeat figures, restarts,
         last death, crash-loop), models with their queues."""
-        r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids)), [], self.connect_timeout)
+        r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
         return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
                 "snapshots": r.snapshots}
 
@@ -117,16 +162,37 @@ class Client:
                 raise ConnectError(f"no tgw broker at {self.address}: {path} does not exist")
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._curve:
+                sock.curve_publickey, sock.curve_secretkey = self._curve
+                sock.curve_serverkey = self._server_key
             sock.connect(self.address)
             self._sockets.append(sock)
-        self._local.sock = sock
         try:
-            reply, _ = self._call(Hello(v=PROTOCOL_VERSION, id=next(self._ids), client="tgw.client/py"), [],
-                                  self.connect_timeout, sock=sock)
-        except TimeoutError:
-            raise ConnectError(f"no tgw broker answered at {self.address} within {self.connect_timeout:.0f}s") from None
-        self.server = reply.server
+            reply, _ = self._call(Hello(v=PROTOCOL_VERSION, id=next(self._ids), client="tgw.client/py",
+                                        token=self.token), [], self.connect_timeout, sock=sock)
+        except BaseException as exc:  # a socket that failed its hello is not used again
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
+                    sock.close(linger=0)
+            if not isinstance(exc, TimeoutError):
+                raise
+            hint = " (a wrong server key looks the same: check TGW_SERVER_KEY)" if self._curve else ""
+            raise ConnectError(f"no tgw broker answered at {self.address} within "
+                               f"{self.connect_timeout:g}s{hint}") from None
+        self._local.sock = sock
+        self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
         return sock
+
+    def _check_size(self, metas, frames) -> None:
+        """The broker's size rule, applied before sending: a frame over it would not be read at all
+        (the broker drops such a connection unread), so the caller would only see a timeout."""
+        declared = sum(nbytes_of(m.dtype, m.shape) for m in metas)
+        sent = sum(memoryview(f).nbytes for f in frames)
+        if max(declared, sent) > self.max_request_bytes:
+            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {max(declared, sent)} bytes of tensors; the "
+                       f"broker's limit is {self.max_request_bytes} (server.max_request_bytes)",
+                       limit=self.max_request_bytes)
 
     def _call(self, msg, frames: list, wait_s: float, sock: zmq.Socket | None = None):
         sock = sock or self._socket()

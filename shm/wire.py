@@ -46,6 +46,7 @@ class Hello(Struct, tag_field="op", tag="hello"):
     v: int
     id: int = 0
     client: str = ""
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class Infer(Struct, tag_field="op", tag="infer"):
@@ -58,26 +59,31 @@ class Infer(Struct, tag_field="op", tag="infer"):
     timeout_ms: Optional[int] = None         # relative deadline, from the broker's receipt
     priority: int = 0                        # 0 is the highest level
     compress_outputs: bool = False           # reply frames lz4-compressed
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class ListModels(Struct, tag_field="op", tag="models"):
     v: int
     id: int = 0
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class Health(Struct, tag_field="op", tag="health"):
     v: int
     id: int = 0
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class Stats(Struct, tag_field="op", tag="stats"):
     v: int
     id: int = 0
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class Status(Struct, tag_field="op", tag="status"):
     v: int
     id: int = 0
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 class Snapshot(Struct, tag_field="op", tag="snapshot"):
@@ -85,6 +91,7 @@ class Snapshot(Struct, tag_field="op", tag="snapshot"):
     v: int
     id: int = 0
     worker: Optional[int] = None
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
 Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot]
@@ -158,6 +165,9 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     models: dict[str, dict[str, Any]]
     processes: list[dict[str, Any]]  # {role, pid, device, state (workers)}
     errors: dict[str, int] = {}      # code -> n for requests that named no served model
+    refused: dict[str, int] = {}     # kind -> n: input refused before any queue (malformed, limits, auth)
+    dropped: dict[str, int] = {}     # reason -> n: replies not delivered (slow reader, caller gone)
+    clients: dict[str, int] = {}     # connected, max_clients, owed (requests admitted, not yet answered)
 
 
 class StatusReply(Struct, tag_field="op", tag="status"):
@@ -234,6 +244,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     inputs: list[BlockTensor]
     deadline: float = 0.0     # CLOCK_MONOTONIC seconds (system-wide): past it, nobody waits - skip
     release: list[int] = []   # output blocks the broker is done with (saves a Release message)
+    splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
 
 
 class Done(Struct, tag_field="op", tag="w_done"):
@@ -242,6 +253,12 @@ class Done(Struct, tag_field="op", tag="w_done"):
     block: Optional[int] = None     # output-arena block the broker must release
     error: Optional[ErrorBody] = None
     compute_us: int = 0
+    # A batch whose outputs cannot fit the output arena as one block is answered in parts, at
+    # request boundaries: this part answers requests first..first+count-1 (count 0: through
+    # the end); more parts follow while final is False. The defaults: the whole batch at once.
+    first: int = 0
+    count: int = 0
+    final: bool = True
 
 
 class Release(Struct, tag_field="op", tag="w_release"):

@@ -2,8 +2,8 @@
 ring segment, an injected clock; the test plays both the client and the worker.
 
 Proves without processes or wall-clock races that an expired request is never computed, that a
-worker's error reaches the caller with its details, and that a lost worker's requests are
-retried once, then answered WORKER_DIED.
+worker's error reaches the caller with its details, that a lost worker's requests are retried
+once, then answered WORKER_DIED, and that a batch answered in parts answers each request once.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from tgw.broker.pool import WorkerHandle, WorkerState
 from tgw.broker.server import Broker
 from tgw.shm.errors import Code, fail
 from tgw.shm.segment import Segment, new_name
-from tgw.shm.wire import PROTOCOL_VERSION, Batch, Done, ErrorReply, Infer, LoadModels, Stats, StatsReply, \
-    TensorMeta, WorkerHello, WorkerReady, encode, reply_decoder, to_worker_decoder
+from tgw.shm.wire import PROTOCOL_VERSION, Batch, BlockTensor, Done, ErrorReply, Infer, LoadModels, Stats, \
+    StatsReply, TensorMeta, WorkerHello, WorkerReady, encode, reply_decoder, to_worker_decoder
 
 X = np.zeros((1, 256), np.float32)
 WAIT_S = 10.0
@@ -103,8 +103,7 @@ class Rig:
         return reply.models["mlp"]
 
     def close(self) -> None:
-        self.broker.front.close()
-        self.broker.back.close()
+        self.broker.close()
         self.ctx.destroy(linger=0)
         self.handle.segment.close()
         self.handle.segment.unlink()
@@ -170,3 +169,89 @@ def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
         assert err.id == 7 and err.error.code == "WORKER_DIED" and err.error.retryable
 
     run(model_files, scenario)
+
+
+# ---- a batch answered in parts (its outputs did not fit the output arena as one block) ---------
+
+async def three_in_one_batch(rig: Rig) -> Batch:
+    """Requests 1, 2 and 3 of "mlp" staged as one batch: request 0 holds the worker meanwhile."""
+    rig.infer(0, timeout_ms=60_000)
+    first = await rig.batch()
+    for i in (1, 2, 3):
+        rig.infer(i, timeout_ms=60_000)
+    await until(lambda: rig.broker.batcher.queued("mlp") == 3, "three queued requests")
+    rig.worker.send(encode(Done(batch_id=first.batch_id, error=fail(Code.INTERNAL, "skip").to_body())))
+    assert (await rig.reply()).id == 0
+    batch = await rig.batch()
+    assert batch.splits == [1, 1, 1] and batch.rows == 3
+    return batch
+
+
+def write_part(rig: Rig, y: np.ndarray, block: int) -> list:
+    """Write outputs y ([rows, 10] float32) of "mlp" into the output arena at `block`."""
+    offset = rig.handle.input_bytes + block
+    rig.handle.segment.buf[offset:offset + y.nbytes] = y.tobytes()
+    return [BlockTensor(name="y", dtype="float32", shape=list(y.shape), offset=offset, nbytes=y.nbytes)]
+
+
+async def answer(rig: Rig) -> tuple:
+    """The next reply: (its header, its first tensor or None)."""
+    frames = await recv(rig.client)
+    reply = reply_decoder.decode(frames[0])
+    return reply, np.frombuffer(frames[1], np.float32).reshape(reply.outputs[0].shape) if len(frames) > 1 else None
+
+
+def test_parts_answer_their_requests_and_release_their_blocks(model_files):
+    async def scenario(rig: Rig, clock: Clock):
+        batch = await three_in_one_batch(rig)
+        y = np.arange(20, dtype=np.float32).reshape(2, 10)
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, outputs=write_part(rig, y, 0), block=0,
+                                    first=0, count=2, final=False)))
+        (r1, y1), (r2, y2) = await answer(rig), await answer(rig)
+        assert (r1.id, r2.id) == (1, 2)
+        np.testing.assert_array_equal(y1, y[:1])
+        np.testing.assert_array_equal(y2, y[1:])
+        release = to_worker_decoder.decode((await recv(rig.worker))[0])
+        assert release.blocks == [0]                 # freed at once: the worker may wait for that space
+        assert batch.batch_id in rig.handle.inflight and rig.handle.inputs.live_blocks == 1
+        body = fail(Code.OUT_OF_SHM, "too big", arena="output").to_body()
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, error=body, first=2, count=1, final=True)))
+        r3 = await rig.reply()
+        assert r3.id == 3 and r3.error.code == "OUT_OF_SHM" and r3.error.details["arena"] == "output"
+        stats = await rig.stats()                     # every request answered exactly once, nothing owed
+        assert stats["replies"] == 2 and stats["errors"] == {"INTERNAL": 1, "OUT_OF_SHM": 1}
+        assert stats["batches"] == 1 and not rig.handle.inflight and rig.handle.inputs.live_blocks == 0
+        assert not rig.client.poll(0)
+
+    run(model_files, scenario, max_inflight_batches_per_worker=1)
+
+
+def test_worker_death_after_a_part_retries_only_the_rest(model_files):
+    async def scenario(rig: Rig, clock: Clock):
+        batch = await three_in_one_batch(rig)
+        y = np.ones((1, 10), np.float32)
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, outputs=write_part(rig, y, 0), block=0,
+                                    first=0, count=1, final=False)))
+        assert (await answer(rig))[0].id == 1
+        assert [p.req_id for p in rig.handle.inflight[batch.batch_id].requests] == [2, 3]
+        rig.handle.exited()                          # dies holding requests 2 and 3
+        rig.broker.remove_worker(rig.handle)
+        rig.worker.close(linger=0)
+        old = rig.handle.segment
+        rig.handle.renew(Segment.create(new_name("ring"), old.size))
+        old.close()
+        old.unlink()
+        await rig.start_worker()
+        retried = []
+        for _ in range(2):                           # each retried alone, request 1 not again
+            b = await rig.batch()
+            assert b.rows == 1
+            rig.worker.send(encode(Done(batch_id=b.batch_id, outputs=write_part(rig, 2 * y, 0), block=0)))
+            reply, out = await answer(rig)
+            retried.append(reply.id)
+            np.testing.assert_array_equal(out, 2 * y)
+        assert sorted(retried) == [2, 3]
+        stats = await rig.stats()
+        assert stats["replies"] == 3 and not rig.handle.inflight and not rig.client.poll(0)
+
+    run(model_files, scenario, max_inflight_batches_per_worker=1)

@@ -207,16 +207,15 @@ def test_health_follows_the_workers(model_files, make_broker):
         assert c.health()["ready"]
 
 
-def test_tcp_address_on_loopback(model_files, make_broker):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_tcp_address_without_curve_keys_is_refused(model_files, make_broker):
+    """tcp:// only with CURVE (tests/test_security.py serves it); --address cannot get around it."""
     b = make_broker(base_config(model_files, "mlp"), start=False)
-    b.address = f"tcp://127.0.0.1:{port}"
-    b.start()
-    with Client(b.address) as c:
-        assert c.infer("mlp", {"x": X}, compress=True)["y"].shape == (1, 10)
+    b.address = "tcp://127.0.0.1:9"
+    b.start(wait=False)
+    assert b.proc.wait(60) == 1
+    out = b.output()
+    assert "curve_secret_key_file" in out and "Traceback" not in out
+    assert list_segments(b.proc.pid) == []
 
 
 def test_timeout_is_kept_while_computing_and_late_reply_is_discarded(model_files, make_broker):

@@ -1,0 +1,120 @@
+"""The callers connected to the front socket: how many, which ones are served, what each is owed.
+
+ZeroMQ hides connections behind a ROUTER, so they are counted from its monitor events. Past
+`max_clients` a caller that has not been served before is answered OVERLOADED (reason
+too_many_clients) on every message; past `max_clients` plus a headroom the listener is closed
+until the count falls back, because libzmq aborts the process when accept() meets EMFILE. The
+open-file limit is raised to the hard limit at start, and max_clients shrunk (with a warning)
+when the descriptors left could not hold that many callers.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+from collections import Counter
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from tgw.shm.errors import Code, fail
+
+from .schema import ServerDecl
+
+log = logging.getLogger("tgw.broker")
+EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+RESERVED_FDS = 128        # the broker's own files: sockets to workers, /proc reads, snapshots, logs
+FDS_PER_WORKER = 8        # its pipe, ring, socket and the supervisor's handles on it
+
+
+def raise_fd_limit() -> int:
+    """Soft open-file limit raised to the hard one; returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
+def headroom(max_clients: int) -> int:
+    """Connections accepted past max_clients (to tell them why) before the listener closes."""
+    return max(16, max_clients // 4)
+
+
+def fit_max_clients(wanted: int, fd_limit: int, workers: int) -> int:
+    """The most callers the descriptors allow (each holds one), with room for the broker's own."""
+    room = fd_limit - RESERVED_FDS - FDS_PER_WORKER * workers
+    fits = max(1, int(room / 1.25) - 16)  # max_clients + headroom(max_clients) <= room
+    if wanted > fits:
+        log.warning("server.max_clients %d does not fit the open-file limit %d (raise LimitNOFILE); "
+                    "serving at most %d callers", wanted, fd_limit, fits)
+        return fits
+    return wanted
+
+
+class Callers:
+    def __init__(self, server: ServerDecl, max_clients: int, clock: Callable[[], float]):
+        self.max_clients, self.clock = max_clients, clock
+        self.close_at = max_clients + headroom(max_clients)
+        self.max_owed = server.max_inflight_per_client
+        self.connected = 0
+        self.served: dict[bytes, float] = {}   # callers let in -> when last seen
+        self.owed: Counter = Counter()         # caller -> requests admitted and not yet answered
+        self.listening = True
+
+    # ---- connections -------------------------------------------------------------------------
+
+    def on_monitor(self, frames: list) -> None:
+        event = parse_monitor_message([f.bytes if hasattr(f, "bytes") else f for f in frames])["event"]
+        if event == zmq.EVENT_ACCEPTED:
+            self.connected += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = max(0, self.connected - 1)
+
+    def should_listen(self) -> bool | None:
+        """True/False when the listener should open/close now; None to leave it as it is."""
+        if self.listening and self.connected >= self.close_at:
+            log.warning("%d connections: not accepting more until they fall below %d (server.max_clients)",
+                        self.connected, self.max_clients)
+            return False
+        if not self.listening and self.connected < self.max_clients:
+            log.info("%d connections: accepting callers again", self.connected)
+            return True
+        return None
+
+    def let_in(self, ident: bytes) -> None:
+        """Raise OVERLOADED for a caller not served before while more than max_clients are connected."""
+        if ident in self.served:
+            self.served[ident] = self.clock()
+            return
+        if self.connected > self.max_clients:
+            raise fail(Code.OVERLOADED, f"too many callers: {self.connected} connected, server.max_clients is "
+                       f"{self.max_clients}; try again later", reason="too_many_clients",
+                       max_clients=self.max_clients)
+        self.served[ident] = self.clock()
+        if len(self.served) > 2 * self.max_clients:
+            self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drop the longest-idle half: gone callers leave no trace in the monitor events, and a live
+        one forgotten here is let in again by the count alone."""
+        keep = sorted(self.served.items(), key=lambda kv: kv[1])[len(self.served) // 2:]
+        self.served = dict(keep)
+
+    # ---- requests owed -----------------------------------------------------------------------
+
+    def check_owed(self, ident: bytes) -> None:
+        """OVERLOADED when this caller already has max_inflight_per_client requests unanswered."""
+        if self.owed[ident] >= self.max_owed:
+            raise fail(Code.OVERLOADED, f"this caller already has {self.owed[ident]} requests in flight "
+                       f"(server.max_inflight_per_client)", reason="client_inflight", limit=self.max_owed)
+
+    def owe(self, ident: bytes) -> None:
+        self.owed[ident] += 1
+
+    def paid(self, ident: bytes) -> None:
+        n = self.owed[ident] - 1
+        if n > 0:
+            self.owed[ident] = n
+        else:
+            self.owed.pop(ident, None)
