@@ -2,10 +2,11 @@
 
 ZeroMQ hides connections behind a ROUTER, so they are counted from its monitor events. Past
 `max_clients` a caller that has not been served before is answered OVERLOADED (reason
-too_many_clients) on every message; past `max_clients` plus a headroom the listener is closed
-until the count falls back, because libzmq aborts the process when accept() meets EMFILE. The
-open-file limit is raised to the hard limit at start, and max_clients shrunk (with a warning)
-when the descriptors left could not hold that many callers.
+too_many_clients) on every message; past `max_clients` plus a headroom a new connection is
+denied by the ZAP handler, so libzmq closes it right after accept() and nobody can pile up
+descriptors (libzmq aborts the process when accept() meets EMFILE). The open-file limit is
+raised to the hard limit at start, and max_clients shrunk (with a warning) when the
+descriptors left could not hold that many callers plus the headroom.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class Callers:
         self.connected = 0
         self.served: dict[bytes, float] = {}   # callers let in -> when last seen
         self.owed: Counter = Counter()         # caller -> requests admitted and not yet answered
-        self.listening = True
+        self.denied = 0                        # connections closed at the handshake (past the headroom)
 
     # ---- connections -------------------------------------------------------------------------
 
@@ -71,16 +72,14 @@ class Callers:
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = max(0, self.connected - 1)
 
-    def should_listen(self) -> bool | None:
-        """True/False when the listener should open/close now; None to leave it as it is."""
-        if self.listening and self.connected >= self.close_at:
-            log.warning("%d connections: not accepting more until they fall below %d (server.max_clients)",
-                        self.connected, self.max_clients)
-            return False
-        if not self.listening and self.connected < self.max_clients:
-            log.info("%d connections: accepting callers again", self.connected)
-            return True
-        return None
+    def zap(self, frames: list) -> list:
+        """The ZAP reply to a new connection: allowed while the count is within the headroom past
+        max_clients; past it, denied, so libzmq closes it at once and its descriptor comes back."""
+        request_id = frames[3]
+        if self.connected <= self.close_at:
+            return [*frames[:2], b"1.0", request_id, b"200", b"OK", b"", b""]
+        self.denied += 1
+        return [*frames[:2], b"1.0", request_id, b"400", b"too many callers", b"", b""]
 
     def let_in(self, ident: bytes) -> None:
         """Raise OVERLOADED for a caller not served before while more than max_clients are connected."""

@@ -6,8 +6,8 @@ ours and refused otherwise, since whoever may write it can replace the socket. T
 is 0660 (callers in the broker's group), the back socket 0600 (workers run as the broker's
 user). A stale socket file left by a dead broker is replaced; a live broker on the same path is
 refused. The front socket refuses frames over the request limits before receiving them
-(ZMQ_MAXMSGSIZE: libzmq drops such a connection) and queues at most client_queue_messages
-replies per caller.
+(ZMQ_MAXMSGSIZE: libzmq drops such a connection), queues at most client_queue_messages
+replies per caller, and puts every new connection to a ZAP handler (see callers.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .auth import curve_server
 from .schema import ServerDecl
 
 log = logging.getLogger("tgw.broker")
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 
 class StartupError(RuntimeError):
@@ -93,6 +94,7 @@ def bind(ctx: zmq.Context, address: str, server: ServerDecl, public: bool) -> zm
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a send to a vanished peer errors instead of vanishing
     sock.setsockopt(zmq.RCVHWM, 100_000)
     if public:
+        sock.setsockopt(zmq.ZAP_DOMAIN, b"tgw")   # every connection is put to the ZAP handler, NULL ones too
         sock.setsockopt(zmq.SNDHWM, server.client_queue_messages)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(server))
         if server.curve_secret_key_file:
@@ -118,24 +120,13 @@ def _own_socket_file(address: str, server: ServerDecl, public: bool) -> None:
             os.chown(path, -1, _group_id(server))
 
 
-class Listener:
-    """The front socket's listening endpoint, closed while too many callers are connected."""
-
-    def __init__(self, sock: zmq.Socket, address: str, server: ServerDecl):
-        self.sock, self.address, self.server = sock, address, server
-
-    def listen(self, on: bool) -> bool:
-        """Open or close the endpoint (connections made stay); returns whether it listens now."""
-        try:
-            if on:
-                self.sock.bind(self.address)  # libzmq replaces the socket file the unbind may leave
-                _own_socket_file(self.address, self.server, public=True)
-            else:
-                self.sock.unbind(self.address)
-        except (zmq.ZMQError, OSError) as exc:
-            log.error("cannot %s %s: %s", "reopen" if on else "close", self.address, exc)
-            return not on
-        return on
+def zap_handler(ctx: zmq.Context) -> zmq.Socket:
+    """The ZAP socket libzmq asks about every new front connection (before its first message);
+    bound before the front socket, so no connection slips past it."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(ZAP_ENDPOINT)
+    return sock
 
 
 def remove_socket_files(*addresses: str) -> None:

@@ -24,7 +24,6 @@ from .schema import ServerDecl
 from .sockets import Pump
 
 if TYPE_CHECKING:
-    from .endpoints import Listener
     from .server import Broker
 
 NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)  # refusals that suggest a broken or hostile caller
@@ -85,12 +84,13 @@ def _version_mismatch(version: int) -> TgwError:
 
 
 class FrontDoor:
-    def __init__(self, b: "Broker", loop, sock, listener: "Listener | None" = None):
-        self.b, self.listener = b, listener
+    def __init__(self, b: "Broker", loop, sock, zap=None):
+        self.b = b
         self.complaints, self.callers, self.server, self.token = b.complaints, b.callers, b.server, b.token
         self.pump = Pump(loop, sock, self.on_message)
         self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
         self.monitor = Pump(loop, sock.get_monitor_socket(EVENTS), self.callers.on_monitor)
+        self.zap = Pump(loop, zap, lambda frames: self.zap.send(self.callers.zap(frames))) if zap else None
 
     def on_message(self, frames: list) -> None:
         ident = frames[0].bytes
@@ -128,9 +128,6 @@ class FrontDoor:
 
     def tick(self) -> None:
         self.outbox.settle_all()
-        listen = self.callers.should_listen()
-        if listen is not None and self.listener is not None:
-            self.callers.listening = self.listener.listen(listen)
 
     # ---- answers -----------------------------------------------------------------------------
 
@@ -161,5 +158,6 @@ class FrontDoor:
                                         outputs=metas), *payload)
 
     def close(self) -> None:
-        self.monitor.close()
-        self.pump.close()
+        for pump in (self.zap, self.monitor, self.pump):
+            if pump is not None:
+                pump.close()

@@ -20,7 +20,7 @@ from tgw.shm.segment import ShmError
 from .auth import load_token
 from .callers import fit_max_clients, raise_fd_limit
 from .config import Config
-from .endpoints import Listener, StartupError, backend_address, bind, remove_socket_files
+from .endpoints import StartupError, backend_address, bind, remove_socket_files, zap_handler
 from .lifecycle import Lifecycle
 from .server import Broker
 from .supervisor import Supervisor, plan_devices
@@ -47,16 +47,17 @@ async def serve(cfg: Config, address: str) -> None:
     ctx = zmq.Context()
     made: list[str] = []  # socket files this start created: removed on every way out
     try:
+        zap = zap_handler(ctx)
         front = bind(ctx, address, cfg.server, public=True)  # refuses first if a live broker has the address
         made.append(address)
         back = bind(ctx, supervisor.endpoint, cfg.server, public=False)
         made.append(supervisor.endpoint)
-        broker.attach(loop, front, back, Listener(front, address, cfg.server))
+        broker.attach(loop, front, back, zap)
         try:
             try:
                 swept = supervisor.prepare()
             except ShmError as exc:
-                raise StartupError(str(exc)) from None
+                raise StartupError(exc.strerror or str(exc)) from None
             if swept:
                 log.warning("swept %d stale segment(s) of dead processes: %s", len(swept), ", ".join(swept))
             await lifecycle.run(address)

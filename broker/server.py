@@ -26,7 +26,6 @@ from .batcher import Batcher
 from .callers import Callers
 from .complaints import Complaints
 from .config import Config
-from .endpoints import Listener
 from .frontdoor import FrontDoor
 from .handshake import Handshake, death_error
 from .memory import MemoryWatch
@@ -69,9 +68,9 @@ class Broker:
         self._pump_scheduled = False
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
-               listener: Listener | None = None) -> None:
+               zap: zmq.Socket | None = None) -> None:
         self.loop = loop
-        self.door = FrontDoor(self, loop, front, listener)
+        self.door = FrontDoor(self, loop, front, zap)
         self.back = Pump(loop, back, self.on_worker)
 
     # ---- control: called by the lifecycle -----------------------------------------------------

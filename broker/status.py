@@ -49,7 +49,7 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
                       errors=dict(b.stats.unrouted_errors), refused=seen.get("refused", {}),
                       dropped=seen.get("dropped", {}),
                       clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,
-                               "owed": sum(b.callers.owed.values())})
+                               "denied": b.callers.denied, "owed": sum(b.callers.owed.values())})
 
 
 def processes(b: "Broker") -> list[dict]:

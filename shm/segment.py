@@ -13,6 +13,7 @@ import os
 import re
 import logging
 import secrets
+import stat
 
 log = logging.getLogger("tgw.shm")
 SHM_DIR = "/dev/shm"
@@ -122,12 +123,21 @@ def list_segments(creator_pid: int | None = None) -> list[str]:
 def sweep_stale() -> list[str]:
     """Unlink tgw segments whose creator process is gone; returns the names removed.
 
-    Never fails: an entry this process may not remove (another user's segment, a directory
-    someone named like one) is skipped with one log line, as it is not ours to clean."""
+    Only regular files owned by this user are touched: any local user can create an entry named
+    like a stale segment (a directory, a link, a file of theirs), and none of those is ours to
+    clean; each is skipped with one log line. Never fails."""
     removed = []
     for name in list_segments():
         pid = int(_NAME_RE.match(name).group(2))
         if _pid_alive(pid):
+            continue
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            log.warning("%s/%s left in place: not a regular file of this user's (mode %o, uid %d)",
+                        SHM_DIR, name, st.st_mode, st.st_uid)
             continue
         try:
             if unlink(name):

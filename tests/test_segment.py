@@ -227,6 +227,25 @@ def test_sweep_skips_a_directory_named_like_a_segment(private_shm_dir, caplog):
     assert exists(name) and name in caplog.text     # one log line, and start-up goes on
 
 
+def test_sweep_skips_a_link_named_like_a_segment(private_shm_dir, caplog):
+    target = private_shm_dir / "precious"
+    target.write_bytes(b"x")
+    name = f"tgw_ring_{_dead_pid()}_00ac"
+    os.symlink(target, os.path.join(seg_mod.SHM_DIR, name))
+    assert sweep_stale() == []
+    assert os.path.islink(os.path.join(seg_mod.SHM_DIR, name)) and target.exists() and name in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_sweep_skips_a_file_of_another_user_even_when_it_could_remove_it(private_shm_dir, caplog):
+    name = f"tgw_ring_{_dead_pid()}_00ad"
+    path = os.path.join(seg_mod.SHM_DIR, name)
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    os.chown(path, 65534, 65534)
+    assert sweep_stale() == []
+    assert exists(name) and "not a regular file of this user's" in caplog.text
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_sweep_skips_another_users_segment_it_cannot_unlink(monkeypatch, caplog):
     """/dev/shm is sticky (1777): a user cannot unlink another user's stale segment. The sweep,
