@@ -93,6 +93,14 @@ class FrontDoor:
         self.zap = Pump(loop, zap, lambda frames: self.zap.send(self.callers.zap(frames))) if zap else None
 
     def on_message(self, frames: list) -> None:
+        try:
+            self._on_message(frames)
+        except Exception as exc:  # a broker bug: answered as INTERNAL where possible, logged rate-limited
+            self.complaints.note("broker_error", type(exc).__name__, "a client message failed inside the broker",
+                                 exc_info=True)
+            self.error(frames[0].bytes, 0, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"))
+
+    def _on_message(self, frames: list) -> None:
         ident = frames[0].bytes
         try:
             self.callers.let_in(ident)
