@@ -318,7 +318,8 @@ reply_decoder = msgspec.msgpack.Decoder(Reply)
 envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
 from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
-DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
+# RecursionError: msgspec recurses once per nesting level, so ~1,000 nested maps (3 KB) exhaust the stack
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def model_key(name: str, version: str) -> str:

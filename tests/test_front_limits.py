@@ -113,3 +113,17 @@ def test_max_clients_shrinks_to_fit_the_open_file_limit(caplog):
     fits = fit_max_clients(1000, 1024, 2)
     assert fits < 1000 and fits + headroom(fits) + 128 + 16 <= 1024
     assert "does not fit the open-file limit" in caplog.text
+
+
+def test_a_deeply_nested_header_is_refused_as_malformed_not_a_crash():
+    """msgspec recurses per nesting level: 1,000 nested maps (3 KB) once escaped as RecursionError,
+    unanswered and with a traceback (found by scripts/fuzz.sh)."""
+    import msgspec
+
+    from tgw.broker.frontdoor import Refused, read_request
+    deep = msgspec.Raw(b"\x81\xa1a" * 1000 + b"\x80")   # {"a": {"a": ... {}}}, 1,000 deep
+    for field in ("extra", "model", "id", "v"):
+        header = msgspec.msgpack.encode({"op": "health", "v": 1, "id": 5, field: deep})
+        with pytest.raises(Refused) as info:
+            read_request([zmq.Frame(b"caller"), zmq.Frame(header)], ServerDecl())
+        assert info.value.error.code == Code.INVALID_ARGUMENT and info.value.kind == "malformed_header"
