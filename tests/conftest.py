@@ -78,11 +78,17 @@ def ext_models(tmp_path_factory) -> dict:
 
 
 class Load:
-    """Closed-loop callers, each one request at a time, recording every outcome."""
+    """Closed-loop callers, each one request at a time, recording every outcome.
 
-    def __init__(self, address: str, n: int, make_inputs, model: str = "mlp", timeout: float = 30.0):
+    tally: a tests/faults/tally.py Tally that counts each outcome as it comes; on_result:
+    called in the caller's thread as on_result(inputs, outcome) (a result dict or a TgwError),
+    e.g. to check outputs against the inputs."""
+
+    def __init__(self, address: str, n: int, make_inputs, model: str = "mlp", timeout: float = 30.0,
+                 tally=None, on_result=None):
         self.client = Client(address)
         self.results: list = []
+        self.tally, self.on_result = tally, on_result
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i, make_inputs, model, timeout)) for i in range(n)]
         for t in self.threads:
@@ -91,10 +97,16 @@ class Load:
     def _run(self, i: int, make_inputs, model: str, timeout: float) -> None:
         k = 0
         while not self.stop.is_set():
+            inputs = make_inputs(i, k)
             try:
-                self.results.append(self.client.infer(model, make_inputs(i, k), timeout=timeout))
+                outcome = self.client.infer(model, inputs, timeout=timeout)
             except TgwError as err:
-                self.results.append(err)
+                outcome = err
+            self.results.append(outcome)
+            if self.tally is not None:
+                self.tally.add(outcome)
+            if self.on_result is not None:
+                self.on_result(inputs, outcome)
             k += 1
 
     def finish(self) -> Counter:
@@ -199,3 +211,13 @@ def leak_guard(request):
         for p in leaks["children"]:
             p.kill()
         pytest.fail(f"leaked: children {[p.pid for p in leaks['children']]}, segments {leaks['segments']}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fault scenarios' rows (tests/faults/tally.py), as one table at the end of the run."""
+    tally = sys.modules.get("tally")
+    lines = tally.table() if tally is not None else []
+    if lines:
+        terminalreporter.section("fault scenarios: requests and their outcomes")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,6 +1,6 @@
-"""Faults under load, with real processes: workers SIGKILLed and SIGSTOPped, a poison request
-that aborts its worker, SIGTERM with work queued. Every request gets an answer; the figures the
-closing notes quote are printed (run with -s to see them), never asserted as timings.
+"""Workers failing under load, with real processes: SIGKILLed, SIGSTOPped, a poison request that
+aborts its worker. Every request gets an answer; each scenario prints its row of the fault table
+(tests/faults/tally.py; run with -s to see the rows as they come), never asserting timings.
 
 Bounded: the kill loop runs 2 rounds by default, 6 with TGW_SLOW=1 (one kill per round, each
 round waiting until the replacement serves)."""
@@ -12,14 +12,14 @@ import resource
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from conftest import EXT, Load, base_config, wait_until
-from tgw.client import Client, TgwError
+from tally import Tally, row
+from tgw.client import Client
 from tgw.shm.errors import Code
 from tgw.shm.segment import list_segments
 
@@ -47,7 +47,8 @@ def all_ready(c: Client) -> bool:
 
 def test_workers_killed_under_load_lose_nothing(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp", workers=TWO_WORKERS))
-    load = Load(b.address, 32, lambda i, k: {"x": X})
+    t = Tally(f"worker SIGKILL x{KILL_ROUNDS}, 32 callers")
+    load = Load(b.address, 32, lambda i, k: {"x": X}, tally=t)
     replaced_s = []
     with Client(b.address) as c:
         for round_ in range(KILL_ROUNDS):
@@ -58,19 +59,18 @@ def test_workers_killed_under_load_lose_nothing(model_files, make_broker):
             wait_until(lambda: victim not in worker_pids(c) and all_ready(c), 60, "the replacement to serve")
             replaced_s.append(time.monotonic() - t0)
         restarts = sum(w["restarts"] for w in c.status()["workers"])
-    outcomes = load.finish()
-    total = sum(outcomes.values())
-    print(f"\nkills {KILL_ROUNDS}, requests {total}, outcomes {dict(outcomes)}, "
-          f"replacement serving after {', '.join(f'{s:.2f}' for s in replaced_s)} s")
+    load.finish()
+    row(t, f"restarts {restarts}; replacement serving after {', '.join(f'{s:.2f}' for s in replaced_s)} s")
     assert restarts == KILL_ROUNDS
-    assert set(outcomes) <= {"ok", "WORKER_DIED"} and outcomes["ok"] >= 0.995 * total
+    assert set(t.counts) <= {"ok", "WORKER_DIED"} and t.ok >= 0.995 * t.sent
     assert len([s for s in list_segments(b.proc.pid)]) == 2  # live rings only: the dead ones went
 
 
 def test_stopped_worker_is_killed_and_replaced(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp", workers=TWO_WORKERS,
                                 supervisor={"heartbeat_s": 0.25, "hang_timeout_s": 2.0}))
-    load = Load(b.address, 8, lambda i, k: {"x": X}, timeout=20.0)
+    t = Tally("worker SIGSTOP (hang_timeout_s 2), 8 callers")
+    load = Load(b.address, 8, lambda i, k: {"x": X}, timeout=20.0, tally=t)
     with Client(b.address) as c:
         wait_until(lambda: len(load.results) > 100, 60, "traffic to flow")
         victim = worker_pids(c)[0]
@@ -80,94 +80,42 @@ def test_stopped_worker_is_killed_and_replaced(model_files, make_broker):
                        "the hung worker to be killed")
         killed_s = time.monotonic() - t0
         wait_until(lambda: victim not in worker_pids(c) and all_ready(c), 60, "the replacement to serve")
-    outcomes = load.finish()
-    print(f"\nSIGSTOP: killed after {killed_s:.2f} s (hang_timeout_s 2), outcomes {dict(outcomes)}")
+    load.finish()
+    row(t, f"killed after {killed_s:.2f} s")
     assert "no heartbeat" in w["last_death"]
-    assert set(outcomes) <= {"ok", "WORKER_DIED"} and outcomes["ok"] >= 0.99 * sum(outcomes.values())
+    assert set(t.counts) <= {"ok", "WORKER_DIED"} and t.ok >= 0.99 * t.sent
 
 
 def test_poison_request_is_given_up_and_its_batch_mates_succeed(model_files, ext_models, make_broker):
     files = {**model_files, **ext_models}
     b = make_broker(base_config(files, "crash_on", workers={**TWO_WORKERS, "preload": [EXT]},
                                 crash_on={"max_batch_size": 8}))
+    mates, poison = Tally("poison request: its batch mates, 8 callers"), Tally("poison request: the poison")
     # inputs from 100 on: never the poison value 13
     load = Load(b.address, 8, lambda i, k: {"x": np.full((1, 1), 100 + i * 10**5 + k, np.float32)},
-                model="crash_on")
+                model="crash_on", tally=mates)
     with Client(b.address) as c:
         wait_until(lambda: len(load.results) > 50, 60, "traffic to flow")
-        with pytest.raises(TgwError) as info:
-            c.infer("crash_on", {"x": np.full((1, 1), 13.0, np.float32)})
+        err = poison.call(c.infer, "crash_on", {"x": np.full((1, 1), 13.0, np.float32)})
         restarts = sum(w["restarts"] for w in c.status()["workers"])
         wait_until(lambda: all_ready(c), 60, "the workers to be back")
-    outcomes = load.finish()
-    print(f"\npoison: {info.value.message!r} after {restarts} worker death(s); others {dict(outcomes)}")
-    assert info.value.code == Code.WORKER_DIED and info.value.details["poison"] is True
+    load.finish()
+    row(mates)
+    row(poison, f"{restarts} worker death(s); {getattr(err, 'message', err)!r}")
+    assert poison.counts == {"WORKER_DIED": 1} and err.details["poison"] is True
     assert 1 <= restarts <= 2
-    assert outcomes == {"ok": sum(outcomes.values())}  # never the poison's batch mates
+    assert mates.counts == {"ok": mates.sent}  # never the poison's batch mates
     assert "two worker deaths" in b.output() and "model=crash_on" in b.output()
-
-
-def test_sigterm_under_load_answers_every_admitted_request(model_files, make_broker):
-    b = make_broker(base_config(model_files, "mlp", workers=TWO_WORKERS))
-    callers = 32
-    sent = threading.Semaphore(0)
-    results: list = []
-
-    def one(c: Client) -> None:
-        sent.release()
-        try:
-            results.append(c.infer("mlp", {"x": np.ones((4, 256), np.float32)}))
-        except TgwError as err:
-            results.append(err)
-
-    with Client(b.address) as c:
-        baseline = c.stats()["models"]["mlp"]["requests"]
-        threads = [threading.Thread(target=one, args=(c,)) for _ in range(callers)]
-        for t in threads:
-            t.start()
-        for _ in range(callers):
-            sent.acquire(timeout=60)
-        # every request is admitted (queued or computing) before the signal
-        wait_until(lambda: c.stats()["models"]["mlp"]["requests"] - baseline == callers, 60, "all to be admitted")
-        b.proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(60)
-    assert b.proc.wait(60) == 0
-    assert len(results) == callers and all(isinstance(r, dict) for r in results), results
-    assert list_segments(b.proc.pid) == []
-
-
-def test_grace_running_out_answers_what_is_left(model_files, make_broker):
-    b = make_broker(base_config(model_files, "spin", supervisor={"shutdown_grace_s": 0.5},
-                                spin={"max_batch_size": 1}))
-    results: list = []
-
-    def one(c: Client) -> None:
-        try:
-            results.append(c.infer("spin", {"x": np.full((1, 1), 1500, np.float32)}))
-        except TgwError as err:
-            results.append(err)
-
-    with Client(b.address) as c:
-        threads = [threading.Thread(target=one, args=(c,)) for _ in range(4)]
-        for t in threads:
-            t.start()
-        wait_until(lambda: c.stats()["models"]["spin"]["requests"] == 4, 60, "all to be admitted")
-        b.proc.send_signal(signal.SIGTERM)
-        for t in threads:
-            t.join(60)
-    assert b.proc.wait(60) == 0
-    errors = [r for r in results if not isinstance(r, dict)]
-    assert len(results) == 4 and errors  # ~0.7 s each: not all four fit in the 0.5 s grace
-    assert all(e.code == Code.MODEL_NOT_READY and e.details["reason"] == "shutting_down" for e in errors)
-    assert "shutdown_grace_s (0.5 s) ran out" in b.output()
 
 
 def test_status_cli_reports_workers_and_models(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp"))
+    t = Tally("status CLI after one request")
     with Client(b.address) as c:
-        c.infer("mlp", {"x": X})
+        t.call(c.infer, "mlp", {"x": X})
         wait_until(lambda: c.status()["workers"][0].get("batches"), 30, "a heartbeat counting the batch")
+    row(t)
+    assert t.counts == {"ok": 1}
     cmd = [sys.executable, "-m", "tgw.broker", "status", "--address", b.address]
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert text.returncode == 0, text.stderr
