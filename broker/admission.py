@@ -59,7 +59,8 @@ class Admission:
         if out_need > self.out_arena:  # never computed: its outputs could never be written
             raise fail(Code.OUT_OF_SHM, f"request's outputs need {out_need} bytes of shared memory; a worker's "
                        f"output arena holds {self.out_arena} (workers.output_arena_mb)", model=msg.model,
-                       needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb")
+                       needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb",
+                       retryable=False)
         model = checked.model.decl
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         p = Pending(client=client, req_id=msg.id, model=model.name, version=checked.version, rows=checked.rows,

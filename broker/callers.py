@@ -66,7 +66,7 @@ class Callers:
     # ---- connections -------------------------------------------------------------------------
 
     def on_monitor(self, frames: list) -> None:
-        event = parse_monitor_message([f.bytes if hasattr(f, "bytes") else f for f in frames])["event"]
+        event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_ACCEPTED:
             self.connected += 1
         elif event == zmq.EVENT_DISCONNECTED:

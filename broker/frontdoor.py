@@ -19,6 +19,7 @@ from . import status
 from .auth import token_ok
 from .batcher import Pending
 from .callers import EVENTS
+from .gatekeeper import Gatekeeper
 from .outbox import Outbox
 from .schema import ServerDecl
 from .sockets import Pump
@@ -89,8 +90,8 @@ class FrontDoor:
         self.complaints, self.callers, self.server, self.token = b.complaints, b.callers, b.server, b.token
         self.pump = Pump(loop, sock, self.on_message)
         self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
-        self.monitor = Pump(loop, sock.get_monitor_socket(EVENTS), self.callers.on_monitor)
-        self.zap = Pump(loop, zap, lambda frames: self.zap.send(self.callers.zap(frames))) if zap else None
+        self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
+        self.gate.start()
 
     def on_message(self, frames: list) -> None:
         try:
@@ -166,6 +167,5 @@ class FrontDoor:
                                         outputs=metas), *payload)
 
     def close(self) -> None:
-        for pump in (self.zap, self.monitor, self.pump):
-            if pump is not None:
-                pump.close()
+        self.gate.stop()
+        self.pump.close()

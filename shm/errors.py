@@ -62,10 +62,11 @@ class TgwError(Exception):
 
     code: Code = Code.INTERNAL
 
-    def __init__(self, message: str, details: dict[str, Any] | None = None):
+    def __init__(self, message: str, details: dict[str, Any] | None = None, retryable: bool | None = None):
         super().__init__(message)
         self.message = message
         self.details = details or {}
+        self._retryable = retryable  # None: the code's default (ERROR_TABLE)
 
     @property
     def http_status(self) -> int:
@@ -73,7 +74,9 @@ class TgwError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return ERROR_TABLE[self.code][1]
+        """Whether the same request may succeed later; a code's default, unless this error knows
+        better (e.g. OUT_OF_SHM for a request that can never fit)."""
+        return ERROR_TABLE[self.code][1] if self._retryable is None else self._retryable
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
@@ -159,9 +162,9 @@ class InternalError(TgwError):
 ERROR_CLASSES: dict[Code, type[TgwError]] = {cls.code: cls for cls in TgwError.__subclasses__()}
 
 
-def fail(code: Code | str, message: str, **details: Any) -> TgwError:
+def fail(code: Code | str, message: str, *, retryable: bool | None = None, **details: Any) -> TgwError:
     """The exception for `code`, e.g. `raise fail(Code.OVERLOADED, "queue full", max_queue=8)`."""
-    return ERROR_CLASSES[Code(code)](message, details)
+    return ERROR_CLASSES[Code(code)](message, details, retryable)
 
 
 def error_from_body(body: ErrorBody) -> TgwError:
@@ -171,4 +174,4 @@ def error_from_body(body: ErrorBody) -> TgwError:
         cls = ERROR_CLASSES[Code(body.code)]
     except ValueError:
         return TgwError(body.message, {**body.details, "unknown_code": body.code})
-    return cls(body.message, dict(body.details))
+    return cls(body.message, dict(body.details), body.retryable)

@@ -62,6 +62,7 @@ def assert_out_of_shm(err: TgwError, needed: int) -> None:
     assert err.code.value == "OUT_OF_SHM", err
     assert f"{needed} bytes" in err.message and str(ARENA) in err.message
     assert "workers.output_arena_mb" in err.message
+    assert not err.retryable   # the same request would fail again: a client must not retry it
     assert {k: err.details[k] for k in ("needed", "limit", "arena", "config_key")} == {
         "needed": needed, "limit": ARENA, "arena": "output", "config_key": "workers.output_arena_mb"}
 

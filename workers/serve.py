@@ -118,7 +118,7 @@ class Server:
             if alone > cap:
                 done = _error(batch, Code.OUT_OF_SHM, f"request's outputs need {alone} bytes of shared memory; "
                               f"a worker's output arena holds {cap} (workers.output_arena_mb)", arena="output",
-                              needed=alone, limit=cap, config_key="workers.output_arena_mb")
+                              needed=alone, limit=cap, config_key="workers.output_arena_mb", retryable=False)
             else:
                 while j < n and need(i, j + 1) <= cap:
                     j += 1
