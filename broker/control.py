@@ -25,7 +25,8 @@ class Unreachable(ConnectionError):
 
 
 def server_public_key(value: str) -> bytes:
-    """The broker's CURVE public key from its z85 text (40 characters) or its `.key` file."""
+    """The broker's CURVE public key from its z85 text (40 characters) or its `.key` file.
+    The client library has the same rule; the broker may not import it (DESIGN.md layering)."""
     if os.path.isfile(value):
         try:
             return zmq.auth.load_certificate(value)[0]

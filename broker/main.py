@@ -23,7 +23,7 @@ from .config import Config
 from .endpoints import StartupError, backend_address, bind, remove_socket_files, zap_handler
 from .lifecycle import Lifecycle
 from .server import Broker
-from .supervisor import Supervisor, plan_devices
+from .supervisor import Supervisor
 
 log = logging.getLogger("tgw.broker")
 
@@ -35,7 +35,7 @@ async def serve(cfg: Config, address: str) -> None:
     token = load_token(cfg.server.auth_token_file) if cfg.server.auth_token_file else None
     fd_limit = raise_fd_limit()
     supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address))
-    max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(plan_devices(cfg.workers)))
+    max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
     broker = Broker(cfg, max_clients=max_clients, token=token)
     lifecycle = Lifecycle(broker, supervisor, cfg)
     loop = asyncio.get_running_loop()

@@ -63,6 +63,7 @@ def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
 class Supervisor:
     def __init__(self, decl: WorkersDecl, watch: SupervisorDecl, endpoint: str):
         self.decl, self.watch, self.endpoint = decl, watch, endpoint
+        self.devices = plan_devices(decl)           # one worker each (NVML is asked once, here)
         self.workers: list[WorkerHandle] = []
         self._restarts: dict[int, int] = {}         # consecutive restarts, for the backoff
         self._restart_at: dict[int, float] = {}
@@ -71,7 +72,7 @@ class Supervisor:
     def prepare(self) -> list[str]:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
         swept = shm_segment.sweep_stale()
-        devices = plan_devices(self.decl)
+        devices = self.devices
         in_b, out_b = self.decl.input_bytes, self.decl.output_bytes
         need, free = len(devices) * (in_b + out_b), shm_segment.free_bytes()
         if need > free:

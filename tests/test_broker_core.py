@@ -69,6 +69,15 @@ class Rig:
                                    w.input_bytes, w.output_bytes)
         self.worker: zmq.Socket | None = None
 
+    async def next_life(self) -> None:
+        """The dead worker's next life, as the supervisor gives it: a fresh ring, then the handshake."""
+        self.worker.close(linger=0)
+        old = self.handle.segment
+        self.handle.renew(Segment.create(new_name("ring"), old.size))
+        old.close()
+        old.unlink()
+        await self.start_worker()
+
     async def start_worker(self) -> None:
         """Spawn (a new life of) the worker and take it through the handshake."""
         self.handle.spawned(None)
@@ -159,12 +168,7 @@ def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
             rig.handle.exited()                      # the process died holding the batch
             rig.broker.remove_worker(rig.handle)
             if life == 0:                            # retried on the worker's next life
-                rig.worker.close(linger=0)
-                old = rig.handle.segment
-                rig.handle.renew(Segment.create(new_name("ring"), old.size))
-                old.close()
-                old.unlink()
-                await rig.start_worker()
+                await rig.next_life()
         err = await rig.reply()
         assert err.id == 7 and err.error.code == "WORKER_DIED" and err.error.retryable
 
@@ -236,12 +240,7 @@ def test_worker_death_after_a_part_retries_only_the_rest(model_files):
         assert [p.req_id for p in rig.handle.inflight[batch.batch_id].requests] == [2, 3]
         rig.handle.exited()                          # dies holding requests 2 and 3
         rig.broker.remove_worker(rig.handle)
-        rig.worker.close(linger=0)
-        old = rig.handle.segment
-        rig.handle.renew(Segment.create(new_name("ring"), old.size))
-        old.close()
-        old.unlink()
-        await rig.start_worker()
+        await rig.next_life()
         retried = []
         for _ in range(2):                           # each retried alone, request 1 not again
             b = await rig.batch()
