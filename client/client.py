@@ -65,6 +65,7 @@ class Client:
         self.address = address or default_address()
         self.connect_timeout = connect_timeout
         self.token = token if token is not None else (os.environ.get("TGW_TOKEN", "").strip() or None)
+        self.tenant = os.environ.get("TGW_TENANT", "").strip() or None  # infer(tenant=) overrides it
         if server_key is None:
             server_key = os.environ.get("TGW_SERVER_KEY") or None
         self._server_key = server_public_key(server_key) if server_key else None
@@ -108,19 +109,22 @@ class Client:
 
     def infer(self, model: str, inputs: dict[str, Any], *, version: str | None = None,
               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
-              compress: bool = False) -> dict[str, "np.ndarray"]:  # noqa: F821
+              compress: bool = False, tenant: str | None = None) -> dict[str, "np.ndarray"]:  # noqa: F821
         """Run `model` on `inputs` (name -> array with a leading batch dim); returns name -> array.
 
         `timeout` is in seconds (the model's configured timeout when None; 0 = already expired;
         negative is INVALID_ARGUMENT, as the broker rules); `compress` sends and receives
-        lz4-compressed tensors (worth it for large, compressible tensors over tcp)."""
+        lz4-compressed tensors (worth it for large, compressible tensors over tcp); `priority`
+        0 is served first (the model's levels: 0..priority_levels-1); `tenant` names whose quota
+        the request counts against (default: $TGW_TENANT, else the broker's default tenant)."""
         if timeout is not None and not timeout >= 0:
             raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
         metas, frames = encode_inputs(inputs, compress)
         self._check_size(metas, frames)
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
-                    timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token)
+                    timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token,
+                    tenant=tenant if tenant is not None else self.tenant)
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait)
         return decode_outputs(reply.outputs, tensor_frames)

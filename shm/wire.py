@@ -57,9 +57,10 @@ class Infer(Struct, tag_field="op", tag="infer"):
     version: Optional[str] = None
     outputs: Optional[list[str]] = None      # subset of declared outputs; None = all
     timeout_ms: Optional[int] = None         # relative deadline, from the broker's receipt
-    priority: int = 0                        # 0 is the highest level
+    priority: int = 0                        # 0 is the highest level (the model's priority_levels)
     compress_outputs: bool = False           # reply frames lz4-compressed
     token: Optional[str] = None              # the shared auth token (server.auth_token_file)
+    tenant: Optional[str] = None             # whose quota the request counts against (config `tenants`)
 
 
 class ListModels(Struct, tag_field="op", tag="models"):
