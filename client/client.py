@@ -208,8 +208,9 @@ class Client:
             if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 if isinstance(msg, Hello):
                     raise TimeoutError
+                # source: the caller gave up waiting (the broker's own DEADLINE_EXCEEDED has none)
                 raise fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
-                           request_id=msg.id)
+                           request_id=msg.id, source="client")
             parts = sock.recv_multipart(copy=False)
             try:
                 reply = reply_decoder.decode(parts[0].buffer)
