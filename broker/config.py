@@ -11,12 +11,12 @@ import os
 import yaml
 from pydantic import ValidationError
 
-from .schema import (Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl, TensorDecl,
-                     VersionDecl, WorkersDecl)
+from .schema import (BreakerDecl, Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl,
+                     TenantDecl, TensorDecl, VersionDecl, WorkersDecl)
 
 # the rest of the broker imports the schema from here
-__all__ = ["Config", "ConfigError", "CrashLoopDecl", "LeakDecl", "ModelDecl", "ServerDecl", "SupervisorDecl",
-           "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config", "parse_config"]
+__all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "LeakDecl", "ModelDecl", "ServerDecl",
+           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config", "parse_config"]
 
 
 class ConfigError(ValueError):

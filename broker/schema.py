@@ -43,6 +43,20 @@ class VersionDecl(Strict):
     sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
 
 
+class BreakerDecl(Strict):
+    """The circuit breaker of each version of a model (broker/breaker.py): it opens on any trip,
+    sends requests to `fallback` (or answers CIRCUIT_OPEN) for cooldown_s, then lets `probes`
+    requests through half-open and closes when they all succeed."""
+    error_rate: Annotated[float, Field(gt=0, le=1)] = 0.5      # failed share of the window's requests ...
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0   # ... over this sliding window ...
+    min_requests: Annotated[int, Field(ge=1)] = 20             # ... once it holds this many
+    p99_factor: Optional[Annotated[float, Field(ge=1)]] = 3.0  # compute p99 over factor x slo_p99_ms (needs it)
+    memory_fraction: Optional[Annotated[float, Field(gt=0, le=1)]] = None  # a serving worker's memory share
+    cooldown_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    probes: Annotated[int, Field(ge=1, le=1000)] = 3
+    fallback: Optional[Annotated[str, Field(min_length=1)]] = None  # a model with the same inputs and outputs
+
+
 class ModelDecl(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
     versions: Annotated[list[VersionDecl], Field(min_length=1)]
@@ -53,15 +67,31 @@ class ModelDecl(Strict):
     max_queue: Annotated[int, Field(ge=1)] = 1024
     timeout_ms: Annotated[int, Field(ge=1)] = 30000
     warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
+    # scheduling (broker/batcher.py, concurrency.py, breaker.py; README "Scheduling")
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = []
+    max_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 0   # 0: work-conserving, never wait on purpose
+    priority_levels: Annotated[int, Field(ge=1, le=16)] = 3
+    aging_batches: Annotated[float, Field(gt=0)] = 8.0   # waited this many recent batch times: up one level
+    slo_p99_ms: Optional[Annotated[float, Field(gt=0)]] = None
+    adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
+    breaker: Optional[BreakerDecl] = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelDecl":
         if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
             raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
-        too_big = [b for b in self.warmup_batch_sizes if b > self.max_batch_size]
-        if too_big:
-            raise ValueError(f"warmup_batch_sizes {too_big} exceed max_batch_size {self.max_batch_size}")
+        for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
+            too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
+            if too_big:
+                raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
+        if self.breaker and self.breaker.fallback == self.name:
+            raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
         return self
+
+    def signature(self) -> tuple:
+        """What a fallback must share with this model: every input and output, as declared."""
+        return tuple((t.name, t.dtype, tuple(t.shape)) for t in self.inputs), \
+            tuple((t.name, t.dtype, tuple(t.shape)) for t in self.outputs)
 
     @property
     def default(self) -> str:
@@ -177,11 +207,43 @@ class SupervisorDecl(Strict):
         return self
 
 
+TenantName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+class TenantDecl(Strict):
+    """One caller's quota: a token bucket of `rate` requests/s holding at most `burst`, and at
+    most `max_inflight` requests admitted and not yet answered."""
+    rate: Annotated[float, Field(gt=0)]
+    burst: Annotated[int, Field(ge=1)]
+    max_inflight: Optional[Annotated[int, Field(ge=1)]] = None
+
+
 class Config(Strict):
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
     models: Annotated[list[ModelDecl], Field(min_length=1)]
+    tenants: dict[TenantName, TenantDecl] = {}
+    default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
+    require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
+
+    @model_validator(mode="after")
+    def _references(self) -> "Config":
+        if self.default_tenant is not None and self.default_tenant not in self.tenants:
+            raise ValueError(f"default_tenant {self.default_tenant!r} is not one of tenants {sorted(self.tenants)}")
+        if self.require_tenant and not self.tenants:
+            raise ValueError("require_tenant needs at least one entry in tenants")
+        names = {m.name: m for m in self.models}
+        for m in self.models:
+            fallback = m.breaker.fallback if m.breaker else None
+            if fallback is None or fallback == m.name:
+                continue
+            if fallback not in names:
+                raise ValueError(f"model {m.name!r}: breaker.fallback {fallback!r} is not a configured model")
+            if names[fallback].signature() != m.signature():
+                raise ValueError(f"model {m.name!r}: breaker.fallback {fallback!r} declares different inputs or "
+                                 "outputs; a fallback must take and return exactly the same tensors")
+        return self
 
     def model(self, name: str) -> ModelDecl:
         return next(m for m in self.models if m.name == name)
