@@ -1,9 +1,12 @@
-"""Admission: the checks a request passes before it may wait in a queue.
+"""Admission: the checks a request passes before it may wait in a queue, and the accounting
+when it leaves (finished).
 
-Validate against the model's declaration, size it, inflate compressed tensors (never past
-their declared size), give it a deadline and queue it. Every refusal is a TgwError raised
-here; the caller answers it. Rate limits, concurrency windows and the circuit breaker of
-the scheduler belong here too, in front of the queue.
+In order: the cheap structural checks (limits, declaration, sizes), the circuit breaker of the
+version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, whether
+the deadline can be met at all (predicted compute of its own rows), the tenant's quota
+(RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, then a place in the queue: the
+model's adaptive concurrency limit and its queue bound shed from the lowest priority first
+(OVERLOADED). Every refusal is a TgwError raised here; the caller answers it.
 """
 from __future__ import annotations
 
@@ -12,27 +15,38 @@ from typing import Callable
 
 import lz4.frame
 
-from tgw.shm.errors import Code, fail
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
 from tgw.shm.wire import Infer, TensorMeta, nbytes_of
 
 from .batcher import Batcher, Pending
+from .breaker import FAILURES, Breakers
 from .callers import Callers
+from .concurrency import AdaptiveLimit
 from .config import Config
 from .limits import check_declared
-from .registry import Registry
+from .registry import Checked, Registry
 from .stats import Stats
+from .tenants import Tenants
 
 
 class Admission:
     def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, callers: Callers,
-                 clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str):
+                 clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
+                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
+        self.costs = batcher.costs
         self.callers, self.server = callers, cfg.server
         self.unavailable = unavailable  # why no worker may serve now ("" while one may)
+        self.shed = shed                # answers a queued request shed to make room for a higher level
         self.max_request = cfg.server.max_request_bytes
         self.arena = cfg.workers.input_bytes  # a request that alone overflows it could never be staged
         self.out_arena = cfg.workers.output_bytes  # nor one whose outputs alone overflow this
+        self.tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
+        self.breakers = Breakers(cfg.models, clock())
+        self.limits = {m.name: AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size, ceiling=m.max_queue,
+                                             now=clock())
+                       for m in cfg.models if m.adaptive_concurrency and m.slo_p99_ms}
         self.open = True
 
     def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
@@ -49,6 +63,56 @@ class Admission:
         why = self.unavailable()
         if why:
             raise fail(Code.MODEL_NOT_READY, why, reason="crash_loop", model=msg.model)
+        now = self.clock()
+        checked = self._route(msg, checked, sizes, now)
+        model = checked.model.decl
+        if not 0 <= msg.priority < model.priority_levels:
+            raise fail(Code.INVALID_ARGUMENT, f"priority {msg.priority} is out of range: model {model.name!r} "
+                       f"has levels 0..{model.priority_levels - 1} (0 is served first)",
+                       priority=msg.priority, priority_levels=model.priority_levels)
+        timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
+        deadline = now + timeout_ms / 1000.0
+        predicted = self.costs.predict(model.name, checked.rows)
+        if deadline - predicted <= now:  # not even a batch of its own could answer in time
+            raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
+                       f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
+                       f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
+        tenant = self.tenants.resolve(msg.tenant)
+        if tenant is not None:
+            self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
+        try:
+            p = self._pending(client, msg, checked, tensor_frames, deadline, now, tenant)
+            self._enqueue(p, self.limits.get(model.name))
+        except BaseException:
+            if tenant is not None:
+                self.tenants.unadmit(tenant)
+            raise
+        self.callers.owe(client)
+        self.stats.models[model.name].requests += 1
+        return p
+
+    def _route(self, msg: Infer, checked: Checked, sizes: list[int], now: float) -> Checked:
+        """The version asked for, or its model's fallback while its breaker is open."""
+        breaker = self.breakers.get(msg.model, checked.version)
+        if breaker is None or breaker.allow(now):
+            return checked
+        fallback = self.breakers.fallback.get(msg.model)
+        if fallback is not None:
+            original = msg.model
+            msg.model, msg.version = fallback, None
+            routed = self.registry.validate(msg, sizes)  # same declaration; its own rows limit and readiness
+            other = self.breakers.get(fallback, routed.version)
+            if other is None or other.allow(now):
+                self.stats.models[original].fallbacks += 1
+                return routed
+            msg.model = original
+        raise fail(Code.CIRCUIT_OPEN, f"circuit breaker of {breaker.name} is {breaker.state.value} "
+                   f"({breaker.reason})" + (f"; fallback {fallback!r} is open too" if fallback else ""),
+                   model=msg.model, version=checked.version,
+                   retry_after_ms=max(1, round(breaker.retry_after_s(now) * 1000)))
+
+    def _pending(self, client: bytes, msg: Infer, checked: Checked, tensor_frames: list, deadline: float,
+                 now: float, tenant) -> Pending:
         tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         need = aligned_total([len(t) for t in tensors])
         if need > self.arena:
@@ -61,16 +125,47 @@ class Admission:
                        f"output arena holds {self.out_arena} (workers.output_arena_mb)", model=msg.model,
                        needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb",
                        retryable=False)
-        model = checked.model.decl
-        timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
-        p = Pending(client=client, req_id=msg.id, model=model.name, version=checked.version, rows=checked.rows,
-                    shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
-                    deadline=self.clock() + timeout_ms / 1000.0, compress=msg.compress_outputs,
-                    out_nbytes=out_nbytes)
-        self.batcher.push(p)
-        self.callers.owe(client)
-        self.stats.models[model.name].requests += 1
-        return p
+        return Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
+                       rows=checked.rows, shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
+                       deadline=deadline, compress=msg.compress_outputs, out_nbytes=out_nbytes,
+                       priority=msg.priority, arrived=now, tenant=tenant)
+
+    def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
+        """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
+        counters = self.stats.models[p.model]
+        if limit is not None and limit.full():
+            shed = self.batcher.shed_for(p)
+            if shed is None:
+                counters.shed[p.priority] += 1
+                raise fail(Code.OVERLOADED, f"model {p.model!r} is at its adaptive concurrency limit of "
+                           f"{int(limit.limit)} requests (slo_p99_ms {limit.slo * 1000:g}) and none queued has a "
+                           f"lower priority than {p.priority}", reason="adaptive_limit", limit=int(limit.limit),
+                           priority=p.priority)
+            self._shed(shed, "adaptive_limit")
+        shed = self.batcher.push(p)
+        if shed is not None:
+            self._shed(shed, "queue_full")
+        if limit is not None:
+            limit.inflight += 1
+
+    def _shed(self, p: Pending, reason: str) -> None:
+        self.stats.models[p.model].shed[p.priority] += 1
+        self.shed(p, fail(Code.OVERLOADED, f"shed from the queue of {p.model!r} to make room for a request of "
+                          "higher priority", reason=reason, priority=p.priority))
+
+    def finished(self, p: Pending, code: str | None, now: float) -> None:
+        """A request leaves: answered with outputs (code None) or with error `code`."""
+        if p.tenant is not None:
+            p.tenant.inflight -= 1
+        limit = self.limits.get(p.model)
+        if limit is not None:
+            limit.inflight -= 1
+            if code is None or code == "DEADLINE_EXCEEDED":
+                limit.record(now - p.arrived, now)
+        if p.dispatched:
+            breaker = self.breakers.get(p.model, p.version)
+            if breaker is not None:
+                breaker.record(code in FAILURES, now - p.dispatched, now)
 
 
 def inflate(meta: TensorMeta, buf: memoryview) -> memoryview:

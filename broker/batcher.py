@@ -1,30 +1,44 @@
-"""Per-model request queues and batch formation - a pure class with an injected clock.
+"""Per-model priority queues and batch formation - a pure class with an injected clock.
 
-Work-conserving: a free worker gets whatever is queued now (up to max_batch_size rows and
-the byte budgets of the worker's input and output arenas); while workers are busy, requests
-accumulate and batches grow.
-Requests whose deadline has passed are taken out and handed back for a DEADLINE_EXCEEDED
-reply; they never reach a worker.
+Each model has `priority_levels` FIFO queues, level 0 served first. Aging keeps a low level
+from starving while capacity exists: a request that has waited `aging_batches` times the
+model's recent batch time (the cost model's) counts one level higher, two such spans two
+levels, and so on down to 0; the head whose effective level is lowest goes first (ties: the
+higher declared level, then the older). Batches never mix versions or variable shapes but do
+mix priorities: a batch is filled from level 0 down.
+
+Work-conserving by default: a free worker gets whatever is queued now (up to max_batch_size
+rows and the byte budgets of the worker's arenas). With `max_delay_us` the batcher may hold a
+batch to let it grow towards `preferred_batch_sizes` (or max_batch_size), but only until the
+first queued request's deadline minus the predicted compute of the batch it waits for.
+Requests whose deadline has passed - or that no batch could finish in time even if dispatched
+now - are taken out and handed back for a DEADLINE_EXCEEDED reply; they never reach a worker.
+When a queue is full the youngest request of the lowest level present makes room for a request
+of a higher level (shed, answered OVERLOADED).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tgw.shm.errors import Code, fail
 from tgw.shm.ring import aligned_total
+
+from .costmodel import CostModel
 
 
 class Pending:
     """One admitted request waiting for, or riding in, a batch."""
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
-                 "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone")
+                 "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
+                 "tenant", "dispatched")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False,
-                 out_nbytes: list[int] | None = None):
+                 out_nbytes: list[int] | None = None, priority: int = 0, arrived: float = 0.0,
+                 tenant: Any = None):
         self.client, self.req_id, self.model, self.version = client, req_id, model, version
         self.rows, self.shape_key, self.outputs = rows, shape_key, outputs
         self.tensors = tensors                      # buffers in declared input order
@@ -35,100 +49,215 @@ class Pending:
         self.deadline, self.compress = deadline, compress   # deadline: clock seconds
         self.attempts = 0                           # dispatches lost to a dying worker
         self.alone = False                          # runs in a batch of its own (a retry after a death)
+        self.priority = priority                    # 0 is the highest level
+        self.arrived = arrived                      # clock seconds at admission
+        self.tenant = tenant                        # the quota it counts against (tenants.Tenant) or None
+        self.dispatched = 0.0                       # clock seconds it was handed to a worker (0: queued)
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)
 
 
 class ModelQueue:
-    def __init__(self, name: str, max_batch_size: int, max_queue: int):
+    def __init__(self, name: str, max_batch_size: int, max_queue: int, levels: int = 1, max_delay_us: int = 0,
+                 preferred: list[int] | tuple = (), aging_batches: float = 8.0):
         self.name, self.max_batch_size, self.max_queue = name, max_batch_size, max_queue
-        self.items: deque[Pending] = deque()
+        self.levels: list[deque[Pending]] = [deque() for _ in range(levels)]
+        self.max_delay = max_delay_us / 1e6
+        self.preferred = sorted(set(preferred))
+        self.aging_batches = aging_batches
+        self.count = 0
+
+    @property
+    def items(self) -> list[Pending]:
+        """Everything queued, level 0 first, each level in its order."""
+        return [p for q in self.levels for p in q]
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def lowest(self) -> int | None:
+        """The lowest (numerically highest) level holding a request."""
+        for level in range(len(self.levels) - 1, -1, -1):
+            if self.levels[level]:
+                return level
+        return None
 
 
 class Batcher:
     SCAN_LIMIT = 256  # how far past the head to look for requests of the head's shape/version
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, costs: CostModel | None = None):
         self.clock = clock
+        self.costs = costs or CostModel()
         self.queues: dict[str, ModelQueue] = {}
         self._rr: deque[str] = deque()  # round-robin order of models
 
-    def add_model(self, name: str, max_batch_size: int, max_queue: int) -> None:
-        self.queues[name] = ModelQueue(name, max_batch_size, max_queue)
+    def add_model(self, name: str, max_batch_size: int, max_queue: int, **policy) -> None:
+        """`policy`: levels, max_delay_us, preferred, aging_batches (ModelQueue's)."""
+        self.queues[name] = ModelQueue(name, max_batch_size, max_queue, **policy)
         self._rr.append(name)
 
     def queued(self, model: str | None = None) -> int:
         if model is not None:
-            return len(self.queues[model].items)
-        return sum(len(q.items) for q in self.queues.values())
+            return self.queues[model].count
+        return sum(q.count for q in self.queues.values())
 
-    def push(self, p: Pending, front: bool = False) -> None:
+    def queued_by_level(self, model: str) -> list[int]:
+        return [len(q) for q in self.queues[model].levels]
+
+    def push(self, p: Pending, front: bool = False) -> Pending | None:
+        """Queue `p`; a full queue sheds its youngest lowest-level request for a higher-level one
+        (returned: the caller answers it OVERLOADED) or refuses `p` (raises OVERLOADED). A request
+        pushed back to the front (a requeue after a worker death) is always taken."""
         q = self.queues[p.model]
-        if not front and len(q.items) >= q.max_queue:
-            raise fail(Code.OVERLOADED, f"queue of model {p.model!r} is full ({q.max_queue} requests)",
-                       model=p.model, max_queue=q.max_queue)
-        (q.items.appendleft if front else q.items.append)(p)
+        shed = None
+        if not front and q.count >= q.max_queue:
+            shed = self.shed_for(p)
+            if shed is None:
+                raise fail(Code.OVERLOADED, f"queue of model {p.model!r} is full ({q.max_queue} requests)",
+                           model=p.model, max_queue=q.max_queue, priority=p.priority, reason="queue_full")
+        level = q.levels[min(p.priority, len(q.levels) - 1)]
+        (level.appendleft if front else level.append)(p)
+        q.count += 1
+        return shed
+
+    def shed_for(self, p: Pending) -> Pending | None:
+        """Take out the youngest queued request of the lowest level below `p`'s, to make room
+        for `p`; None when nothing queued ranks lower (then `p` itself is the one to refuse)."""
+        q = self.queues[p.model]
+        low = q.lowest()
+        if low is None or low <= p.priority:
+            return None
+        q.count -= 1
+        return q.levels[low].pop()
 
     def expired(self, now: float | None = None) -> list[Pending]:
-        """Remove and return every queued request whose deadline has passed (by `now`, else the clock)."""
+        """Remove and return every queued request that cannot be answered in time: its deadline
+        has passed, or it would pass during the predicted compute of a batch of its own rows."""
         now = self.clock() if now is None else now
-        return self.take_where(lambda p: p.deadline <= now)
+        predict = self.costs.predict
+        return self.take_where(lambda p: p.deadline - predict(p.model, p.rows) <= now)
 
     def take_all(self) -> list[Pending]:
         """Remove and return every queued request."""
-        out = [p for q in self.queues.values() for p in q.items]
-        for q in self.queues.values():
-            q.items.clear()
-        return out
+        return self.take_where(lambda p: True)
 
     def take_where(self, condition: Callable[[Pending], bool]) -> list[Pending]:
         """Remove and return the queued requests that meet `condition`."""
         out = []
         for q in self.queues.values():
-            if any(condition(p) for p in q.items):
-                keep = deque()
-                for p in q.items:
-                    (out if condition(p) else keep).append(p)
-                q.items = keep
+            for i, level in enumerate(q.levels):
+                if any(condition(p) for p in level):
+                    keep = deque()
+                    for p in level:
+                        (out if condition(p) else keep).append(p)
+                    q.count -= len(level) - len(keep)
+                    q.levels[i] = keep
         return out
 
     def models_with_work(self) -> list[str]:
         """Models with queued requests, rotated so each gets its turn first."""
         self._rr.rotate(-1)
-        return [m for m in self._rr if self.queues[m].items]
+        return [m for m in self._rr if self.queues[m].count]
 
-    def next_batch(self, model: str, max_bytes: int, max_out_bytes: int | None = None) -> list[Pending]:
+    def head(self, model: str, now: float | None = None) -> Pending | None:
+        """The request served next: the head of the level whose effective (aged) level is lowest."""
+        q = self.queues[model]
+        level = self._head_level(q, self.clock() if now is None else now)
+        return None if level is None else q.levels[level][0]
+
+    def _head_level(self, q: ModelQueue, now: float) -> int | None:
+        step = q.aging_batches * self.costs.recent.get(q.name, 0.0)
+        best, best_key = None, None
+        for level, items in enumerate(q.levels):
+            if not items:
+                continue
+            p = items[0]
+            effective = max(0, level - int((now - p.arrived) / step)) if step > 0 else level
+            key = (effective, -level, p.arrived)  # promoted requests go before the level they reach
+            if best_key is None or key < best_key:
+                best, best_key = level, key
+            if effective == 0 and level == 0:
+                break
+        return best
+
+    def hold_until(self, model: str, worker: int | None = None, now: float | None = None) -> float | None:
+        """When the next batch should be dispatched if it is worth waiting to let it grow
+        (max_delay_us); None: dispatch now. Never later than the first deadline among the
+        requests it would carry minus the predicted compute of the batch it waits for."""
+        q = self.queues[model]
+        if q.max_delay <= 0 or not q.count:
+            return None
+        now = self.clock() if now is None else now
+        head = q.levels[self._head_level(q, now)][0]
+        if head.alone:
+            return None
+        rows, first_deadline = 0, head.deadline
+        for p in self._group(q, head):
+            rows += p.rows
+            first_deadline = min(first_deadline, p.deadline)
+        goal = q.preferred[-1] if q.preferred else q.max_batch_size
+        if rows >= goal or rows in q.preferred:
+            return None
+        grow_to = next((b for b in q.preferred if b > rows), q.max_batch_size)
+        until = min(head.arrived + q.max_delay, first_deadline - self.costs.predict(model, grow_to, worker))
+        return until if until > now else None
+
+    def _group(self, q: ModelQueue, head: Pending) -> Iterator[Pending]:
+        """Queued requests that could share the head's batch, level 0 first, up to a full batch."""
+        group, rows, scanned = head.group(), 0, 0
+        for level in q.levels:
+            for p in level:
+                if scanned >= self.SCAN_LIMIT or rows >= q.max_batch_size:
+                    return
+                scanned += 1
+                if (p is head or not p.alone) and p.group() == group and rows + p.rows <= q.max_batch_size:
+                    rows += p.rows
+                    yield p
+
+    def next_batch(self, model: str, max_bytes: int, max_out_bytes: int | None = None,
+                   now: float | None = None) -> list[Pending]:
         """Pop the head request and those of its group that fit; [] if the queue is empty.
 
         A batch holds one region per input of aligned size; `max_bytes` caps the whole batch so
         it fits the worker's input arena. Likewise `max_out_bytes` caps its outputs (one aligned
         region per declared output) to the output arena, when every request's output size is
         known: a batch whose outputs cannot fit would fail whole. A head that alone exceeds a
-        cap is still returned: the caller answers it (admission normally stops it first)."""
+        cap is still returned: the caller answers it (admission normally stops it first). With
+        preferred_batch_sizes, a batch that reaches one stops at the largest it can reach."""
         q = self.queues[model]
-        if not q.items:
+        if not q.count:
             return []
-        head = q.items.popleft()
+        level = self._head_level(q, self.clock() if now is None else now)
+        head = q.levels[level].popleft()
+        q.count -= 1
         if head.alone:
             return [head]
+        cap = q.max_batch_size
+        if q.preferred and head.rows < q.preferred[-1]:
+            avail = sum(p.rows for p in self._group(q, head)) + head.rows
+            cap = max((b for b in q.preferred if b <= min(avail, cap)), default=cap)
         batch, rows, sizes, outs = [head], head.rows, list(head.nbytes), head.out_nbytes
         group = head.group()
-        skipped: list[Pending] = []
         scanned = 0
-        while q.items and rows < q.max_batch_size and scanned < self.SCAN_LIMIT:
-            p = q.items.popleft()
-            scanned += 1
-            if p.alone or p.group() != group or rows + p.rows > q.max_batch_size:
-                skipped.append(p)
-                continue
-            grown, outs_grown = _add(sizes, p.nbytes), _add(outs, p.out_nbytes)
-            if _over(grown, max_bytes) or _over(outs_grown, max_out_bytes):
-                skipped.append(p)
-                break
-            batch.append(p)
-            rows, sizes, outs = rows + p.rows, grown, outs_grown
-        q.items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
+        for i, items in enumerate(q.levels):
+            skipped: list[Pending] = []
+            while items and rows < cap and scanned < self.SCAN_LIMIT:
+                p = items.popleft()
+                scanned += 1
+                if p.alone or p.group() != group or rows + p.rows > cap:
+                    skipped.append(p)
+                    continue
+                grown, outs_grown = _add(sizes, p.nbytes), _add(outs, p.out_nbytes)
+                if _over(grown, max_bytes) or _over(outs_grown, max_out_bytes):
+                    skipped.append(p)
+                    scanned = self.SCAN_LIMIT  # the arena is full: stop looking in every level
+                    break
+                batch.append(p)
+                rows, sizes, outs = rows + p.rows, grown, outs_grown
+            items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
+        q.count -= len(batch) - 1
         return batch
 
 

@@ -151,12 +151,14 @@ class FrontDoor:
     def fail(self, p: Pending, err: TgwError) -> None:
         """Answer an admitted request with an error."""
         self.callers.paid(p.client)
+        self.b.admission.finished(p, err.code.value, self.b.clock())
         err.details.setdefault("model", p.model)
         self.error(p.client, p.req_id, err, p.model)
 
-    def answer(self, p: Pending, views: dict) -> None:
+    def answer(self, p: Pending, views: dict, now: float) -> None:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
         self.callers.paid(p.client)
+        self.b.admission.finished(p, None, now)
         metas, payload = [], []
         for name in p.outputs:
             t, view = views[name]

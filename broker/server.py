@@ -26,6 +26,7 @@ from .batcher import Batcher
 from .callers import Callers
 from .complaints import Complaints
 from .config import Config
+from .costmodel import CostModel
 from .frontdoor import FrontDoor
 from .handshake import Handshake, death_error
 from .memory import MemoryWatch
@@ -50,13 +51,16 @@ class Broker:
         self.complaints = Complaints(clock)
         self.callers = Callers(cfg.server, max_clients or cfg.server.max_clients, clock)
         self.registry = Registry(cfg)
-        self.batcher = Batcher(clock)
+        self.costs = CostModel()
+        self.batcher = Batcher(clock, self.costs)
         self.stats = Counters()
         for m in cfg.models:
-            self.batcher.add_model(m.name, m.max_batch_size, m.max_queue)
+            self.batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels,
+                                   max_delay_us=m.max_delay_us, preferred=m.preferred_batch_sizes,
+                                   aging_batches=m.aging_batches)
             self.stats.model(m.name)
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unavailable)
+                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err))
         self.handshake = Handshake(self.registry)
         self.memory = MemoryWatch(cfg.supervisor, lambda ident, msg: self.back.send([ident, encode(msg)]))
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
@@ -66,6 +70,8 @@ class Broker:
         self.started_at = clock()
         self.batch_seq = 0
         self._pump_scheduled = False
+        self._hold_timer: asyncio.TimerHandle | None = None   # wakes the pump when a held batch is due
+        self._hold_at = 0.0
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
                zap: zmq.Socket | None = None) -> None:
@@ -97,7 +103,9 @@ class Broker:
         """Periodic work: answer queued requests whose deadline has passed (never computed), and
         those of models no worker may serve now (crash loop) instead of letting them wait."""
         for p in self.batcher.expired(now):
-            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued (or would pass during "
+                                   "the predicted compute of its batch)"))
+        self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
         if self.phase is Phase.STOPPING:  # no restarts while stopping: what no live worker can run is answered
@@ -167,14 +175,19 @@ class Broker:
         self._pump_scheduled = False
         full: set[int] = set()
         moved = True
+        now = self.clock()
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
-                head = self.batcher.queues[model].items[0]
+                head = self.batcher.head(model, now)
                 worker = self._pick(model_key(model, head.version), full, head.alone)
                 if worker is None:
                     continue
-                if self._dispatch(model, worker):
+                hold = self.batcher.hold_until(model, worker.worker_id, now)
+                if hold is not None:  # worth waiting for the batch to grow: come back then
+                    self._wake_at(hold, now)
+                    continue
+                if self._dispatch(model, worker, now):
                     moved = True
                 else:
                     full.add(worker.worker_id)
@@ -182,6 +195,18 @@ class Broker:
             # releases ride on the next batch; a busy worker with none coming may need the space
             if w.releases and w.inflight:
                 self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
+
+    def _wake_at(self, when: float, now: float) -> None:
+        if self._hold_timer is not None and self._hold_at <= when:
+            return
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+        self._hold_at = when
+        self._hold_timer = self.loop.call_later(max(0.0, when - now), self._held_due)
+
+    def _held_due(self) -> None:
+        self._hold_timer = None
+        self.schedule()
 
     def _pick(self, key: str, full: set[int], suspect: bool) -> WorkerHandle | None:
         best = None
@@ -191,13 +216,18 @@ class Broker:
                     best = w
         return best
 
-    def _dispatch(self, model: str, worker: WorkerHandle) -> bool:
-        now = self.clock()
+    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
+        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now)
+        # compute is wasted on a request its batch cannot answer before its deadline
+        done_by = now + self.costs.predict(model, sum(p.rows for p in batch), worker.worker_id)
         live = []
-        for p in self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes):
-            if p.deadline <= now:
-                self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued"))
+        for p in batch:
+            if p.deadline <= done_by:
+                self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued" if p.deadline <= now
+                                       else "its batch is predicted to finish after its deadline",
+                                       predicted_ms=round((done_by - now) * 1000, 3)))
             else:
+                p.dispatched = now
                 live.append(p)
         if not live:
             return True
@@ -228,6 +258,7 @@ class Broker:
         elif isinstance(msg, Heartbeat):
             worker.beat, worker.beat_at = msg, self.clock()
             self.memory.on_beat(worker, msg, worker.beat_at)
+            self.admission.breakers.on_beat(worker, msg, worker.beat_at)
         elif isinstance(msg, WorkerSnapshot):
             self.memory.on_snapshot(worker, msg, self.clock())
         elif isinstance(msg, WorkerHello):
@@ -248,13 +279,15 @@ class Broker:
                 self.door.fail(p, error_from_body(done.error))
         else:
             counters = self.stats.models[batch.model]
+            now = self.clock()
             for p, views in worker.output_rows(done, batch, part):
-                self.door.answer(p, views)
+                self.door.answer(p, views, now)
                 counters.replies += 1
             # safe right after the replies: each send copied its frames out of the ring
             worker.releases.append(done.block)
         if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
             self.stats.batch(batch.model, batch.rows, done.compute_us)
+            self.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         self.schedule()

@@ -14,11 +14,14 @@ class ModelCounters:
     errors: Counter = field(default_factory=Counter)        # code -> n
     batch_sizes: Counter = field(default_factory=Counter)   # rows per batch -> n
     compute_us: int = 0
+    shed: Counter = field(default_factory=Counter)          # priority -> refused or shed with OVERLOADED
+    fallbacks: int = 0                                      # routed to the breaker's fallback model
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "replies": self.replies, "batches": self.batches, "rows": self.rows,
                 "errors": dict(self.errors), "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "compute_us": self.compute_us}
+                "compute_us": self.compute_us, "shed": {str(k): v for k, v in sorted(self.shed.items())},
+                "fallbacks": self.fallbacks}
 
 
 class Stats:

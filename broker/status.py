@@ -41,11 +41,16 @@ def health(b: "Broker", req_id: int = 0) -> HealthReply:
 
 
 def stats(b: "Broker", req_id: int) -> StatsReply:
-    models = {}
+    models, now, adm = {}, b.clock(), b.admission
     for name, counters in b.stats.models.items():
-        models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name)}
+        limit = adm.limits.get(name)
+        models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name),
+                        "queued_by_priority": b.batcher.queued_by_level(name), "cost_model": b.costs.as_dict(name),
+                        "concurrency": limit.as_dict() if limit is not None else None,
+                        "breakers": adm.breakers.as_dict(name, now)}
     seen = b.complaints.as_dict()
     return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
+                      tenants=adm.tenants.as_dict(),
                       errors=dict(b.stats.unrouted_errors), refused=seen.get("refused", {}),
                       dropped=seen.get("dropped", {}),
                       clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,

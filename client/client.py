@@ -141,7 +141,7 @@ class Client:
     def stats(self) -> dict:
         r, _ = self._call(Stats(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
         return {"models": r.models, "processes": r.processes, "errors": r.errors, "refused": r.refused,
-                "dropped": r.dropped, "clients": r.clients}
+                "dropped": r.dropped, "clients": r.clients, "tenants": r.tenants}
 
     def status(self) -> dict:
         """What `tgw-broker status` shows: phase, uptime, workers (heartbeat figures, restarts,

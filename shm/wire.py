@@ -162,13 +162,15 @@ class HealthReply(Struct, tag_field="op", tag="health"):
 class StatsReply(Struct, tag_field="op", tag="stats"):
     v: int
     id: int
-    # model -> counters: requests, batches, rows, errors{code: n}, batch_sizes{size: n}
+    # model -> counters: requests, batches, rows, errors{code: n}, batch_sizes{size: n}, shed{priority: n},
+    # fallbacks, queued, queued_by_priority, cost_model, concurrency (adaptive limit), breakers{version: ...}
     models: dict[str, dict[str, Any]]
     processes: list[dict[str, Any]]  # {role, pid, device, state (workers)}
     errors: dict[str, int] = {}      # code -> n for requests that named no served model
     refused: dict[str, int] = {}     # kind -> n: input refused before any queue (malformed, limits, auth)
     dropped: dict[str, int] = {}     # reason -> n: replies not delivered (slow reader, caller gone)
     clients: dict[str, int] = {}     # connected, max_clients, owed (requests admitted, not yet answered)
+    tenants: dict[str, dict[str, Any]] = {}   # name -> rate, burst, tokens, inflight, admitted, limited
 
 
 class StatusReply(Struct, tag_field="op", tag="status"):
