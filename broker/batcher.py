@@ -4,7 +4,7 @@ Each model has `priority_levels` FIFO queues, level 0 served first. Aging keeps 
 from starving while capacity exists: a request that has waited `aging_batches` times the
 model's recent batch time (the cost model's) counts one level higher, two such spans two
 levels, and so on down to 0; the head whose effective level is lowest goes first (ties: the
-higher declared level, then the older). Batches never mix versions or variable shapes but do
+older). Batches never mix versions or variable shapes but do
 mix priorities: a batch is filled from level 0 down.
 
 Work-conserving by default: a free worker gets whatever is queued now (up to max_batch_size
@@ -173,13 +173,13 @@ class Batcher:
         for level, items in enumerate(q.levels):
             if not items:
                 continue
+            if step <= 0:  # no batch time yet: nothing ages
+                return level
             p = items[0]
-            effective = max(0, level - int((now - p.arrived) / step)) if step > 0 else level
-            key = (effective, -level, p.arrived)  # promoted requests go before the level they reach
+            effective = max(0, level - int((now - p.arrived) / step))
+            key = (effective, p.arrived)  # at an equal level, the one that arrived first
             if best_key is None or key < best_key:
                 best, best_key = level, key
-            if effective == 0 and level == 0:
-                break
         return best
 
     def hold_until(self, model: str, worker: int | None = None, now: float | None = None) -> float | None:

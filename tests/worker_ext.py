@@ -3,6 +3,7 @@ registers two custom ops, callable from TorchScript, that stand in for a deploym
 
     tgw_test::crash_if(Tensor x, float trigger) -> Tensor   aborts the process on a poison input
     tgw_test::leak(Tensor x, int nbytes) -> Tensor          leaks nbytes per call
+    tgw_test::wait_gate(Tensor x, str path) -> Tensor       holds a batch until the test opens a gate
 
 The ops must be registered in every process that scripts, loads or runs a model calling them:
 importing this module does that (once per process; a second registration would fail).
@@ -10,6 +11,7 @@ importing this module does that (once per process; a second registration would f
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +32,28 @@ def crash_if(x: Tensor, trigger: float) -> Tensor:
 def leak(x: Tensor, nbytes: int) -> Tensor:
     LEAKED.append(b"\x01" * nbytes)  # touched pages, so RSS grows too; the line a snapshot names
     return x.clone()
+
+
+@torch.library.custom_op("tgw_test::wait_gate", mutates_args=())
+def wait_gate(x: Tensor, path: str) -> Tensor:
+    """With n = x[0, 0] > 0, computes until the file `path.n` exists (60 s at most): a batch the
+    test holds in a worker, so queues form behind it for as long as the test needs."""
+    n = int(x[0, 0])
+    give_up = time.monotonic() + 60
+    while n > 0 and not os.path.exists(f"{path}.{n}") and time.monotonic() < give_up:
+        time.sleep(0.002)
+    return x.clone()
+
+
+class Gate(nn.Module):
+    """x float32 [batch, 1] -> x; x[0, 0] = n > 0 holds the batch until `path.n` exists."""
+
+    def __init__(self, path: str = "/nonexistent/gate"):
+        super().__init__()
+        self.path = path
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.tgw_test.wait_gate(x, self.path) + 0
 
 
 class CrashOn(nn.Module):
