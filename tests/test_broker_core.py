@@ -159,6 +159,29 @@ def test_expired_request_is_never_computed(model_files, sweep):
     run(model_files, scenario, max_inflight_batches_per_worker=1)
 
 
+@pytest.mark.parametrize("sweep", [True, False], ids=["swept-by-tick", "dropped-at-dispatch"])
+def test_request_its_batch_cannot_finish_in_time_is_never_computed(model_files, sweep):
+    async def scenario(rig: Rig, clock: Clock):
+        rig.broker.costs.observe("mlp", 0, 1, 500_000)   # the cost model: a batch of one takes 0.5 s
+        rig.infer(1, timeout_ms=60_000)
+        first = await rig.batch()
+        rig.infer(2, timeout_ms=2_000)               # admitted: 2 s left > 0.5 s predicted
+        assert (await rig.stats())["queued"] == 1
+        clock.t += 1.7                               # 0.3 s left: not yet due, but no batch can make it
+        if sweep:
+            rig.broker.tick(clock())
+        else:
+            done = [BlockTensor(name="y", dtype="float32", shape=[1, 10], offset=rig.handle.input_bytes,
+                                nbytes=40)]
+            rig.worker.send(encode(Done(batch_id=first.batch_id, outputs=done, block=0, compute_us=500_000)))
+            assert (await rig.reply()).id == 1
+        err = await rig.reply()
+        assert isinstance(err, ErrorReply) and err.id == 2 and err.error.code == "DEADLINE_EXCEEDED"
+        assert not rig.worker.poll(0), "a request no batch could answer in time reached the worker"
+
+    run(model_files, scenario, max_inflight_batches_per_worker=1)
+
+
 def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
     async def scenario(rig: Rig, clock: Clock):
         rig.infer(7, timeout_ms=60_000)
