@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             sys.exit(str(exc))
         print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
+        from .arenas import describe
+        print(describe(cfg))
         return
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -11,6 +11,7 @@ import os
 import yaml
 from pydantic import ValidationError
 
+from . import arenas
 from .schema import (BreakerDecl, Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl,
                      TenantDecl, TensorDecl, VersionDecl, WorkersDecl)
 
@@ -124,7 +125,8 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
         sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
     server = server.model_copy(update={k: _resolve(getattr(server, k), base_dir) for k in
                                        ("auth_token_file", "curve_secret_key_file") if getattr(server, k)})
-    return cfg.model_copy(update={"models": models, "supervisor": sup, "server": server})
+    # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
+    return arenas.resolve(cfg.model_copy(update={"models": models, "supervisor": sup, "server": server}))
 
 
 def load_config(path: str) -> Config:

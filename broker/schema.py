@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tgw.shm.paths import check_ipc_address
 from tgw.shm.wire import DTYPE_SIZES
@@ -105,21 +105,41 @@ class WorkersDecl(Strict):
     devices: Union[Literal["auto"], Annotated[list[Device], Field(min_length=1)]] = "auto"
     threads_per_worker: Annotated[int, Field(ge=1, le=256)] = 1
     pin_cpus: bool = False
-    input_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 64
-    output_arena_mb: Annotated[int, Field(ge=1, le=65536)] = 32
+    # MiB per worker, or "auto": sized from the models at load (broker/arenas.py has the rule)
+    input_arena_mb: Union[Literal["auto"], int] = "auto"
+    output_arena_mb: Union[Literal["auto"], int] = "auto"
     start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
     # its models load: how a deployment registers the custom ops its models call
     preload: list[Annotated[str, Field(min_length=1)]] = []
+    # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)
+    _input_bytes: Optional[int] = PrivateAttr(default=None)
+    _output_bytes: Optional[int] = PrivateAttr(default=None)
+
+    @field_validator("input_arena_mb", "output_arena_mb", mode="plain")
+    @classmethod
+    def _arena_mb(cls, v: object) -> Union[str, int]:
+        if v == "auto" or (type(v) is int and 1 <= v <= 65536):
+            return v
+        raise ValueError(f"must be auto (sized from the models) or a whole number of MiB 1..65536, got {v!r}")
+
+    def _arena(self, key: str, resolved: Optional[int]) -> int:
+        if resolved is not None:
+            return resolved
+        mb = getattr(self, key)
+        if mb == "auto":
+            raise RuntimeError(f"workers.{key} is auto and not resolved yet: load the config with "
+                               "parse_config (or size it with tgw.broker.arenas.resolve)")
+        return mb << 20
 
     @property
     def input_bytes(self) -> int:
         """Each worker's input arena: the most one batch (and so one request) may occupy."""
-        return self.input_arena_mb << 20
+        return self._arena("input_arena_mb", self._input_bytes)
 
     @property
     def output_bytes(self) -> int:
-        return self.output_arena_mb << 20
+        return self._arena("output_arena_mb", self._output_bytes)
 
 
 class ServerDecl(Strict):

@@ -75,10 +75,13 @@ class Supervisor:
         devices = self.devices
         in_b, out_b = self.decl.input_bytes, self.decl.output_bytes
         need, free = len(devices) * (in_b + out_b), shm_segment.free_bytes()
+        sizes = (f"input {in_b >> 20} MiB (workers.input_arena_mb: {self.decl.input_arena_mb}) + output "
+                 f"{out_b >> 20} MiB (workers.output_arena_mb: {self.decl.output_arena_mb})")
         if need > free:
             raise ShmError(28, f"{len(devices)} worker rings need {need >> 20} MiB in {shm_segment.SHM_DIR} "
-                           f"but only {free >> 20} MiB is free; lower workers.input_arena_mb/output_arena_mb "
-                           "or enlarge /dev/shm (docker run --shm-size)")
+                           f"but only {free >> 20} MiB is free; each is {sizes}: set smaller "
+                           "workers.input_arena_mb/output_arena_mb or enlarge /dev/shm (docker run --shm-size)")
+        log.info("%d worker ring(s), each %s", len(devices), sizes)
         cpus = plan_cpus(len(devices), self.decl.threads_per_worker, self.decl.pin_cpus)
         for i, device in enumerate(devices):
             seg = Segment.create(shm_segment.new_name("ring"), in_b + out_b)
