@@ -133,14 +133,14 @@ class Admission:
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
         """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
         counters = self.stats.models[p.model]
-        if limit is not None and limit.full():
+        if limit is not None and limit.full(p.priority, self.batcher.queues[p.model].level_count):
             shed = self.batcher.shed_for(p)
             if shed is None:
                 counters.shed[p.priority] += 1
-                raise fail(Code.OVERLOADED, f"model {p.model!r} is at its adaptive concurrency limit of "
-                           f"{int(limit.limit)} requests (slo_p99_ms {limit.slo * 1000:g}) and none queued has a "
-                           f"lower priority than {p.priority}", reason="adaptive_limit", limit=int(limit.limit),
-                           priority=p.priority)
+                raise fail(Code.OVERLOADED, f"model {p.model!r} is at its adaptive concurrency limit for "
+                           f"priority {p.priority} ({limit.inflight} of {int(limit.limit)} requests in the broker, "
+                           f"slo_p99_ms {limit.slo * 1000:g}) and none queued has a lower priority",
+                           reason="adaptive_limit", limit=int(limit.limit), priority=p.priority)
             self._shed(shed, "adaptive_limit")
         shed = self.batcher.push(p)
         if shed is not None:
@@ -160,7 +160,7 @@ class Admission:
         limit = self.limits.get(p.model)
         if limit is not None:
             limit.inflight -= 1
-            if code is None or code == "DEADLINE_EXCEEDED":
+            if code is None:
                 limit.record(now - p.arrived, now)
         if p.dispatched:
             breaker = self.breakers.get(p.model, p.version)

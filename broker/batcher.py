@@ -76,6 +76,10 @@ class ModelQueue:
     def __bool__(self) -> bool:
         return self.count > 0
 
+    @property
+    def level_count(self) -> int:
+        return len(self.levels)
+
     def lowest(self) -> int | None:
         """The lowest (numerically highest) level holding a request."""
         for level in range(len(self.levels) - 1, -1, -1):
@@ -138,6 +142,31 @@ class Batcher:
         now = self.clock() if now is None else now
         predict = self.costs.predict
         return self.take_where(lambda p: p.deadline - predict(p.model, p.rows) <= now)
+
+    def expired_heads(self, now: float) -> list[Pending]:
+        """Like expired(), but only from the front of each level, where the earliest deadlines
+        are when requests share a timeout: cheap enough to run on every pump (expired() covers
+        the rest on the periodic sweep)."""
+        out, predict = [], self.costs.predict
+        for q in self.queues.values():
+            if q.count:
+                for level in q.levels:
+                    while level and level[0].deadline - predict(q.name, level[0].rows) <= now:
+                        out.append(level.popleft())
+                        q.count -= 1
+        return out
+
+    def next_due(self) -> float | None:
+        """When the first request at the front of a level becomes due for expired_heads()."""
+        due, predict = None, self.costs.predict
+        for q in self.queues.values():
+            if q.count:
+                for level in q.levels:
+                    if level:
+                        t = level[0].deadline - predict(q.name, level[0].rows)
+                        if due is None or t < due:
+                            due = t
+        return due
 
     def take_all(self) -> list[Pending]:
         """Remove and return every queued request."""

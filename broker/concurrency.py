@@ -2,13 +2,17 @@
 once (queued or computing), steered by latency against the model's slo_p99_ms.
 
 AIMD on windows: every WINDOW_S (once it holds MIN_SAMPLES answers) the window's p99 of
-end-to-end latency (admission to answer, DEADLINE_EXCEEDED answers included) is compared with
+end-to-end latency of the requests answered with outputs (admission to answer) is compared with
 the SLO. Over it, the limit shrinks in proportion (limit x slo/p99, at most halving); well under
 it (below HEADROOM x slo) and the limit was reached in that window, it grows by 1 + limit/16.
 Between the two it holds. The floor is one full batch (a smaller limit could only starve the
 workers); the ceiling is max_queue. By Little's law the limit settles near SLO x throughput,
 so a queue never grows past what can still be answered within the SLO; the excess is shed at
-admission, lowest priority first (batcher.shed_for).
+admission, lowest priority first: level l of L may fill only the share 1 - l / (2 L) of the
+limit (all of it for level 0, two thirds for level 2 of 3), so the lower levels are refused
+while the higher ones still have room - including room the batches computing now hold, which
+no shedding of queued requests could free - and when the limit is full a queued request of a
+lower level is shed for a higher one (batcher.shed_for).
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ class AdaptiveLimit:
         self.last_p99 = 0.0
         self.decreases = self.increases = 0
 
-    def full(self) -> bool:
-        if self.inflight >= int(self.limit):
+    def full(self, priority: int = 0, levels: int = 1) -> bool:
+        """Whether a request of `priority` (of `levels`) finds no room under the limit."""
+        if self.inflight >= max(1, int(self.limit * (1 - priority / (2 * levels)))):
             self.binding = True
             return True
         return False

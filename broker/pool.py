@@ -74,6 +74,7 @@ class WorkerHandle:
     benched: str = ""                 # why its models are unavailable on it (crash loop)
     successor: "WorkerHandle | None" = None   # its replacement, while it is being recycled
     retiring: bool = False            # the successor serves: this one takes no new batches
+    free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED

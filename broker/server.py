@@ -22,6 +22,7 @@ from tgw.shm.wire import DecodeError, Done, Heartbeat, Release, Stop, WorkerFail
     WorkerSnapshot, encode, from_worker_decoder, model_key
 
 from .admission import Admission
+from .alarm import Alarm
 from .batcher import Batcher
 from .callers import Callers
 from .complaints import Complaints
@@ -36,6 +37,7 @@ from .sockets import Pump
 from .stats import Stats as Counters
 
 log = logging.getLogger("tgw.broker")
+EXPIRED = "deadline passed while queued, or would pass during the predicted compute of a batch of its own"
 
 
 class Phase(Enum):
@@ -70,12 +72,11 @@ class Broker:
         self.started_at = clock()
         self.batch_seq = 0
         self._pump_scheduled = False
-        self._hold_timer: asyncio.TimerHandle | None = None   # wakes the pump when a held batch is due
-        self._hold_at = 0.0
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
                zap: zmq.Socket | None = None) -> None:
         self.loop = loop
+        self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
         self.door = FrontDoor(self, loop, front, zap)
         self.back = Pump(loop, back, self.on_worker)
 
@@ -103,8 +104,7 @@ class Broker:
         """Periodic work: answer queued requests whose deadline has passed (never computed), and
         those of models no worker may serve now (crash loop) instead of letting them wait."""
         for p in self.batcher.expired(now):
-            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued (or would pass during "
-                                   "the predicted compute of its batch)"))
+            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, EXPIRED))
         self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
@@ -146,6 +146,7 @@ class Broker:
         return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
 
     def close(self) -> None:
+        self.alarm.cancel()
         self.door.close()
         self.back.close()
 
@@ -176,6 +177,8 @@ class Broker:
         full: set[int] = set()
         moved = True
         now = self.clock()
+        for p in self.batcher.expired_heads(now):
+            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, EXPIRED))
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
@@ -185,28 +188,19 @@ class Broker:
                     continue
                 hold = self.batcher.hold_until(model, worker.worker_id, now)
                 if hold is not None:  # worth waiting for the batch to grow: come back then
-                    self._wake_at(hold, now)
+                    self.alarm.at(hold, now)
                     continue
                 if self._dispatch(model, worker, now):
                     moved = True
                 else:
                     full.add(worker.worker_id)
+        due = self.batcher.next_due()
+        if due is not None:  # answer the next request to expire when it does, not at the next sweep
+            self.alarm.at(due, now)
         for w in self.roster:
             # releases ride on the next batch; a busy worker with none coming may need the space
             if w.releases and w.inflight:
                 self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
-
-    def _wake_at(self, when: float, now: float) -> None:
-        if self._hold_timer is not None and self._hold_at <= when:
-            return
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-        self._hold_at = when
-        self._hold_timer = self.loop.call_later(max(0.0, when - now), self._held_due)
-
-    def _held_due(self) -> None:
-        self._hold_timer = None
-        self.schedule()
 
     def _pick(self, key: str, full: set[int], suspect: bool) -> WorkerHandle | None:
         best = None
@@ -218,8 +212,10 @@ class Broker:
 
     def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
         batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now)
-        # compute is wasted on a request its batch cannot answer before its deadline
-        done_by = now + self.costs.predict(model, sum(p.rows for p in batch), worker.worker_id)
+        # compute is wasted on a request its batch cannot answer before its deadline; a staged
+        # batch starts when the one computing is predicted to end
+        start = max(now, worker.free_at) if worker.inflight else now
+        done_by = start + self.costs.predict(model, sum(p.rows for p in batch), worker.worker_id)
         live = []
         for p in batch:
             if p.deadline <= done_by:
@@ -238,6 +234,7 @@ class Broker:
                 self.batcher.push(p, front=True)
             return False
         self.back.send([worker.identity, encode(msg)])
+        worker.free_at = done_by
         return True
 
     # ---- worker side -------------------------------------------------------------------------
@@ -288,6 +285,9 @@ class Broker:
         if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
             self.stats.batch(batch.model, batch.rows, done.compute_us)
             self.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
+            # what it holds now starts computing now
+            worker.free_at = self.clock() + sum(self.costs.predict(b.model, b.rows, worker.worker_id)
+                                                for b in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         self.schedule()

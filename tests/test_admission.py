@@ -105,19 +105,20 @@ def test_required_tenant(tmp_path):
     assert infer(adm, tenant="t").tenant.name == "t"
 
 
-def test_adaptive_limit_sheds_the_lowest_priority_first(tmp_path):
+def test_adaptive_limit_reserves_room_for_higher_levels_and_sheds_the_lowest(tmp_path):
     adm, _, shed = make(tmp_path, model("m", slo_p99_ms=100))
     limit = adm.limits["m"]
-    limit.limit = 4.0                                          # as if the latency had brought it down
-    lows = [infer(adm, priority=2) for _ in range(3)]
-    infer(adm, priority=1)
-    assert limit.inflight == 4
-    high = infer(adm, priority=0)                              # full: the youngest level-2 request makes room
-    assert [p for p, _ in shed] == [lows[2]] and shed[0][1].code is Code.OVERLOADED
-    assert shed[0][1].details["reason"] == "adaptive_limit"
-    assert limit.inflight == 4 and high in adm.batcher.queues["m"].items
-    err = code_of(lambda: infer(adm, priority=2))             # nothing ranks lower than a new level 2
+    limit.limit = 6.0                # as if latency had set it: level 2 may fill 4, level 1 5, level 0 all 6
+    lows = [infer(adm, priority=2) for _ in range(4)]
+    err = code_of(lambda: infer(adm, priority=2))
     assert err.code is Code.OVERLOADED and err.details["reason"] == "adaptive_limit"
+    infer(adm, priority=1)
+    infer(adm, priority=0)
+    assert limit.inflight == 6 and not shed
+    high = infer(adm, priority=0)                              # full: the youngest level-2 request makes room
+    assert [p for p, _ in shed] == [lows[3]] and shed[0][1].code is Code.OVERLOADED
+    assert shed[0][1].details["reason"] == "adaptive_limit"
+    assert limit.inflight == 6 and high in adm.batcher.queues["m"].items
     assert dict(adm.stats.models["m"].shed) == {2: 2}
 
 

@@ -163,3 +163,19 @@ def test_preferred_sizes_cut_the_batch_at_the_largest_reachable(clock):
     assert len(b.next_batch("m", BIG)) == 4
     assert len(b.next_batch("m", BIG)) == 2
     assert len(b.next_batch("m", BIG)) == 1      # below every preferred size: what there is
+
+
+def test_next_due_and_expired_heads_answer_the_front_of_each_level_on_time(clock):
+    costs = CostModel()
+    costs.observe("m", 0, 1, 10_000)             # 10 ms per batch of one
+    b = batcher(clock, costs)
+    first, second, other = req(clock, deadline_s=0.050), req(clock, deadline_s=0.100), req(clock, 1, deadline_s=0.5)
+    for p in (first, second, other):
+        b.push(p)
+    assert b.next_due() == pytest.approx(clock() + 0.040)   # its deadline less the predicted compute
+    clock.t += 0.039
+    assert b.expired_heads(clock()) == []
+    clock.t += 0.002
+    assert ids(b.expired_heads(clock())) == ids([first])
+    assert b.next_due() == pytest.approx(clock() - 0.041 + 0.090)
+    assert b.queued("m") == 2

@@ -57,26 +57,28 @@ def queued(c: Client, model: str) -> list[int]:
 
 def test_adaptive_limit_sheds_lowest_priority_first(gate, make_broker):
     cfg = {"server": {"max_inflight_batches_per_worker": 1}, "workers": WORKERS,
-           "models": [gate_entry(gate, slo_p99_ms=10_000, max_queue=64)]}  # limit starts at 4 x 1 row
+           "models": [gate_entry(gate, slo_p99_ms=10_000, max_queue=64)]}
     b = make_broker(cfg)
     results: list = []
     with Client(b.address) as c:
+        # the limit starts at 4 (x 1 row): level 0 may fill 4 places, level 1 three, level 2 two
         assert c.stats()["models"]["gate"]["concurrency"]["limit"] == 4
         threads = [in_thread(results, c, "gate", x(1))]          # held in the worker
         wait_until(lambda: in_flight(c) == 1, 30, "the held batch to reach the worker")
-        threads += [in_thread(results, c, "gate", x(0), priority=2) for _ in range(3)]
-        wait_until(lambda: queued(c, "gate") == [0, 0, 3], 30, "three level-2 requests to queue")
-        refused = call(c, "gate", x(0), priority=2)               # at the limit, nothing ranks lower
-        assert isinstance(refused, TgwError) and refused.code is Code.OVERLOADED
-        assert refused.details["reason"] == "adaptive_limit" and refused.retryable
-        threads.append(in_thread(results, c, "gate", x(0), priority=0))
-        wait_until(lambda: queued(c, "gate") == [1, 0, 2], 30, "the level-0 request to take a level-2 place")
+        for prio, want in ((2, [0, 0, 1]), (1, [0, 1, 1]), (0, [1, 1, 1]), (0, [2, 1, 0])):
+            threads.append(in_thread(results, c, "gate", x(0), priority=prio))
+            wait_until(lambda: queued(c, "gate") == want, 30, f"queued by level to become {want}")
+            if prio == 2:                                         # level 2's share is full now
+                refused = call(c, "gate", x(0), priority=2)
+                assert isinstance(refused, TgwError) and refused.code is Code.OVERLOADED
+                assert refused.details["reason"] == "adaptive_limit" and refused.retryable
         open(gate[1] + ".1", "w").close()
         for t in threads:
             t.join(60)
         stats = c.stats()["models"]["gate"]
     outcomes = sorted((prio, "ok" if isinstance(r, dict) else r.code.value) for prio, r in results)
-    assert outcomes == [(0, "ok"), (0, "ok"), (2, "OVERLOADED"), (2, "ok"), (2, "ok")]
+    # the last level-0 request took the level-2 request's place: shed, answered OVERLOADED
+    assert outcomes == [(0, "ok"), (0, "ok"), (0, "ok"), (1, "ok"), (2, "OVERLOADED")]
     assert stats["shed"] == {"2": 2} and stats["concurrency"]["inflight"] == 0
 
 
