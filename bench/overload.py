@@ -1,0 +1,457 @@
+"""`tgw-bench overload`: a broker of its own under twice the load it can serve, by priority.
+
+    tgw-bench overload                        # 60 s at 2x capacity, adaptive limit on, then off
+    tgw-bench overload --quick                # 10 s each
+    tgw-bench overload --only on --factor 3 --duration 30 --json out.json
+
+Serves one demo model (--model, default resnet: compute-bound, so twice its capacity is within a
+Python generator's reach on 2 cores; built at run time, nothing is downloaded) with
+priority_levels 3, slo_p99_ms --slo-ms, adaptive_concurrency on (then, in a fresh broker, off)
+and max_queue 4096, so the queue bound is not what sheds. In each broker a closed loop
+(--capacity-concurrency callers, --capacity-seconds) warms the model and measures capacity;
+then an open loop of Poisson arrivals at --factor x the first broker's capacity runs for
+--duration seconds, each request's priority drawn from a seeded RNG (10/30/60 % for levels
+0/1/2), each with --timeout. Latency counts from the scheduled send (no coordinated omission).
+Every answer is classified: ok, the broker's codes (OVERLOADED, RATE_LIMITED, DEADLINE_EXCEEDED,
+CIRCUIT_OPEN, others) and the client's own give-up (DEADLINE_EXCEEDED with details.source ==
+"client"), which should never happen; every scheduled request must get exactly one answer.
+Prints a table per priority level, the targets with PASS/FAIL and priority 0's p99 with and
+without the adaptive limit; writes JSON (--json, default bench/results/overload-<date>.json).
+Exit status 0 when the runs completed (a failed target is printed, not an error), 1 when a
+request got no answer, 2 for usage, start-up or connection problems, 130 when interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import multiprocessing as mp
+import os
+import queue
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from array import array
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from tgw.bench import report
+from tgw.bench.broker_proc import BrokerProc
+from tgw.bench.comparison import demo_models, tgw_config
+from tgw.bench.loadgen import LoadSpec, cpu_seconds
+from tgw.bench.measure import measure
+from tgw.bench.targets import TgwTarget, error_code, make_inputs
+from tgw.client import Client, TgwError
+from tgw.client.client import REPLY_GRACE_S  # past a request's timeout, how long the client waits for the answer
+from tgw.shm.segment import list_segments
+
+MIX = (0.10, 0.30, 0.60)         # share of requests at priority 0, 1, 2
+LEVELS = len(MIX)
+COLUMNS = ("OVERLOADED", "RATE_LIMITED", "DEADLINE_EXCEEDED", "CIRCUIT_OPEN")  # broker codes with a column
+CLIENT_TIMEOUT = "CLIENT_TIMEOUT"  # the client gave up waiting: DEADLINE_EXCEEDED, details.source == "client"
+MODES = {"quick": {"duration": 10.0, "capacity_seconds": 3.0, "warmup": 1.0},
+         "full": {"duration": 60.0, "capacity_seconds": 5.0, "warmup": 2.0}}
+MAX_THREADS = 2048               # sender threads over all generator processes
+READY_TIMEOUT = 120.0            # seconds for a generator process to connect all its threads
+DRAIN_S = 60.0                   # seconds after the window for the last answers (and a backlog)
+LAG_WARN_MS = 10.0               # a generator whose p99 send lag is over this fell behind
+
+
+def classify(exc: BaseException) -> str:
+    """A failure's code; the client's own give-up is CLIENT_TIMEOUT (the broker's has no source)."""
+    code = error_code(exc)
+    if code == "DEADLINE_EXCEEDED" and (getattr(exc, "details", None) or {}).get("source") == "client":
+        return CLIENT_TIMEOUT
+    return code
+
+
+# ---- the open loop -------------------------------------------------------------------------
+
+
+class _Rec:
+    """One sender thread's requests: priority, outcome code, latency from the schedule, send lag;
+    how many it handed to the client and how many came back."""
+
+    def __init__(self) -> None:
+        self.prio, self.lat, self.lag, self.code = array("B"), array("d"), array("d"), []
+        self.sent = self.answered = 0
+
+
+def _child(index: int, address: str, model: str, rate: float, duration: float, timeout: float,
+           nthreads: int, seed: int, conn) -> None:
+    """A generator process: nthreads senders, each with its own socket, fed scheduled
+    (time, priority) pairs by one Poisson dispatcher at `rate` from the common start."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # two descriptors per zmq socket
+        want = 4 * nthreads + 256
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(hard, want),
+                                                        hard))
+        target = TgwTarget(address, model, timeout=timeout).open(seed=seed * 100 + index)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send({"fatal": traceback.format_exc()})
+        return
+    messages, failures, recs = {}, [], [_Rec() for _ in range(nthreads)]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    ready = threading.Barrier(nthreads + 1)
+    w = SimpleNamespace(start=0.0, end=0.0, scheduled=0)
+
+    def sender(rec: _Rec, i: int) -> None:
+        try:
+            inputs = make_inputs(target.meta, 1, target.seed * 1000 + i)
+            target.client.health()  # this thread's socket and handshake, before the window
+            ready.wait(READY_TIMEOUT)
+        except Exception:  # noqa: BLE001
+            failures.append(traceback.format_exc())
+            ready.abort()
+            return
+        infer = target.client.infer
+        while (item := q.get()) is not None:
+            t_sched, prio = item
+            t_send = time.monotonic()
+            rec.sent += 1
+            try:
+                infer(model, inputs, priority=prio, timeout=timeout)
+                code = "ok"
+            except Exception as exc:  # noqa: BLE001 - every answer is classified
+                code = classify(exc)
+                messages.setdefault(code, str(exc)[:300])
+            rec.lat.append(time.monotonic() - t_sched)
+            rec.lag.append(t_send - t_sched)
+            rec.prio.append(prio)
+            rec.code.append(code)
+            rec.answered += 1
+
+    def dispatch() -> None:
+        rng, t, n = np.random.default_rng(seed * 7919 + index), w.start, 0
+        while t < w.end:
+            for gap, prio in zip(rng.exponential(1.0 / rate, 4096), rng.choice(LEVELS, 4096, p=MIX)):
+                t += gap
+                if t >= w.end:
+                    break
+                time.sleep(max(0.0, t - time.monotonic()))
+                q.put((t, int(prio)))
+                n += 1
+        w.scheduled = n
+        for _ in range(nthreads):
+            q.put(None)
+
+    threads = [threading.Thread(target=sender, args=(r, i), daemon=True) for i, r in enumerate(recs)]
+    for th in threads:
+        th.start()
+    try:
+        ready.wait(READY_TIMEOUT)
+    except threading.BrokenBarrierError:
+        conn.send({"fatal": failures[0] if failures else "generator threads did not connect in time"})
+        os._exit(0)  # threads may still be connecting: do not wait for them
+    conn.send({"ready": True})
+    w.start = conn.recv()
+    w.end = w.start + duration
+    time.sleep(max(0.0, w.start - time.monotonic()))
+    cpu0 = cpu_seconds()
+    disp = threading.Thread(target=dispatch, daemon=True)
+    disp.start()
+    disp.join()
+    deadline = time.monotonic() + timeout + REPLY_GRACE_S + DRAIN_S
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(th.is_alive() for th in threads)
+    n = [len(r.code) for r in recs]  # a stuck thread may still append: take what is there now
+    cat = lambda k, dt: np.concatenate([np.frombuffer(getattr(r, k)[:m], dtype=dt) for r, m in zip(recs, n)])  # noqa
+    conn.send({"prio": cat("prio", np.uint8), "lat": cat("lat", np.float64), "lag": cat("lag", np.float64),
+               "code": np.array([c for r, m in zip(recs, n) for c in r.code[:m]], dtype=str),
+               "scheduled": w.scheduled, "sent": sum(r.sent for r in recs), "answered": sum(r.answered for r in recs),
+               "stuck_threads": stuck, "messages": dict(messages),
+               "cpu_s": cpu_seconds() - cpu0, "threads": nthreads})
+    if stuck:
+        os._exit(0)  # a thread still inside infer() holds its socket: leave without closing
+    target.close()
+
+
+def _receive(conn, proc, timeout: float, what: str) -> dict:
+    try:
+        msg = conn.recv() if conn.poll(timeout) else None
+    except EOFError:  # the process is gone
+        msg = None
+    if msg is None:
+        proc.join(1)
+        raise RuntimeError(f"overload generator process {proc.pid} sent no {what} in {timeout:g} s "
+                           f"(exit status {proc.exitcode})")
+    if "fatal" in msg:
+        raise RuntimeError(f"overload generator process failed to start:\n{msg['fatal']}")
+    return msg
+
+
+def drive(address: str, model: str, rate: float, duration: float, timeout: float, procs: int, threads: int,
+          seed: int = 1) -> dict[str, Any]:
+    """The open loop: `procs` spawned processes, `threads` senders in all, Poisson arrivals at
+    `rate` in all for `duration` s. Returns every request's priority, outcome code, latency and
+    send lag (seconds), and the counts scheduled / sent / answered."""
+    ctx, children, conns = mp.get_context("spawn"), [], []
+    per = [threads // procs + (1 if i < threads % procs else 0) for i in range(procs)]
+    try:
+        for i in range(procs):
+            conn, child_conn = ctx.Pipe()
+            children.append(ctx.Process(target=_child, name=f"tgw-bench-overload-{i}", daemon=True,
+                                        args=(i, address, model, rate / procs, duration, timeout, per[i], seed,
+                                              child_conn)))
+            children[-1].start()
+            child_conn.close()  # the child holds the only copy, so its death reads as EOF here
+            conns.append(conn)
+        for c, p in zip(conns, children):
+            _receive(c, p, READY_TIMEOUT + 30, "ready message")
+        start = time.monotonic() + 0.2
+        for c in conns:
+            c.send(start)
+        end = start + duration + timeout + REPLY_GRACE_S + DRAIN_S + 30
+        results = [_receive(c, p, max(0.0, end - time.monotonic()), "results") for c, p in zip(conns, children)]
+        for p in children:
+            p.join(10)
+    finally:
+        for p in children:
+            if p.is_alive():
+                p.terminate()  # by PID, only the processes this run started
+                p.join(5)
+    out: dict[str, Any] = {k: np.concatenate([r[k] for r in results]) for k in ("prio", "code", "lat", "lag")}
+    for k in ("scheduled", "sent", "answered", "stuck_threads"):
+        out[k] = sum(r[k] for r in results)
+    out["messages"] = {k: m for r in results for k, m in r["messages"].items()}
+    out["generator"] = {"procs": procs, "threads": per, "cpu_cores_per_proc": [r["cpu_s"] / duration for r in results]}
+    return out
+
+
+# ---- results ----------------------------------------------------------------------------
+
+
+def _pct(x: np.ndarray, q: float) -> Optional[float]:
+    return float(np.percentile(x, q)) if x.size else None
+
+
+def level_row(codes: np.ndarray, lat_s: np.ndarray, priority: Any) -> dict[str, Any]:
+    ok = codes == "ok"
+    counts = Counter(codes.tolist())
+    ms, n = lat_s[ok] * 1e3, int(codes.size)
+    errors = {k: v for k, v in sorted(counts.items()) if k != "ok"}
+    return {"priority": priority, "offered": n, "ok": int(ok.sum()), "success": ok.sum() / n if n else None,
+            "latency_ms": {"p50": _pct(ms, 50), "p99": _pct(ms, 99), "max": float(ms.max()) if ms.size else None},
+            "answer_ms_max": float(lat_s.max() * 1e3) if n else None, "errors": errors,
+            **{c: counts.get(c, 0) for c in COLUMNS}, "client_timeouts": counts.get(CLIENT_TIMEOUT, 0),
+            "other": {k: v for k, v in errors.items() if k not in COLUMNS and k != CLIENT_TIMEOUT}}
+
+
+def summarise(raw: dict[str, Any], adaptive: bool, rate: float, duration: float) -> dict[str, Any]:
+    prio, code, lat, lag = raw["prio"], raw["code"], raw["lat"], raw["lag"] * 1e3
+    gen = raw["generator"]
+    run = {"adaptive_concurrency": adaptive, "rate_rps": rate, "duration_s": duration,
+           "scheduled": raw["scheduled"], "sent": raw["sent"], "answered": raw["answered"],
+           "unanswered": raw["scheduled"] - raw["answered"], "stuck_threads": raw["stuck_threads"],
+           "levels": [level_row(code[prio == p], lat[prio == p], p) for p in range(LEVELS)],
+           "all": level_row(code, lat, "all"), "goodput_rps": int((code == "ok").sum()) / duration,
+           "error_messages": raw["messages"],
+           "send_lag_ms": {"p50": _pct(lag, 50), "p99": _pct(lag, 99), "max": float(lag.max()) if lag.size else None},
+           "generator": {**gen, "cpu_cores": sum(gen["cpu_cores_per_proc"])}}
+    w = []
+    if (run["send_lag_ms"]["p99"] or 0) > LAG_WARN_MS:
+        w.append(f"the generator fell behind: send lag p99 {run['send_lag_ms']['p99']:.1f} ms (latencies include it)")
+    if any(c >= 0.9 for c in gen["cpu_cores_per_proc"]):
+        w.append("a generator process used over 90 % of a core (GIL-bound): rerun with more --procs")
+    if raw["scheduled"] < 0.9 * rate * duration:
+        w.append(f"scheduled {raw['scheduled']} requests, {raw['scheduled'] / duration:,.0f}/s of {rate:,.0f}/s")
+    run["warnings"] = w
+    return run
+
+
+def checks(run: dict[str, Any], slo_ms: float) -> list[dict[str, Any]]:
+    """The issue's targets; `target` false marks the P0 checks of the run without the adaptive
+    limit (printed for comparison). Answering every request once holds for both."""
+    p0, on = run["levels"][0], run["adaptive_concurrency"]
+    p99, succ = p0["latency_ms"]["p99"], p0["success"]
+    rates = [lv["success"] for lv in run["levels"]]  # ordered within a point: noise is no failure
+    ordered = None not in rates and all(a >= b - 0.01 for a, b in zip(rates, rates[1:]))
+    fmt = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+    return [
+        {"check": "priority 0 success >= 99 %", "pass": succ is not None and succ >= 0.99,
+         "value": fmt(succ, "{:.2%}"), "target": on},
+        {"check": f"priority 0 p99 <= SLO {slo_ms:g} ms", "pass": p99 is not None and p99 <= slo_ms,
+         "value": fmt(p99, "{:.1f} ms"), "target": on},
+        {"check": "shed from the lowest levels (success P0 >= P1 >= P2, within 1 point)", "pass": ordered,
+         "value": " / ".join(fmt(r, "{:.1%}") for r in rates), "target": on},
+        {"check": "no client-side timeouts", "pass": run["all"]["client_timeouts"] == 0,
+         "value": str(run["all"]["client_timeouts"]), "target": True},
+        {"check": "every request answered once (answered == sent)",
+         "pass": run["answered"] == run["sent"] == run["scheduled"],
+         "value": f"{run['answered']:,d} of {run['scheduled']:,d}", "target": True}]
+
+
+def level_table(run: dict[str, Any]) -> list[list[str]]:
+    f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)  # noqa: E731
+    rows = [["priority", "offered", "ok", "success", "p50 ms", "p99 ms", *COLUMNS, "client timeout", "other"]]
+    for lv in [*run["levels"], run["all"]]:
+        rows.append([str(lv["priority"]), f"{lv['offered']:,d}", f"{lv['ok']:,d}", f(lv["success"], "{:.2%}"),
+                     f(lv["latency_ms"]["p50"]), f(lv["latency_ms"]["p99"]), *(f"{lv[c]:,d}" for c in COLUMNS),
+                     f"{lv['client_timeouts']:,d}", f"{sum(lv['other'].values()):,d}"])
+    return rows
+
+
+def comparison_line(runs: dict[str, dict]) -> Optional[str]:
+    if not {"on", "off"} <= set(runs):
+        return None
+    on, off = (runs[k]["levels"][0] for k in ("on", "off"))
+    a, b = on["latency_ms"]["p99"], off["latency_ms"]["p99"]
+    f = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
+    ratio = f" (without/with: {b / a:.1f}x)" if a and b else ""
+    s = lambda v: "-" if v is None else f"{v:.2%}"  # noqa: E731
+    return (f"priority 0 p99: {f(a)} with the adaptive limit, {f(b)} without{ratio}; "
+            f"priority 0 success {s(on['success'])} vs {s(off['success'])}")
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+
+def broker_config(models: dict, model: str, workers: int, slo_ms: float, adaptive: bool) -> dict[str, Any]:
+    cfg = tgw_config(models, [model], workers)
+    cfg["models"][0].update(priority_levels=LEVELS, slo_p99_ms=float(slo_ms), adaptive_concurrency=adaptive,
+                            max_queue=4096)
+    cfg["server"]["max_clients"] = MAX_THREADS + 64  # one connection per sender thread
+    return cfg
+
+
+def _answers(before: dict, after: dict, model: str) -> int:
+    """Answers the broker counted for `model` between two stats() snapshots: replies + errors."""
+    b, a = (s.get("models", {}).get(model, {}) for s in (before, after))
+    errs = lambda m: sum((m.get("errors") or {}).values())  # noqa: E731
+    return int(a.get("replies", 0)) - int(b.get("replies", 0)) + errs(a) - errs(b)
+
+
+def one_run(a: argparse.Namespace, models: dict, mode: str, work: str, capacity: Optional[float],
+            log: Callable[[str], None]) -> tuple[dict[str, Any], float]:
+    os.makedirs(os.path.join(work, mode))
+    cfg = broker_config(models, a.model, a.workers, a.slo_ms, mode == "on")
+    broker = BrokerProc(cfg, os.path.join(work, mode))
+    log(f"adaptive limit {mode}: starting the broker ({a.model}, {a.workers} cpu worker(s))")
+    try:
+        broker.start(timeout=180)
+        with Client(broker.address) as c:
+            cap = measure(TgwTarget(broker.address, a.model),
+                          LoadSpec("closed", a.capacity_concurrency, a.capacity_seconds, a.warmup, a.procs),
+                          c.stats()["processes"], stats=c.stats)
+            log(f"capacity: {cap['throughput_rps']:,.1f} req/s (closed loop, {a.capacity_concurrency} callers, "
+                f"{a.capacity_seconds:g} s), {cap['requests_failed']} failed"
+                + (f"; the open loop uses the first run's {capacity:,.1f}" if capacity else ""))
+            capacity = capacity or cap["throughput_rps"]
+            if not capacity:
+                raise RuntimeError(f"no capacity measured: {cap['errors']} {cap.get('error_messages')}")
+            rate = a.factor * capacity
+            threads = a.max_inflight or min(MAX_THREADS, max(16, math.ceil(rate * (a.timeout + REPLY_GRACE_S) * 1.25)))
+            procs = a.procs or max(2, min(4, (os.cpu_count() or 1) // 2))  # as loadgen.py
+            log(f"open loop: {rate:,.1f} req/s ({a.factor:g}x capacity) for {a.duration:g} s, timeout {a.timeout:g} s, "
+                f"{procs} generator process(es), {threads} sender threads")
+            before = c.stats()
+            raw = drive(broker.address, a.model, rate, a.duration, a.timeout, procs, max(threads, procs), a.seed)
+            after = c.stats()
+    finally:
+        exit_status = broker.stop(timeout=30)
+    run = summarise(raw, mode == "on", rate, a.duration)
+    run.update(capacity_rps=cap["throughput_rps"], capacity_run={k: cap.get(k) for k in (
+        "requests_ok", "requests_failed", "errors", "latency_ms", "throughput_rps")},
+        broker_answers=_answers(before, after, a.model), broker_exit_status=exit_status,
+        shm_leftovers=list_segments(broker.pid), config=cfg["models"][0])
+    run["checks"] = checks(run, a.slo_ms)
+    return run, capacity
+
+
+def print_run(run: dict[str, Any], out: Callable[[str], None]) -> None:
+    mode = "on" if run["adaptive_concurrency"] else "off"
+    out(f"\nadaptive limit {mode}: {run['rate_rps']:,.1f} req/s offered for {run['duration_s']:g} s; "
+        f"{run['scheduled']:,d} scheduled, {run['sent']:,d} sent, {run['answered']:,d} answered (the broker "
+        f"counted {run['broker_answers']:,d}); goodput {run['goodput_rps']:,.1f} req/s; send lag p99 "
+        f"{run['send_lag_ms']['p99'] or 0:.1f} ms; generator {run['generator']['cpu_cores']:.2f} cores")
+    out(report.text_table(level_table(run), 1))
+    others = Counter()
+    for lv in run["levels"]:
+        others.update(lv["other"])
+    if others:
+        out("other: " + ", ".join(f"{k} {v} ({run['error_messages'].get(k, '')[:120]})" for k, v in others.items()))
+    for ch in run["checks"]:
+        out(f"  {'PASS' if ch['pass'] else 'FAIL'}  {ch['check']}: {ch['value']}"
+            + ("" if ch["target"] else "  (without the adaptive limit: for comparison, not a target)"))
+    for w in run["warnings"]:
+        out(f"  WARNING: {w}")
+    if run["broker_exit_status"] != 0 or run["shm_leftovers"]:
+        out(f"  broker stop: exit status {run['broker_exit_status']}, /dev/shm leftovers {run['shm_leftovers']}")
+
+
+def run(a: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    mode = "quick" if a.quick else "full"
+    for k in ("duration", "capacity_seconds", "warmup"):
+        if getattr(a, k) is None:
+            setattr(a, k, MODES[mode][k])
+    if min(a.duration, a.capacity_seconds, a.factor, a.timeout, a.slo_ms) <= 0 or a.warmup < 0 or a.workers < 1 \
+            or a.capacity_concurrency < 1 or a.procs < 0 or (a.max_inflight or 0) < 0:
+        print("tgw-bench overload: durations, --factor, --timeout and --slo-ms must be > 0, --warmup >= 0, "
+              "--workers and --capacity-concurrency >= 1", file=sys.stderr)
+        return 2
+    log = lambda msg: out(f"[overload {time.strftime('%H:%M:%S')}] {msg}")  # noqa: E731
+    work = tempfile.mkdtemp(prefix="tgwov-", dir="/tmp")  # ipc paths must stay under 107 bytes
+    date, runs, capacity = datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S"), {}, None
+    try:
+        models = demo_models(os.path.join(work, "models"))
+        if a.model not in models:
+            print(f"tgw-bench overload: unknown model {a.model!r}; choose from {', '.join(models)}", file=sys.stderr)
+            return 2
+        for m in ["on", "off"] if a.only is None else [a.only]:
+            runs[m], capacity = one_run(a, models, m, work, capacity, log)
+            print_run(runs[m], out)
+    except (RuntimeError, TimeoutError, ConnectionError, LookupError, TgwError) as exc:
+        print(f"tgw-bench overload: {exc}", file=sys.stderr)
+        return 2
+    finally:  # each run stopped its own broker (by PID) already
+        shutil.rmtree(work, ignore_errors=True)
+    line = comparison_line(runs)
+    if line:
+        out("\n" + line)
+    here = os.path.dirname(os.path.abspath(__file__))
+    dest = a.json or os.path.join("bench/results" if os.path.isfile("bench/compare.py") else
+                                  os.path.join(here, "results") if os.path.isdir(os.path.join(here, "results"))
+                                  else ".", f"overload-{date}.json")
+    settings = {k: getattr(a, k) for k in ("model", "workers", "duration", "factor", "slo_ms", "timeout",
+                                           "capacity_concurrency", "capacity_seconds", "warmup", "procs",
+                                           "max_inflight", "seed", "only")}
+    report.write_json(dest, {"date": date, "command": getattr(a, "command_line", None), "mode": mode,
+                             "machine": report.machine(), "settings": {**settings, "mix": list(MIX)},
+                             "capacity_rps": capacity, "runs": runs, "comparison": line})
+    out(f"wrote {dest}")
+    return 1 if any(r["unanswered"] or r["answered"] != r["sent"] for r in runs.values()) else 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """`tgw-bench overload`'s arguments (cli.py adds the subcommand)."""
+    description, epilog = __doc__.split("\n\n", 1)
+    p = sub.add_parser("overload", help="2x capacity by priority, adaptive limit on and off (own broker)",
+                       description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="10 s per run instead of 60")
+    p.add_argument("--model", default="resnet", help="demo model served (default resnet)")
+    p.add_argument("--duration", type=float, help="open-loop seconds per run (default 60; --quick 10)")
+    p.add_argument("--factor", type=float, default=2.0, help="offered load over measured capacity (default 2)")
+    p.add_argument("--slo-ms", type=float, default=100.0, help="the model's slo_p99_ms (default 100)")
+    p.add_argument("--timeout", type=float, default=0.2, help="each request's timeout in seconds (default 0.2)")
+    p.add_argument("--only", choices=("on", "off"), help="only the run with the adaptive limit on, or off")
+    p.add_argument("--json", metavar="FILE", help="default: bench/results/overload-<date>.json")
+    p.add_argument("--workers", type=int, default=1, help="broker cpu workers (default 1)")
+    p.add_argument("--capacity-concurrency", type=int, default=32, help="closed-loop callers for capacity (32)")
+    p.add_argument("--capacity-seconds", type=float, help="measured capacity seconds (default 5; --quick 3)")
+    p.add_argument("--warmup", type=float, help="unmeasured seconds before the capacity window (2; --quick 1)")
+    p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
+    p.add_argument("--max-inflight", type=int, default=0,
+                   help="sender threads over all processes (default: rate x (timeout + 0.1 s) x 1.25)")
+    p.add_argument("--seed", type=int, default=1, help="seed of arrivals and priorities (default 1)")
+    return p
