@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tgw.bench import cli, overload
+from tgw.bench import cli, overload, overload_load
 from tgw.client import TgwError
 from tgw.shm.errors import Code, fail
 
@@ -54,16 +54,16 @@ def test_overload_on_and_off_end_to_end(tmp_path, capsys):
 
 
 def test_classify_tells_the_clients_give_up_from_the_brokers():
-    assert overload.classify(fail(Code.DEADLINE_EXCEEDED, "no reply", source="client")) == overload.CLIENT_TIMEOUT
-    assert overload.classify(fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued")) == "DEADLINE_EXCEEDED"
-    assert overload.classify(fail(Code.OVERLOADED, "shed")) == "OVERLOADED"
+    assert overload_load.classify(fail(Code.DEADLINE_EXCEEDED, "no reply", source="client")) == overload_load.CLIENT_TIMEOUT
+    assert overload_load.classify(fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued")) == "DEADLINE_EXCEEDED"
+    assert overload_load.classify(fail(Code.OVERLOADED, "shed")) == "OVERLOADED"
     assert isinstance(fail(Code.OVERLOADED, "x"), TgwError)
-    assert overload.classify(RuntimeError("boom")) == "RuntimeError"
+    assert overload_load.classify(RuntimeError("boom")) == "RuntimeError"
 
 
 def test_level_rows_and_checks_on_synthetic_answers():
     prio = np.array([0, 0, 1, 1, 2, 2, 2], dtype=np.uint8)
-    code = np.array(["ok", "ok", "ok", "OVERLOADED", "RATE_LIMITED", overload.CLIENT_TIMEOUT, "INTERNAL"])
+    code = np.array(["ok", "ok", "ok", "OVERLOADED", "RATE_LIMITED", overload_load.CLIENT_TIMEOUT, "INTERNAL"])
     lat = np.array([0.01, 0.02, 0.03, 0.001, 0.001, 0.3, 0.002])
     raw = {"prio": prio, "code": code, "lat": lat, "lag": np.zeros(7), "scheduled": 7, "sent": 7, "answered": 7,
            "stuck_threads": 0, "messages": {}, "generator": {"procs": 1, "threads": [4], "cpu_cores_per_proc": [0.1]}}

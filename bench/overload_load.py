@@ -1,0 +1,191 @@
+"""The overload scenario's open loop (bench/overload.py): spawned generator processes, each a
+Poisson dispatcher feeding sender threads that each hold one client socket; every request's
+priority, outcome code, latency from its scheduled time and send lag come back to the parent.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import resource
+import signal
+import threading
+import time
+import traceback
+from array import array
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from tgw.bench.loadgen import cpu_seconds
+from tgw.bench.targets import TgwTarget, error_code, make_inputs
+from tgw.client.client import REPLY_GRACE_S  # past a request's timeout, how long the client waits for the answer
+
+MIX = (0.10, 0.30, 0.60)         # share of requests at priority 0, 1, 2
+LEVELS = len(MIX)
+CLIENT_TIMEOUT = "CLIENT_TIMEOUT"  # the client gave up waiting: DEADLINE_EXCEEDED, details.source == "client"
+MAX_THREADS = 2048               # sender threads over all generator processes
+READY_TIMEOUT = 120.0            # seconds for a generator process to connect all its threads
+DRAIN_S = 60.0                   # seconds after the window for the last answers (and a backlog)
+
+
+def classify(exc: BaseException) -> str:
+    """A failure's code; the client's own give-up is CLIENT_TIMEOUT (the broker's has no source)."""
+    code = error_code(exc)
+    if code == "DEADLINE_EXCEEDED" and (getattr(exc, "details", None) or {}).get("source") == "client":
+        return CLIENT_TIMEOUT
+    return code
+
+
+class _Rec:
+    """One sender thread's requests: priority, outcome code, latency from the schedule, send lag;
+    how many it handed to the client and how many came back."""
+
+    def __init__(self) -> None:
+        self.prio, self.lat, self.lag, self.code = array("B"), array("d"), array("d"), []
+        self.sent = self.answered = 0
+
+
+def _child(index: int, address: str, model: str, rate: float, duration: float, timeout: float,
+           nthreads: int, seed: int, conn) -> None:
+    """A generator process: nthreads senders, each with its own socket, fed scheduled
+    (time, priority) pairs by one Poisson dispatcher at `rate` from the common start."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it stops us
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # two descriptors per zmq socket
+        want = 4 * nthreads + 256
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(hard, want),
+                                                        hard))
+        target = TgwTarget(address, model, timeout=timeout).open(seed=seed * 100 + index)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send({"fatal": traceback.format_exc()})
+        return
+    messages, failures, recs = {}, [], [_Rec() for _ in range(nthreads)]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    ready = threading.Barrier(nthreads + 1)
+    w = SimpleNamespace(start=0.0, end=0.0, scheduled=0)
+
+    def sender(rec: _Rec, i: int) -> None:
+        try:
+            inputs = make_inputs(target.meta, 1, target.seed * 1000 + i)
+            target.client.health()  # this thread's socket and handshake, before the window
+            ready.wait(READY_TIMEOUT)
+        except Exception:  # noqa: BLE001
+            failures.append(traceback.format_exc())
+            ready.abort()
+            return
+        infer = target.client.infer
+        while (item := q.get()) is not None:
+            t_sched, prio = item
+            t_send = time.monotonic()
+            rec.sent += 1
+            try:
+                infer(model, inputs, priority=prio, timeout=timeout)
+                code = "ok"
+            except Exception as exc:  # noqa: BLE001 - every answer is classified
+                code = classify(exc)
+                messages.setdefault(code, str(exc)[:300])
+            rec.lat.append(time.monotonic() - t_sched)
+            rec.lag.append(t_send - t_sched)
+            rec.prio.append(prio)
+            rec.code.append(code)
+            rec.answered += 1
+
+    def dispatch() -> None:
+        rng, t, n = np.random.default_rng(seed * 7919 + index), w.start, 0
+        while t < w.end:
+            for gap, prio in zip(rng.exponential(1.0 / rate, 4096), rng.choice(LEVELS, 4096, p=MIX)):
+                t += gap
+                if t >= w.end:
+                    break
+                time.sleep(max(0.0, t - time.monotonic()))
+                q.put((t, int(prio)))
+                n += 1
+        w.scheduled = n
+        for _ in range(nthreads):
+            q.put(None)
+
+    threads = [threading.Thread(target=sender, args=(r, i), daemon=True) for i, r in enumerate(recs)]
+    for th in threads:
+        th.start()
+    try:
+        ready.wait(READY_TIMEOUT)
+    except threading.BrokenBarrierError:
+        conn.send({"fatal": failures[0] if failures else "generator threads did not connect in time"})
+        os._exit(0)  # threads may still be connecting: do not wait for them
+    conn.send({"ready": True})
+    w.start = conn.recv()
+    w.end = w.start + duration
+    time.sleep(max(0.0, w.start - time.monotonic()))
+    cpu0 = cpu_seconds()
+    disp = threading.Thread(target=dispatch, daemon=True)
+    disp.start()
+    disp.join()
+    deadline = time.monotonic() + timeout + REPLY_GRACE_S + DRAIN_S
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    stuck = sum(th.is_alive() for th in threads)
+    n = [len(r.code) for r in recs]  # a stuck thread may still append: take what is there now
+    cat = lambda k, dt: np.concatenate([np.frombuffer(getattr(r, k)[:m], dtype=dt) for r, m in zip(recs, n)])  # noqa
+    conn.send({"prio": cat("prio", np.uint8), "lat": cat("lat", np.float64), "lag": cat("lag", np.float64),
+               "code": np.array([c for r, m in zip(recs, n) for c in r.code[:m]], dtype=str),
+               "scheduled": w.scheduled, "sent": sum(r.sent for r in recs), "answered": sum(r.answered for r in recs),
+               "stuck_threads": stuck, "messages": dict(messages),
+               "cpu_s": cpu_seconds() - cpu0, "threads": nthreads})
+    if stuck:
+        os._exit(0)  # a thread still inside infer() holds its socket: leave without closing
+    target.close()
+
+
+def _receive(conn, proc, timeout: float, what: str) -> dict:
+    try:
+        msg = conn.recv() if conn.poll(timeout) else None
+    except EOFError:  # the process is gone
+        msg = None
+    if msg is None:
+        proc.join(1)
+        raise RuntimeError(f"overload generator process {proc.pid} sent no {what} in {timeout:g} s "
+                           f"(exit status {proc.exitcode})")
+    if "fatal" in msg:
+        raise RuntimeError(f"overload generator process failed to start:\n{msg['fatal']}")
+    return msg
+
+
+def drive(address: str, model: str, rate: float, duration: float, timeout: float, procs: int, threads: int,
+          seed: int = 1) -> dict[str, Any]:
+    """The open loop: `procs` spawned processes, `threads` senders in all, Poisson arrivals at
+    `rate` in all for `duration` s. Returns every request's priority, outcome code, latency and
+    send lag (seconds), and the counts scheduled / sent / answered."""
+    ctx, children, conns = mp.get_context("spawn"), [], []
+    per = [threads // procs + (1 if i < threads % procs else 0) for i in range(procs)]
+    try:
+        for i in range(procs):
+            conn, child_conn = ctx.Pipe()
+            children.append(ctx.Process(target=_child, name=f"tgw-bench-overload-{i}", daemon=True,
+                                        args=(i, address, model, rate / procs, duration, timeout, per[i], seed,
+                                              child_conn)))
+            children[-1].start()
+            child_conn.close()  # the child holds the only copy, so its death reads as EOF here
+            conns.append(conn)
+        for c, p in zip(conns, children):
+            _receive(c, p, READY_TIMEOUT + 30, "ready message")
+        start = time.monotonic() + 0.2
+        for c in conns:
+            c.send(start)
+        end = start + duration + timeout + REPLY_GRACE_S + DRAIN_S + 30
+        results = [_receive(c, p, max(0.0, end - time.monotonic()), "results") for c, p in zip(conns, children)]
+        for p in children:
+            p.join(10)
+    finally:
+        for p in children:
+            if p.is_alive():
+                p.terminate()  # by PID, only the processes this run started
+                p.join(5)
+    out: dict[str, Any] = {k: np.concatenate([r[k] for r in results]) for k in ("prio", "code", "lat", "lag")}
+    for k in ("scheduled", "sent", "answered", "stuck_threads"):
+        out[k] = sum(r[k] for r in results)
+    out["messages"] = {k: m for r in results for k, m in r["messages"].items()}
+    out["generator"] = {"procs": procs, "threads": per, "cpu_cores_per_proc": [r["cpu_s"] / duration for r in results]}
+    return out
