@@ -55,11 +55,15 @@ def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> 
     def ratio(system: str, key: str) -> Optional[float]:
         a, b = value("tgw", key), value(system, key)
         return a / b if a is not None and b else None
+    # tgw's p50 over what a request cannot avoid: the transport's round trip and one batch-1 forward
+    p50s = [value(s, "p50") for s in ("tgw", "transport", "in-process")]
+    excess = None if None in p50s else p50s[0] - p50s[1] - p50s[2]
     return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency, "payload_bytes": payload_bytes,
             "rows": rows, "ratios": {"tgw_over_flask_throughput": ratio("flask", "throughput_rps"),
                                      "tgw_over_flask_p50": ratio("flask", "p50"),
                                      "tgw_over_floor_throughput": ratio("in-process", "rows_per_s"),
-                                     "tgw_over_transport_throughput": ratio("transport", "throughput_rps")}}
+                                     "tgw_over_transport_throughput": ratio("transport", "throughput_rps"),
+                                     "tgw_p50_excess_ms": excess}}
 
 
 def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
@@ -79,8 +83,7 @@ def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
 
 def tgw_config(models: dict[str, dict[str, Any]], names: list[str], workers: int) -> dict[str, Any]:
     return {"server": {"max_request_bytes": 64 << 20},
-            "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1, "input_arena_mb": 64,
-                        "output_arena_mb": 32},
+            "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},  # arenas: auto
             "models": [{"name": n, "versions": [{"version": "1", "path": models[n]["path"]}],
                         "inputs": models[n]["inputs"], "outputs": models[n]["outputs"],
                         "max_batch_size": models[n]["max_batch_size"], "max_queue": 4096, "timeout_ms": 60000,
@@ -143,8 +146,11 @@ class Servers:
         except Exception as exc:  # noqa: BLE001
             self.log(f"{name} FAILED: {type(exc).__name__}: {exc}")
             return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        p50 = row["latency_ms"]["p50"]
+        p50, us = row["latency_ms"]["p50"], row.get("cpu_us_per_request") or {}
         self.log(f"{name}: {row['throughput_rps']:,.0f} req/s" + (f", p50 {p50:.3f} ms" if p50 is not None else "")
+                 + "".join(f", {k} {us[k]:.1f} us/req" for k in ("broker", "workers", "generator")
+                           if us.get(k) is not None)
+                 + (f", PSS {row['server_pss_mb']:.0f} MiB" if row.get("server_pss_mb") is not None else "")
                  + (f", {row['requests_failed']} failed" if row["requests_failed"] else ""))
         return row
 
@@ -229,6 +235,7 @@ def run(a: argparse.Namespace, command: str) -> int:
     result = {"mode": mode, "date": date, "command": command, "machine": report.machine(), "settings": settings,
               **res, "wall_s": time.monotonic() - t0}
     print("\n" + report.text_table(report.compare_table(result["scenarios"]), 3))
+    print("\n" + report.text_table(report.cost_table(result["scenarios"]), 2))
     # --out, else bench/ of the checkout (run from its root, or an editable install), else .
     here = os.path.dirname(os.path.abspath(__file__))
     dest = a.out or ("bench" if os.path.isfile("bench/compare.py") else

@@ -72,10 +72,40 @@ def _peak_rss_mb(p: Optional[psutil.Process], reset: bool = False) -> Optional[f
         return None
 
 
+def _pss_mb(p: psutil.Process) -> Optional[float]:
+    try:
+        return p.memory_full_info().pss / 2**20
+    except (psutil.Error, AttributeError, OSError):  # gone, not ours, or no PSS on this platform
+        return None
+
+
+def tree_pss_mb(procs: list[Optional[psutil.Process]]) -> tuple[Optional[float], list[int]]:
+    """PSS summed over `procs` and all their descendants (each process once): the whole server
+    tree's memory, shared pages (libraries, shared-memory arenas) split between their users.
+    Returns (MiB or None when none could be read, the PIDs counted)."""
+    seen: dict[int, psutil.Process] = {}
+    for p in procs:
+        if p is None:
+            continue
+        try:
+            for q in [p, *p.children(recursive=True)]:
+                seen.setdefault(q.pid, q)
+        except psutil.Error:
+            continue
+    vals = {pid: _pss_mb(q) for pid, q in seen.items()}
+    got = [v for v in vals.values() if v is not None]
+    return (sum(got) if got else None), sorted(pid for pid, v in vals.items() if v is not None)
+
+
+def _per_request_us(seconds: Optional[float], requests: int) -> Optional[float]:
+    return None if seconds is None or requests <= 0 else seconds / requests * 1e6
+
+
 class ProcessMonitor:
     """At the window's edges (edge()): CPU of each server process, of the machine and of this
     harness; each process's peak RSS in the window, the kernel's high-water mark, reset at the
-    start (where that is refused, the peak since the process started)."""
+    start (where that is refused, the peak since the process started); at the end, each
+    process's PSS and the whole server tree's (the listed processes and their descendants)."""
 
     def __init__(self, processes: list[dict[str, Any]]):
         """processes: [{"role": ..., "pid": ..., ...}] as in `Client.stats()["processes"]`."""
@@ -88,16 +118,42 @@ class ProcessMonitor:
         self.edges: list[dict[str, Any]] = []
 
     def edge(self) -> None:
+        start = not self.edges
         self.edges.append({"procs": [_cpu(p) for p in self.procs], "machine": psutil.cpu_times(),
-                           "self": cpu_seconds(), "peak": [_peak_rss_mb(p, not self.edges) for p in self.procs]})
+                           "self": cpu_seconds(), "peak": [_peak_rss_mb(p, start) for p in self.procs]})
+        if not start:  # after the CPU counters, so reading smaps is not charged to the window
+            self.edges[-1]["pss"] = [_pss_mb(p) if p else None for p in self.procs]
+            self.edges[-1]["tree_pss"] = tree_pss_mb(self.procs)
 
     def report(self, s: dict[str, Any]) -> None:
-        """Adds server_processes (peak RSS, CPU cores) and machine (busy, other processes' cores) to s."""
+        """Adds server_processes (peak RSS, PSS, CPU cores, CPU µs per request), server_pss_mb (the
+        whole tree), cpu_us_per_request (broker, workers, server, generator) and machine (busy,
+        other processes' cores) to s."""
         dur, cores = s["duration_s"], os.cpu_count() or 1
         a, b = self.edges
-        rows = [{**info, "peak_rss_mb": None if peak is None else round(peak, 1),
-                 "cpu_cores": None if None in (c0, c1) else round((c1 - c0) / dur, 3)}
-                for info, peak, c0, c1 in zip(self.infos, b["peak"], a["procs"], b["procs"])]
+        n = s["requests_ok"] + s["requests_failed"]  # the requests measured in the window
+        rows = []
+        for info, peak, pss, c0, c1 in zip(self.infos, b["peak"], b["pss"], a["procs"], b["procs"]):
+            cpu_s = None if None in (c0, c1) else c1 - c0
+            rows.append({**info, "peak_rss_mb": None if peak is None else round(peak, 1),
+                         "pss_mb": None if pss is None else round(pss, 1),
+                         "cpu_cores": None if cpu_s is None else round(cpu_s / dur, 3),
+                         "cpu_us_per_request": None if cpu_s is None or n <= 0 else round(cpu_s / n * 1e6, 2)})
+        tree, pids = b["tree_pss"]
+        s["server_pss_mb"] = None if tree is None else round(tree, 1)
+        s["server_pss_pids"] = pids
+
+        def cpu_of(pick) -> Optional[float]:
+            got = [(c1 - c0) for info, c0, c1 in zip(self.infos, a["procs"], b["procs"])
+                   if pick(info.get("role")) and None not in (c0, c1)]
+            return sum(got) if got else None
+        # the broker (tgw's, or the transport echo's) apart from the processes doing the work
+        # (tgw/echo workers; for Flask every gunicorn process: its master only forks and watches)
+        s["cpu_us_per_request"] = {
+            "broker": _per_request_us(cpu_of(lambda r: r == "broker"), n),
+            "workers": _per_request_us(cpu_of(lambda r: r != "broker"), n),
+            "server": _per_request_us(cpu_of(lambda r: True), n),
+            "generator": _per_request_us(s["generator"]["cpu_cores"] * dur, n)}
         m0, m1 = a["machine"], b["machine"]
         total = sum(m1) - sum(m0)
         idle = (m1.idle - m0.idle) + (getattr(m1, "iowait", 0) - getattr(m0, "iowait", 0))

@@ -56,7 +56,14 @@ def format_summary(s: dict[str, Any]) -> str:
                  f"{gen['cpu_cores']:.2f} cores ({gen['cpu_share_of_machine']:.0%} of the machine); machine CPU "
                  f"busy {_f(s['machine']['cpu_busy'], '{:.0%}')}")
     lines += [f"  {p['role']:<12} pid {p['pid']:<7} {str(p.get('device', '')):<7} peak RSS "
-              f"{_f(p['peak_rss_mb'], '{:8.1f}')} MB  CPU {_f(p['cpu_cores'])} cores" for p in s["server_processes"]]
+              f"{_f(p['peak_rss_mb'], '{:8.1f}')} MB  PSS {_f(p.get('pss_mb'), '{:8.1f}')} MB  CPU "
+              f"{_f(p['cpu_cores'])} cores, {_f(p.get('cpu_us_per_request'), '{:.1f}')} us/request"
+              for p in s["server_processes"]]
+    if "cpu_us_per_request" in s:
+        us = s["cpu_us_per_request"]
+        lines.append(f"  per request  CPU us: broker {_f(us['broker'], '{:.1f}')}, workers {_f(us['workers'], '{:.1f}')}, "
+                     f"generator {_f(us['generator'], '{:.1f}')}; server tree PSS "
+                     f"{_f(s.get('server_pss_mb'), '{:.1f}')} MiB")
     return "\n".join(lines + [f"  WARNING: {w}" for w in s["warnings"]])
 
 
@@ -107,6 +114,28 @@ def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
+def cost_table(results: list[dict[str, Any]]) -> list[list[str]]:
+    """Header + one line per (scenario, server system): CPU microseconds per request over the
+    window (the broker process, the processes doing the work, the load generator), the whole
+    server tree's PSS at the window's end, and for tgw its ratio to the transport floor and its
+    p50 over the c=1 budget (transport p50 + in-process batch-1 p50); the first 2 columns are text."""
+    out = [["scenario", "system", "req/s", "broker us/req", "workers us/req", "gen us/req", "server PSS MiB",
+            "tgw/transport", "p50 - (transport + floor) ms"]]
+    for res in results:
+        r = res["ratios"]
+        for system in (s for s in SYSTEMS if s in res["rows"] and s != "in-process"):
+            row = res["rows"][system]
+            if "error" in row:
+                continue
+            us, tgw = row.get("cpu_us_per_request") or {}, system == "tgw"
+            out.append([res["scenario"], label(system, row), _f(row["throughput_rps"], "{:,.0f}"),
+                        *(_f(us.get(k), "{:.1f}") for k in ("broker", "workers", "generator")),
+                        _f(row.get("server_pss_mb"), "{:.0f}"),
+                        _f(r.get("tgw_over_transport_throughput"), "{:.2f}x") if tgw else "",
+                        _f(r.get("tgw_p50_excess_ms"), "{:+.3f}") if tgw else ""])
+    return out
+
+
 RESULTS_HEADER = """# tgw benchmark results
 
 Written by `tgw-bench compare` (bench/README.md says what each row means). Each section is
@@ -151,6 +180,15 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         "max/4 and max (that batch size is in the batch column); its p50/p99 are one batch-1 call. batch of "
         "tgw = mean rows per batch the broker formed. tgw/Flask = throughput ratio; tgw/floor = tgw rows/s "
         "over the floor's samples/s. gen CPU = cores used by the load generator in the window.",
+        "", "CPU per request and memory (in-process floor rows have none):", "",
+        markdown_table(cost_table(result["scenarios"]), 2), "",
+        "us/req = CPU microseconds (user + system) over the window divided by the requests measured in it: "
+        "broker = the tgw broker process (transport floor: the echo broker); workers = its worker processes "
+        "(transport floor: the echo worker; Flask: every gunicorn process); gen = the load generator's "
+        "processes (wrk for wrk-loaded rows). server PSS = proportional set size summed over the server's "
+        "processes and their descendants at the window's end (shared pages, shared-memory arenas included, "
+        "split between their users). tgw/transport = tgw req/s over the transport floor's; p50 - (transport + "
+        "floor) = tgw p50 minus the transport floor's p50 and the in-process batch-1 p50.",
     ]
     if s["http_generator"].startswith("python"):
         lines += ["", "**wrk was not installed for this run**: the Flask+gunicorn rows were loaded by the Python "
@@ -166,18 +204,27 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
 
 
 def update_results_md(path: str, section: str, body: str) -> None:
-    """Replace this mode's section (between its markers), keep the others; full comes first."""
+    """Replace this mode's section (between its markers) where it stands; a new one goes next to
+    the others in SECTIONS order (full first). Text outside the markers is kept as it is."""
     text = open(path).read() if os.path.exists(path) else RESULTS_HEADER
-    blocks = {}
-    for name in SECTIONS:
-        m = re.search(re.escape(f"<!-- {name}:start -->") + r".*?" + re.escape(f"<!-- {name}:end -->"), text, re.S)
-        if m:
-            blocks[name] = m.group(0)
-            text = text.replace(m.group(0), "")
-    blocks[section] = f"<!-- {section}:start -->\n{body}<!-- {section}:end -->"
-    head = re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
+    block = f"<!-- {section}:start -->\n{body}<!-- {section}:end -->"
+    pattern = re.compile(re.escape(f"<!-- {section}:start -->") + r".*?" + re.escape(f"<!-- {section}:end -->"), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        i = SECTIONS.index(section)
+        later = [s for s in SECTIONS[i + 1:] if f"<!-- {s}:start -->" in text]
+        earlier = [s for s in SECTIONS[:i] if f"<!-- {s}:end -->" in text]
+        if later:
+            at = text.index(f"<!-- {later[0]}:start -->")
+            text = text[:at] + block + "\n\n" + text[at:]
+        elif earlier:
+            at = text.index(f"<!-- {earlier[-1]}:end -->") + len(f"<!-- {earlier[-1]}:end -->")
+            text = text[:at] + "\n\n" + block + text[at:]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w") as f:
-        f.write(head + "".join(f"\n{blocks[k]}\n" for k in SECTIONS if k in blocks))
+        f.write(text)
 
 
 def write_outputs(result: dict[str, Any], dest: str, results_md: bool = True) -> None:

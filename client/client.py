@@ -25,11 +25,15 @@ from zmq.utils import z85
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import default_address, ipc_path
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Stats, \
-    Status, encode, nbytes_of, reply_decoder
+    Status, encode, reply_decoder
 
-from .tensors import ZERO_COPY_MIN, decode_outputs, encode_inputs
+from .tensors import ZERO_COPY_MIN, decode_outputs, encode as encode_tensors
 
 CONNECT_TIMEOUT_S = 5.0
+# plain ints: pyzmq's enum flags cost an enum operation per use, and its send_multipart,
+# recv_multipart and Socket.poll helpers several (Python-level option lookups, a Poller per
+# call), which is most of what this client spends per call besides the socket itself
+SNDMORE, POLLIN, ENOTSUP = int(zmq.SNDMORE), int(zmq.POLLIN), int(zmq.ENOTSUP)
 REPLY_GRACE_S = 0.1  # past the timeout, for the broker's own DEADLINE_EXCEEDED (its sweep runs every 50 ms)
 NO_TIMEOUT_WAIT_S = 600.0  # a request without timeout still stops waiting for a vanished broker
 
@@ -119,14 +123,14 @@ class Client:
         the request counts against (default: $TGW_TENANT, else the broker's default tenant)."""
         if timeout is not None and not timeout >= 0:
             raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
-        metas, frames = encode_inputs(inputs, compress)
-        self._check_size(metas, frames)
+        metas, frames, declared, sent = encode_tensors(inputs, compress)
+        self._check_size(declared, sent)
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
                     timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token,
                     tenant=tenant if tenant is not None else self.tenant)
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
-        reply, tensor_frames = self._call(req, frames, wait)
+        reply, tensor_frames = self._call(req, frames, wait, nbytes=sent)
         return decode_outputs(reply.outputs, tensor_frames)
 
     def models(self) -> list[dict]:
@@ -188,30 +192,45 @@ class Client:
         self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
         return sock
 
-    def _check_size(self, metas, frames) -> None:
-        """The broker's size rule, applied before sending: a frame over it would not be read at all
-        (the broker drops such a connection unread), so the caller would only see a timeout."""
-        declared = sum(nbytes_of(m.dtype, m.shape) for m in metas)
-        sent = sum(memoryview(f).nbytes for f in frames)
+    def _check_size(self, declared: int, sent: int) -> None:
+        """The broker's size rule, applied before sending (`declared`: the tensors' raw bytes, `sent`:
+        the bytes of their frames): a frame over it would not be read at all (the broker drops such
+        a connection unread), so the caller would only see a timeout."""
         if max(declared, sent) > self.max_request_bytes:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {max(declared, sent)} bytes of tensors; the "
                        f"broker's limit is {self.max_request_bytes} (server.max_request_bytes)",
                        limit=self.max_request_bytes)
 
-    def _call(self, msg, frames: list, wait_s: float, sock: zmq.Socket | None = None):
+    def _call(self, msg, frames: list, wait_s: float, sock: zmq.Socket | None = None, nbytes: int | None = None):
+        """Send msg and its tensor frames (`nbytes` in all, when the caller knows), wait for the reply."""
         sock = sock or self._socket()
-        copy = sum(len(f) for f in frames) < ZERO_COPY_MIN
-        sock.send_multipart([encode(msg), *frames], copy=copy)
+        copy = (sum(len(f) for f in frames) if nbytes is None else nbytes) < ZERO_COPY_MIN
+        send = sock.send
+        if frames:  # one multipart message: SNDMORE on every part but the last
+            send(encode(msg), SNDMORE, copy=copy)
+            for f in frames[:-1]:
+                send(f, SNDMORE, copy=copy)
+            send(frames[-1], 0, copy=copy)
+        else:
+            send(encode(msg), 0, copy=copy)
         deadline = time.monotonic() + wait_s
+        ready = [(sock, POLLIN)]
         while True:
             # stale replies to abandoned requests must not extend this request's wait
-            if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if sock.closed:
+                raise zmq.ZMQError(ENOTSUP)  # as Socket.poll does
+            if not zmq.zmq_poll(ready, max(0, int((deadline - time.monotonic()) * 1000))):
                 if isinstance(msg, Hello):
                     raise TimeoutError
                 # source: the caller gave up waiting (the broker's own DEADLINE_EXCEEDED has none)
                 raise fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
                            request_id=msg.id, source="client")
-            parts = sock.recv_multipart(copy=False)
+            # pyzmq sets each frame's `more` as it receives it (recv_multipart asks the socket again)
+            frame = sock.recv(copy=False)
+            parts = [frame]
+            while frame.more:
+                frame = sock.recv(copy=False)
+                parts.append(frame)
             try:
                 reply = reply_decoder.decode(parts[0].buffer)
             except DecodeError as exc:

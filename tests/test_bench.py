@@ -66,7 +66,21 @@ def _check_run(run: dict, mode: str, level: float) -> None:
     roles = sorted(p["role"] for p in run["server_processes"])
     assert roles == ["broker", "worker"]
     assert all(p["peak_rss_mb"] > 0 for p in run["server_processes"])
+    _check_costs(run, ["broker", "worker"])
     assert isinstance(run["warnings"], list)
+
+
+def _check_costs(run: dict, roles: list[str]) -> None:
+    """CPU per request (broker, workers, generator) and the server tree's PSS: present, never timed."""
+    us = run["cpu_us_per_request"]
+    assert set(us) == {"broker", "workers", "server", "generator"}
+    assert all(v is not None and v >= 0 for v in us.values())
+    assert us["server"] == pytest.approx(us["broker"] + us["workers"])
+    by_role = {p["role"]: p for p in run["server_processes"]}
+    assert sorted(by_role) == sorted(roles)
+    assert all(p["pss_mb"] > 0 and p["cpu_us_per_request"] >= 0 for p in by_role.values())
+    assert set(run["server_pss_pids"]) >= {p["pid"] for p in by_role.values()}
+    assert run["server_pss_mb"] >= max(p["pss_mb"] for p in by_role.values())
 
 
 def test_tgw_bench_closed_and_open_loop(broker, bench_dir, capsys):
@@ -113,6 +127,7 @@ def test_transport_floor_echo_through_the_loadgen(bench_dir):
     assert row["requests_ok"] > 0 and row["requests_failed"] == 0
     assert not srv.broker.alive() and not srv.worker.alive()
     assert [p["role"] for p in row["server_processes"]] == ["broker", "worker"]
+    _check_costs(row, ["broker", "worker"])
 
 
 def test_in_process_floor(models):
@@ -152,7 +167,8 @@ def test_stats_diff():
 def _row(rps: float, p50: float) -> dict:
     return {"throughput_rps": rps, "rows_per_s": rps, "requests_failed": 0, "errors": {},
             "latency_ms": {"p50": p50, "p90": p50, "p99": p50 * 2, "p99_9": p50 * 3},
-            "generator": {"cpu_cores": 0.1}}
+            "generator": {"cpu_cores": 0.1}, "server_pss_mb": 300.0,
+            "cpu_us_per_request": {"broker": 40.0, "workers": 60.0, "server": 100.0, "generator": 90.0}}
 
 
 def test_compare_rows_ratios_and_tables(tmp_path):
@@ -168,6 +184,7 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     assert r["tgw_over_flask_p50"] == pytest.approx(0.25)
     assert r["tgw_over_floor_throughput"] == pytest.approx(0.5)
     assert r["tgw_over_transport_throughput"] == pytest.approx(0.25)
+    assert r["tgw_p50_excess_ms"] == pytest.approx(4.0 - 1.0 - 1.0)  # tgw - transport - floor batch-1
     failed = comparison.scenario_result(comparison.Scenario("resnet", 1), 49152,
                                         {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
     assert failed["ratios"]["tgw_over_flask_throughput"] is None
@@ -177,18 +194,30 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     assert "Flask+gunicorn (python-fallback)" in [t[2] for t in table]  # the generator is named per row
     text, md = report.text_table(table, 3), report.markdown_table(table, 3)
     assert "4.00x" in text and md.count("\n") == len(table)
+    costs = report.cost_table([res, failed])
+    assert len(costs) == 1 + 3 + 2 and all(len(t) == len(costs[0]) for t in costs)  # no floor or failed rows
+    tgw = next(t for t in costs if t[1] == "tgw native")
+    assert tgw[3:7] == ["40.0", "60.0", "90.0", "300"] and tgw[7] == "0.25x" and tgw[8] == "+2.000"
     result = {"mode": "quick", "date": "d", "command": "tgw-bench compare --quick", "wall_s": 1.0,
               "machine": report.machine(), "scenarios": [res, failed],
               "settings": {"duration": 2, "warmup": 0.5, "tgw_workers": 2, "flask_workers": 2, "floor_procs": 2,
                            "http_generator": "python fallback (wrk not installed)"}}
     section = report.section_markdown(result, "r.json", "r.png")
     assert "wrk was not installed" in section and "| mlp c=16 |" in section
+    assert "broker us/req" in section and "server PSS MiB" in section
     path = str(tmp_path / "RESULTS.md")
     report.update_results_md(path, "quick", "quick body\n")
     report.update_results_md(path, "full", "full body\n")
     report.update_results_md(path, "quick", "quick body 2\n")
     body = open(path).read()
     assert body.index("full body") < body.index("quick body 2") and "quick body\n" not in body
+    with open(path, "a") as f:
+        f.write("\n## Notes kept as they are\n")
+    report.update_results_md(path, "custom", "custom body\n")
+    report.update_results_md(path, "full", "full body 2\n")
+    body = open(path).read()  # sections stay where they are; a new one goes after the others
+    assert body.index("full body 2") < body.index("quick body 2") < body.index("custom body") \
+        < body.index("## Notes kept as they are") and "full body\n" not in body
 
 
 WRK_TEXT = """Running 2s test @ http://127.0.0.1:8000/infer/mlp
