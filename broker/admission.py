@@ -11,7 +11,7 @@ model's adaptive concurrency limit and its queue bound shed from the lowest prio
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import lz4.frame
 
@@ -28,6 +28,15 @@ from .limits import check_declared
 from .registry import Checked, Registry
 from .stats import Stats
 from .tenants import Tenants
+
+
+MEMO_MAX = 1024  # header shapes remembered by _intake
+
+
+class Intake(NamedTuple):
+    """What the shape-fixed checks of a request found (Admission._intake)."""
+    checked: Checked
+    out_nbytes: list[int] | None   # each declared output's bytes for its rows; None: -1 dims
 
 
 class Admission:
@@ -48,23 +57,22 @@ class Admission:
                                              now=clock())
                        for m in cfg.models if m.adaptive_concurrency and m.slo_p99_ms}
         self.open = True
+        self._memo: dict[tuple, Intake] = {}
 
     def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
         """Queue the request (or raise the TgwError that answers it)."""
         if not self.open:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         self.callers.check_owed(client)
-        check_declared(msg, self.server)
         sizes = [len(f) for f in tensor_frames]
-        if sum(sizes) > self.max_request:  # compressed frames of incompressible data can outgrow the raw bytes
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
-                       f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
-        checked = self.registry.validate(msg, sizes)
+        intake = self._intake(msg, sizes)
+        checked = intake.checked
         why = self.unavailable()
         if why:
             raise fail(Code.MODEL_NOT_READY, why, reason="crash_loop", model=msg.model)
         now = self.clock()
-        checked = self._route(msg, checked, sizes, now)
+        if self.breakers.by_key:
+            checked = self._route(msg, checked, sizes, now)
         model = checked.model.decl
         if not 0 <= msg.priority < model.priority_levels:
             raise fail(Code.INVALID_ARGUMENT, f"priority {msg.priority} is out of range: model {model.name!r} "
@@ -72,16 +80,18 @@ class Admission:
                        priority=msg.priority, priority_levels=model.priority_levels)
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         deadline = now + timeout_ms / 1000.0
-        predicted = self.costs.predict(model.name, checked.rows)
-        if deadline - predicted <= now:  # not even a batch of its own could answer in time
+        # not even a batch of its own could answer in time (the bound spares most requests the prediction)
+        if timeout_ms <= self.costs.bound_ms(model.name, checked.rows) and \
+                deadline - (predicted := self.costs.predict(model.name, checked.rows)) <= now:
             raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
                        f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
                        f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
-        tenant = self.tenants.resolve(msg.tenant)
+        tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
         try:
-            p = self._pending(client, msg, checked, tensor_frames, deadline, now, tenant)
+            out_nbytes = intake.out_nbytes if checked is intake.checked else checked.model.output_bytes(checked.rows)
+            p = self._pending(client, msg, checked, out_nbytes, tensor_frames, deadline, now, tenant)
             self._enqueue(p, self.limits.get(model.name))
         except BaseException:
             if tenant is not None:
@@ -91,30 +101,23 @@ class Admission:
         self.stats.models[model.name].requests += 1
         return p
 
-    def _route(self, msg: Infer, checked: Checked, sizes: list[int], now: float) -> Checked:
-        """The version asked for, or its model's fallback while its breaker is open."""
-        breaker = self.breakers.get(msg.model, checked.version)
-        if breaker is None or breaker.allow(now):
-            return checked
-        fallback = self.breakers.fallback.get(msg.model)
-        if fallback is not None:
-            original = msg.model
-            msg.model, msg.version = fallback, None
-            routed = self.registry.validate(msg, sizes)  # same declaration; its own rows limit and readiness
-            other = self.breakers.get(fallback, routed.version)
-            if other is None or other.allow(now):
-                self.stats.models[original].fallbacks += 1
-                return routed
-            msg.model = original
-        raise fail(Code.CIRCUIT_OPEN, f"circuit breaker of {breaker.name} is {breaker.state.value} "
-                   f"({breaker.reason})" + (f"; fallback {fallback!r} is open too" if fallback else ""),
-                   model=msg.model, version=checked.version,
-                   retry_after_ms=max(1, round(breaker.retry_after_s(now) * 1000)))
-
-    def _pending(self, client: bytes, msg: Infer, checked: Checked, tensor_frames: list, deadline: float,
-                 now: float, tenant) -> Pending:
-        tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
-        need = aligned_total([len(t) for t in tensors])
+    def _intake(self, msg: Infer, sizes: list[int]) -> "Intake":
+        """The checks fixed by the header's shape fields and the frame sizes - limits, declaration,
+        arena fit - memoised on exactly those (a steady stream of like requests pays a dict
+        lookup), then what can change between like requests: readiness and the timeout."""
+        key = (msg.model, msg.version, None if msg.outputs is None else tuple(msg.outputs), tuple(sizes),
+               *[(t.name, t.dtype, tuple(t.shape), t.compression) for t in msg.inputs])
+        hit = self._memo.get(key)
+        if hit is not None:
+            self.registry.check_live(hit.checked.model, hit.checked.version, msg)
+            return hit
+        check_declared(msg, self.server)
+        if sum(sizes) > self.max_request:  # compressed frames of incompressible data can outgrow the raw bytes
+            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
+                       f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
+        checked = self.registry.validate(msg, sizes)
+        # raw bytes of each input once inflated (as declared: inflate() holds them to it)
+        need = aligned_total([nbytes_of(msg.inputs[i].dtype, msg.inputs[i].shape) for i in checked.order])
         if need > self.arena:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
                        f"arena holds {self.arena} (workers.input_arena_mb)", limit=self.arena)
@@ -125,6 +128,35 @@ class Admission:
                        f"output arena holds {self.out_arena} (workers.output_arena_mb)", model=msg.model,
                        needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb",
                        retryable=False)
+        intake = Intake(checked, out_nbytes)
+        if len(self._memo) >= MEMO_MAX:  # distinct shapes beyond this are rare: start over
+            self._memo.clear()
+        self._memo[key] = intake
+        return intake
+
+    def _route(self, msg: Infer, checked: Checked, sizes: list[int], now: float) -> Checked:
+        """The version asked for, or its model's fallback while its breaker is open."""
+        breaker = self.breakers.get(msg.model, checked.version)
+        if breaker is None or breaker.allow(now):
+            return checked
+        fallback = self.breakers.fallback.get(msg.model)
+        if fallback is not None:
+            original = msg.model
+            msg.model, msg.version = fallback, None
+            routed = self._intake(msg, sizes).checked  # same declaration; its own rows limit and readiness
+            other = self.breakers.get(fallback, routed.version)
+            if other is None or other.allow(now):
+                self.stats.models[original].fallbacks += 1
+                return routed
+            msg.model = original
+        raise fail(Code.CIRCUIT_OPEN, f"circuit breaker of {breaker.name} is {breaker.state.value} "
+                   f"({breaker.reason})" + (f"; fallback {fallback!r} is open too" if fallback else ""),
+                   model=msg.model, version=checked.version,
+                   retry_after_ms=max(1, round(breaker.retry_after_s(now) * 1000)))
+
+    def _pending(self, client: bytes, msg: Infer, checked: Checked, out_nbytes: list[int] | None,
+                 tensor_frames: list, deadline: float, now: float, tenant) -> Pending:
+        tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         return Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
                        rows=checked.rows, shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
                        deadline=deadline, compress=msg.compress_outputs, out_nbytes=out_nbytes,
@@ -162,7 +194,7 @@ class Admission:
             limit.inflight -= 1
             if code is None:
                 limit.record(now - p.arrived, now)
-        if p.dispatched:
+        if p.dispatched and self.breakers.by_key:
             breaker = self.breakers.get(p.model, p.version)
             if breaker is not None:
                 breaker.record(code in FAILURES, now - p.dispatched, now)

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.ring import aligned_total
+from tgw.shm.ring import ALIGN, aligned_total
 
 from .costmodel import CostModel
 
@@ -33,7 +33,7 @@ class Pending:
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
                  "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
-                 "tenant", "dispatched")
+                 "tenant", "dispatched", "in_total", "out_total")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False,
@@ -46,6 +46,8 @@ class Pending:
         # per declared output (the worker writes them all), for its rows; None: some dim is -1,
         # so the size is known only after compute
         self.out_nbytes = out_nbytes
+        self.in_total = sum(self.nbytes)
+        self.out_total = None if out_nbytes is None else sum(out_nbytes)
         self.deadline, self.compress = deadline, compress   # deadline: clock seconds
         self.attempts = 0                           # dispatches lost to a dying worker
         self.alone = False                          # runs in a batch of its own (a retry after a death)
@@ -267,10 +269,14 @@ class Batcher:
         if q.preferred and head.rows < q.preferred[-1]:
             avail = sum(p.rows for p in self._group(q, head)) + head.rows
             cap = max((b for b in q.preferred if b <= min(avail, cap)), default=cap)
-        batch, rows, sizes, outs = [head], head.rows, list(head.nbytes), head.out_nbytes
+        batch, rows = [head], head.rows
+        # raw byte totals (None: an output size unknown until computed); regions padded to 64 bytes
+        # exceed their raw sum by less than 64 each, so the exact layout is computed only near a cap
+        raw, pad = head.in_total, ALIGN * len(head.nbytes)
+        out_raw, out_pad = head.out_total, ALIGN * len(head.out_nbytes or ())
         group = head.group()
         scanned = 0
-        for i, items in enumerate(q.levels):
+        for items in q.levels:
             skipped: list[Pending] = []
             while items and rows < cap and scanned < self.SCAN_LIMIT:
                 p = items.popleft()
@@ -278,23 +284,22 @@ class Batcher:
                 if p.alone or p.group() != group or rows + p.rows > cap:
                     skipped.append(p)
                     continue
-                grown, outs_grown = _add(sizes, p.nbytes), _add(outs, p.out_nbytes)
-                if _over(grown, max_bytes) or _over(outs_grown, max_out_bytes):
+                raw_next = raw + p.in_total
+                out_next = None if out_raw is None or p.out_total is None else out_raw + p.out_total
+                if (raw_next + pad > max_bytes and _over(batch, p, "nbytes", max_bytes)) or \
+                        (out_next is not None and max_out_bytes is not None and out_next + out_pad > max_out_bytes
+                         and _over(batch, p, "out_nbytes", max_out_bytes)):
                     skipped.append(p)
                     scanned = self.SCAN_LIMIT  # the arena is full: stop looking in every level
                     break
                 batch.append(p)
-                rows, sizes, outs = rows + p.rows, grown, outs_grown
+                rows, raw, out_raw = rows + p.rows, raw_next, out_next
             items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
         q.count -= len(batch) - 1
         return batch
 
 
-def _add(sizes: list[int] | None, more: list[int] | None) -> list[int] | None:
-    """Region sizes grown by a request's; None (unknown) if either is unknown."""
-    return None if sizes is None or more is None else [s + n for s, n in zip(sizes, more)]
-
-
-def _over(sizes: list[int] | None, cap: int | None) -> bool:
-    """Whether one block of these regions overflows `cap` (unknown sizes or no cap: never)."""
-    return sizes is not None and cap is not None and aligned_total(sizes) > cap
+def _over(batch: list[Pending], p: Pending, sizes: str, cap: int) -> bool:
+    """Whether one block of the batch's regions (per input, or per output), grown by p's,
+    overflows `cap`."""
+    return aligned_total([sum(col) for col in zip(*(getattr(q, sizes) for q in batch), getattr(p, sizes))]) > cap

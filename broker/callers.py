@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections import Counter
 from typing import Callable
 
 import zmq
@@ -60,7 +59,7 @@ class Callers:
         self.max_owed = server.max_inflight_per_client
         self.connected = 0
         self.served: dict[bytes, float] = {}   # callers let in -> when last seen
-        self.owed: Counter = Counter()         # caller -> requests admitted and not yet answered
+        self.owed: dict[bytes, int] = {}       # caller -> requests admitted and not yet answered
         self.denied = 0                        # connections closed at the handshake (past the headroom)
 
     # ---- connections -------------------------------------------------------------------------
@@ -104,16 +103,18 @@ class Callers:
 
     def check_owed(self, ident: bytes) -> None:
         """OVERLOADED when this caller already has max_inflight_per_client requests unanswered."""
-        if self.owed[ident] >= self.max_owed:
+        if self.owed.get(ident, 0) >= self.max_owed:
             raise fail(Code.OVERLOADED, f"this caller already has {self.owed[ident]} requests in flight "
                        f"(server.max_inflight_per_client)", reason="client_inflight", limit=self.max_owed)
 
     def owe(self, ident: bytes) -> None:
-        self.owed[ident] += 1
+        owed = self.owed
+        owed[ident] = owed.get(ident, 0) + 1
 
     def paid(self, ident: bytes) -> None:
-        n = self.owed[ident] - 1
+        owed = self.owed
+        n = owed.get(ident, 0) - 1
         if n > 0:
-            self.owed[ident] = n
+            owed[ident] = n
         else:
-            self.owed.pop(ident, None)
+            owed.pop(ident, None)

@@ -20,6 +20,9 @@ class CostModel:
         self.table: dict[str, dict[int, dict[int, float]]] = {}
         self._sizes: dict[tuple[str, int], list[int]] = {}   # sorted rows seen, per (model, worker)
         self.recent: dict[str, float] = {}                    # model -> EWMA batch seconds
+        # model -> (most seconds, most seconds per row) any EWMA has held: predict() never exceeds
+        # max(most, per_row x rows), so a deadline beyond that needs no prediction
+        self._most: dict[str, tuple[float, float]] = {}
 
     def observe(self, model: str, worker: int, rows: int, compute_us: int) -> None:
         s = compute_us / 1e6
@@ -32,6 +35,15 @@ class CostModel:
             per_worker[rows] = old + ALPHA * (s - old)
         r = self.recent.get(model)
         self.recent[model] = s if r is None else r + ALPHA * (s - r)
+        t = per_worker[rows]
+        most, per_row = self._most.get(model, (0.0, 0.0))
+        if t > most or t / rows > per_row:
+            self._most[model] = (max(most, t), max(per_row, t / rows))
+
+    def bound_ms(self, model: str, rows: int) -> float:
+        """An upper bound of predict(model, rows, any worker), in milliseconds."""
+        most, per_row = self._most.get(model, (0.0, 0.0))
+        return 1000.0 * max(most, per_row * rows)
 
     def predict(self, model: str, rows: int, worker: int | None = None) -> float:
         """Seconds a batch of `rows` is expected to compute (0.0 while nothing is known)."""

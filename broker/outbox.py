@@ -24,7 +24,7 @@ class Outbox:
         self.held: Counter = Counter()         # caller -> their bytes
 
     def send(self, ident: bytes, frames: list) -> bool:
-        size = sum(memoryview(f).nbytes for f in frames)
+        size = sum(map(len, frames))  # bytes, or byte-format memoryviews of the output arena
         if size < TRACK_MIN:
             why, _ = self.pump.send([ident, *frames])
         elif self.settle(ident) + size > self.max_bytes:

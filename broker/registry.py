@@ -87,15 +87,20 @@ class Registry:
         if version not in model.versions:
             raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}",
                        model=req.model, version=version, available=[v.version for v in model.decl.versions])
+        self.check_live(model, version, req)
+        order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
+        outputs = self._check_outputs(model, req.outputs)
+        return Checked(model, version, order, rows, shape_key, outputs)
+
+    @staticmethod
+    def check_live(model: ModelEntry, version: str, req: Infer) -> None:
+        """What validate() checks that is not fixed by the header's shape fields: readiness, timeout."""
         if version not in model.ready_versions:
             raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
                        model=req.model, version=version)
         if req.timeout_ms is not None and req.timeout_ms < 0:  # the client refuses it too (one rule)
             raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}",
                        timeout_ms=req.timeout_ms)
-        order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
-        outputs = self._check_outputs(model, req.outputs)
-        return Checked(model, version, order, rows, shape_key, outputs)
 
     def _check_inputs(self, model: ModelEntry, req: Infer, frame_sizes: list[int]):
         if len(frame_sizes) != len(req.inputs):

@@ -71,14 +71,14 @@ class Broker:
         self.phase = Phase.STARTING
         self.started_at = clock()
         self.batch_seq = 0
-        self._pump_scheduled = False
+        self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
                zap: zmq.Socket | None = None) -> None:
         self.loop = loop
         self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
         self.door = FrontDoor(self, loop, front, zap)
-        self.back = Pump(loop, back, self.on_worker)
+        self.back = Pump(loop, back, self.on_worker, after=self.flush)
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 
@@ -120,8 +120,9 @@ class Broker:
 
     def unavailable(self) -> str:
         """Why no worker may serve now ("" while one may): every worker is benched."""
-        if self.roster and all(w.benched for w in self.roster):
-            return "; ".join(w.benched for w in self.roster)
+        roster = self.roster
+        if roster and roster[0].benched and all(w.benched for w in roster):  # [0]: the common case is cheap
+            return "; ".join(w.benched for w in roster)
         return ""
 
     def abandon(self, message: str) -> None:
@@ -167,13 +168,19 @@ class Broker:
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> None:
-        if not self._pump_scheduled:
-            self._pump_scheduled = True
-            self.loop.call_soon(self.pump)
+        if self._pump_handle is None:
+            self._pump_handle = self.loop.call_soon(self.pump)
+
+    def flush(self) -> None:
+        """At the end of a drain pass: form the batches now rather than on the next loop turn."""
+        if self._pump_handle is not None:
+            self.pump()
 
     def pump(self) -> None:
         """Hand batches to workers with room, round-robin over models, until nothing moves."""
-        self._pump_scheduled = False
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
+            self._pump_handle = None
         full: set[int] = set()
         moved = True
         now = self.clock()

@@ -16,13 +16,19 @@ log = logging.getLogger("tgw.broker")
 DRAIN_CHUNK = 512  # messages handled before yielding to other sockets and timers
 # plain ints: pyzmq's enum flags cost an enum operation per call on the hot path
 NOBLOCK, POLLIN, EVENTS = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
+MORE = NOBLOCK | int(zmq.SNDMORE)
 
 
 class Pump:
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, handler: Callable[[list], None]):
-        self.loop, self.sock, self.handler = loop, sock, handler
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, handler: Callable[[list], None],
+                 after: Callable[[], None] | None = None):
+        """`handler` gets each message's frames; `after`, if given, runs once a drain pass ends
+        (the broker forms batches there, one loop turn sooner than a call_soon would)."""
+        self.loop, self.sock, self.handler, self.after = loop, sock, handler, after
         self._scheduled = False
         self._fd = sock.getsockopt(zmq.FD)
+        # libzmq's send without pyzmq's Python-level wrapper (which only adds DRAFT routing_id/group)
+        self._send = super(zmq.Socket, sock).send
         loop.add_reader(self._fd, self.drain)
         self.kick()  # messages may already be waiting: the edge could be gone
 
@@ -35,27 +41,40 @@ class Pump:
         self._scheduled = False
         if self.sock.closed:
             return
-        sock, handler = self.sock, self.handler
+        sock, handler, recv = self.sock, self.handler, self.sock.recv
         for _ in range(DRAIN_CHUNK):
             # reading EVENTS (not catching zmq.Again, which costs an exception per drain) also
             # re-arms the edge-triggered FD once nothing is left
             if not sock.getsockopt(EVENTS) & POLLIN:
-                return
-            frames = sock.recv_multipart(NOBLOCK, copy=False)
+                break
+            # frame by frame: pyzmq sets each frame's `more` (recv_multipart asks the socket again)
+            frame = recv(NOBLOCK, copy=False)
+            frames = [frame]
+            while frame.more:
+                frame = recv(NOBLOCK, copy=False)
+                frames.append(frame)
             try:
                 handler(frames)
             except Exception:  # one bad message must not stall the rest of the queue
                 log.exception("handler failed on a message; continuing")
-        self.kick()  # more may be queued: continue on the next loop turn
+        else:
+            self.kick()  # more may be queued: continue on the next loop turn
+        if self.after is not None:
+            self.after()
 
     def send(self, frames: list, track: bool = False) -> tuple[str, object]:
         """Send without blocking: ("", tracker) once queued (tracker None unless `track`: zero-copy,
         then it tells when libzmq is done with the frames), else ("full", None) at the peer's
         high-water mark or ("gone", None) when no such peer is connected."""
-        try:
+        send, last = self._send, len(frames) - 1
+        try:  # frame by frame with int flags: what send_multipart does, less its per-call overhead
             if track:
-                return "", self.sock.send_multipart(frames, NOBLOCK, copy=False, track=True)
-            self.sock.send_multipart(frames, NOBLOCK)
+                for f in frames[:last]:
+                    send(f, MORE, copy=False, track=True)
+                return "", send(frames[last], NOBLOCK, copy=False, track=True)
+            for f in frames[:last]:
+                send(f, MORE)
+            send(frames[last], NOBLOCK)
             return "", None
         except zmq.Again:
             return "full", None

@@ -65,6 +65,7 @@ class Tenants:
         self.by_name = {name: Tenant(name, d, clock) for name, d in decls.items()}
         self.default = self.by_name.get(default) if default else None
         self.required = required
+        self.in_use = bool(self.by_name)  # without tenants, resolve() has nothing to say
 
     def resolve(self, name: str | None) -> Tenant | None:
         """The tenant whose quota a request counts against (None: not limited here)."""

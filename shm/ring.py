@@ -18,7 +18,7 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 def aligned_total(sizes) -> int:
     """Bytes of one block holding regions of these sizes, each starting 64-byte aligned."""
-    return sum(align_up(s) for s in sizes)
+    return sum([(s + ALIGN - 1) & -ALIGN for s in sizes])  # align_up inlined: on the broker's hot path
 
 
 def region_offsets(sizes) -> list[int]:
