@@ -6,8 +6,10 @@
 
 Serves one demo model (--model, default resnet: compute-bound, so twice its capacity is within a
 Python generator's reach on 2 cores; built at run time, nothing is downloaded) with
-priority_levels 3, slo_p99_ms --slo-ms, adaptive_concurrency on (then, in a fresh broker, off)
-and max_queue 4096, so the queue bound is not what sheds. In each broker a closed loop
+priority_levels 3, slo_p99_ms --slo-ms, adaptive_concurrency on (then, in a fresh broker, off),
+max_batch_size --max-batch-size (16: a batch computes in about 10 ms here, so the batch a
+priority-0 request waits for and its own fit well inside a 100 ms SLO) and max_queue 4096, so
+the queue bound is not what sheds. In each broker a closed loop
 (--capacity-concurrency callers, --capacity-seconds) warms the model and measures capacity;
 then an open loop of Poisson arrivals at --factor x the first broker's capacity runs for
 --duration seconds, each request's priority drawn from a seeded RNG (10/30/60 % for levels
@@ -139,10 +141,13 @@ def comparison_line(runs: dict[str, dict]) -> Optional[str]:
 # ---- the run ----------------------------------------------------------------------------
 
 
-def broker_config(models: dict, model: str, workers: int, slo_ms: float, adaptive: bool) -> dict[str, Any]:
+def broker_config(models: dict, model: str, workers: int, slo_ms: float, adaptive: bool,
+                  max_batch_size: Optional[int] = None) -> dict[str, Any]:
     cfg = tgw_config(models, [model], workers)
     cfg["models"][0].update(priority_levels=LEVELS, slo_p99_ms=float(slo_ms), adaptive_concurrency=adaptive,
                             max_queue=4096)
+    if max_batch_size:
+        cfg["models"][0]["max_batch_size"] = max_batch_size
     cfg["server"]["max_clients"] = MAX_THREADS + 64  # one connection per sender thread
     return cfg
 
@@ -157,7 +162,7 @@ def _answers(before: dict, after: dict, model: str) -> int:
 def one_run(a: argparse.Namespace, models: dict, mode: str, work: str, capacity: Optional[float],
             log: Callable[[str], None]) -> tuple[dict[str, Any], float]:
     os.makedirs(os.path.join(work, mode))
-    cfg = broker_config(models, a.model, a.workers, a.slo_ms, mode == "on")
+    cfg = broker_config(models, a.model, a.workers, a.slo_ms, mode == "on", a.max_batch_size)
     broker = BrokerProc(cfg, os.path.join(work, mode))
     log(f"adaptive limit {mode}: starting the broker ({a.model}, {a.workers} cpu worker(s))")
     try:
@@ -269,6 +274,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--only", choices=("on", "off"), help="only the run with the adaptive limit on, or off")
     p.add_argument("--json", metavar="FILE", help="default: bench/results/overload-<date>.json")
     p.add_argument("--workers", type=int, default=1, help="broker cpu workers (default 1)")
+    p.add_argument("--max-batch-size", type=int, default=16,
+                   help="the model's max_batch_size (default 16: two batch times well inside the SLO on 2 cores)")
     p.add_argument("--capacity-concurrency", type=int, default=32, help="closed-loop callers for capacity (32)")
     p.add_argument("--capacity-seconds", type=float, help="measured capacity seconds (default 5; --quick 3)")
     p.add_argument("--warmup", type=float, help="unmeasured seconds before the capacity window (2; --quick 1)")

@@ -42,7 +42,7 @@ class Intake(NamedTuple):
 class Admission:
     def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, callers: Callers,
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
-                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None):
+                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
         self.callers, self.server = callers, cfg.server
@@ -53,8 +53,10 @@ class Admission:
         self.out_arena = cfg.workers.output_bytes  # nor one whose outputs alone overflow this
         self.tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
         self.breakers = Breakers(cfg.models, clock())
-        self.limits = {m.name: AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size, ceiling=m.max_queue,
-                                             now=clock())
+        # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
+        pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
+        self.limits = {m.name: AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * pipeline,
+                                             ceiling=m.max_queue, now=clock())
                        for m in cfg.models if m.adaptive_concurrency and m.slo_p99_ms}
         self.open = True
         self._memo: dict[tuple, Intake] = {}

@@ -5,8 +5,9 @@ AIMD on windows: every WINDOW_S (once it holds MIN_SAMPLES answers) the window's
 end-to-end latency of the requests answered with outputs (admission to answer) is compared with
 the SLO. Over it, the limit shrinks in proportion (limit x slo/p99, at most halving); well under
 it (below HEADROOM x slo) and the limit was reached in that window, it grows by 1 + limit/16.
-Between the two it holds. The floor is one full batch (a smaller limit could only starve the
-workers); the ceiling is max_queue. By Little's law the limit settles near SLO x throughput,
+Between the two it holds. It starts at twice the floor; the floor is the full batches the
+workers may hold plus one forming (a smaller limit could only starve them); the ceiling is
+max_queue. By Little's law the limit settles near SLO x throughput,
 so a queue never grows past what can still be answered within the SLO; the excess is shed at
 admission, lowest priority first: level l of L may fill only the share 1 - l / (2 L) of the
 limit (all of it for level 0, two thirds for level 2 of 3), so the lower levels are refused
@@ -24,7 +25,7 @@ HEADROOM = 0.8
 class AdaptiveLimit:
     def __init__(self, slo_s: float, floor: int, ceiling: int, initial: int | None = None, now: float = 0.0):
         self.slo, self.floor, self.ceiling = slo_s, max(1, floor), max(floor, ceiling)
-        self.limit = float(min(self.ceiling, max(self.floor, initial or 4 * floor)))
+        self.limit = float(min(self.ceiling, max(self.floor, initial or 2 * floor)))
         self.inflight = 0               # admitted, not yet answered
         self.samples: list[float] = []
         self.window_start = now

@@ -5,13 +5,17 @@ batch size it has not seen on that worker, it answers from the nearest sizes it 
 (linear between two, proportional to rows above the largest: compute per row only falls as
 batches grow, so both overestimate a little rather than promise too much), else from any
 worker. The scheduler uses it to wait on purpose only while no deadline breaks, to answer at
-once the requests no batch could finish in time, and to time aging.
+once the requests no batch could finish in time, to time aging, and to stage a worker's next
+batch just before the one computing ends (stage_ahead) rather than behind it.
 """
 from __future__ import annotations
 
 import bisect
 
 ALPHA = 0.2  # weight of the newest sample: ~5 batches of memory, so a slower version shows quickly
+# a worker's next batch is staged when the one computing is predicted to have this long left: late
+# enough that the batch grows and a request of higher priority arriving meanwhile still makes it
+STAGE_AHEAD_S, STAGE_AHEAD_SHARE = 0.002, 0.25   # at least 2 ms, or a quarter of a recent batch
 
 
 class CostModel:
@@ -68,6 +72,10 @@ class CostModel:
             return seen[sizes[0]]
         lo, hi = sizes[i - 1], sizes[i]
         return seen[lo] + (seen[hi] - seen[lo]) * (rows - lo) / (hi - lo)
+
+    def stage_ahead(self, model: str) -> float:
+        """How long before a worker is predicted to be free its next batch should be staged."""
+        return max(STAGE_AHEAD_S, STAGE_AHEAD_SHARE * self.recent.get(model, 0.0))
 
     def as_dict(self, model: str) -> dict:
         """For stats: {"worker N": {rows: µs}} and the recent batch time in µs."""

@@ -68,7 +68,8 @@ class Lifecycle:
     def shutdown(self) -> None:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
         self.broker.begin_stop()
-        self.broker.stop_workers()
+        for w in self.broker.roster:
+            self.broker.stop_worker(w)
         self.supervisor.stop()
 
     async def _wait_ready(self) -> bool:

@@ -36,7 +36,7 @@ async def serve(cfg: Config, address: str) -> None:
     fd_limit = raise_fd_limit()
     supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address))
     max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
-    broker = Broker(cfg, max_clients=max_clients, token=token)
+    broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices))
     lifecycle = Lifecycle(broker, supervisor, cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

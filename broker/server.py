@@ -48,7 +48,7 @@ class Phase(Enum):
 
 class Broker:
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
-                 token: str | None = None):
+                 token: str | None = None, workers: int = 1):
         self.clock, self.server, self.token = clock, cfg.server, token
         self.complaints = Complaints(clock)
         self.callers = Callers(cfg.server, max_clients or cfg.server.max_clients, clock)
@@ -62,7 +62,7 @@ class Broker:
                                    aging_batches=m.aging_batches)
             self.stats.model(m.name)
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err))
+                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers)
         self.handshake = Handshake(self.registry)
         self.memory = MemoryWatch(cfg.supervisor, lambda ident, msg: self.back.send([ident, encode(msg)]))
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
@@ -127,11 +127,10 @@ class Broker:
 
     def abandon(self, message: str) -> None:
         """Answer everything still queued or in flight (the shutdown grace ran out)."""
-        left = self.batcher.take_all() + [p for w in self.roster for b in w.inflight.values() for p in b.requests]
+        for p in self.batcher.take_all() + [p for w in self.roster for b in w.inflight.values() for p in b.requests]:
+            self.door.fail(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
         for w in self.roster:
             w.inflight.clear()
-        for p in left:
-            self.door.fail(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
 
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING
@@ -150,10 +149,6 @@ class Broker:
         self.alarm.cancel()
         self.door.close()
         self.back.close()
-
-    def stop_workers(self) -> None:
-        for w in self.roster:
-            self.stop_worker(w)
 
     def stop_worker(self, w: WorkerHandle) -> None:
         if w.state in (WorkerState.STARTING, WorkerState.READY):
@@ -194,7 +189,9 @@ class Broker:
                 if worker is None:
                     continue
                 hold = self.batcher.hold_until(model, worker.worker_id, now)
-                if hold is not None:  # worth waiting for the batch to grow: come back then
+                if worker.inflight:  # stage the next batch just in time, not behind the one computing
+                    hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
+                if hold is not None and hold > now:  # worth waiting: come back then
                     self.alarm.at(hold, now)
                     continue
                 if self._dispatch(model, worker, now):

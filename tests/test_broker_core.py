@@ -182,6 +182,22 @@ def test_request_its_batch_cannot_finish_in_time_is_never_computed(model_files, 
     run(model_files, scenario, max_inflight_batches_per_worker=1)
 
 
+def test_next_batch_is_staged_just_in_time_not_behind_a_long_one(model_files):
+    async def scenario(rig: Rig, clock: Clock):
+        rig.broker.costs.observe("mlp", 0, 1, 60_000_000)   # a batch takes a minute: staging waits for its end
+        rig.infer(1, timeout_ms=600_000)
+        first = await rig.batch()
+        rig.infer(2, timeout_ms=600_000)
+        assert (await rig.stats())["queued"] == 1        # room for a second batch, but not staged yet
+        assert not rig.worker.poll(0)
+        done = [BlockTensor(name="y", dtype="float32", shape=[1, 10], offset=rig.handle.input_bytes, nbytes=40)]
+        rig.worker.send(encode(Done(batch_id=first.batch_id, outputs=done, block=0, compute_us=1000)))
+        assert (await rig.reply()).id == 1
+        assert (await rig.batch()).splits == [1]          # staged the moment the worker was free
+
+    run(model_files, scenario)
+
+
 def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
     async def scenario(rig: Rig, clock: Clock):
         rig.infer(7, timeout_ms=60_000)
