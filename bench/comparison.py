@@ -17,6 +17,8 @@ import time
 import traceback
 from typing import Any, Callable, NamedTuple, Optional
 
+import numpy as np
+
 from tgw.bench import report
 from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
 from tgw.bench.broker_proc import BrokerProc, stop_all
@@ -64,6 +66,27 @@ def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> 
                                      "tgw_over_floor_throughput": ratio("in-process", "rows_per_s"),
                                      "tgw_over_transport_throughput": ratio("transport", "throughput_rps"),
                                      "tgw_p50_excess_ms": excess}}
+
+
+def batching(tgw: dict[str, Any], floor: Optional[dict[str, Any]], workers: int) -> dict[str, Optional[float]]:
+    """How well the broker's batches used the workers over the window: `worker_busy`, the share
+    of the workers' time spent computing batches (their summed compute_us over window x workers),
+    and `compute_over_floor`, their compute time over what the in-process floor takes for the
+    same batches (each batch size formed, at the floor's mean latency for that size, interpolated
+    between the sizes it measured)."""
+    bs = tgw.get("broker_stats") or {}
+    us, sizes = bs.get("compute_us"), bs.get("batch_sizes") or {}
+    out: dict[str, Optional[float]] = {"worker_busy": None, "compute_us_per_row": None, "compute_over_floor": None}
+    if not us or not bs.get("rows"):
+        return out
+    out["worker_busy"] = us / (tgw["duration_s"] * 1e6 * workers)
+    out["compute_us_per_row"] = us / bs["rows"]
+    if floor and "error" not in floor and sizes:
+        b = [r["batch"] for r in floor["runs"]]
+        ms = [r["latency_ms"]["mean"] for r in floor["runs"]]
+        floor_us = sum(n * float(np.interp(int(k), b, ms)) * 1000 for k, n in sizes.items())
+        out["compute_over_floor"] = us / floor_us if floor_us else None
+    return out
 
 
 def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
@@ -199,6 +222,9 @@ def collect(a: argparse.Namespace, work: str, models: dict, scenarios: list[Scen
     for sc in scenarios:
         if "floors" in res:
             rows[sc.key]["in-process"] = floor_row(res["floors"][sc.model])
+        if "error" not in rows[sc.key].get("tgw", {"error": ""}):
+            rows[sc.key]["tgw"]["batching"] = batching(rows[sc.key]["tgw"], (res.get("floors") or {}).get(sc.model),
+                                                       a.tgw_workers)
     return {"scenarios": [scenario_result(sc, tensor_bytes(models[sc.model]["inputs"]), rows[sc.key])
                           for sc in scenarios], **res}
 

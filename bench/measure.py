@@ -280,6 +280,7 @@ def stats_diff(before: dict, after: dict, model: str) -> dict[str, Any]:
         return {k: v for k, v in d.items() if v}
     requests, batches, rows = (int(a.get(k, 0)) - int(b.get(k, 0)) for k in ("requests", "batches", "rows"))
     return {"requests": requests, "batches": batches, "rows": rows,
+            "compute_us": int(a.get("compute_us", 0)) - int(b.get("compute_us", 0)),
             "mean_batch_rows": rows / batches if batches else None,
             "batch_sizes": dict(sorted(counts("batch_sizes").items(), key=lambda kv: int(kv[0]))),
             "errors": counts("errors")}

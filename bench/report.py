@@ -120,7 +120,7 @@ def cost_table(results: list[dict[str, Any]]) -> list[list[str]]:
     server tree's PSS at the window's end, and for tgw its ratio to the transport floor and its
     p50 over the c=1 budget (transport p50 + in-process batch-1 p50); the first 2 columns are text."""
     out = [["scenario", "system", "req/s", "broker us/req", "workers us/req", "gen us/req", "server PSS MiB",
-            "tgw/transport", "p50 - (transport + floor) ms"]]
+            "tgw/transport", "p50 - (transport + floor) ms", "worker busy", "compute/floor"]]
     for res in results:
         r = res["ratios"]
         for system in (s for s in SYSTEMS if s in res["rows"] and s != "in-process"):
@@ -132,7 +132,9 @@ def cost_table(results: list[dict[str, Any]]) -> list[list[str]]:
                         *(_f(us.get(k), "{:.1f}") for k in ("broker", "workers", "generator")),
                         _f(row.get("server_pss_mb"), "{:.0f}"),
                         _f(r.get("tgw_over_transport_throughput"), "{:.2f}x") if tgw else "",
-                        _f(r.get("tgw_p50_excess_ms"), "{:+.3f}") if tgw else ""])
+                        _f(r.get("tgw_p50_excess_ms"), "{:+.3f}") if tgw else "",
+                        _f((row.get("batching") or {}).get("worker_busy"), "{:.0%}") if tgw else "",
+                        _f((row.get("batching") or {}).get("compute_over_floor"), "{:.2f}x") if tgw else ""])
     return out
 
 
@@ -188,7 +190,9 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         "processes (wrk for wrk-loaded rows). server PSS = proportional set size summed over the server's "
         "processes and their descendants at the window's end (shared pages, shared-memory arenas included, "
         "split between their users). tgw/transport = tgw req/s over the transport floor's; p50 - (transport + "
-        "floor) = tgw p50 minus the transport floor's p50 and the in-process batch-1 p50.",
+        "floor) = tgw p50 minus the transport floor's p50 and the in-process batch-1 p50. worker busy = the "
+        "workers' summed batch compute time over the window x workers; compute/floor = that compute time over "
+        "the in-process floor's time for the same batch sizes.",
     ]
     if s["http_generator"].startswith("python"):
         lines += ["", "**wrk was not installed for this run**: the Flask+gunicorn rows were loaded by the Python "

@@ -281,3 +281,16 @@ def test_http_fallback_generator(bench_dir):
         srv.server_close()
     assert ok["requests_ok"] > 0 and ok["requests_failed"] == 0 and ok["generator"]["kind"] == "python-fallback"
     assert bad["requests_ok"] == 0 and set(bad["errors"]) == {"HTTP_503"}
+
+
+def test_batching_figures_from_the_broker_counters_and_the_floor():
+    from tgw.bench.comparison import batching
+    floor = {"runs": [{"batch": 1, "latency_ms": {"mean": 1.0}}, {"batch": 8, "latency_ms": {"mean": 4.5}},
+                      {"batch": 32, "latency_ms": {"mean": 16.5}}]}
+    # 10 batches of 8 (floor 4.5 ms each) and 10 of 20 rows (floor interpolated: 10.5 ms) in 2 s on 1 worker
+    tgw = {"duration_s": 2.0, "broker_stats": {"compute_us": 180_000, "rows": 280, "batch_sizes": {"8": 10, "20": 10}}}
+    out = batching(tgw, floor, workers=1)
+    assert out["worker_busy"] == pytest.approx(0.09)
+    assert out["compute_us_per_row"] == pytest.approx(180_000 / 280)
+    assert out["compute_over_floor"] == pytest.approx(180_000 / 150_000)
+    assert batching({"duration_s": 1.0, "broker_stats": {}}, floor, 1)["worker_busy"] is None
