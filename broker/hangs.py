@@ -2,28 +2,28 @@
 
 A worker is hung when its heartbeats stop for hang_timeout_s (SIGSTOP, a native deadlock
 holding the GIL, a machine too loaded to schedule it), or when the batch it reports computing
-has run longer than max(batch_timeout_s, batch_timeout_factor x its model's mean batch time)
-(a deadlock that releases the GIL: the beats go on, the batch never ends).
+has run longer than max(batch_timeout_s, batch_timeout_factor x the time the cost model predicts
+for a batch of its rows on that worker) (a deadlock that releases the GIL: the beats go on, the
+batch never ends).
 """
 from __future__ import annotations
 
 from .config import SupervisorDecl
+from .costmodel import CostModel
 from .pool import WorkerHandle, WorkerState
-from .stats import Stats
 
 WATCHED = (WorkerState.STARTING, WorkerState.READY, WorkerState.STOPPING)
 
 
 class HangJudge:
-    def __init__(self, decl: SupervisorDecl, stats: Stats, start_timeout_s: float):
-        self.decl, self.stats = decl, stats
+    def __init__(self, decl: SupervisorDecl, costs: CostModel, start_timeout_s: float):
+        self.decl, self.costs = decl, costs
         # before its first beat a worker is starting its interpreter and importing torch
         self.first_beat_s = max(decl.hang_timeout_s, start_timeout_s)
 
-    def batch_limit_s(self, model: str) -> float:
-        c = self.stats.models.get(model)
-        mean_s = c.compute_us / c.batches / 1e6 if c is not None and c.batches else 0.0
-        return max(self.decl.batch_timeout_s, self.decl.batch_timeout_factor * mean_s)
+    def batch_limit_s(self, model: str, rows: int = 1, worker: int | None = None) -> float:
+        predicted = self.costs.predict(model, rows, worker)
+        return max(self.decl.batch_timeout_s, self.decl.batch_timeout_factor * predicted)
 
     def hung(self, workers: list[WorkerHandle], now: float) -> list[tuple[WorkerHandle, str]]:
         """(worker, reason) for each watched worker that should be killed and replaced."""
@@ -41,8 +41,9 @@ class HangJudge:
             beat = w.beat
             if beat is None or beat.batch_id is None or beat.batch_id not in w.inflight:
                 continue
-            model = w.inflight[beat.batch_id].model
-            running, limit = now - beat.batch_since, self.batch_limit_s(model)
+            batch = w.inflight[beat.batch_id]
+            model = batch.model
+            running, limit = now - beat.batch_since, self.batch_limit_s(model, batch.rows, w.worker_id)
             if running > limit:
                 out.append((w, f"batch {beat.batch_id} of {model} computing for {running:.1f} s (limit {limit:.1f} s)"))
         return out

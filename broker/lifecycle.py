@@ -32,7 +32,7 @@ class Lifecycle:
         self.broker, self.supervisor = broker, supervisor
         self.start_timeout_s = cfg.workers.start_timeout_s
         self.grace_s = cfg.supervisor.shutdown_grace_s
-        self.hangs = HangJudge(cfg.supervisor, broker.stats, cfg.workers.start_timeout_s)
+        self.hangs = HangJudge(cfg.supervisor, broker.costs, cfg.workers.start_timeout_s)
         self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: drain, then stop
         self.force_event = asyncio.Event()   # a second one: stop now
         self._last_ping = 0.0

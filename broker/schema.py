@@ -213,7 +213,7 @@ class SupervisorDecl(Strict):
     heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
     batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
-    batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its model's mean)
+    batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its predicted time)
     crash_loop: CrashLoopDecl = CrashLoopDecl()
     leak: LeakDecl = LeakDecl()
     snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots

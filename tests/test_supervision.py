@@ -14,10 +14,10 @@ from tgw.broker.batcher import Batcher, Pending
 from tgw.broker.config import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl, parse_config
 from tgw.broker.leaks import LeakJudge
 from tgw.broker.handshake import Handshake
+from tgw.broker.costmodel import CostModel
 from tgw.broker.hangs import HangJudge
 from tgw.broker.pool import Inflight, WorkerHandle
 from tgw.broker.server import Broker
-from tgw.broker.stats import Stats
 from tgw.broker.supervisor import Supervisor
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
@@ -46,7 +46,7 @@ def beat(batch_id=None, since=0.0) -> Heartbeat:
 
 
 def test_silent_worker_is_judged_hung(worker):
-    judge = HangJudge(DECL, Stats(), start_timeout_s=30.0)
+    judge = HangJudge(DECL, CostModel(), start_timeout_s=30.0)
     worker.spawned(None, now=100.0)
     assert judge.hung([worker], 129.0) == []                  # importing torch: judged by the start limit
     (w, reason), = judge.hung([worker], 131.0)
@@ -58,10 +58,11 @@ def test_silent_worker_is_judged_hung(worker):
 
 
 def test_batch_running_past_its_limit_is_judged_hung(worker):
-    stats = Stats()
-    stats.batch("m", rows=4, compute_us=5_000_000)            # a mean of 5 s per batch: limit 4 x 5 = 20 s
-    judge = HangJudge(DECL, stats, start_timeout_s=30.0)
-    assert judge.batch_limit_s("m") == 20.0 and judge.batch_limit_s("other") == 10.0
+    costs = CostModel()
+    costs.observe("m", 0, 1, 5_000_000)                       # a batch of 1 takes 5 s: limit 4 x 5 = 20 s
+    judge = HangJudge(DECL, costs, start_timeout_s=30.0)
+    assert judge.batch_limit_s("m", 1, 0) == 20.0 and judge.batch_limit_s("other") == 10.0
+    assert judge.batch_limit_s("m", 2, 0) == 40.0             # twice the rows: twice the time allowed
     worker.spawned(None, now=0.0)
     worker.became_ready(["m:1"], now=0.0)
     worker.inflight[7] = Inflight(7, "m", [pending(1)], 0, 1)
