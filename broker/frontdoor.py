@@ -90,7 +90,6 @@ class FrontDoor:
         self.complaints, self.callers, self.server, self.token = b.complaints, b.callers, b.server, b.token
         self.pump = Pump(loop, sock, self.on_message, after=b.flush)
         self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
-        self._meta_memo: dict[tuple, list[TensorMeta]] = {}
         self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
         self.gate.start()
 
@@ -164,21 +163,10 @@ class FrontDoor:
             payload = [lz4.frame.compress(views[name][1]) for name in p.outputs]
         else:
             payload = [views[name][1] for name in p.outputs]
+        metas = [TensorMeta(name=name, dtype=views[name][0].dtype, shape=[p.rows, *views[name][0].shape[1:]],
+                            compression="lz4" if p.compress else None) for name in p.outputs]
         self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
-                                        outputs=self._metas(p, views)), *payload)
-
-    def _metas(self, p: Pending, views: dict) -> list[TensorMeta]:
-        """The reply's tensor descriptions; like requests get like replies, so they are kept."""
-        key = (p.model, p.version, p.rows, p.compress, *[tuple(views[n][0].shape[1:]) for n in p.outputs],
-               *p.outputs)
-        metas = self._meta_memo.get(key)
-        if metas is None:
-            metas = [TensorMeta(name=name, dtype=views[name][0].dtype, shape=[p.rows, *views[name][0].shape[1:]],
-                                compression="lz4" if p.compress else None) for name in p.outputs]
-            if len(self._meta_memo) >= 1024:
-                self._meta_memo.clear()
-            self._meta_memo[key] = metas
-        return metas
+                                        outputs=metas), *payload)
 
     def close(self) -> None:
         self.gate.stop()
