@@ -275,12 +275,12 @@ class Broker:
         if batch is None:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
+        now = self.clock()
         if done.error is not None:
             for p in part:  # each its own exception: details are filled in per request
                 self.door.fail(p, error_from_body(done.error))
         else:
             counters = self.stats.models[batch.model]
-            now = self.clock()
             for p, views in worker.output_rows(done, batch, part):
                 self.door.answer(p, views, now)
                 counters.replies += 1
@@ -289,9 +289,9 @@ class Broker:
         if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
             self.stats.batch(batch.model, batch.rows, done.compute_us)
             self.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
-            # what it holds now starts computing now
-            worker.free_at = self.clock() + sum(self.costs.predict(b.model, b.rows, worker.worker_id)
-                                                for b in worker.inflight.values())
+        if done.final:  # what the worker holds now starts computing now
+            worker.free_at = now + sum(self.costs.predict(b.model, b.rows, worker.worker_id)
+                                       for b in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         self.schedule()
