@@ -56,7 +56,7 @@ class Admission:
         # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
         pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
         self.limits = {m.name: AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * pipeline,
-                                             ceiling=m.max_queue, now=clock())
+                                             ceiling=m.max_queue, now=clock(), levels=m.priority_levels)
                        for m in cfg.models if m.adaptive_concurrency and m.slo_p99_ms}
         self.open = True
         self._memo: dict[tuple, Intake] = {}
@@ -167,7 +167,7 @@ class Admission:
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
         """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
         counters = self.stats.models[p.model]
-        if limit is not None and limit.full(p.priority, self.batcher.queues[p.model].level_count):
+        if limit is not None and limit.full(p.priority):
             shed = self.batcher.shed_for(p)
             if shed is None:
                 counters.shed[p.priority] += 1

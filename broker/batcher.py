@@ -46,13 +46,6 @@ class ModelQueue:
         """Everything queued, level 0 first, each level in its order."""
         return [p for q in self.levels for p in q]
 
-    def __bool__(self) -> bool:
-        return self.count > 0
-
-    @property
-    def level_count(self) -> int:
-        return len(self.levels)
-
     def lowest(self) -> int | None:
         """The lowest (numerically highest) level holding a request."""
         for level in range(len(self.levels) - 1, -1, -1):

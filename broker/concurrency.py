@@ -23,8 +23,9 @@ HEADROOM = 0.8
 
 
 class AdaptiveLimit:
-    def __init__(self, slo_s: float, floor: int, ceiling: int, initial: int | None = None, now: float = 0.0):
-        self.slo, self.floor, self.ceiling = slo_s, max(1, floor), max(floor, ceiling)
+    def __init__(self, slo_s: float, floor: int, ceiling: int, initial: int | None = None, now: float = 0.0,
+                 levels: int = 1):
+        self.slo, self.floor, self.ceiling, self.levels = slo_s, max(1, floor), max(floor, ceiling), levels
         self.limit = float(min(self.ceiling, max(self.floor, initial or 2 * floor)))
         self.inflight = 0               # admitted, not yet answered
         self.samples: list[float] = []
@@ -33,9 +34,9 @@ class AdaptiveLimit:
         self.last_p99 = 0.0
         self.decreases = self.increases = 0
 
-    def full(self, priority: int = 0, levels: int = 1) -> bool:
-        """Whether a request of `priority` (of `levels`) finds no room under the limit."""
-        if self.inflight >= max(1, int(self.limit * (1 - priority / (2 * levels)))):
+    def full(self, priority: int = 0) -> bool:
+        """Whether a request of `priority` (0 .. levels-1) finds no room under the limit."""
+        if self.inflight >= max(1, int(self.limit * (1 - priority / (2 * self.levels)))):
             self.binding = True
             return True
         return False
