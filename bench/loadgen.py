@@ -158,7 +158,7 @@ def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, 
         pass
 
 
-def _receive(conn, proc, timeout: float, what: str) -> dict:
+def receive(conn, proc, timeout: float, what: str) -> dict:
     """A generator process's next message ("ready", then its samples), or an error saying why not."""
     try:
         msg = conn.recv() if conn.poll(timeout) else None
@@ -194,7 +194,7 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
             child_conn.close()  # the child holds the only copy, so its death reads as EOF here
             conns.append(conn)
         for c, p in zip(conns, children):
-            _receive(c, p, READY_TIMEOUT, "ready message")
+            receive(c, p, READY_TIMEOUT, "ready message")
         start = time.monotonic() + 0.1
         for c in conns:
             c.send(start)
@@ -203,7 +203,7 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
             time.sleep(max(0.0, edge - time.monotonic()))
             if hook:
                 hook()
-        results = [_receive(c, p, max(0.0, we + DRAIN_TIMEOUT - time.monotonic()), "results")
+        results = [receive(c, p, max(0.0, we + DRAIN_TIMEOUT - time.monotonic()), "results")
                    for c, p in zip(conns, children)]
         for p in children:
             p.join(10)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tgw.bench.loadgen import cpu_seconds
+from tgw.bench.loadgen import cpu_seconds, receive
 from tgw.bench.targets import TgwTarget, error_code, make_inputs
 from tgw.client.client import REPLY_GRACE_S  # past a request's timeout, how long the client waits for the answer
 
@@ -139,20 +139,6 @@ def _child(index: int, address: str, model: str, rate: float, duration: float, t
     target.close()
 
 
-def _receive(conn, proc, timeout: float, what: str) -> dict:
-    try:
-        msg = conn.recv() if conn.poll(timeout) else None
-    except EOFError:  # the process is gone
-        msg = None
-    if msg is None:
-        proc.join(1)
-        raise RuntimeError(f"overload generator process {proc.pid} sent no {what} in {timeout:g} s "
-                           f"(exit status {proc.exitcode})")
-    if "fatal" in msg:
-        raise RuntimeError(f"overload generator process failed to start:\n{msg['fatal']}")
-    return msg
-
-
 def drive(address: str, model: str, rate: float, duration: float, timeout: float, procs: int, threads: int,
           seed: int = 1) -> dict[str, Any]:
     """The open loop: `procs` spawned processes, `threads` senders in all, Poisson arrivals at
@@ -170,12 +156,12 @@ def drive(address: str, model: str, rate: float, duration: float, timeout: float
             child_conn.close()  # the child holds the only copy, so its death reads as EOF here
             conns.append(conn)
         for c, p in zip(conns, children):
-            _receive(c, p, READY_TIMEOUT + 30, "ready message")
+            receive(c, p, READY_TIMEOUT + 30, "ready message")
         start = time.monotonic() + 0.2
         for c in conns:
             c.send(start)
         end = start + duration + timeout + REPLY_GRACE_S + DRAIN_S + 30
-        results = [_receive(c, p, max(0.0, end - time.monotonic()), "results") for c, p in zip(conns, children)]
+        results = [receive(c, p, max(0.0, end - time.monotonic()), "results") for c, p in zip(conns, children)]
         for p in children:
             p.join(10)
     finally:
