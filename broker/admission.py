@@ -68,13 +68,13 @@ class Admission:
         self.callers.check_owed(client)
         sizes = [len(f) for f in tensor_frames]
         intake = self._intake(msg, sizes)
-        checked = intake.checked
         why = self.unavailable()
         if why:
             raise fail(Code.MODEL_NOT_READY, why, reason="crash_loop", model=msg.model)
         now = self.clock()
         if self.breakers.by_key:
-            checked = self._route(msg, checked, sizes, now)
+            intake = self._route(msg, intake, sizes, now)
+        checked = intake.checked
         model = checked.model.decl
         if not 0 <= msg.priority < model.priority_levels:
             raise fail(Code.INVALID_ARGUMENT, f"priority {msg.priority} is out of range: model {model.name!r} "
@@ -92,8 +92,7 @@ class Admission:
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
         try:
-            out_nbytes = intake.out_nbytes if checked is intake.checked else checked.model.output_bytes(checked.rows)
-            p = self._pending(client, msg, checked, out_nbytes, tensor_frames, deadline, now, tenant)
+            p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
             self._enqueue(p, self.limits.get(model.name))
         except BaseException:
             if tenant is not None:
@@ -136,17 +135,18 @@ class Admission:
         self._memo[key] = intake
         return intake
 
-    def _route(self, msg: Infer, checked: Checked, sizes: list[int], now: float) -> Checked:
+    def _route(self, msg: Infer, intake: "Intake", sizes: list[int], now: float) -> "Intake":
         """The version asked for, or its model's fallback while its breaker is open."""
+        checked = intake.checked
         breaker = self.breakers.get(msg.model, checked.version)
         if breaker is None or breaker.allow(now):
-            return checked
+            return intake
         fallback = self.breakers.fallback.get(msg.model)
         if fallback is not None:
             original = msg.model
             msg.model, msg.version = fallback, None
-            routed = self._intake(msg, sizes).checked  # same declaration; its own rows limit and readiness
-            other = self.breakers.get(fallback, routed.version)
+            routed = self._intake(msg, sizes)  # same declaration; its own rows limit and readiness
+            other = self.breakers.get(fallback, routed.checked.version)
             if other is None or other.allow(now):
                 self.stats.models[original].fallbacks += 1
                 return routed
@@ -156,12 +156,13 @@ class Admission:
                    model=msg.model, version=checked.version,
                    retry_after_ms=max(1, round(breaker.retry_after_s(now) * 1000)))
 
-    def _pending(self, client: bytes, msg: Infer, checked: Checked, out_nbytes: list[int] | None,
-                 tensor_frames: list, deadline: float, now: float, tenant) -> Pending:
+    def _pending(self, client: bytes, msg: Infer, intake: "Intake", tensor_frames: list, deadline: float,
+                 now: float, tenant) -> Pending:
+        checked = intake.checked
         tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
         return Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
                        rows=checked.rows, shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
-                       deadline=deadline, compress=msg.compress_outputs, out_nbytes=out_nbytes,
+                       deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
                        priority=msg.priority, arrived=now, tenant=tenant)
 
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:

@@ -106,33 +106,29 @@ class Batcher:
         """Remove and return every queued request that cannot be answered in time: its deadline
         has passed, or it would pass during the predicted compute of a batch of its own rows."""
         now = self.clock() if now is None else now
-        predict = self.costs.predict
-        return self.take_where(lambda p: p.deadline - predict(p.model, p.rows) <= now)
+        return self.take_where(lambda p: self.due_at(p) <= now)
+
+    def due_at(self, p: Pending) -> float:
+        """When a queued request is due: its deadline less the predicted compute of its own rows."""
+        return p.deadline - self.costs.predict(p.model, p.rows)
 
     def expired_heads(self, now: float) -> list[Pending]:
         """Like expired(), but only from the front of each level, where the earliest deadlines
         are when requests share a timeout: cheap enough to run on every pump (expired() covers
         the rest on the periodic sweep)."""
-        out, predict = [], self.costs.predict
+        out = []
         for q in self.queues.values():
             if q.count:
                 for level in q.levels:
-                    while level and level[0].deadline - predict(q.name, level[0].rows) <= now:
+                    while level and self.due_at(level[0]) <= now:
                         out.append(level.popleft())
                         q.count -= 1
         return out
 
     def next_due(self) -> float | None:
         """When the first request at the front of a level becomes due for expired_heads()."""
-        due, predict = None, self.costs.predict
-        for q in self.queues.values():
-            if q.count:
-                for level in q.levels:
-                    if level:
-                        t = level[0].deadline - predict(q.name, level[0].rows)
-                        if due is None or t < due:
-                            due = t
-        return due
+        heads = [level[0] for q in self.queues.values() if q.count for level in q.levels if level]
+        return min(map(self.due_at, heads), default=None)
 
     def take_all(self) -> list[Pending]:
         """Remove and return every queued request."""
