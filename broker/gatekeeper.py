@@ -37,10 +37,16 @@ class Gatekeeper(threading.Thread):
             while not self._stop_flag.is_set():
                 for sock, _ in poller.poll(POLL_MS):
                     frames = sock.recv_multipart()
-                    if sock is self.zap:
-                        self.zap.send_multipart(self.callers.zap(frames))
-                    else:
-                        self.callers.on_monitor(frames)
+                    try:
+                        if sock is self.zap:
+                            self.zap.send_multipart(self.callers.zap(frames))
+                        else:
+                            self.callers.on_monitor(frames)
+                    except zmq.ZMQError:
+                        raise
+                    except Exception:  # one odd message must not end the gate: new connections would hang
+                        log.exception("gatekeeper: a %s message failed; going on",
+                                      "ZAP" if sock is self.zap else "monitor")
         except zmq.ZMQError as exc:  # the context went away under us: the broker is stopping
             if not self._stop_flag.is_set():
                 log.error("gatekeeper stopped: %s", exc)
