@@ -61,6 +61,7 @@ class Infer(Struct, tag_field="op", tag="infer"):
     compress_outputs: bool = False           # reply frames lz4-compressed
     token: Optional[str] = None              # the shared auth token (server.auth_token_file)
     tenant: Optional[str] = None             # whose quota the request counts against (config `tenants`)
+    routing_key: Optional[str] = None        # with no version named: the same key, the same version (canary)
 
 
 class ListModels(Struct, tag_field="op", tag="models"):
@@ -95,7 +96,58 @@ class Snapshot(Struct, tag_field="op", tag="snapshot"):
     token: Optional[str] = None              # the shared auth token (server.auth_token_file)
 
 
-Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot]
+# ---- operator control (docs/PROTOCOL.md §5.6): refused on a tcp:// listener without server.auth_token_file
+
+class LoadVersion(Struct, tag_field="op", tag="load"):
+    """Load `version` of a declared model on every worker serving it; answered once done.
+    weight None: a hot swap (the new version takes every request that names no version, the
+    versions that had such traffic drain and unload); a weight: added beside them with it."""
+    v: int
+    model: str
+    version: str
+    id: int = 0
+    path: Optional[str] = None               # inside model_roots; None: the path the config declared
+    sha256: Optional[str] = None
+    weight: Optional[int] = None
+    token: Optional[str] = None
+
+
+class UnloadVersion(Struct, tag_field="op", tag="unload"):
+    """Drain and unload one version (or, version None, every version) of a model; answered once freed."""
+    v: int
+    model: str
+    id: int = 0
+    version: Optional[str] = None
+    token: Optional[str] = None
+
+
+class SetTraffic(Struct, tag_field="op", tag="traffic"):
+    """Replace the weights of the versions requests that name no version are split over."""
+    v: int
+    model: str
+    weights: dict[str, int]
+    id: int = 0
+    token: Optional[str] = None
+
+
+class Metadata(Struct, tag_field="op", tag="metadata"):
+    """One model's metadata (or every model's, model None)."""
+    v: int
+    id: int = 0
+    model: Optional[str] = None
+    token: Optional[str] = None
+
+
+class Reload(Struct, tag_field="op", tag="reload"):
+    """Re-read the config file and apply the difference, as SIGHUP does; answered once applied."""
+    v: int
+    id: int = 0
+    token: Optional[str] = None
+
+
+CONTROL_OPS = (LoadVersion, UnloadVersion, SetTraffic, Reload)
+Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot, LoadVersion, UnloadVersion, SetTraffic,
+                Metadata, Reload]
 
 
 class Envelope(Struct):
@@ -194,7 +246,46 @@ class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
     missing: list[str] = []             # workers that did not answer in time
 
 
-Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply]
+class VersionInfo(Struct):
+    version: str
+    path: str
+    state: str                          # loading, ready, draining (being unloaded)
+    weight: int = 0                     # share of the requests that name no version (of the weights' sum)
+    sha256: Optional[str] = None
+    workers: dict[str, str] = {}        # worker name -> loaded, loading, unloading, evicting
+    bytes: int = 0                      # parameter and buffer bytes (measured at load; else the file size)
+    loads: int = 0
+    evictions: int = 0
+    last_load_ms: float = 0.0
+
+
+class ModelMetadata(Struct):
+    name: str
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    max_batch_size: int
+    default_version: Optional[str]      # the heaviest weight's version; None while no version is loaded
+    residency: str                      # always or on_demand
+    versions: list[VersionInfo]
+
+
+class MetadataReply(Struct, tag_field="op", tag="metadata"):
+    v: int
+    id: int
+    models: list[ModelMetadata]
+
+
+class ControlReply(Struct, tag_field="op", tag="control"):
+    """A control op done: what happened, in words and figures; `model` as it is now."""
+    v: int
+    id: int
+    message: str
+    model: Optional[ModelMetadata] = None
+    details: dict[str, Any] = {}
+
+
+Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply,
+              MetadataReply, ControlReply]
 
 
 # ---- broker <-> worker -----------------------------------------------------------------------
@@ -206,6 +297,7 @@ class ModelSpec(Struct):
     inputs: list[IOSpec]
     outputs: list[IOSpec]
     warmup_batch_sizes: list[int] = []
+    sha256: Optional[str] = None   # checked by the worker on the very bytes it loads
 
 
 class BlockTensor(Struct):
@@ -230,6 +322,41 @@ class LoadModels(Struct, tag_field="op", tag="w_load"):
 class WorkerReady(Struct, tag_field="op", tag="w_ready"):
     worker_id: int
     models: list[str]
+    sizes: dict[str, int] = {}      # model key -> parameter and buffer bytes
+
+
+# Runtime loads go over the worker's loader socket (identity: the worker's + b"~load"), served
+# by a thread of its own so batches keep running while a model loads.
+
+class LoaderHello(Struct, tag_field="op", tag="w_loader"):
+    """The loader thread is connected: the broker may send it loads."""
+    worker_id: int
+
+
+class LoadModel(Struct, tag_field="op", tag="w_load1"):
+    spec: ModelSpec
+
+
+class UnloadModel(Struct, tag_field="op", tag="w_unload"):
+    key: str                        # "name:version"; the broker has no batch of it in flight
+
+
+class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
+    worker_id: int
+    key: str
+    error: Optional[str] = None     # None: loaded and warmed up, serving from now on
+    reason: str = ""                # with an error: file, checksum, load, warmup, out_of_memory
+    bytes: int = 0                  # parameter and buffer bytes
+    rss_before: int = 0
+    rss_after: int = 0
+    load_ms: float = 0.0
+
+
+class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
+    worker_id: int
+    key: str
+    rss_before: int = 0
+    rss_after: int = 0              # after the collector ran and freed memory went back (malloc_trim)
 
 
 class WorkerFailed(Struct, tag_field="op", tag="w_failed"):
@@ -311,8 +438,9 @@ class WorkerSnapshot(Struct, tag_field="op", tag="w_snapped"):
     cuda: dict[str, Any] = {}                 # torch.cuda.memory_snapshot() summary on GPU
 
 
-ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest]
-FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done, Heartbeat, WorkerSnapshot]
+ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel]
+FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done, Heartbeat, WorkerSnapshot, LoaderHello, ModelLoaded,
+                   ModelUnloaded]
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode
