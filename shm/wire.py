@@ -237,6 +237,11 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # per model: default_version, versions, ready, queued, requests, replies, errors
     models: dict[str, dict[str, Any]]
     snapshots: list[str] = []           # the most recent snapshot files, newest last
+    # the config file and the last reload (SIGHUP or `reload`): path, at_s (uptime), ok, message
+    reload: dict[str, Any] = {}
+    # recent model lifecycle events, oldest first: at_s, event (load, load_failed, unload, evict,
+    # swap, traffic, reload), model, version, worker, ms, bytes, message
+    events: list[dict[str, Any]] = []
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
