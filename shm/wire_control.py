@@ -1,0 +1,95 @@
+"""The operator's control ops and their replies (docs/PROTOCOL.md section 5.8).
+
+Imported through tgw.shm.wire like every other message.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .wire_base import IOSpec, Struct
+
+# ---- operator control (docs/PROTOCOL.md §5.8): refused on a tcp:// listener without server.auth_token_file
+
+class LoadVersion(Struct, tag_field="op", tag="load"):
+    """Load `version` of a declared model on every worker serving it; answered once done.
+    weight None: a hot swap (the new version takes every request that names no version, the
+    versions that had such traffic drain and unload); a weight: added beside them with it."""
+    v: int
+    model: str
+    version: str
+    id: int = 0
+    path: Optional[str] = None               # inside model_roots; None: the path the config declared
+    sha256: Optional[str] = None
+    weight: Optional[int] = None
+    token: Optional[str] = None
+
+
+class UnloadVersion(Struct, tag_field="op", tag="unload"):
+    """Drain and unload one version (or, version None, every version) of a model; answered once freed."""
+    v: int
+    model: str
+    id: int = 0
+    version: Optional[str] = None
+    token: Optional[str] = None
+
+
+class SetTraffic(Struct, tag_field="op", tag="traffic"):
+    """Replace the weights of the versions requests that name no version are split over."""
+    v: int
+    model: str
+    weights: dict[str, int]
+    id: int = 0
+    token: Optional[str] = None
+
+
+class Metadata(Struct, tag_field="op", tag="metadata"):
+    """One model's metadata (or every model's, model None)."""
+    v: int
+    id: int = 0
+    model: Optional[str] = None
+    token: Optional[str] = None
+
+
+class Reload(Struct, tag_field="op", tag="reload"):
+    """Re-read the config file and apply the difference, as SIGHUP does; answered once applied."""
+    v: int
+    id: int = 0
+    token: Optional[str] = None
+
+
+class VersionInfo(Struct):
+    version: str
+    path: str
+    state: str                          # loading, ready, draining (being unloaded)
+    weight: int = 0                     # share of the requests that name no version (of the weights' sum)
+    sha256: Optional[str] = None
+    workers: dict[str, str] = {}        # worker name -> loaded, loading, unloading, evicting
+    bytes: int = 0                      # parameter and buffer bytes (measured at load; else the file size)
+    loads: int = 0
+    evictions: int = 0
+    last_load_ms: float = 0.0
+
+
+class ModelMetadata(Struct):
+    name: str
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    max_batch_size: int
+    default_version: Optional[str]      # the heaviest weight's version; None while no version is loaded
+    residency: str                      # always or on_demand
+    versions: list[VersionInfo]
+
+
+class MetadataReply(Struct, tag_field="op", tag="metadata"):
+    v: int
+    id: int
+    models: list[ModelMetadata]
+
+
+class ControlReply(Struct, tag_field="op", tag="control"):
+    """A control op done: what happened, in words and figures; `model` as it is now."""
+    v: int
+    id: int
+    message: str
+    model: Optional[ModelMetadata] = None
+    details: dict[str, Any] = {}

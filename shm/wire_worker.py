@@ -1,0 +1,158 @@
+"""The wire contract between the broker and its workers (internal; docs/PROTOCOL.md section 13).
+
+Imported through tgw.shm.wire like every other message.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .wire_base import ErrorBody, IOSpec, Struct
+
+# ---- broker <-> worker -----------------------------------------------------------------------
+
+class ModelSpec(Struct):
+    name: str
+    version: str
+    path: str
+    inputs: list[IOSpec]
+    outputs: list[IOSpec]
+    warmup_batch_sizes: list[int] = []
+    sha256: Optional[str] = None   # checked by the worker on the very bytes it loads
+
+
+class BlockTensor(Struct):
+    """A tensor laid in a ring arena: `nbytes` bytes at byte `offset` of the arena."""
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class WorkerHello(Struct, tag_field="op", tag="w_hello"):
+    v: int
+    worker_id: int
+    pid: int
+
+
+class LoadModels(Struct, tag_field="op", tag="w_load"):
+    models: list[ModelSpec]
+
+
+class WorkerReady(Struct, tag_field="op", tag="w_ready"):
+    worker_id: int
+    models: list[str]
+    sizes: dict[str, int] = {}      # model key -> parameter and buffer bytes
+
+
+# Runtime loads go over the worker's loader socket (identity: the worker's + b"~load"), served
+# by a thread of its own so batches keep running while a model loads.
+
+class LoaderHello(Struct, tag_field="op", tag="w_loader"):
+    """The loader thread is connected: the broker may send it loads."""
+    worker_id: int
+
+
+class LoadModel(Struct, tag_field="op", tag="w_load1"):
+    spec: ModelSpec
+
+
+class UnloadModel(Struct, tag_field="op", tag="w_unload"):
+    key: str                        # "name:version"; the broker has no batch of it in flight
+
+
+class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
+    worker_id: int
+    key: str
+    error: Optional[str] = None     # None: loaded and warmed up, serving from now on
+    reason: str = ""                # with an error: file, checksum, load, warmup, out_of_memory
+    bytes: int = 0                  # parameter and buffer bytes
+    rss_before: int = 0
+    rss_after: int = 0
+    load_ms: float = 0.0
+
+
+class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
+    worker_id: int
+    key: str
+    rss_before: int = 0
+    rss_after: int = 0              # after the collector ran and freed memory went back (malloc_trim)
+
+
+class WorkerFailed(Struct, tag_field="op", tag="w_failed"):
+    worker_id: int
+    model: str
+    error: str
+
+
+class Batch(Struct, tag_field="op", tag="w_batch"):
+    batch_id: int
+    model: str
+    version: str
+    rows: int
+    block: int                # input-arena block holding every input of the batch
+    inputs: list[BlockTensor]
+    deadline: float = 0.0     # CLOCK_MONOTONIC seconds (system-wide): past it, nobody waits - skip
+    release: list[int] = []   # output blocks the broker is done with (saves a Release message)
+    splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
+
+
+class Done(Struct, tag_field="op", tag="w_done"):
+    batch_id: int
+    outputs: list[BlockTensor] = []
+    block: Optional[int] = None     # output-arena block the broker must release
+    error: Optional[ErrorBody] = None
+    compute_us: int = 0
+    # A batch whose outputs cannot fit the output arena as one block is answered in parts, at
+    # request boundaries: this part answers requests first..first+count-1 (count 0: through
+    # the end); more parts follow while final is False. The defaults: the whole batch at once.
+    first: int = 0
+    count: int = 0
+    final: bool = True
+
+
+class Release(Struct, tag_field="op", tag="w_release"):
+    blocks: list[int]
+
+
+class Stop(Struct, tag_field="op", tag="w_stop"):
+    pass
+
+
+class Heartbeat(Struct, tag_field="op", tag="w_beat"):
+    """Sent every heartbeat_s by a thread of the worker that does not depend on its serving
+    loop, on the worker's control socket (identity: the worker's + b"~ctl")."""
+    worker_id: int
+    pid: int
+    sent: float                      # CLOCK_MONOTONIC seconds (system-wide)
+    rss: int                         # bytes
+    cpu_s: float                     # user + system seconds since the process started
+    fds: int
+    threads: int
+    batches: int                     # batches completed since start
+    batch_id: Optional[int] = None   # the batch computing now, if any ...
+    batch_since: float = 0.0         # ... and since when (CLOCK_MONOTONIC)
+    cuda_allocated: int = 0          # bytes, GPU workers only
+    cuda_reserved: int = 0
+
+
+class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):
+    """Broker -> worker control socket: report memory figures. The first request starts
+    tracemalloc (it costs nothing until then); later ones report growth since the first."""
+    snapshot_id: int
+    top: int = 25
+
+
+class LineGrowth(Struct):
+    where: str            # "file:line"
+    size_diff: int        # bytes allocated there since tracing started
+    count_diff: int
+
+
+class WorkerSnapshot(Struct, tag_field="op", tag="w_snapped"):
+    snapshot_id: int
+    worker_id: int
+    tracing_since: float                      # CLOCK_MONOTONIC when tracemalloc started
+    traced_bytes: int = 0
+    growth: list[LineGrowth] = []             # top growth by line since tracing started
+    cuda: dict[str, Any] = {}                 # torch.cuda.memory_snapshot() summary on GPU
