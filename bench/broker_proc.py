@@ -85,6 +85,9 @@ class BrokerProc(Proc):
         self.dir = workdir
         self.address = f"ipc://{workdir}/s.sock"
         self.config_path = os.path.join(workdir, "config.yaml")
+        # the config lives beside the socket in a short /tmp folder, away from the models it names:
+        # unconfined unless it says otherwise (the lifecycle tests confine on purpose)
+        config = {"model_roots": ["/"], **config}
         with open(self.config_path, "w") as f:
             yaml.safe_dump(config, f)
         super().__init__([], os.path.join(workdir, "broker.log"), "tgw broker")

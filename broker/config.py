@@ -5,13 +5,14 @@ Every problem is reported at once, each line naming its key path (models.0.versi
 """
 from __future__ import annotations
 
-import hashlib
 import os
+from typing import Optional
 
 import yaml
 from pydantic import ValidationError
 
 from . import arenas
+from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
 from .schema import (BreakerDecl, Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl,
                      TenantDecl, TensorDecl, VersionDecl, WorkersDecl)
 
@@ -79,17 +80,34 @@ def _resolve(path: str, base_dir: str) -> str:
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
 
 
-def _file_problems(data: object, base_dir: str) -> list[str]:
-    """Model files must exist and match their sha256 (checked on the raw tree, best effort)."""
+def _model_roots(data: object, base_dir: str) -> tuple[Optional[list[str]], list[str]]:
+    """The real paths of model_roots (from the raw tree) and their problems; None when the key
+    is malformed (its own error), so model paths are then not confined."""
+    given = data.get("model_roots", []) if isinstance(data, dict) else []
+    if not isinstance(given, list) or not all(isinstance(r, str) and r for r in given):
+        return None, []
+    named = [(f"model_roots.{i}", r) for i, r in enumerate(given)] or \
+        [("model_roots (empty: the config file's folder)", base_dir)]
+    roots = [os.path.realpath(os.path.join(base_dir, r)) for _, r in named]
+    return roots, [f"  {key}: not a directory: {root}" for (key, _), root in zip(named, roots)
+                   if not os.path.isdir(root)]
+
+
+def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> list[str]:
+    """Model files must lie in model_roots, exist and match their sha256 (checked on the raw
+    tree, best effort)."""
     problems = []
     for vpath, v in _items(data, ("models", "*", "versions", "*")):
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
-        path = _resolve(v["path"], base_dir)
-        if not os.path.isfile(path):
-            problems.append(f"  {vpath}.path: model file not found: {path}")
-        elif isinstance(v.get("sha256"), str) and file_sha256(path) != v["sha256"]:
-            problems.append(f"  {vpath}.sha256: does not match {path} (sha256 {file_sha256(path)})")
+        sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
+        path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
+        try:
+            check_file(confine(path, roots) if roots is not None else path, sha256)
+        except PathRefused as err:
+            problems.append(f"  {vpath}.path: {err}")
+        except ModelFileError as err:
+            problems.append(f"  {vpath}.{err.field}: {err}")
     for key in ("auth_token_file", "curve_secret_key_file"):
         for kpath, v in _items(data, ("server", key)):
             path = _resolve(v, base_dir) if isinstance(v, str) else None
@@ -100,36 +118,34 @@ def _file_problems(data: object, base_dir: str) -> list[str]:
     return problems
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
-    """Validate everything and report every problem at once; model paths come back absolute."""
+    """Validate everything and report every problem at once. model_roots and model paths come
+    back as real paths (a model path is the confined file itself, symlinks resolved)."""
     problems, cfg = [], None
+    base_dir = os.path.abspath(base_dir)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
         problems += _pydantic_problems(err)
-    problems += _duplicate_problems(data) + _file_problems(data, base_dir)
+    roots, root_problems = _model_roots(data, base_dir)
+    problems += root_problems + _duplicate_problems(data) + _file_problems(data, base_dir, roots)
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
-    models = [m.model_copy(update={"versions": [v.model_copy(update={"path": _resolve(v.path, base_dir)})
-                                                for v in m.versions]}) for m in cfg.models]
+    models = [m.model_copy(update={"versions": [
+        v.model_copy(update={"path": confine(os.path.join(base_dir, v.path), roots)}) for v in m.versions]})
+        for m in cfg.models]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:
         sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
     server = server.model_copy(update={k: _resolve(getattr(server, k), base_dir) for k in
                                        ("auth_token_file", "curve_secret_key_file") if getattr(server, k)})
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
-    return arenas.resolve(cfg.model_copy(update={"models": models, "supervisor": sup, "server": server}))
+    return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
+                                                 "server": server}))
 
 
 def load_config(path: str) -> Config:
+    """Read and validate a config file; no side effects, so it may run again (SIGHUP)."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)

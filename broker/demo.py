@@ -30,8 +30,10 @@ def build_demo_models(out_dir: str) -> dict:
 
 
 def demo_config(address: str | None = None, out_dir: str | None = None) -> Config:
-    models = build_demo_models(out_dir or demo_dir())
+    folder = os.path.abspath(out_dir or demo_dir())
+    models = build_demo_models(folder)
     data = {
+        "model_roots": [folder],
         "server": {"address": address} if address else {},
         "workers": {"devices": "auto", "threads_per_worker": 1},
         "models": [{

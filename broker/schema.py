@@ -41,6 +41,7 @@ class VersionDecl(Strict):
     version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
     path: str
     sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+    weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
 
 
 class BreakerDecl(Strict):
@@ -75,11 +76,17 @@ class ModelDecl(Strict):
     slo_p99_ms: Optional[Annotated[float, Field(gt=0)]] = None
     adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
     breaker: Optional[BreakerDecl] = None
+    residency: Literal["always", "on_demand"] = "always"  # on_demand: loaded on first use, LRU-evictable
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelDecl":
         if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
             raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
+        if self.weighted and self.default_version is not None:
+            raise ValueError("default_version and per-version weight are exclusive: requests that name no version "
+                             "follow the weights")
+        if self.weighted and not any(v.weight for v in self.versions):
+            raise ValueError(f"weights of model {self.name!r} sum to 0: at least one version needs a weight > 0")
         for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
             too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
             if too_big:
@@ -94,7 +101,18 @@ class ModelDecl(Strict):
             tuple((t.name, t.dtype, tuple(t.shape)) for t in self.outputs)
 
     @property
+    def weighted(self) -> bool:
+        return any(v.weight is not None for v in self.versions)
+
+    def weights(self) -> dict[str, int]:
+        """version -> its share of the requests that name no version (a missing weight is 0)."""
+        return {v.version: v.weight or 0 for v in self.versions} if self.weighted else {self.default: 1}
+
+    @property
     def default(self) -> str:
+        """Weighted: the heaviest version (ties: the later declared); else default_version or the last."""
+        if self.weighted:
+            return max(reversed(self.versions), key=lambda v: v.weight or 0).version
         return self.default_version or self.versions[-1].version
 
 
@@ -112,6 +130,8 @@ class WorkersDecl(Strict):
     # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
     # its models load: how a deployment registers the custom ops its models call
     preload: list[Annotated[str, Field(min_length=1)]] = []
+    # each worker's budget for loaded models: bytes (int) or share of its device's memory (float in (0, 1])
+    max_model_memory: Optional[Union[int, float]] = None
     # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)
     _input_bytes: Optional[int] = PrivateAttr(default=None)
     _output_bytes: Optional[int] = PrivateAttr(default=None)
@@ -122,6 +142,13 @@ class WorkersDecl(Strict):
         if v == "auto" or (type(v) is int and 1 <= v <= 65536):
             return v
         raise ValueError(f"must be auto (sized from the models) or a whole number of MiB 1..65536, got {v!r}")
+
+    @field_validator("max_model_memory", mode="plain")
+    @classmethod
+    def _model_memory(cls, v: object) -> Union[None, int, float]:
+        if v is None or (type(v) is int and v >= 1 << 20) or (type(v) is float and 0 < v <= 1):
+            return v
+        raise ValueError(f"must be bytes (a whole number >= 1048576) or a share of device memory in (0, 1], got {v!r}")
 
     def _arena(self, key: str, resolved: Optional[int]) -> int:
         if resolved is not None:
@@ -239,6 +266,8 @@ class TenantDecl(Strict):
 
 
 class Config(Strict):
+    # folders model files must lie in; relative: to the config file's folder; empty: that folder
+    model_roots: list[Annotated[str, Field(min_length=1)]] = []
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()

@@ -300,6 +300,7 @@ server:
 workers:
   devices: auto          # one worker per CUDA device, else one CPU worker
   threads_per_worker: 1
+model_roots: [$MODEL_DIR/]   # model files (and runtime loads) must lie in here
 models:
   - name: mlp
     versions:

@@ -141,7 +141,8 @@ def test_k_plus_one_batches_of_ring_always_fit_k_in_flight(k):
 
 def test_check_config_prints_the_resolved_sizes(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [RESNET]}))
+    path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [RESNET],
+                                    "model_roots": [os.path.dirname(__file__)]}))  # the "model" is this file
     r = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -164,7 +164,7 @@ def test_install_under_root_then_rerun_changes_nothing(tmp_path):
     # The config names the target's absolute model paths: check it with them pointing into the
     # root (the one change), as the unit's ExecStartPre will check it on the target.
     text = config.read_text()
-    assert text.count(TARGET["models"] + "/") == 3
+    assert text.count(TARGET["models"] + "/") == 4   # model_roots and the three model paths
     moved = tmp_path / "tgw.yaml"
     moved.write_text(text.replace(TARGET["models"] + "/", str(in_root(root, TARGET["models"])) + "/"))
     check = subprocess.run([TGW_BROKER, "check-config", str(moved)], capture_output=True, text=True,
