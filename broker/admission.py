@@ -23,11 +23,12 @@ from .batcher import Batcher, Pending
 from .breaker import FAILURES, Breakers
 from .callers import Callers
 from .concurrency import AdaptiveLimit
-from .config import Config
+from .config import Config, ModelDecl
 from .limits import check_declared
-from .registry import Checked, Registry
+from .registry import Checked, ModelEntry, Registry
 from .stats import Stats
 from .tenants import Tenants
+from .versions import VersionRecord, VersionState
 
 
 MEMO_MAX = 1024  # header shapes remembered by _intake
@@ -42,24 +43,36 @@ class Intake(NamedTuple):
 class Admission:
     def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, callers: Callers,
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
-                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1):
+                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
+                 demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
+                 drained: Callable[[VersionRecord], None] = lambda rec: None):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
         self.callers, self.server = callers, cfg.server
         self.unavailable = unavailable  # why no worker may serve now ("" while one may)
         self.shed = shed                # answers a queued request shed to make room for a higher level
+        self.demand = demand            # an on-demand version asked for: load it if no worker has it
+        self.drained = drained          # a draining version's last admitted request has left
         self.max_request = cfg.server.max_request_bytes
         self.arena = cfg.workers.input_bytes  # a request that alone overflows it could never be staged
         self.out_arena = cfg.workers.output_bytes  # nor one whose outputs alone overflow this
         self.tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
         self.breakers = Breakers(cfg.models, clock())
         # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
-        pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
-        self.limits = {m.name: AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * pipeline,
-                                             ceiling=m.max_queue, now=clock(), levels=m.priority_levels)
-                       for m in cfg.models if m.adaptive_concurrency and m.slo_p99_ms}
+        self.pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
+        self.limits: dict[str, AdaptiveLimit] = {}
+        for m in cfg.models:
+            self.declare(m)
         self.open = True
-        self._memo: dict[tuple, Intake] = {}
+        self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
+        self._memo_generation = registry.generation
+
+    def declare(self, m: ModelDecl) -> None:
+        """A model's adaptive limit and breakers (a model declared at run time gets them too)."""
+        if m.adaptive_concurrency and m.slo_p99_ms and m.name not in self.limits:
+            self.limits[m.name] = AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * self.pipeline,
+                                                ceiling=m.max_queue, now=self.clock(), levels=m.priority_levels)
+        self.breakers.declare(m, [v.version for v in m.versions], self.clock())
 
     def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
         """Queue the request (or raise the TgwError that answers it)."""
@@ -88,6 +101,9 @@ class Admission:
             raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
                        f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
                        f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
+        record = checked.record
+        if record.on_demand:  # loads it if no worker has it; refuses what cannot wait for the load
+            self.demand(record, timeout_ms / 1000.0)
         tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
@@ -99,41 +115,50 @@ class Admission:
                 self.tenants.unadmit(tenant)
             raise
         self.callers.owe(client)
+        record.active += 1
         self.stats.models[model.name].requests += 1
         return p
 
     def _intake(self, msg: Infer, sizes: list[int]) -> "Intake":
         """The checks fixed by the header's shape fields and the frame sizes - limits, declaration,
         arena fit - memoised on exactly those (a steady stream of like requests pays a dict
-        lookup), then what can change between like requests: readiness and the timeout."""
-        key = (msg.model, msg.version, None if msg.outputs is None else tuple(msg.outputs), tuple(sizes),
+        lookup), then per request the version: named or picked by the traffic split, and
+        whether it may be served now."""
+        if self._memo_generation != self.registry.generation:  # models or routing changed
+            self._memo.clear()
+            self._memo_generation = self.registry.generation
+        key = (msg.model, None if msg.outputs is None else tuple(msg.outputs), tuple(sizes),
                *[(t.name, t.dtype, tuple(t.shape), t.compression) for t in msg.inputs])
         hit = self._memo.get(key)
         if hit is not None:
-            self.registry.check_live(hit.checked.model, hit.checked.version, msg)
-            return hit
+            entry, shape, out_nbytes = hit
+            return Intake(Checked(entry, self.registry.route(entry, msg), shape), out_nbytes)
         check_declared(msg, self.server)
         if sum(sizes) > self.max_request:  # compressed frames of incompressible data can outgrow the raw bytes
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
                        f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
-        checked = self.registry.validate(msg, sizes)
-        # raw bytes of each input once inflated (as declared: inflate() holds them to it)
-        need = aligned_total([nbytes_of(msg.inputs[i].dtype, msg.inputs[i].shape) for i in checked.order])
+        entry = self.registry.entry(msg.model)
+        rec = self.registry.route(entry, msg)  # a version problem is reported before a shape problem
+        shape, out_nbytes = self._memo_miss(key, entry, msg, sizes)
+        return Intake(Checked(entry, rec, shape), out_nbytes)
+
+    def _memo_miss(self, key: tuple, entry: ModelEntry, msg: Infer, sizes: list[int]) -> tuple:
+        shape = self.registry.check_shapes(entry, msg, sizes)
+        need = aligned_total([nbytes_of(msg.inputs[i].dtype, msg.inputs[i].shape) for i in shape.order])
         if need > self.arena:
             raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
                        f"arena holds {self.arena} (workers.input_arena_mb)", limit=self.arena)
-        out_nbytes = checked.model.output_bytes(checked.rows)  # None: sized only after compute
+        out_nbytes = entry.output_bytes(shape.rows)  # None: sized only after compute
         out_need = aligned_total(out_nbytes or [])
         if out_need > self.out_arena:  # never computed: its outputs could never be written
             raise fail(Code.OUT_OF_SHM, f"request's outputs need {out_need} bytes of shared memory; a worker's "
                        f"output arena holds {self.out_arena} (workers.output_arena_mb)", model=msg.model,
                        needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb",
                        retryable=False)
-        intake = Intake(checked, out_nbytes)
         if len(self._memo) >= MEMO_MAX:  # distinct shapes beyond this are rare: start over
             self._memo.clear()
-        self._memo[key] = intake
-        return intake
+        self._memo[key] = (entry, shape, out_nbytes)
+        return shape, out_nbytes
 
     def _route(self, msg: Infer, intake: "Intake", sizes: list[int], now: float) -> "Intake":
         """The version asked for, or its model's fallback while its breaker is open."""
@@ -159,11 +184,12 @@ class Admission:
     def _pending(self, client: bytes, msg: Infer, intake: "Intake", tensor_frames: list, deadline: float,
                  now: float, tenant) -> Pending:
         checked = intake.checked
-        tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.order]
+        tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
+        shape = checked.shape
         return Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
-                       rows=checked.rows, shape_key=checked.shape_key, tensors=tensors, outputs=checked.outputs,
+                       rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
                        deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
-                       priority=msg.priority, arrived=now, tenant=tenant)
+                       priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
 
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
         """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
@@ -192,6 +218,11 @@ class Admission:
         """A request leaves: answered with outputs (code None) or with error `code`."""
         if p.tenant is not None:
             p.tenant.inflight -= 1
+        record = p.record
+        if record is not None:
+            record.active -= 1
+            if not record.active and record.state is VersionState.DRAINING:
+                self.drained(record)
         limit = self.limits.get(p.model)
         if limit is not None:
             limit.inflight -= 1

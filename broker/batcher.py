@@ -64,9 +64,16 @@ class Batcher:
         self._rr: deque[str] = deque()  # round-robin order of models
 
     def add_model(self, name: str, max_batch_size: int, max_queue: int, **policy) -> None:
-        """`policy`: levels, max_delay_us, preferred, aging_batches (ModelQueue's)."""
+        """`policy`: levels, max_delay_us, preferred, aging_batches (ModelQueue's). A model declared
+        again (removed, then added back at run time) gets a fresh queue with its new policy."""
+        if name not in self.queues:
+            self._rr.append(name)
         self.queues[name] = ModelQueue(name, max_batch_size, max_queue, **policy)
-        self._rr.append(name)
+
+    def declare(self, m) -> None:
+        """A queue for a model declaration (config.ModelDecl)."""
+        self.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels, max_delay_us=m.max_delay_us,
+                       preferred=m.preferred_batch_sizes, aging_batches=m.aging_batches)
 
     def queued(self, model: str | None = None) -> int:
         if model is not None:

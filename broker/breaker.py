@@ -180,13 +180,21 @@ class Breakers:
         self.by_key: dict[tuple[str, str], Breaker] = {}
         self.fallback: dict[str, str] = {}
         for m in models:
-            if m.breaker is None:
-                continue
-            slo = m.slo_p99_ms / 1000 if m.slo_p99_ms else None
-            for v in m.versions:
-                self.by_key[(m.name, v.version)] = Breaker(f"{m.name}:{v.version}", m.breaker, slo, now)
-            if m.breaker.fallback:
-                self.fallback[m.name] = m.breaker.fallback
+            self.declare(m, [v.version for v in m.versions], now)
+
+    def declare(self, m, versions: list[str], now: float) -> None:
+        """Breakers for these versions of model `m` (a version loaded at run time gets one too)."""
+        if m.breaker is None:
+            return
+        slo = m.slo_p99_ms / 1000 if m.slo_p99_ms else None
+        for v in versions:
+            if (m.name, v) not in self.by_key:
+                self.by_key[(m.name, v)] = Breaker(f"{m.name}:{v}", m.breaker, slo, now)
+        if m.breaker.fallback:
+            self.fallback[m.name] = m.breaker.fallback
+
+    def forget(self, model: str, version: str) -> None:
+        self.by_key.pop((model, version), None)
 
     def get(self, model: str, version: str) -> Breaker | None:
         return self.by_key.get((model, version))

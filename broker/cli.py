@@ -1,4 +1,5 @@
-"""`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, keygen."""
+"""`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, keygen,
+and the model lifecycle verbs of broker/cli_models.py (models ..., reload)."""
 from __future__ import annotations
 
 import argparse
@@ -6,38 +7,59 @@ import logging
 import os
 import sys
 
+from tgw.shm.wire import PROTOCOL_VERSION, Snapshot, Status
+
+from . import cli_models
 from .config import ConfigError, load_config
+
+RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
 
 
 def query(args) -> int:
-    """status / snapshot against a running broker; 1 with the reason on stderr if it fails."""
+    """A verb that asks a running broker: send `args.request(args)`, print the reply with
+    `args.show` (or as JSON); 1 with the reason on stderr if it fails."""
     import json
+    from functools import partial
 
     import msgspec
 
     from tgw.shm.errors import TgwError
     from tgw.shm.paths import default_address
-    from tgw.shm.wire import PROTOCOL_VERSION, Snapshot, Status
 
     from .auth import load_token
     from .control import Unreachable, ask
     from .endpoints import StartupError
     address = args.address or default_address()
-    msg = Status(v=PROTOCOL_VERSION) if args.cmd == "status" else Snapshot(v=PROTOCOL_VERSION, worker=args.worker)
     try:
         token = load_token(args.token_file) if args.token_file else os.environ.get("TGW_TOKEN", "").strip() or None
         server_key = args.server_key or os.environ.get("TGW_SERVER_KEY") or None
-        reply = ask(address, msg, args.timeout, token=token, server_key=server_key)
+        reply = ask(address, args.request(args), args.timeout, token=token, server_key=server_key)
     except (Unreachable, TgwError, StartupError) as exc:
-        print(f"tgw-broker {args.cmd}: {exc}", file=sys.stderr)
+        print(f"{args.label}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
-    elif args.cmd == "snapshot":
-        print("\n".join(reply.files + [f"no answer from {name}" for name in reply.missing]))
     else:
-        print_status(address, reply)
-    return 1 if args.cmd == "snapshot" and reply.missing else 0
+        (args.show or partial(print_status, address))(reply)   # status heads its table with the address
+    return 1 if getattr(reply, "missing", None) else 0           # a snapshot some worker did not answer
+
+
+def broker_verb(sub, name: str, help_text: str, wait_s: float, request, show=None) -> argparse.ArgumentParser:
+    """A subcommand that asks a running broker: the connection flags, and what `query` runs:
+    `request(args)` builds the message, `show(reply)` prints the answer."""
+    q = sub.add_parser(name, help=help_text)
+    q.add_argument("--address", help="the broker's address (default: as the broker's default)")
+    q.add_argument("--json", action="store_true", help="print the reply as JSON")
+    q.add_argument("--timeout", type=float, default=wait_s, help=f"seconds to wait for the answer (default {wait_s:g})")
+    q.add_argument("--token-file", help="file holding the broker's auth token (default: $TGW_TOKEN, the token)")
+    q.add_argument("--server-key", help="the broker's CURVE public key: its .key file or z85 text "
+                                        "(default: $TGW_SERVER_KEY; needed for tcp://)")
+    q.set_defaults(request=request, show=show, label=q.prog)
+    return q
+
+
+def print_snapshot(reply) -> None:
+    print("\n".join(reply.files + [f"no answer from {name}" for name in reply.missing]))
 
 
 def keygen(args) -> int:
@@ -76,9 +98,24 @@ def print_status(address: str, reply) -> None:
               f"{m['errors'] or ''}")
     for path in reply.snapshots:
         print(f"snapshot: {path}")
+    if reply.reload:
+        print(reload_line(reply.reload))
+    if reply.events:
+        print("recent model events:")
+        for event in reply.events[-RECENT_EVENTS:]:
+            print(f"  {cli_models.event_line(event)}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def reload_line(reload: dict) -> str:
+    """"config: PATH, last reload OK at T s: MESSAGE" (the path alone before any reload)."""
+    line = f"config: {reload.get('path') or '-'}"
+    if reload.get("at_s") is None:
+        return line
+    outcome = "OK" if reload.get("ok") else "FAILED"
+    return cli_models.with_message(f"{line}, last reload {outcome} at {reload['at_s']:.1f} s", reload.get("message"))
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tgw-broker", description="tgw torch inference gateway broker")
     sub = ap.add_subparsers(dest="cmd", required=True)
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
@@ -87,26 +124,25 @@ def main(argv: list[str] | None = None) -> None:
     start.add_argument("--log-level", default="INFO")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
-    for verb, what, wait_s in (("status", "workers, models and queues of a running broker", 5.0),
-                               ("snapshot", "write a memory snapshot of each live worker, print the files", 30.0)):
-        q = sub.add_parser(verb, help=what)
-        q.add_argument("--address", help="the broker's address (default: as the broker's default)")
-        q.add_argument("--json", action="store_true", help="print the reply as JSON")
-        q.add_argument("--timeout", type=float, default=wait_s, help="seconds to wait for the answer")
-        q.add_argument("--token-file", help="file holding the broker's auth token (default: $TGW_TOKEN, the token)")
-        q.add_argument("--server-key", help="the broker's CURVE public key: its .key file or z85 text "
-                                            "(default: $TGW_SERVER_KEY; needed for tcp://)")
-        if verb == "snapshot":
-            q.add_argument("--worker", type=int, help="only worker N (as in worker<N>[...])")
+    broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
+                lambda args: Status(v=PROTOCOL_VERSION))
+    snapshot = broker_verb(sub, "snapshot", "write a memory snapshot of each live worker, print the files", 30.0,
+                           lambda args: Snapshot(v=PROTOCOL_VERSION, worker=args.worker), print_snapshot)
+    snapshot.add_argument("--worker", type=int, help="only worker N (as in worker<N>[...])")
+    cli_models.add_verbs(sub, broker_verb)
     kg = sub.add_parser("keygen", help="write a CURVE key pair (DIR/NAME.key, DIR/NAME.key_secret) for tcp://")
     kg.add_argument("dir", help="directory to write to (created 0700 if missing)")
     kg.add_argument("--name", default="broker", help="file name stem (default: broker)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     if args.cmd == "keygen":
         sys.exit(keygen(args))
 
-    if args.cmd in ("status", "snapshot"):
+    if hasattr(args, "request"):     # a verb that asks a running broker
         sys.exit(query(args))
 
     if args.cmd == "check-config":
@@ -127,4 +163,4 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config) if args.config else demo_config()
     except ConfigError as exc:
         sys.exit(str(exc))
-    sys.exit(run_broker(cfg, args.address))
+    sys.exit(run_broker(cfg, args.address, os.path.abspath(args.config) if args.config else None))

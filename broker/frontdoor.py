@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import lz4.frame
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Infer, InferReply, Snapshot, TensorMeta, \
-    encode, envelope_decoder, request_decoder
+from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, DecodeError, ErrorReply, Infer, InferReply, Metadata, \
+    Snapshot, TensorMeta, encode, envelope_decoder, request_decoder
 
 from . import status
 from .auth import token_ok
@@ -27,7 +27,8 @@ from .sockets import Pump
 if TYPE_CHECKING:
     from .server import Broker
 
-NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)  # refusals that suggest a broken or hostile caller
+NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)
+OPERATOR_OPS = (*CONTROL_OPS, Metadata)   # answered by operator.py  # refusals that suggest a broken or hostile caller
 
 
 class Refused(Exception):
@@ -114,6 +115,10 @@ class FrontDoor:
             return self.error(ident, 0, err)
         if isinstance(msg, Infer):
             self._infer(ident, msg, frames[2:])
+        elif isinstance(msg, OPERATOR_OPS):
+            if self.b.operator is None:
+                return self.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
+            self.b.operator.handle(ident, msg)
         elif isinstance(msg, Snapshot):
             try:
                 self.b.memory.request(self.b.roster, msg, self.b.clock(), lambda reply: self.reply(ident, reply))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady, split_model_key
+from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady
 
 from .batcher import Pending
 from .pool import WorkerHandle, WorkerState
@@ -27,7 +27,7 @@ class Handshake:
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
         w.pid = msg.pid
-        return LoadModels(models=self.registry.specs())
+        return LoadModels(models=self.registry.startup_specs())
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
         """True if the worker now serves; a worker told to stop meanwhile stays stopping."""
@@ -35,9 +35,12 @@ class Handshake:
             log.info("%s ready while %s: ignored", w.name, w.state.value)
             return False
         w.became_ready(msg.models, now)
+        w.sizes.update(msg.sizes)
         for key in msg.models:
-            name, version = split_model_key(key)
-            self.registry.models[name].ready_versions.add(version)
+            rec = self.registry.record(key)
+            if rec is not None:
+                rec.seen = True
+                rec.bytes = rec.bytes or msg.sizes.get(key, 0)
         log.info("%s ready with %s", w.name, ", ".join(msg.models))
         return True
 

@@ -22,13 +22,14 @@ from .callers import fit_max_clients, raise_fd_limit
 from .config import Config
 from .endpoints import StartupError, backend_address, bind, remove_socket_files, zap_handler
 from .lifecycle import Lifecycle
+from .operator import Operator
 from .server import Broker
 from .supervisor import Supervisor
 
 log = logging.getLogger("tgw.broker")
 
 
-async def serve(cfg: Config, address: str) -> None:
+async def serve(cfg: Config, address: str, config_path: str | None = None) -> None:
     if address.startswith("tcp://") and not cfg.server.curve_secret_key_file:
         raise StartupError("a tcp:// address needs server.curve_secret_key_file (a ZeroMQ CURVE key pair: "
                            "`tgw-broker keygen DIR` writes one)")
@@ -38,12 +39,12 @@ async def serve(cfg: Config, address: str) -> None:
     max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
     broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices))
     lifecycle = Lifecycle(broker, supervisor, cfg)
+    broker.operator = Operator(broker, cfg, address, config_path)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
-    loop.add_signal_handler(signal.SIGHUP, lambda: log.warning("SIGHUP ignored: this broker has no runtime "
-                                                                "reload yet (restart it to apply a new config)"))
+    loop.add_signal_handler(signal.SIGHUP, broker.operator.on_sighup)  # re-read the config, apply the difference
     ctx = zmq.Context()
     made: list[str] = []  # socket files this start created: removed on every way out
     try:
@@ -70,10 +71,11 @@ async def serve(cfg: Config, address: str) -> None:
         remove_socket_files(*made)
 
 
-def run_broker(cfg: Config, address: str | None = None) -> int:
+def run_broker(cfg: Config, address: str | None = None, config_path: str | None = None) -> int:
+    """`config_path`: the file `cfg` came from, re-read on SIGHUP (None: the embedded demo)."""
     setproctitle.setproctitle("tgw-broker")  # what ps and top show
     try:
-        uvloop.run(serve(cfg, address or cfg.server.address or default_address()))
+        uvloop.run(serve(cfg, address or cfg.server.address or default_address(), config_path))
     except StartupError as exc:
         log.error("start-up failed: %s", exc)
         return 1

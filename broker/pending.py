@@ -9,12 +9,12 @@ class Pending:
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
                  "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
-                 "tenant", "dispatched", "in_total", "out_total")
+                 "tenant", "dispatched", "in_total", "out_total", "record")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False,
                  out_nbytes: list[int] | None = None, priority: int = 0, arrived: float = 0.0,
-                 tenant: Any = None):
+                 tenant: Any = None, record: Any = None):
         self.client, self.req_id, self.model, self.version = client, req_id, model, version
         self.rows, self.shape_key, self.outputs = rows, shape_key, outputs
         self.tensors = tensors                      # buffers in declared input order
@@ -31,6 +31,7 @@ class Pending:
         self.arrived = arrived                      # clock seconds at admission
         self.tenant = tenant                        # the quota it counts against (tenants.Tenant) or None
         self.dispatched = 0.0                       # clock seconds it was handed to a worker (0: queued)
+        self.record = record                        # its version's record (versions.VersionRecord)
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)

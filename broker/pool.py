@@ -20,6 +20,7 @@ from .batcher import Pending
 class Inflight:
     batch_id: int
     model: str
+    key: str                     # "name:version"
     requests: list[Pending]      # not yet answered: a part's requests leave as it arrives
     block: int
     rows: int
@@ -75,6 +76,7 @@ class WorkerHandle:
     successor: "WorkerHandle | None" = None   # its replacement, while it is being recycled
     retiring: bool = False            # the successor serves: this one takes no new batches
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
+    budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -118,6 +120,14 @@ class WorkerHandle:
         self.segment = segment
         self.inputs = RingAllocator(self.input_bytes)
         self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
+        # runtime loads (placement.py): what its loader thread is doing and what it holds
+        self.loader_ready = False
+        self.loading: dict[str, float] = {}   # key -> when its load was sent
+        self.unloading: set[str] = set()
+        self.evicting: set[str] = set()       # loaded, no longer wanted: no new batches, unloaded once idle
+        self.wanted: set[str] = set()         # on-demand versions placed on it
+        self.sizes: dict[str, int] = {}       # key -> parameter and buffer bytes of what it loaded
+        self.used_at: dict[str, float] = {}   # key -> last batch dispatched (least recently used goes first)
 
     def take_releases(self) -> list[int]:
         out, self.releases = self.releases, []
@@ -126,6 +136,15 @@ class WorkerHandle:
     @property
     def identity(self) -> bytes:
         return f"w{self.worker_id}.{self.generation}".encode()
+
+    @property
+    def loader_identity(self) -> bytes:
+        """The socket of the worker's loader thread (runtime loads and unloads)."""
+        return self.identity + b"~load"
+
+    def holds(self, key: str) -> bool:
+        """Whether it has a batch of this version in flight."""
+        return any(b.key == key for b in self.inflight.values())
 
     @property
     def control_identity(self) -> bytes:
@@ -139,7 +158,8 @@ class WorkerHandle:
     def can_take(self, model_key: str, max_inflight: int, suspect: bool = False) -> bool:
         """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
         worker holding nothing else, so if it kills the worker it takes no other request along."""
-        if self._state is not WorkerState.READY or model_key not in self.models or self.retiring:
+        if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
+                (self.evicting and model_key in self.evicting):
             return False
         if suspect:
             return not self.inflight
@@ -163,7 +183,9 @@ class WorkerHandle:
             shape = [rows, *requests[0].shape_key[k]] if requests[0].shape_key else [rows, *decl.shape]
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
                                        nbytes=sizes[k]))
-        self.inflight[batch_id] = Inflight(batch_id, requests[0].model, requests, block, rows)
+        first = requests[0]
+        self.inflight[batch_id] = Inflight(batch_id, first.model, f"{first.model}:{first.version}", requests, block,
+                                           rows)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                      release=self.take_releases(), splits=[p.rows for p in requests])

@@ -5,30 +5,55 @@ model's declared inputs exactly, so workers never see malformed tensors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import COMPRESSIONS, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of
+from tgw.shm.wire import COMPRESSIONS, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of, split_model_key
 
 from .config import Config, ModelDecl
+from .routing import Traffic
+from .versions import VersionRecord, VersionState
 
 
-@dataclass
 class ModelEntry:
-    decl: ModelDecl
-    inputs: list[IOSpec]
-    outputs: list[IOSpec]
-    input_index: dict[str, int]
-    output_names: frozenset[str]
-    variable: bool                           # some input has a -1 dim: batch only equal shapes
-    versions: frozenset[str]
-    # versions some worker has loaded since start: admitted even while that worker restarts
-    # (the request waits, bounded by its deadline); health reports the live state instead
-    ready_versions: set[str] = field(default_factory=set)
+    """One declared model: its declaration, its versions' records and the traffic split."""
+
+    def __init__(self, decl: ModelDecl):
+        self.decl = decl
+        self.inputs = [_io(t) for t in decl.inputs]
+        self.outputs = [_io(t) for t in decl.outputs]
+        self.input_index = {t.name: i for i, t in enumerate(decl.inputs)}
+        self.output_names = frozenset(t.name for t in decl.outputs)
+        self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
+        self.on_demand = decl.residency == "on_demand"
+        self.removed = False     # dropped from the config: refused, kept until its queue drains
+        self.records: dict[str, VersionRecord] = {}
+        weights = decl.weights()
+        for v in decl.versions:
+            self.records[v.version] = VersionRecord(decl.name, v, VersionState.READY, self.on_demand,
+                                                    weight=weights.get(v.version, 0))
+        self.traffic = Traffic({})
+        self.retraffic()
 
     @property
     def name(self) -> str:
         return self.decl.name
+
+    @property
+    def default(self) -> str | None:
+        """The version with the greatest weight (ties: the later one); None while none has weight."""
+        best = None
+        for rec in self.records.values():
+            if rec.weight > 0 and rec.state is VersionState.READY and (best is None or rec.weight >= best.weight):
+                best = rec
+        return best.version if best else None
+
+    def routable(self) -> list[str]:
+        return [v for v, r in self.records.items() if r.state is VersionState.READY]
+
+    def retraffic(self) -> None:
+        """Rebuild the split from the READY versions' weights (in version order)."""
+        self.traffic = Traffic({v: r.weight for v, r in self.records.items() if r.state is VersionState.READY})
 
     def output_bytes(self, rows: int) -> list[int] | None:
         """Bytes of each declared output (the worker writes them all) for `rows` rows; None when
@@ -37,27 +62,50 @@ class ModelEntry:
             return None
         return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
 
-    def specs(self) -> list[ModelSpec]:
-        return [ModelSpec(name=self.name, version=v.version, path=v.path, inputs=self.inputs,
-                          outputs=self.outputs, warmup_batch_sizes=list(self.decl.warmup_batch_sizes))
-                for v in self.decl.versions]
+    def spec(self, rec: VersionRecord) -> ModelSpec:
+        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes)
 
     def info(self, ready: bool) -> ModelInfo:
-        return ModelInfo(name=self.name, versions=[v.version for v in self.decl.versions],
-                         default_version=self.decl.default, max_batch_size=self.decl.max_batch_size,
-                         inputs=self.inputs, outputs=self.outputs,
+        return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
+                         max_batch_size=self.decl.max_batch_size, inputs=self.inputs, outputs=self.outputs,
                          ready=ready)
+
+
+@dataclass(slots=True)
+class Shape:
+    """What the shape checks learned about one request (the same for every version)."""
+    order: list[int]        # order[k] = index in the request of declared input k
+    rows: int
+    shape_key: tuple        # non-batch dims of every input, for batching variable shapes
+    outputs: list[str]
 
 
 @dataclass(slots=True)
 class Checked:
     """What validation learned about one request."""
     model: ModelEntry
-    version: str
-    order: list[int]        # order[k] = index in the request of declared input k
-    rows: int
-    shape_key: tuple        # non-batch dims of every input, for batching variable shapes
-    outputs: list[str]
+    record: VersionRecord
+    shape: Shape
+
+    @property
+    def version(self) -> str:
+        return self.record.version
+
+    @property
+    def rows(self) -> int:
+        return self.shape.rows
+
+    @property
+    def order(self) -> list[int]:
+        return self.shape.order
+
+    @property
+    def shape_key(self) -> tuple:
+        return self.shape.shape_key
+
+    @property
+    def outputs(self) -> list[str]:
+        return self.shape.outputs
 
 
 def _io(t) -> IOSpec:
@@ -66,41 +114,61 @@ def _io(t) -> IOSpec:
 
 class Registry:
     def __init__(self, cfg: Config):
-        self.models: dict[str, ModelEntry] = {}
-        for m in cfg.models:
-            self.models[m.name] = ModelEntry(
-                decl=m, inputs=[_io(t) for t in m.inputs], outputs=[_io(t) for t in m.outputs],
-                input_index={t.name: i for i, t in enumerate(m.inputs)},
-                output_names=frozenset(t.name for t in m.outputs),
-                variable=any(d == -1 for t in m.inputs for d in t.shape),
-                versions=frozenset(v.version for v in m.versions))
+        self.models: dict[str, ModelEntry] = {m.name: ModelEntry(m) for m in cfg.models}
+        self.generation = 0    # bumped on every change of models or routing: memos keyed on them go
 
-    def specs(self) -> list[ModelSpec]:
-        return [s for m in self.models.values() for s in m.specs()]
+    def changed(self) -> None:
+        self.generation += 1
+
+    def startup_specs(self) -> list[ModelSpec]:
+        """What a starting worker loads: every version of an always-resident model that is loading,
+        ready or draining (on-demand ones load when asked for)."""
+        return [m.spec(r) for m in self.models.values() if not m.on_demand for r in m.records.values()]
+
+    def record(self, key: str) -> VersionRecord | None:
+        name, version = split_model_key(key)
+        m = self.models.get(name)
+        return m.records.get(version) if m is not None else None
 
     def validate(self, req: Infer, frame_sizes: list[int]) -> Checked:
-        model = self.models.get(req.model)
-        if model is None:
-            raise fail(Code.MODEL_NOT_FOUND, f"no model named {req.model!r}", model=req.model,
-                       available=sorted(self.models))
-        version = req.version or model.decl.default
-        if version not in model.versions:
-            raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}",
-                       model=req.model, version=version, available=[v.version for v in model.decl.versions])
-        self.check_live(model, version, req)
-        order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
-        outputs = self._check_outputs(model, req.outputs)
-        return Checked(model, version, order, rows, shape_key, outputs)
+        entry = self.entry(req.model)
+        rec = self.route(entry, req)
+        return Checked(entry, rec, self.check_shapes(entry, req, frame_sizes))
+
+    def entry(self, name: str) -> ModelEntry:
+        model = self.models.get(name)
+        if model is None or model.removed:
+            raise fail(Code.MODEL_NOT_FOUND, f"no model named {name!r}", model=name,
+                       available=sorted(n for n, m in self.models.items() if not m.removed))
+        return model
 
     @staticmethod
-    def check_live(model: ModelEntry, version: str, req: Infer) -> None:
-        """What validate() checks that is not fixed by the header's shape fields: readiness, timeout."""
-        if version not in model.ready_versions:
+    def route(model: ModelEntry, req: Infer) -> VersionRecord:
+        """The version the request names, or the traffic split's pick; refused unless it may be
+        served (ready, and loaded once since start unless it loads on demand)."""
+        if req.version is None:
+            version = model.traffic.pick(req.routing_key)
+            if version is None:
+                raise fail(Code.MODEL_NOT_READY, f"model {model.name!r} has no version loaded", model=model.name,
+                           reason="no_version")
+        else:
+            version = req.version
+        rec = model.records.get(version)
+        if rec is None or rec.state is VersionState.DRAINING:
+            why = " (it is being unloaded)" if rec is not None else ""
+            raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}{why}",
+                       model=req.model, version=version, available=model.routable())
+        if rec.state is VersionState.LOADING or not (rec.seen or rec.on_demand):
             raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
                        model=req.model, version=version)
         if req.timeout_ms is not None and req.timeout_ms < 0:  # the client refuses it too (one rule)
             raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}",
                        timeout_ms=req.timeout_ms)
+        return rec
+
+    def check_shapes(self, model: ModelEntry, req: Infer, frame_sizes: list[int]) -> Shape:
+        order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
+        return Shape(order, rows, shape_key, self._check_outputs(model, req.outputs))
 
     def _check_inputs(self, model: ModelEntry, req: Infer, frame_sizes: list[int]):
         if len(frame_sizes) != len(req.inputs):

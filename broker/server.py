@@ -5,7 +5,8 @@ let one pump per loop turn form batches for workers with room (so a burst draine
 socket becomes one batch, not many). The state it owns: the worker roster and routing, the
 phase (starting, serving, stopping) and the batch sequence; the queues live in the batcher,
 the checks in admission, the clients' side (reading, refusing, answering) in frontdoor, the
-worker handshake in handshake, read-only answers in status.
+worker handshake in handshake, which worker holds which version in placement, the answers
+no worker gives in unserved, read-only answers in status.
 """
 from __future__ import annotations
 
@@ -31,13 +32,15 @@ from .costmodel import CostModel
 from .frontdoor import FrontDoor
 from .handshake import Handshake, death_error
 from .memory import MemoryWatch
+from .placement import Placement
 from .pool import WorkerHandle, WorkerState
 from .registry import Registry
+from .residency import budget_bytes
 from .sockets import Pump
 from .stats import Stats as Counters
+from .unserved import Unserved
 
 log = logging.getLogger("tgw.broker")
-EXPIRED = "deadline passed while queued, or would pass during the predicted compute of a batch of its own"
 
 
 class Phase(Enum):
@@ -47,6 +50,8 @@ class Phase(Enum):
 
 
 class Broker:
+    operator = None   # operator.Operator: control ops and SIGHUP (main.py attaches it)
+
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
                  token: str | None = None, workers: int = 1):
         self.clock, self.server, self.token = clock, cfg.server, token
@@ -57,16 +62,19 @@ class Broker:
         self.batcher = Batcher(clock, self.costs)
         self.stats = Counters()
         for m in cfg.models:
-            self.batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels,
-                                   max_delay_us=m.max_delay_us, preferred=m.preferred_batch_sizes,
-                                   aging_batches=m.aging_batches)
+            self.batcher.declare(m)
             self.stats.model(m.name)
-        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers)
-        self.handshake = Handshake(self.registry)
-        self.memory = MemoryWatch(cfg.supervisor, lambda ident, msg: self.back.send([ident, encode(msg)]))
-        self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.roster: list[WorkerHandle] = []              # every worker, in any state
+        self.placement = Placement(self.registry, self.roster, self.send, clock)  # which worker holds which version
+        self.unserved = Unserved(self)   # answers for requests no worker will run
+        self.placement.on_failed = self.unserved.load_failed
+        self.model_memory = cfg.workers.max_model_memory
+        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
+                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
+                                   demand=self.placement.demand, drained=lambda rec: self.placement.wake())
+        self.handshake = Handshake(self.registry)
+        self.memory = MemoryWatch(cfg.supervisor, self.send)
+        self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
         self.phase = Phase.STARTING
         self.started_at = clock()
@@ -86,12 +94,13 @@ class Broker:
         """Route messages from (a new life of) this worker, and of its heartbeat thread, to it."""
         if w not in self.roster:
             self.roster.append(w)
-        self.routes[w.identity] = self.routes[w.control_identity] = w
+        w.budget = budget_bytes(self.model_memory, w.device)
+        self.routes[w.identity] = self.routes[w.control_identity] = self.routes[w.loader_identity] = w
 
     def remove_worker(self, w: WorkerHandle) -> None:
         """The worker's process is gone: retry its in-flight requests once elsewhere, answer the rest."""
-        self.routes.pop(w.identity, None)
-        self.routes.pop(w.control_identity, None)
+        for ident in (w.identity, w.control_identity, w.loader_identity):
+            self.routes.pop(ident, None)
         self.memory.forget(w)
         again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
         for p in reversed(again):
@@ -101,36 +110,20 @@ class Broker:
         self.schedule()
 
     def tick(self, now: float) -> None:
-        """Periodic work: answer queued requests whose deadline has passed (never computed), and
-        those of models no worker may serve now (crash loop) instead of letting them wait."""
-        for p in self.batcher.expired(now):
-            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, EXPIRED))
+        """Periodic work: answer what expired or cannot run (unserved.py), breakers, snapshots."""
+        self.unserved.sweep(now, self.phase is Phase.STOPPING)
         self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
-        if self.phase is Phase.STOPPING:  # no restarts while stopping: what no live worker can run is answered
-            live = {k for w in self.roster if w.state is WorkerState.READY for k in w.models}
-            for p in self.batcher.take_where(lambda p: model_key(p.model, p.version) not in live):
-                self.door.fail(p, fail(Code.MODEL_NOT_READY, "the broker is stopping and no worker is left "
-                                           "to run this request", reason="shutting_down"))
-        why = self.unavailable()
-        if why:
-            for p in self.batcher.take_all():
-                self.door.fail(p, fail(Code.MODEL_NOT_READY, why, reason="crash_loop"))
 
     def unavailable(self) -> str:
-        """Why no worker may serve now ("" while one may): every worker is benched."""
-        roster = self.roster
-        if roster and roster[0].benched and all(w.benched for w in roster):  # [0]: the common case is cheap
-            return "; ".join(w.benched for w in roster)
-        return ""
+        return self.unserved.unavailable()
 
     def abandon(self, message: str) -> None:
-        """Answer everything still queued or in flight (the shutdown grace ran out)."""
-        for p in self.batcher.take_all() + [p for w in self.roster for b in w.inflight.values() for p in b.requests]:
-            self.door.fail(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
-        for w in self.roster:
-            w.inflight.clear()
+        self.unserved.everything(message)
+
+    def send(self, ident: bytes, msg) -> None:
+        self.back.send([ident, encode(msg)])
 
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING
@@ -180,13 +173,15 @@ class Broker:
         moved = True
         now = self.clock()
         for p in self.batcher.expired_heads(now):
-            self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, EXPIRED))
+            self.door.fail(p, self.unserved.expired(p))
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.head(model, now)
                 worker = self._pick(model_key(model, head.version), full, head.alone)
                 if worker is None:
+                    if head.record is not None and head.record.on_demand:  # evicted while it waited: load again
+                        self.placement.demand(head.record, float("inf"))
                     continue
                 hold = self.batcher.hold_until(model, worker.worker_id, now)
                 if worker.inflight:  # stage the next batch just in time, not behind the one computing
@@ -239,6 +234,7 @@ class Broker:
             return False
         self.back.send([worker.identity, encode(msg)])
         worker.free_at = done_by
+        worker.used_at[model_key(model, msg.version)] = now  # least recently used goes first (residency)
         return True
 
     # ---- worker side -------------------------------------------------------------------------
@@ -266,9 +262,13 @@ class Broker:
             self.back.send([ident, encode(self.handshake.hello(worker, msg))])
         elif isinstance(msg, WorkerReady):
             if self.handshake.ready(worker, msg, self.clock()):
+                self.placement.reconcile()
                 self.schedule()
         elif isinstance(msg, WorkerFailed):
             self.handshake.failed(worker, msg)
+        elif type(msg) in self.placement.messages:  # its loader thread: runtime loads and unloads
+            self.placement.messages[type(msg)](worker, msg)
+            self.schedule()
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
         batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
@@ -294,4 +294,6 @@ class Broker:
                                        for b in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
+        if worker.evicting:  # a version it no longer holds may have finished its last batch
+            self.placement.reconcile()
         self.schedule()

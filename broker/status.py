@@ -12,6 +12,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloRepl
     StatsReply, Status, StatusReply, model_key
 
 from .pool import WorkerState
+from .registry import ModelEntry
 
 if TYPE_CHECKING:
     from .server import Broker
@@ -23,19 +24,27 @@ def hello(b: "Broker", req_id: int) -> HelloReply:
     return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=b.admission.max_request)
 
 
-def serving(b: "Broker", model: str, version: str) -> bool:
-    """A live, ready worker has this version loaded now."""
-    key = model_key(model, version)
-    return any(w.state is WorkerState.READY and key in w.models for w in b.roster)
+def serving(b: "Broker", m: ModelEntry) -> bool:
+    """Requests that name no version can be served now: a live, ready worker has the default
+    version loaded (an on-demand model: a live worker could load it)."""
+    version = m.default
+    if version is None:
+        return False
+    live = [w for w in b.roster if w.state is WorkerState.READY]
+    key = model_key(m.name, version)
+    return bool(live) if m.on_demand else any(key in w.models for w in live)
+
+
+def listed(b: "Broker") -> list[ModelEntry]:
+    return [m for m in b.registry.models.values() if not m.removed]
 
 
 def models(b: "Broker", req_id: int) -> ModelsReply:
-    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[
-        m.info(serving(b, m.name, m.decl.default)) for m in b.registry.models.values()])
+    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[m.info(serving(b, m)) for m in listed(b)])
 
 
 def health(b: "Broker", req_id: int = 0) -> HealthReply:
-    ready_models = {m.name: serving(b, m.name, m.decl.default) for m in b.registry.models.values()}
+    ready_models = {m.name: serving(b, m) for m in listed(b)}
     return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=b.is_serving() and all(ready_models.values()),
                        models=ready_models, workers={w.name: w.state.value for w in b.roster})
 
@@ -66,14 +75,17 @@ def processes(b: "Broker") -> list[dict]:
 def status(b: "Broker", req_id: int) -> StatusReply:
     now = b.clock()
     models = {}
-    for m in b.registry.models.values():
+    for m in listed(b):
         c = b.stats.models[m.name]
-        models[m.name] = {"default_version": m.decl.default, "versions": sorted(m.versions),
-                          "ready": serving(b, m.name, m.decl.default), "queued": b.batcher.queued(m.name),
+        models[m.name] = {"default_version": m.default, "versions": {v: r.state.value for v, r in m.records.items()},
+                          "weights": {v: r.weight for v, r in m.records.items() if r.weight},
+                          "residency": m.decl.residency, "ready": serving(b, m), "queued": b.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors)}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=b.phase.value, uptime_s=round(now - b.started_at, 3),
                        workers=[worker_status(w, now) for w in b.roster], models=models,
-                       snapshots=list(b.memory.snapshots.recent))
+                       snapshots=list(b.memory.snapshots.recent),
+                       reload=dict(b.operator.reloader.outcome) if b.operator else {},
+                       events=[{k: v for k, v in e.items() if k != "seq"} for e in b.placement.events])
 
 
 def worker_status(w, now: float) -> dict:

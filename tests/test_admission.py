@@ -43,7 +43,8 @@ def make(tmp_path, *models: dict, **top) -> tuple[Admission, Clock, list]:
     clock, shed = Clock(), []
     registry = Registry(cfg)
     for entry in registry.models.values():
-        entry.ready_versions.update(entry.versions)
+        for rec in entry.records.values():
+            rec.seen = True
     batcher = Batcher(clock)
     stats = Stats()
     for m in cfg.models:

@@ -30,8 +30,8 @@ def reg(tmp_path) -> Registry:
          "outputs": [{"name": "logits", "dtype": "float16", "shape": [-1, 3]}], "max_batch_size": MAX_ROWS},
     ]}, base_dir=str(tmp_path))
     r = Registry(cfg)
-    r.models["fixed"].ready_versions.add("1")
-    r.models["var"].ready_versions.add("1")
+    r.models["fixed"].records["1"].seen = True   # as a worker's ready message marks them
+    r.models["var"].records["1"].seen = True
     return r
 
 
@@ -86,13 +86,14 @@ def test_declared_version_not_ready_until_loaded(reg):
     err = refused(reg, infer(version="2"))
     assert err.code is Code.MODEL_NOT_READY and err.retryable
     assert err.details == {"model": "fixed", "version": "2"}
-    reg.models["fixed"].ready_versions.add("2")
+    reg.models["fixed"].records["2"].seen = True
     assert check(reg, infer(version="2")).version == "2"
 
 
 def test_no_version_means_the_default(reg):
     assert check(reg, infer()).version == "1"
-    reg.models["fixed"].ready_versions.clear()
+    for rec in reg.models["fixed"].records.values():
+        rec.seen = False
     assert refused(reg, infer()).code is Code.MODEL_NOT_READY
 
 

@@ -65,7 +65,7 @@ def test_batch_running_past_its_limit_is_judged_hung(worker):
     assert judge.batch_limit_s("m", 2, 0) == 40.0             # twice the rows: twice the time allowed
     worker.spawned(None, now=0.0)
     worker.became_ready(["m:1"], now=0.0)
-    worker.inflight[7] = Inflight(7, "m", [pending(1)], 0, 1)
+    worker.inflight[7] = Inflight(7, "m", "m:1", [pending(1)], 0, 1)
     worker.beat, worker.beat_at = beat(batch_id=7, since=100.0), 119.0
     assert judge.hung([worker], 119.5) == []
     worker.beat_at = 121.0
@@ -88,10 +88,10 @@ def test_retried_requests_run_alone_and_others_do_not_join_them():
 
 def test_lost_requests_are_retried_once_alone_then_given_up(worker, caplog):
     batch = [pending(1), pending(2)]
-    worker.inflight[1] = Inflight(1, "m", batch, 0, 2)
+    worker.inflight[1] = Inflight(1, "m", "m:1", batch, 0, 2)
     again, gone = Handshake.lost(worker, retry=True)
     assert again == batch and gone == [] and all(p.alone and p.attempts == 1 for p in batch)
-    worker.inflight[2] = Inflight(2, "m", [batch[0]], 0, 1)   # the poison one kills a second worker
+    worker.inflight[2] = Inflight(2, "m", "m:1", [batch[0]], 0, 1)   # the poison one kills a second worker
     with caplog.at_level(logging.ERROR, logger="tgw.broker"):
         again, gone = Handshake.lost(worker, retry=True)
     assert again == [] and gone == [batch[0]]
@@ -121,7 +121,7 @@ def test_crash_loop_benches_the_worker_until_it_starts_well():
 
 def test_admission_refuses_while_every_worker_is_benched(model_files, worker):
     broker = Broker(parse_config(base_config(model_files, "mlp"), base_dir="/", source="test"))
-    broker.registry.models["mlp"].ready_versions.add("1")
+    broker.registry.models["mlp"].records["1"].seen = True
     broker.add_worker(worker)
     x = np.zeros((1, 256), np.float32)
     req = Infer(v=PROTOCOL_VERSION, id=1, model="mlp", inputs=[TensorMeta(name="x", dtype="float32", shape=[1, 256])])
@@ -140,9 +140,9 @@ def test_a_suspect_batch_runs_on_a_worker_holding_nothing_else(worker):
     assert worker.can_take("m:1", 2, suspect=True)
     normal, retried = pending(1), pending(2)
     retried.alone = True
-    worker.inflight[1] = Inflight(1, "m", [normal], 0, 1)
+    worker.inflight[1] = Inflight(1, "m", "m:1", [normal], 0, 1)
     assert worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
-    worker.inflight = {2: Inflight(2, "m", [retried], 0, 1)}
+    worker.inflight = {2: Inflight(2, "m", "m:1", [retried], 0, 1)}
     assert not worker.can_take("m:1", 2) and not worker.can_take("m:1", 2, suspect=True)
 
 

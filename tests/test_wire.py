@@ -8,12 +8,13 @@ import pytest
 import tgw.client
 from tgw.shm import errors, wire
 from tgw.shm.errors import ERROR_CLASSES, ERROR_TABLE, Code, TgwError, error_from_body, fail, http_status
-from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, DecodeError, Done, ErrorBody, ErrorReply, Health,
-                          HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
-                          ListModels, LoadModels, Snapshot, SnapshotReply, SnapshotRequest, Status, StatusReply,
-                          WorkerSnapshot,
-                          ModelInfo, ModelSpec, ModelsReply, Release, Stats, StatsReply, Stop, TensorMeta,
-                          WorkerFailed, WorkerHello, WorkerReady, encode, envelope_decoder, from_worker_decoder,
+from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, DecodeError, Done, ErrorBody, ErrorReply,
+                          Health, HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
+                          ListModels, LoaderHello, LoadModel, LoadModels, LoadVersion, Metadata, MetadataReply,
+                          ModelInfo, ModelLoaded, ModelMetadata, ModelSpec, ModelsReply, ModelUnloaded, Release,
+                          Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
+                          StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
+                          WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
 
 V = PROTOCOL_VERSION
@@ -33,7 +34,21 @@ REQUESTS = [
     Status(v=V, id=6),
     Snapshot(v=V, id=7, worker=1),
     Snapshot(v=V, id=8),
+    Infer(v=V, id=9, model="mlp", inputs=[x_meta], routing_key="user-42"),
+    LoadVersion(v=V, id=10, model="mlp", version="2", path="/m/mlp-2.pt", sha256="a" * 64, weight=10),
+    LoadVersion(v=V, model="mlp", version="3"),
+    UnloadVersion(v=V, id=11, model="mlp", version="1"),
+    UnloadVersion(v=V, model="mlp"),
+    SetTraffic(v=V, id=12, model="mlp", weights={"1": 90, "2": 10}),
+    Metadata(v=V, id=13, model="mlp"),
+    Metadata(v=V),
+    Reload(v=V, id=14),
 ]
+
+META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, default_version="2",
+                     residency="always", versions=[VersionInfo(version="2", path="/m/mlp-2.pt", state="ready",
+                                                               weight=100, workers={"worker0[cpu]": "loaded"},
+                                                               bytes=1 << 20, loads=1, last_load_ms=12.5)])
 
 REPLIES = [
     HelloReply(v=V, id=1, server="tgw 0.1", max_request_bytes=64 << 20),
@@ -52,6 +67,9 @@ REPLIES = [
     StatusReply(v=V, id=6, phase="serving", uptime_s=12.5, models={"mlp": {"ready": True, "queued": 0}},
                 workers=[{"name": "worker0[cpu]", "pid": 7, "state": "ready", "heartbeat_age_s": 0.4}]),
     SnapshotReply(v=V, id=7, files=["/var/lib/tgw/snapshots/a.json"], missing=["worker1[cpu]"]),
+    MetadataReply(v=V, id=13, models=[META]),
+    ControlReply(v=V, id=10, message="mlp:2 serves every request", model=META, details={"events": []}),
+    ControlReply(v=V, id=14, message="reloaded"),
 ]
 
 TO_WORKER = [
@@ -62,6 +80,8 @@ TO_WORKER = [
     Release(blocks=[0, 64, 4096]),
     Stop(),
     SnapshotRequest(snapshot_id=3, top=10),
+    LoadModel(spec=ModelSpec(name="mlp", version="2", path="/m.pt", inputs=[io], outputs=[io], sha256="b" * 64)),
+    UnloadModel(key="mlp:1"),
 ]
 
 FROM_WORKER = [
@@ -75,6 +95,11 @@ FROM_WORKER = [
               batch_id=10, batch_since=5.0),
     WorkerSnapshot(snapshot_id=3, worker_id=0, tracing_since=4.0, traced_bytes=2048,
                    growth=[LineGrowth(where="m.py:3", size_diff=1024, count_diff=2)]),
+    WorkerReady(worker_id=0, models=["mlp:1"], sizes={"mlp:1": 1024}),
+    LoaderHello(worker_id=0),
+    ModelLoaded(worker_id=0, key="mlp:2", bytes=4096, rss_before=1 << 26, rss_after=1 << 27, load_ms=20.5),
+    ModelLoaded(worker_id=0, key="mlp:3", error="RuntimeError: x", reason="warmup"),
+    ModelUnloaded(worker_id=0, key="mlp:1", rss_before=1 << 27, rss_after=1 << 26),
 ]
 
 

@@ -22,6 +22,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello
     to_worker_decoder
 
 from .heartbeat import Beacon, Progress
+from .loader import Loader
 from .runner import ModelRunner
 from .serve import Server
 
@@ -89,17 +90,22 @@ def preload(entries: str) -> None:
             raise RuntimeError(f"preload {entry!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _load(spec_msg: LoadModels, device: torch.device, worker_id: int):
-    runners = {}
-    for spec in spec_msg.models:
+def _load(msg: LoadModels, device: torch.device, worker_id: int,
+          runners: dict[str, ModelRunner]) -> WorkerReady | WorkerFailed:
+    """Load the start-up models into `runners`, all or none; the first that fails fails the worker.
+    The answer names only these: the loader thread reports its own loads."""
+    loaded = {}
+    for spec in msg.models:
         try:
             runner = ModelRunner(spec, device)
             runner.warm_up()
         except Exception as exc:
-            return None, WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
-                                      error=f"{type(exc).__name__}: {exc}".strip()[:4000])
-        runners[runner.key] = runner
-    return runners, WorkerReady(worker_id=worker_id, models=sorted(runners))
+            return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
+                                error=f"{type(exc).__name__}: {exc}".strip()[:4000])
+        loaded[runner.key] = runner
+    runners.update(loaded)
+    return WorkerReady(worker_id=worker_id, models=sorted(loaded),
+                       sizes={key: runner.nbytes for key, runner in loaded.items()})
 
 
 def run_worker(argv: list[str] | None = None) -> int:
@@ -115,15 +121,18 @@ def run_worker(argv: list[str] | None = None) -> int:
     # beats from here on: a worker stuck importing or loading models is seen as hung
     beacon = Beacon(ctx, args.endpoint, args.identity.encode(), args.worker_id, progress, args.heartbeat_s, device)
     beacon.start()
+    runners: dict[str, ModelRunner] = {}  # one dict: the loader adds and removes, the serving loop reads
+    loader = Loader(ctx, args.endpoint, args.identity.encode(), args.worker_id, runners, device)
+    loader.start()  # before the hello: serving loads by the time the broker knows this worker
     try:
         failure = _preload(args)
         sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid())))
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
-        runners, answer = (None, failure) if failure else _load(msg, device, args.worker_id)
+        answer = failure or _load(msg, device, args.worker_id, runners)
         sock.send(encode(answer))
-        if runners is None:
+        if isinstance(answer, WorkerFailed):
             return 1
         Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress).serve()
         return 0
@@ -131,9 +140,11 @@ def run_worker(argv: list[str] | None = None) -> int:
         traceback.print_exc()  # the death notice: the supervisor logs our stderr and restarts us
         return 1
     finally:
+        loader_stopped = loader.stop()
         beacon.stop()
         sock.close()
-        ctx.term()
+        if loader_stopped:  # else a load still running holds its socket, and term() would wait for it
+            ctx.term()
         try:
             segment.close()
         except BufferError:

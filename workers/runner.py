@@ -1,6 +1,10 @@
 """One loaded TorchScript model: load, warm up, run a batch, map results to declared outputs."""
 from __future__ import annotations
 
+import hashlib
+import io
+import itertools
+
 import torch
 
 from tgw.shm.wire import IOSpec, ModelSpec, model_key
@@ -16,11 +20,17 @@ class OutputMismatch(RuntimeError):
     """The model's result does not fit the outputs declared in the config."""
 
 
+class ChecksumMismatch(ValueError):
+    """The model file's bytes do not hash to the sha256 its spec declares."""
+
+
 class ModelRunner:
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.spec, self.device = spec, device
-        module = torch.jit.load(spec.path, map_location=device)
+        # loaded from the very bytes that were hashed: the file may change after the check
+        module = torch.jit.load(io.BytesIO(_read_verified(spec)), map_location=device)
         module.eval()
+        self.nbytes = _storage_bytes(module)  # before freezing, which turns them into constants
         try:  # freezing inlines weights and folds constants; some scripted modules refuse it
             module = torch.jit.freeze(module)
         except Exception:
@@ -66,6 +76,25 @@ class ModelRunner:
                 raise OutputMismatch(f"model returned {len(result)} tensors, {len(names)} outputs are declared {names}")
             return list(result)
         raise OutputMismatch(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
+
+
+def _read_verified(spec: ModelSpec) -> bytes:
+    with open(spec.path, "rb") as f:
+        data = f.read()
+    if spec.sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != spec.sha256.lower():
+            raise ChecksumMismatch(f"{spec.path}: sha256 is {actual}, expected {spec.sha256}")
+    return data
+
+
+def _storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters and buffers (shared ones count once)."""
+    sizes = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        storage = t.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
 
 
 def _check(decl: IOSpec, t: torch.Tensor, rows: int) -> None:

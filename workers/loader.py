@@ -1,0 +1,168 @@
+"""The worker's loader: a thread that loads and unloads models while the serving loop runs batches.
+
+It owns its own DEALER (identity: the worker's + b"~load") on the worker's zmq Context, as the
+beacon does, and shares the serving loop's `runners` dict. A runner enters the dict before its
+ModelLoaded is sent, so the broker never routes a batch to a model that is not there yet; the
+broker sends UnloadModel only once no batch of that model is in flight here.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import threading
+import time
+
+import torch
+import zmq
+
+from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, UnloadModel, \
+    encode, model_key, to_worker_decoder
+
+from .runner import ChecksumMismatch, ModelRunner
+
+log = logging.getLogger("tgw.worker")
+LOAD_SUFFIX = b"~load"
+MAX_ERROR_CHARS = 4000
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+class LoadFailed(Exception):
+    def __init__(self, reason: str, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}".strip()[:MAX_ERROR_CHARS])
+        self.reason = reason
+
+
+class Loader:
+    def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, worker_id: int,
+                 runners: dict[str, ModelRunner], device: torch.device):
+        self.worker_id, self.runners, self.device = worker_id, runners, device
+        self.sock = ctx.socket(zmq.DEALER)  # used only by the thread from start() on
+        self.sock.setsockopt(zmq.IDENTITY, identity + LOAD_SUFFIX)
+        self.sock.setsockopt(zmq.LINGER, 0)  # once we stop, the broker forgets this worker's loads
+        self.sock.connect(endpoint)
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # stop() interrupts the poll
+        self._stopped = False
+        self.thread = threading.Thread(target=self._run, name="tgw-loader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """End the thread, which closes its socket; False if it is still running after `timeout`
+        (a load under way finishes first). Call before the Context is terminated; a second call
+        does nothing."""
+        if self._stopped:
+            return True
+        if self.thread.ident is None:  # never started
+            self.sock.close()
+        else:
+            os.write(self._wake_w, b"x")
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return False  # it still polls the pipe: leave it open
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._stopped = True
+        return True
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            if self.device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(self.device)
+            self.sock.send(encode(LoaderHello(worker_id=self.worker_id)))
+            while True:
+                ready = dict(poller.poll())
+                if self._wake_r in ready:
+                    return
+                if self.sock in ready:
+                    self._answer()
+        finally:
+            self.sock.close()
+
+    def _answer(self) -> None:
+        try:
+            msg = to_worker_decoder.decode(self.sock.recv())
+        except DecodeError as exc:  # a bad message must not end the loader
+            log.warning("undecodable loader message ignored: %s", exc)
+            return
+        if isinstance(msg, LoadModel):
+            reply = self.load(msg.spec)
+        elif isinstance(msg, UnloadModel):
+            reply = self.unload(msg.key)
+        else:
+            log.warning("loader socket got %s: ignored", type(msg).__name__)
+            return
+        self.sock.send(encode(reply))
+
+    def load(self, spec: ModelSpec) -> ModelLoaded:
+        """Load, warm up and publish one model; a repeated load answers at once."""
+        key = model_key(spec.name, spec.version)
+        loaded = self.runners.get(key)
+        if loaded is not None:
+            rss = rss_bytes()
+            return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss)
+        rss_before, t0 = rss_bytes(), time.perf_counter()
+        try:
+            runner = self._build(spec)
+        except LoadFailed as failed:
+            reply = ModelLoaded(worker_id=self.worker_id, key=key, error=str(failed), reason=failed.reason)
+        else:
+            self.runners[key] = runner  # before the reply: once the broker reads it, batches come
+            reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,
+                                load_ms=(time.perf_counter() - t0) * 1000)
+        if reply.error is not None:
+            log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
+            release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
+        reply.rss_before, reply.rss_after = rss_before, rss_bytes()
+        return reply
+
+    def _build(self, spec: ModelSpec) -> ModelRunner:
+        try:
+            runner = ModelRunner(spec, self.device)
+        except Exception as exc:
+            raise LoadFailed(_reason(exc, "load"), exc) from None
+        try:
+            runner.warm_up()
+        except Exception as exc:
+            raise LoadFailed(_reason(exc, "warmup"), exc) from None
+        return runner
+
+    def unload(self, key: str) -> ModelUnloaded:
+        """Drop one model and give its memory back; a model not loaded is answered all the same."""
+        rss_before = rss_bytes()
+        self.runners.pop(key, None)
+        release_memory(self.device)
+        return ModelUnloaded(worker_id=self.worker_id, key=key, rss_before=rss_before, rss_after=rss_bytes())
+
+
+def _reason(exc: Exception, phase: str) -> str:
+    if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return "out_of_memory"
+    if phase == "warmup":
+        return "warmup"
+    if isinstance(exc, ChecksumMismatch):
+        return "checksum"
+    if isinstance(exc, OSError):
+        return "file"
+    return "load"
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect what dropped models left in reference cycles, empty torch's CUDA cache, and hand
+    freed heap pages back to the OS (glibc keeps them for reuse otherwise)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * PAGE_SIZE
