@@ -4,10 +4,11 @@
     tgw-bench load --model resnet --rate 50,100,200     # open loop: Poisson arrivals, latency from schedule
     tgw-bench compare --quick                           # also: python bench/compare.py --quick
     tgw-bench overload --quick                          # 2x capacity by priority, adaptive limit on/off
+    tgw-bench lifecycle [--quick]                       # hot swap, canary, unload RSS, on-demand residency
 
 `load` drives a running broker, one level after the other; `tgw-bench --model ...` without a
 subcommand is `load`. `compare` writes bench/results/ and RESULTS.md. `overload` (overload.py)
-starts its own broker. Exit status: 0 success (compare: every row filled, no request failed, the
+and `lifecycle` (lifecycle_run.py) start their own brokers. Exit status: 0 success (compare: every row filled, no request failed, the
 broker stopped cleanly; overload: the runs completed, targets printed), 1 some requests failed
 (overload: went unanswered), 2 usage or connection problems, 130 interrupted.
 """
@@ -20,7 +21,7 @@ import signal
 import sys
 from typing import Optional
 
-from tgw.bench import comparison, overload, report
+from tgw.bench import comparison, lifecycle_run, overload, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.targets import GENERATORS, VAR_LEN, TgwTarget, find_model
@@ -91,6 +92,7 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
     cmp.add_argument("--keep", action="store_true", help="keep the temporary folder (models, logs, sockets)")
 
     overload.add_parser(sub)
+    lifecycle_run.add_parser(sub)
 
     for p in (ld, cmp):
         p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
@@ -140,7 +142,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
     """command: a fixed subcommand (bench/compare.py passes "compare" and its own prog)."""
     args = list(sys.argv[1:] if argv is None else argv)
     full = ([command] if command else []) + args
-    if full and full[0] not in ("load", "compare", "overload", "-h", "--help"):
+    if full and full[0] not in ("load", "compare", "overload", "lifecycle", "-h", "--help"):
         full.insert(0, "load")  # the form without a subcommand
     a = parser(prog).parse_args(full)
     a.command_line = " ".join([prog, *map(shlex.quote, args)])
@@ -150,6 +152,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
         signal.signal(signal.SIGTERM, _interrupt)
         if a.command == "overload":
             return overload.run(a)
+        if a.command == "lifecycle":
+            return lifecycle_run.run(a)
         return comparison.run(a, a.command_line)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

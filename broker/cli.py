@@ -21,10 +21,9 @@ def query(args) -> int:
     import json
     from functools import partial
 
-    import msgspec
-
     from tgw.shm.errors import TgwError
     from tgw.shm.paths import default_address
+    from tgw.shm.wire import as_builtins
 
     from .auth import load_token
     from .control import Unreachable, ask
@@ -38,7 +37,7 @@ def query(args) -> int:
         print(f"{args.label}: {exc}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(msgspec.to_builtins(reply), indent=2, sort_keys=True))
+        print(json.dumps(as_builtins(reply), indent=2, sort_keys=True))   # every field, defaults too
     else:
         (args.show or partial(print_status, address))(reply)   # status heads its table with the address
     return 1 if getattr(reply, "missing", None) else 0           # a snapshot some worker did not answer

@@ -12,10 +12,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, ControlReply, ErrorReply, LoadVersion, Metadata, Reload, \
+from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, ErrorReply, LoadVersion, Metadata, Reload, \
     SetTraffic, UnloadVersion
 
-from .config import Config
+from .config import Config, ServerDecl
 from .reload import Reloader
 from .rollout import Rollout
 
@@ -25,12 +25,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("tgw.broker")
 
 
+def unauthenticated(address: str, server: ServerDecl) -> bool:
+    """Control ops are refused here: a tcp:// listener (CURVE encrypts, but any key pair may
+    connect) without the shared token."""
+    return address.startswith("tcp://") and not server.auth_token_file
+
+
 class Operator:
     def __init__(self, b: "Broker", cfg: Config, address: str, config_path: str | None = None):
         self.b = b
         self.rollout = Rollout(b, cfg.model_roots, cfg.workers.start_timeout_s, cfg.supervisor.shutdown_grace_s)
         self.reloader = Reloader(b, self.rollout, cfg, config_path)
-        self.unauthenticated = address.startswith("tcp://") and not cfg.server.auth_token_file
+        self.unauthenticated = unauthenticated(address, cfg.server)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()   # held so they are not collected while they run
 
@@ -87,6 +93,3 @@ class Operator:
     def answer_error(self, ident: bytes, req_id: int, err: TgwError) -> None:
         # not counted as a request error: control ops are not inference
         self.b.door.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
-
-
-__all__ = ["CONTROL_OPS", "Operator"]

@@ -92,7 +92,7 @@ class Reloader:
                 (arenas.input_need(m, k, limit) > w.input_bytes or arenas.output_need(m, k) > w.output_bytes)]
 
     async def _apply(self, new: Config) -> dict:
-        b, registry, rollout = self.b, self.b.registry, self.rollout
+        registry, rollout = self.b.registry, self.rollout
         old_names = {m.name for m in self.cfg.models}
         added = [m for m in new.models if m.name not in old_names]
         for m in added:

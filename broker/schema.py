@@ -106,7 +106,9 @@ class ModelDecl(Strict):
 
     def weights(self) -> dict[str, int]:
         """version -> its share of the requests that name no version (a missing weight is 0)."""
-        return {v.version: v.weight or 0 for v in self.versions} if self.weighted else {self.default: 1}
+        if self.weighted:
+            return {v.version: v.weight or 0 for v in self.versions}
+        return {self.default: 100}   # all of it, shown as 100 %
 
     @property
     def default(self) -> str:

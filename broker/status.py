@@ -56,7 +56,7 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
         models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name),
                         "queued_by_priority": b.batcher.queued_by_level(name), "cost_model": b.costs.as_dict(name),
                         "concurrency": limit.as_dict() if limit is not None else None,
-                        "breakers": adm.breakers.as_dict(name, now)}
+                        "breakers": adm.breakers.as_dict(name, now), "versions": versions(b, name)}
     seen = b.complaints.as_dict()
     return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
                       tenants=adm.tenants.as_dict(),
@@ -64,6 +64,14 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
                       dropped=seen.get("dropped", {}),
                       clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,
                                "denied": b.callers.denied, "owed": sum(b.callers.owed.values())})
+
+
+def versions(b: "Broker", model: str) -> dict:
+    """Each version's lifecycle figures: state, weight, loads, evictions, what each worker holds."""
+    entry = b.registry.models.get(model)
+    return {v: {"state": r.state.value, "weight": r.weight, "active": r.active, "bytes": r.size(), "loads": r.loads,
+                "evictions": r.evictions, "last_load_ms": round(r.last_load_ms, 3),
+                "workers": b.placement.workers_of(r.key)} for v, r in entry.records.items()} if entry else {}
 
 
 def processes(b: "Broker") -> list[dict]:
@@ -85,13 +93,14 @@ def status(b: "Broker", req_id: int) -> StatusReply:
                        workers=[worker_status(w, now) for w in b.roster], models=models,
                        snapshots=list(b.memory.snapshots.recent),
                        reload=dict(b.operator.reloader.outcome) if b.operator else {},
-                       events=[{k: v for k, v in e.items() if k != "seq"} for e in b.placement.events])
+                       events=list(b.placement.events))
 
 
 def worker_status(w, now: float) -> dict:
     out = {"name": w.name, "pid": w.pid, "device": w.device, "state": w.state.value, "models": sorted(w.models),
            "inflight": len(w.inflight), "restarts": w.restarts, "last_death": w.last_death, "benched": w.benched,
-           "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None}
+           "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None,
+           "model_bytes": sum(w.sizes.get(k, 0) for k in w.models), "budget": w.budget}
     if w.beat is not None:
         beat = w.beat
         out.update(rss=beat.rss, cpu_s=round(beat.cpu_s, 3), fds=beat.fds, threads=beat.threads,

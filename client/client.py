@@ -24,8 +24,8 @@ from zmq.utils import z85
 
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import default_address, ipc_path
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Stats, \
-    Status, encode, reply_decoder
+from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Health, Hello, Infer, ListModels, Metadata, \
+    Stats, Status, as_builtins, encode, reply_decoder
 
 from .tensors import ZERO_COPY_MIN, decode_outputs, encode as encode_tensors
 
@@ -113,14 +113,17 @@ class Client:
 
     def infer(self, model: str, inputs: dict[str, Any], *, version: str | None = None,
               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
-              compress: bool = False, tenant: str | None = None) -> dict[str, "np.ndarray"]:  # noqa: F821
+              compress: bool = False, tenant: str | None = None,
+              routing_key: str | None = None) -> dict[str, "np.ndarray"]:  # noqa: F821
         """Run `model` on `inputs` (name -> array with a leading batch dim); returns name -> array.
 
         `timeout` is in seconds (the model's configured timeout when None; 0 = already expired;
         negative is INVALID_ARGUMENT, as the broker rules); `compress` sends and receives
         lz4-compressed tensors (worth it for large, compressible tensors over tcp); `priority`
         0 is served first (the model's levels: 0..priority_levels-1); `tenant` names whose quota
-        the request counts against (default: $TGW_TENANT, else the broker's default tenant)."""
+        the request counts against (default: $TGW_TENANT, else the broker's default tenant);
+        `routing_key`, with no version named, keeps the requests that share it on one version
+        while a canary split is in place (e.g. a user id)."""
         if timeout is not None and not timeout >= 0:
             raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
         metas, frames, declared, sent = encode_tensors(inputs, compress)
@@ -128,7 +131,7 @@ class Client:
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
                     timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token,
-                    tenant=tenant if tenant is not None else self.tenant)
+                    tenant=tenant if tenant is not None else self.tenant, routing_key=routing_key)
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait, nbytes=sent)
         return decode_outputs(reply.outputs, tensor_frames)
@@ -137,6 +140,13 @@ class Client:
         reply, _ = self._call(ListModels(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [],
                               self.connect_timeout)
         return [_model_dict(m) for m in reply.models]
+
+    def metadata(self, model: str | None = None) -> list[dict]:
+        """Each model's (or one's) versions as served now: state, weight, bytes, loads, evictions,
+        and what each worker holds (`tgw-broker models metadata`)."""
+        r, _ = self._call(Metadata(v=PROTOCOL_VERSION, id=next(self._ids), model=model, token=self.token), [],
+                          self.connect_timeout)
+        return [as_builtins(m) for m in r.models]
 
     def health(self) -> dict:
         r, _ = self._call(Health(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
@@ -152,7 +162,7 @@ class Client:
         last death, crash-loop), models with their queues."""
         r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
         return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
-                "snapshots": r.snapshots}
+                "snapshots": r.snapshots, "reload": r.reload, "events": r.events}
 
     # ---- plumbing ----------------------------------------------------------------------------
 

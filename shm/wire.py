@@ -14,7 +14,7 @@ import msgspec
 
 # the contract's other parts, re-exported: import every message from here
 from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, ErrorBody, IOSpec, Struct,  # noqa: F401
-                        TensorMeta, model_key, nbytes_of, split_model_key)
+                        TensorMeta, as_builtins, model_key, nbytes_of, split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401

@@ -59,3 +59,17 @@ def nbytes_of(dtype: str, shape: list[int]) -> int:
     for dim in shape:
         n *= dim
     return n
+
+
+def as_builtins(obj: Any) -> Any:
+    """A message as plain dicts and lists with every field, defaults included (msgspec's
+    to_builtins leaves defaults out, as the wire does): for JSON output and callers' dicts."""
+    if isinstance(obj, msgspec.Struct):
+        config = obj.__struct_config__   # a message keeps its tag ("op")
+        tag = {config.tag_field: config.tag} if config.tag_field else {}
+        return {**tag, **{f: as_builtins(getattr(obj, f)) for f in obj.__struct_fields__}}
+    if isinstance(obj, (list, tuple)):
+        return [as_builtins(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: as_builtins(v) for k, v in obj.items()}
+    return obj

@@ -401,8 +401,8 @@ def test_tied_weights_default_to_the_later_version(model_dir):
 def test_without_weights_the_default_version_takes_everything(model_dir):
     cfg = parse_config(valid(), str(model_dir))
     assert not cfg.model("a").weighted
-    assert cfg.model("a").weights() == {"1": 1}                 # default_version
-    assert cfg.model("b").weights() == {"1": 1}                 # the last version
+    assert cfg.model("a").weights() == {"1": 100}                 # default_version
+    assert cfg.model("b").weights() == {"1": 100}                 # the last version
 
 
 @pytest.mark.parametrize("residency", ["always", "on_demand"])

@@ -29,7 +29,7 @@ from tgw.broker.control import Unreachable, ask
 from tgw.broker.endpoints import StartupError
 from tgw.client import Client, ConnectError, UnauthenticatedError
 from tgw.client.client import server_public_key
-from tgw.shm.errors import Code
+from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import (PROTOCOL_VERSION, ErrorReply, Health, HealthReply, Hello, Infer, ListModels, Snapshot,
                           Stats, Status, TensorMeta, encode, reply_decoder, request_decoder)
 
@@ -384,3 +384,13 @@ def test_status_cli_over_curve(curve_broker):
     r = tgw_broker("status", "--address", curve_broker.address, "--json",
                    env={"TGW_SERVER_KEY": curve_broker.public_key.decode()})
     assert r.returncode == 0 and '"phase": "serving"' in r.stdout, r.stderr
+
+
+def test_control_ops_are_refused_on_tcp_without_a_token_and_metadata_is_not(curve_broker):
+    from tgw.shm.wire import Metadata, SetTraffic
+    with pytest.raises(TgwError) as info:
+        ask(curve_broker.address, SetTraffic(v=PROTOCOL_VERSION, model="mlp", weights={"1": 1}),
+            server_key=curve_broker.public_file)
+    assert info.value.code is Code.UNAUTHENTICATED and "auth_token_file" in info.value.message
+    meta = ask(curve_broker.address, Metadata(v=PROTOCOL_VERSION, model="mlp"), server_key=curve_broker.public_file)
+    assert meta.models[0].name == "mlp"
