@@ -197,6 +197,7 @@ def residency(address: str, models: list[str], rounds: int = 4, timeout_s: float
                         over.append(w["model_bytes"] - w["budget"])
     ordered = [events[k] for k in sorted(events)]
     return {"requests": rounds * len(models), "failed": dict(failed),
+            "load_ms": _summary([e["ms"] for e in ordered if e["event"] == "load"]),
             "loads": [e["model"] for e in ordered if e["event"] == "load"],
             "evictions": [e["model"] for e in ordered if e["event"] == "evict"],
             "cold_ms": _summary(cold), "warm_ms": _summary(warm), "over_budget_bytes": over}

@@ -13,6 +13,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata,
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
+TRAFFIC_WAIT_S = 60.0    # instant, but control ops run one at a time: it may wait behind a load
 
 
 # ---- arguments -------------------------------------------------------------------------------
@@ -86,7 +87,7 @@ def add_verbs(sub, broker_verb) -> None:
                         CONTROL_WAIT_S, lambda args: UnloadVersion(v=PROTOCOL_VERSION, model=args.model,
                                                                    version=args.version), print_control)
     unload.add_argument("--version", help="the version to unload (default: all of them)")
-    traffic = model_verb("traffic", "set the weights that split the requests naming no version", QUERY_WAIT_S,
+    traffic = model_verb("traffic", "set the weights that split the requests naming no version", TRAFFIC_WAIT_S,
                          lambda args: SetTraffic(v=PROTOCOL_VERSION, model=args.model, weights=args.weights),
                          print_control)
     traffic.add_argument("weights", nargs="+", action=WeightsAction, metavar="VERSION=WEIGHT",

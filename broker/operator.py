@@ -45,6 +45,9 @@ class Operator:
         try:
             if isinstance(msg, Metadata):
                 return self.b.door.reply(ident, self.rollout.metadata(msg))
+            if not self.b.is_serving():   # loads need live workers; a stop must not wait for a load
+                raise fail(Code.MODEL_NOT_READY, f"the broker is {self.b.phase.value}: control ops wait until "
+                           "it serves", reason=self.b.phase.value)
             if self.unauthenticated:
                 raise fail(Code.UNAUTHENTICATED, "control ops are refused on a tcp:// listener unless "
                            "server.auth_token_file is configured; use the Unix socket, or configure a token",
@@ -54,6 +57,9 @@ class Operator:
         self.spawn(self.run(ident, msg))
 
     def on_sighup(self) -> None:
+        if not self.b.is_serving():
+            log.warning("SIGHUP ignored: the broker is %s (send it again once it serves)", self.b.phase.value)
+            return
         log.info("SIGHUP: reloading %s", self.reloader.path or "(no config file)")
         self.spawn(self.run(None, Reload(v=PROTOCOL_VERSION)))
 

@@ -40,6 +40,7 @@ class Placement:
         self.watching: set[str] = set()   # keys a rollout waits on (their failures are kept for it)
         self.seq = 0                      # events noted so far
         self.on_failed: Callable[[str, ModelLoaded], None] = lambda key, msg: None  # on-demand load failed
+        self.on_resize: Callable[[WorkerHandle], None] = lambda w: None  # a worker's memory changed on purpose
         self.started_at = clock()
         self._waiters: list[asyncio.Future] = []
         self.messages = {LoaderHello: self.on_loader_hello, ModelLoaded: self.on_loaded,
@@ -132,6 +133,7 @@ class Placement:
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
                       rss_after=msg.rss_after)
             log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes)
+            self.on_resize(w)
         if started is None:
             log.warning("%s: load answer for %s that was not asked of this life", w.name, msg.key)
         self.reconcile()
@@ -142,6 +144,7 @@ class Placement:
         w.used_at.pop(msg.key, None)
         self.note("unload", msg.key, w, bytes=freed, rss_before=msg.rss_before, rss_after=msg.rss_after)
         log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20)
+        self.on_resize(w)
         self.reconcile()
 
     def workers_of(self, key: str) -> dict[str, str]:

@@ -74,6 +74,7 @@ class Broker:
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
         self.handshake = Handshake(self.registry)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
+        self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
         self.phase = Phase.STARTING

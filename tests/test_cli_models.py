@@ -74,7 +74,7 @@ def test_unload_one_version_or_all():
 def test_traffic_sends_the_weights():
     assert request_of("models", "traffic", "mlp", "1=90", "2=10") == \
         SetTraffic(v=1, model="mlp", weights={"1": 90, "2": 10})
-    assert parse("models", "traffic", "mlp", "1=1").timeout == 5.0
+    assert parse("models", "traffic", "mlp", "1=1").timeout == 60.0
 
 
 def test_traffic_refuses_a_bad_pair_with_its_reason(capsys):
@@ -258,7 +258,7 @@ def test_query_prints_the_reply(answers, capsys):
     sent, answer = answers
     answer["reply"] = ControlReply(v=1, id=2, message="traffic of mlp set", model=model([version("1", 1)]))
     assert run_main("models", "traffic", "mlp", "1=1", "--address", "ipc:///tmp/x.sock") == 0
-    assert sent == [("ipc:///tmp/x.sock", SetTraffic(v=1, model="mlp", weights={"1": 1}), 5.0)]
+    assert sent == [("ipc:///tmp/x.sock", SetTraffic(v=1, model="mlp", weights={"1": 1}), 60.0)]
     assert capsys.readouterr().out == "traffic of mlp set\n  mlp now: 1 ready 100%\n"
 
 
