@@ -102,7 +102,8 @@ def swap(address: str, model: str, new_versions: list[tuple[str, str]], concurre
         mark = replies()
         t0 = time.monotonic()
         reply = control(address, LoadVersion(v=0, model=model, version=version, path=path))
-        swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 3), "message": reply.message})
+        swaps.append({"version": version, "seconds": round(time.monotonic() - t0, 3), "message": reply.message,
+                      "events": reply.details.get("events", [])})
     _wait_until(start + duration_s, lambda: replies() >= mark + per_phase)
     stop.set()
     for t in threads:

@@ -1,5 +1,6 @@
 """Demo traffic: real requests to every demo model, each answer checked against the model run
-in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model.
+in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model;
+then a hot swap of mlp under traffic (no request may fail).
 
 Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
 """
@@ -97,6 +98,27 @@ def mismatches(records: list, path: str, model: dict) -> int:
     return bad
 
 
+def hot_swap(address: str, model: dict, path: str, n: int) -> tuple[int, int, int, float, str]:
+    """Drive `model` while `tgw-broker models load` swaps in version "2" (the same file, so the
+    answers stay checkable); returns (requests, errors, mismatches, swap ms, the broker's message)."""
+    from tgw.broker.control import ask
+    from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion
+
+    result: list = []
+    driver = threading.Thread(target=lambda: result.append(drive(address, model, n)))
+    with Client(address) as c:
+        before = c.stats()["models"][model["name"]]["requests"]
+        driver.start()
+        while c.stats()["models"][model["name"]]["requests"] < before + n // 4 and driver.is_alive():
+            time.sleep(0.01)   # swap once traffic flows
+    t0 = time.perf_counter()
+    reply = ask(address, LoadVersion(v=PROTOCOL_VERSION, model=model["name"], version="2", path=path), 120)
+    swap_ms = (time.perf_counter() - t0) * 1e3
+    driver.join()
+    records, lat, errors, _ = result[0]
+    return len(lat) + len(errors), len(errors), mismatches(records, path, model), swap_ms, reply.message
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", required=True)
@@ -119,6 +141,12 @@ def main() -> int:
     for name, n, e, bad, p50, p99, rps in rows:
         print(f"{name:<8} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
     print(f"(concurrency {CONCURRENCY}, 1-4 rows per request, answers checked against the model run in-process)")
+    mlp = next(m for m in models if m["name"] == "mlp")
+    n, e, bad, swap_ms, message = hot_swap(args.address, mlp, os.path.join(args.models_dir, "mlp-v1.pt"),
+                                           4 * args.requests)
+    print(f"\nhot swap of mlp 1 -> 2 under traffic: {n} requests, {e} errors, {bad} mismatches; the swap "
+          f"(load beside, flip, drain, unload) took {swap_ms:.0f} ms\n  broker: {message}")
+    failed |= bool(e) or bad > 0 or n != 4 * args.requests
     print("RESULT:", "FAIL" if failed else "OK")
     return 1 if failed else 0
 

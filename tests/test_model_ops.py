@@ -48,8 +48,9 @@ def models(tmp_path_factory):
     return root
 
 
-def broker(models, **extra) -> BrokerProc:
-    cfg = {"model_roots": [str(models)], "workers": {"devices": ["cpu"], "input_arena_mb": 4, "output_arena_mb": 4},
+def broker(models, workers: int = 1, **extra) -> BrokerProc:
+    cfg = {"model_roots": [str(models)],
+           "workers": {"devices": ["cpu"] * workers, "input_arena_mb": 4, "output_arena_mb": 4},
            "models": [model_decl("m", [("1", str(models / "add1.pt"))], **extra)]}
     return BrokerProc(cfg, tempfile.mkdtemp(prefix="tgwl-", dir="/tmp")).start()
 
@@ -78,6 +79,31 @@ def test_hot_swap_under_load_fails_nothing_and_versions_only_move_forward(one, m
     meta = Client(one.address).metadata("m")[0]
     assert [(v["version"], v["state"]) for v in meta["versions"]] == [("3", "ready")]
     assert infer_version(one.address) == 3
+
+
+def test_a_swap_on_two_workers_loads_on_both_before_it_flips(models):
+    b = broker(models, workers=2)
+    try:
+        r = swap(b.address, "m", [("2", str(models / "add2.pt"))], concurrency=4, duration_s=1.0, per_phase=100)
+        assert r["failed"] == 0 and r["backward_count"] == 0 and set(r["by_version"]) == {"1", "2"}, r
+        load_events = [e for e in r["swaps"][0]["events"] if e["event"] == "load"]
+        assert sorted(e["worker"] for e in load_events) == ["worker0[cpu]", "worker1[cpu]"]
+        with Client(b.address) as c:
+            assert [w["models"] for w in c.status()["workers"]] == [["m:2"], ["m:2"]]
+    finally:
+        assert b.stop() == 0, b.output()
+
+
+def test_unloading_every_version_then_loading_the_declared_one_again(one):
+    control(one.address, UnloadVersion(v=0, model="m"))
+    with Client(one.address) as c:
+        with pytest.raises(TgwError) as info:
+            c.infer("m", {"x": X})
+        assert info.value.code is Code.MODEL_NOT_READY and info.value.details["reason"] == "no_version"
+        assert c.health()["models"]["m"] is False and c.status()["workers"][0]["models"] == []
+    reply = control(one.address, LoadVersion(v=0, model="m", version="1"))   # the config's path
+    assert "m:1 serves every request" in reply.message
+    assert infer_version(one.address) == 1
 
 
 @pytest.mark.slow
