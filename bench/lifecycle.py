@@ -180,6 +180,7 @@ def residency(address: str, models: list[str], rounds: int = 4, timeout_s: float
     cold, warm, failed, over = [], [], Counter(), []
     events: dict[int, dict] = {}   # seq -> event: the broker keeps only its recent ones
     with Client(address) as c:
+        since = max((e["seq"] for e in c.status()["events"]), default=0)   # this call's events only
         for _ in range(rounds):
             for m in models:
                 t0 = time.perf_counter()
@@ -191,7 +192,7 @@ def residency(address: str, models: list[str], rounds: int = 4, timeout_s: float
                 ms = (time.perf_counter() - t0) * 1000
                 status = c.status()
                 loads = sum(e["event"] == "load" for e in events.values())
-                events.update((e["seq"], e) for e in status["events"])
+                events.update((e["seq"], e) for e in status["events"] if e["seq"] > since)
                 (cold if sum(e["event"] == "load" for e in events.values()) > loads else warm).append(ms)
                 for w in status["workers"]:
                     if w["budget"] is not None and w["model_bytes"] > w["budget"]:
