@@ -1,6 +1,8 @@
 """The broker's half of each worker's life on the socket: hello, load, ready, failed, lost.
 
-hello  → the broker answers with every model spec to load;
+hello  → the broker answers with the versions to load now: every version of each
+         always-resident model as served now (runtime loads included; on-demand ones load
+         when asked for, through the worker's loader thread);
 ready  → the worker serves those versions (routing may use it);
 failed → a model did not load or warm up: start-up fails with the worker's reason;
 lost   → the process died: its in-flight requests are retried once elsewhere, the rest

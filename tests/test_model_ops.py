@@ -21,7 +21,7 @@ from bench.lifecycle import canary, control, model_decl, save_add_model, swap, u
 from tgw.broker.config import file_sha256
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
-from tgw.shm.wire import LoadVersion, Metadata, SetTraffic, UnloadVersion
+from tgw.shm.wire import LoadVersion, SetTraffic, UnloadVersion
 
 SLOW = os.environ.get("TGW_SLOW") == "1"
 X = np.zeros((1, 4), np.float32)
@@ -193,4 +193,4 @@ def test_cli_verbs_against_a_running_broker(one, models):
     r = tgw_broker("models", "load", "m", "--version", "6", "--path", "/etc/hostname", *a)
     assert r.returncode == 1 and "outside model_roots" in r.stderr
     with Client(one.address) as c:
-        assert Metadata is not None and c.status()["events"][-1]["event"] == "unload"
+        assert c.status()["events"][-1]["event"] == "unload"

@@ -226,3 +226,33 @@ def test_variable_shape_key_in_declared_order(reg):
     assert checked.order == [1, 0] and checked.rows == 4
     assert checked.shape_key == ((6,), (2, 9))
     assert checked.outputs == ["logits"]
+
+
+# ---- versions over their life (broker/versions.py) ---------------------------------------------
+
+def test_a_draining_version_is_refused_by_name_and_a_loading_one_is_not_ready_yet(reg):
+    from tgw.broker.versions import VersionState
+    records = reg.models["fixed"].records
+    records["2"].seen = True
+    records["2"].state = VersionState.DRAINING
+    err = refused(reg, infer(version="2"))
+    assert err.code is Code.VERSION_NOT_FOUND and "being unloaded" in err.message
+    assert err.details["available"] == ["1"]
+    records["2"].state = VersionState.LOADING
+    assert refused(reg, infer(version="2")).code is Code.MODEL_NOT_READY
+
+
+def test_unnamed_requests_follow_the_weights_and_a_routing_key_sticks(reg):
+    entry = reg.models["fixed"]
+    entry.records["2"].seen = True
+    entry.records["1"].weight, entry.records["2"].weight = 1, 1
+    entry.retraffic()
+    picks = [check(reg, infer()).version for _ in range(100)]
+    assert picks.count("1") == picks.count("2") == 50
+    keyed = {check(reg, infer(routing_key="user-7")).version for _ in range(20)}
+    assert len(keyed) == 1
+    assert entry.default == "2"   # equal weights: the later version
+    entry.records["2"].weight = entry.records["1"].weight = 0
+    entry.retraffic()
+    err = refused(reg, infer())
+    assert err.code is Code.MODEL_NOT_READY and err.details["reason"] == "no_version"
