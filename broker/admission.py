@@ -95,15 +95,15 @@ class Admission:
                        priority=msg.priority, priority_levels=model.priority_levels)
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         deadline = now + timeout_ms / 1000.0
+        record = checked.record
+        if record.on_demand:  # loads it if no worker has it (first: a load outweighs any compute);
+            self.demand(record, timeout_ms / 1000.0)   # refuses what cannot wait for the load
         # not even a batch of its own could answer in time (the bound spares most requests the prediction)
         if timeout_ms <= self.costs.bound_ms(model.name, checked.rows) and \
                 deadline - (predicted := self.costs.predict(model.name, checked.rows)) <= now:
             raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
                        f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
                        f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
-        record = checked.record
-        if record.on_demand:  # loads it if no worker has it; refuses what cannot wait for the load
-            self.demand(record, timeout_ms / 1000.0)
         tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
