@@ -11,6 +11,7 @@ lost   → the process died: its in-flight requests are retried once elsewhere, 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady
@@ -23,9 +24,12 @@ log = logging.getLogger("tgw.broker")
 
 
 class Handshake:
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, serving: Callable[[], bool] = lambda: False,
+                 lost_version: Callable[[WorkerHandle, str, str], None] = lambda w, key, error: None):
         self.registry = registry
         self.failure: str | None = None  # the first load failure, which fails start-up
+        self.serving = serving            # once serving, a restarted worker's failed load ...
+        self.lost_version = lost_version  # ... drops that version instead (placement.forget_failed)
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
         w.pid = msg.pid
@@ -49,7 +53,10 @@ class Handshake:
     def failed(self, w: WorkerHandle, msg: WorkerFailed) -> None:
         reason = f"{w.name} failed to load model {msg.model}: {msg.error}"
         log.error("%s", reason)
-        self.failure = self.failure or reason
+        if self.serving() and self.registry.record(msg.model) is not None:
+            self.lost_version(w, msg.model, msg.error)   # else every restart would fail the same way
+        else:
+            self.failure = self.failure or reason
 
     @staticmethod
     def lost(w: WorkerHandle, retry: bool) -> tuple[list[Pending], list[Pending]]:

@@ -39,7 +39,7 @@ class Placement:
         self.failures: dict[str, list[tuple[WorkerHandle, ModelLoaded]]] = {}  # key -> failed loads, for waiters
         self.watching: set[str] = set()   # keys a rollout waits on (their failures are kept for it)
         self.seq = 0                      # events noted so far
-        self.on_failed: Callable[[str, ModelLoaded], None] = lambda key, msg: None  # on-demand load failed
+        self.on_failed: Callable[[str, str, str], None] = lambda key, reason, error: None  # what waits fails
         self.on_resize: Callable[[WorkerHandle], None] = lambda w: None  # a worker's memory changed on purpose
         self.started_at = clock()
         self._waiters: list[asyncio.Future] = []
@@ -123,7 +123,7 @@ class Placement:
             if msg.key in self.watching:
                 self.failures.setdefault(msg.key, []).append((w, msg))
             else:
-                self.on_failed(msg.key, msg)
+                self.on_failed(msg.key, msg.reason, msg.error)
         else:
             w.models.add(msg.key)
             w.sizes[msg.key] = msg.bytes
@@ -136,6 +136,19 @@ class Placement:
             self.on_resize(w)
         if started is None:
             log.warning("%s: load answer for %s that was not asked of this life", w.name, msg.key)
+        self.reconcile()
+
+    def forget_failed(self, w: WorkerHandle, key: str, error: str) -> None:
+        """A restarted worker could not load a version it held before (its file changed or went):
+        the version is dropped, so the next start loads the others instead of failing again."""
+        rec = self.registry.record(key)
+        if rec is None:
+            return
+        self.registry.models[rec.model].forget(rec.version)
+        self.registry.changed()
+        log.error("%s dropped: %s could not load it again after a restart", key, w.name)
+        self.note("load_failed", key, w, reason="restart", message=error[:300])
+        self.on_failed(key, "restart", error)
         self.reconcile()
 
     def on_unloaded(self, w: WorkerHandle, msg: ModelUnloaded) -> None:

@@ -15,6 +15,9 @@ from .routing import Traffic
 from .versions import VersionRecord, VersionState
 
 
+FULL_WEIGHT = 100   # a version that takes every unnamed request shows weight 100 (100 %)
+
+
 class ModelEntry:
     """One declared model: its declaration, its versions' records and the traffic split."""
 
@@ -51,8 +54,16 @@ class ModelEntry:
     def routable(self) -> list[str]:
         return [v for v, r in self.records.items() if r.state is VersionState.READY]
 
+    def forget(self, version: str) -> None:
+        self.records.pop(version, None)
+        self.retraffic()
+
     def retraffic(self) -> None:
-        """Rebuild the split from the READY versions' weights (in version order)."""
+        """Rebuild the split from the READY versions' weights (in version order); if none of
+        them keeps a weight, the newest takes the requests that name no version."""
+        ready = [r for r in self.records.values() if r.state is VersionState.READY]
+        if ready and not any(r.weight for r in ready):
+            ready[-1].weight = FULL_WEIGHT
         self.traffic = Traffic({v: r.weight for v, r in self.records.items() if r.state is VersionState.READY})
 
     def output_bytes(self, rows: int) -> list[int] | None:
@@ -126,6 +137,8 @@ class Registry:
         return [m.spec(r) for m in self.models.values() if not m.on_demand for r in m.records.values()]
 
     def record(self, key: str) -> VersionRecord | None:
+        if ":" not in key:   # e.g. "<preload>" in a worker's failure
+            return None
         name, version = split_model_key(key)
         m = self.models.get(name)
         return m.records.get(version) if m is not None else None

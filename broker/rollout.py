@@ -20,7 +20,7 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelLoaded, \
     ModelMetadata, SetTraffic, UnloadVersion
 
-from .registry import ModelEntry
+from .registry import FULL_WEIGHT, ModelEntry
 from .roots import ModelFileError, PathRefused, check_file, confine
 from .schema import VersionDecl
 from .versions import VersionRecord, VersionState
@@ -28,7 +28,6 @@ from .versions import VersionRecord, VersionState
 if TYPE_CHECKING:
     from .server import Broker
 
-SWAP_WEIGHT = 100      # a swapped-in version's weight: 100 % of the traffic
 UNLOAD_WAIT_S = 60.0   # bound on waiting for workers to confirm an unload
 
 
@@ -78,7 +77,7 @@ class Rollout:
             raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
         rec = await self.load_beside(entry, decl)
         if msg.weight is None:
-            replaced = self.flip(entry, {rec.version: SWAP_WEIGHT})
+            replaced = self.flip(entry, {rec.version: FULL_WEIGHT})
             await self.retire(entry, replaced)
             message = f"{rec.key} serves every request that names no version" + (
                 f"; {', '.join(r.version for r in replaced)} drained and unloaded" if replaced else "")
@@ -188,7 +187,7 @@ class Rollout:
         """Forget these versions and wait until no worker holds them."""
         keys = [r.key for r in records]
         for r in records:
-            entry.records.pop(r.version, None)
+            entry.forget(r.version)
             self.b.admission.breakers.forget(entry.name, r.version)
             for w in self.b.roster:
                 w.wanted.discard(r.key)
@@ -206,12 +205,7 @@ class Rollout:
             raise fail(Code.VERSION_NOT_FOUND, f"model {entry.name!r} has no version {msg.version!r}",
                        model=entry.name, version=msg.version, available=list(entry.records))
         records = [entry.records[msg.version]] if msg.version is not None else list(entry.records.values())
-        for r in records:
-            r.state, r.weight = VersionState.DRAINING, 0
-        ready = [r for r in entry.records.values() if r.state is VersionState.READY]
-        if ready and not any(r.weight for r in ready):  # unnamed requests still need somewhere to go
-            ready[-1].weight = SWAP_WEIGHT
-        await self.retire(entry, records)
+        await self.retire(entry, records)   # the newest version left takes unnamed requests if none has weight
         left = f"; {entry.default} takes unnamed requests" if entry.default else "; no version is loaded"
         return self.reply(msg, entry, f"{entry.name}: {', '.join(r.version for r in records)} drained and "
                           f"unloaded{left}", since)

@@ -72,7 +72,7 @@ class Broker:
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
                                    self.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
-        self.handshake = Handshake(self.registry)
+        self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import ModelLoaded, model_key
+from tgw.shm.wire import model_key
 
 from .pending import Pending
 from .pool import WorkerState
@@ -60,10 +60,11 @@ class Unserved:
         for p in self.b.batcher.take_where(lambda p: p.record in records):
             self.b.door.fail(p, fail(Code.MODEL_NOT_READY, message, reason="unloaded"))
 
-    def load_failed(self, key: str, msg: ModelLoaded) -> None:
-        """An on-demand load failed: what waits for that version is answered with why."""
+    def load_failed(self, key: str, reason: str, error: str) -> None:
+        """A version failed to load (on demand, or again after a restart): what waits for it is
+        answered with why."""
         for p in self.b.batcher.take_where(lambda p: p.record is not None and p.record.key == key):
-            self.b.door.fail(p, fail(Code.MODEL_NOT_READY, f"{key} failed to load ({msg.reason}): {msg.error}",
+            self.b.door.fail(p, fail(Code.MODEL_NOT_READY, f"{key} failed to load ({reason}): {error}",
                                      reason="load_failed", retryable=False))
 
     def everything(self, message: str) -> None:

@@ -29,7 +29,8 @@ X = np.zeros((1, 4), np.float32)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """The model root: add1..add5.pt, big.pt (64 MiB), wrong.pt (fails warm-up), escape links."""
+    """The model root: add1..add5.pt, big.pt (64 MiB), wrong.pt (fails warm-up), junk.pt (no model),
+    link.pt (a symlink out of the root)."""
     d = tmp_path_factory.mktemp("roots")
     root = d / "models"
     root.mkdir()
@@ -42,6 +43,7 @@ def models(tmp_path_factory):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x[:, :2]     # declared [4]: warm-up refuses it
     torch.jit.save(torch.jit.script(Wrong()), str(root / "wrong.pt"))
+    (root / "junk.pt").write_bytes(b"not a TorchScript archive")
     outside = d / "outside.pt"
     save_add_model(str(outside), 9)
     (root / "link.pt").symlink_to(outside)
@@ -143,6 +145,7 @@ def test_every_refusal_names_its_cause_and_the_old_version_keeps_serving(one, mo
         (LoadVersion(v=0, model="m", version="2", path=path("link.pt")), Code.INVALID_ARGUMENT, "symlink"),
         (LoadVersion(v=0, model="m", version="2", path=path("add2.pt"), sha256="0" * 64), Code.INVALID_ARGUMENT,
          "sha256"),
+        (LoadVersion(v=0, model="m", version="2", path=path("junk.pt")), Code.MODEL_EXECUTION_ERROR, "(load)"),
         (LoadVersion(v=0, model="m", version="2", path=path("wrong.pt")), Code.MODEL_EXECUTION_ERROR, "warmup"),
         (LoadVersion(v=0, model="m", version="1", path=path("add2.pt")), Code.INVALID_ARGUMENT, "already has"),
         (LoadVersion(v=0, model="m", version="2"), Code.INVALID_ARGUMENT, "give its path"),
@@ -194,3 +197,25 @@ def test_cli_verbs_against_a_running_broker(one, models):
     assert r.returncode == 1 and "outside model_roots" in r.stderr
     with Client(one.address) as c:
         assert c.status()["events"][-1]["event"] == "unload"
+
+
+def test_a_version_whose_file_went_is_dropped_when_a_restarted_worker_cannot_load_it(one, models, tmp_path):
+    import shutil
+    doomed = models / "doomed.pt"
+    shutil.copy(models / "add3.pt", doomed)
+    control(one.address, LoadVersion(v=0, model="m", version="3", path=str(doomed), weight=10))
+    doomed.unlink()                                  # e.g. an operator cleaning up the model folder
+    old = one.worker_pids()
+    os.kill(old[0], signal.SIGKILL)
+
+    def serving_again() -> bool:
+        with Client(one.address) as c:
+            meta = c.metadata("m")[0]
+            return [v["version"] for v in meta["versions"]] == ["1"] and c.health()["ready"]
+    one.wait_for(serving_again, 90, "version 3 dropped and the worker serving version 1")
+    assert {infer_version(one.address) for _ in range(20)} == {1}
+    with Client(one.address) as c:
+        events = c.status()["events"]
+        assert c.status()["workers"][0]["restarts"] == 2   # the kill, then one failed start: no crash loop
+    assert any(e["event"] == "load_failed" and e["version"] == "3" and e["reason"] == "restart" for e in events)
+    assert "m:3 dropped" in one.output()

@@ -253,6 +253,11 @@ def test_unnamed_requests_follow_the_weights_and_a_routing_key_sticks(reg):
     assert len(keyed) == 1
     assert entry.default == "2"   # equal weights: the later version
     entry.records["2"].weight = entry.records["1"].weight = 0
+    entry.retraffic()    # unnamed requests always have somewhere to go: the newest ready version
+    assert {check(reg, infer()).version for _ in range(10)} == {"2"} and entry.records["2"].weight == 100
+    from tgw.broker.versions import VersionState
+    for rec in entry.records.values():
+        rec.state = VersionState.DRAINING
     entry.retraffic()
     err = refused(reg, infer())
     assert err.code is Code.MODEL_NOT_READY and err.details["reason"] == "no_version"
