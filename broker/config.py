@@ -18,7 +18,8 @@ from .schema import (BreakerDecl, Config, CrashLoopDecl, LeakDecl, ModelDecl, Se
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "LeakDecl", "ModelDecl", "ServerDecl",
-           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config", "parse_config"]
+           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config",
+           "parse_config"]
 
 
 class ConfigError(ValueError):

@@ -49,8 +49,8 @@ class Placement:
     def note(self, event: str, key: str, w: WorkerHandle | None = None, **figures) -> None:
         name, _, version = key.partition(":")
         self.seq += 1
-        self.events.append({"seq": self.seq, "at_s": round(self.clock() - self.started_at, 3), "event": event, "model": name,
-                            "version": version, "worker": w.name if w is not None else "", **figures})
+        self.events.append({"seq": self.seq, "at_s": round(self.clock() - self.started_at, 3), "event": event,
+                            "model": name, "version": version, "worker": w.name if w is not None else "", **figures})
 
     # ---- desired vs held ---------------------------------------------------------------------
 

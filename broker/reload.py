@@ -70,7 +70,8 @@ class Reloader:
         try:  # hashing model files takes a while: off the loop
             new = await asyncio.get_running_loop().run_in_executor(None, load_config, self.path)
         except ConfigError as exc:
-            raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}", reason="invalid_config") from None
+            raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}",
+                       reason="invalid_config") from None
         refused = restart_only(self.cfg, new) + self._arena_misfits(new)
         if refused:
             raise fail(Code.INVALID_ARGUMENT, "reload refused, nothing changed: these changes need a restart: "

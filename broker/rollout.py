@@ -84,7 +84,8 @@ class Rollout:
         else:
             self.flip(entry, {**{r.version: r.weight for r in entry.records.values()
                                  if r.state is VersionState.READY}, rec.version: msg.weight})
-            message = f"{rec.key} loaded with weight {msg.weight} ({entry.traffic.share(rec.version):.1%} of unnamed requests)"
+            share = entry.traffic.share(rec.version)
+            message = f"{rec.key} loaded with weight {msg.weight} ({share:.1%} of unnamed requests)"
         return self.reply(msg, entry, message, since)
 
     async def checked_decl(self, entry: ModelEntry, version: str, path: str | None,
