@@ -28,6 +28,7 @@ from .versions import VersionRecord
 
 log = logging.getLogger("tgw.broker")
 EVENTS_KEPT = 50
+LOAD_RETRY_S = 10.0   # after an on-demand load failed, requests are refused this long instead of loading again
 
 
 class Placement:
@@ -84,6 +85,11 @@ class Placement:
         """An on-demand version was asked for: have it loaded if no live worker has it. Refuses
         (MODEL_NOT_READY, retryable) a request that its load is predicted to outlast."""
         w = self.residency.where(rec.key, self.roster)
+        if w is None and rec.error and (wait := rec.failed_at + LOAD_RETRY_S - self.clock()) > 0:
+            # a broken file fails every load alike: do not pay for one per request
+            raise fail(Code.MODEL_NOT_READY, f"{rec.key} failed to load {LOAD_RETRY_S - wait:.1f} s ago ({rec.error}); "
+                       f"the next load is tried in {wait:.1f} s", model=rec.model, version=rec.version,
+                       reason="load_failed", retryable=False, retry_after_ms=math.ceil(wait * 1000))
         if w is None:
             w = self.residency.place(rec, self.roster)
             if w is None:
@@ -119,7 +125,7 @@ class Placement:
             log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error)
             self.note("load_failed", msg.key, w, reason=msg.reason, message=msg.error[:300])
             if rec is not None:
-                rec.error = msg.error
+                rec.error, rec.failed_at = f"{msg.reason}: {msg.error}", self.clock()
             if msg.key in self.watching:
                 self.failures.setdefault(msg.key, []).append((w, msg))
             else:

@@ -35,7 +35,8 @@ class VersionRecord:
     loads: int = 0
     evictions: int = 0
     last_load_ms: float = 0.0
-    error: str = ""            # why its last load failed
+    error: str = ""            # why its last load failed ...
+    failed_at: float = 0.0     # ... and when (an on-demand load is not retried for a while)
 
     def __post_init__(self) -> None:
         self.key = model_key(self.model, self.decl.version)

@@ -161,3 +161,11 @@ def test_an_on_demand_model_that_fails_to_load_answers_why(on_demand_broker):
     err = info.value
     assert err.code is Code.MODEL_NOT_READY and err.details["reason"] == "load_failed" and not err.retryable
     assert "warmup" in err.message
+    # asked again at once: refused with the same reason, without paying for another failing load
+    with Client(on_demand_broker.address) as c:
+        with pytest.raises(TgwError) as again:
+            c.infer("bad", {"x": np.zeros((1, 4), np.float32)}, timeout=30)
+        assert again.value.details["reason"] == "load_failed" and "warmup" in again.value.message
+        assert 0 < again.value.details["retry_after_ms"] <= 10_000
+        failures = [e for e in c.status()["events"] if e["event"] == "load_failed" and e["model"] == "bad"]
+    assert len(failures) == 1
