@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import threading
 import time
 import tracemalloc
 
@@ -18,6 +17,8 @@ import torch
 import zmq
 
 from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot, encode, to_worker_decoder
+
+from .sidethread import SideThread
 
 log = logging.getLogger("tgw.worker")
 CTL_SUFFIX = b"~ctl"
@@ -45,48 +46,21 @@ class Progress:
         self.batches += 1
 
 
-class Beacon:
+class Beacon(SideThread):
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, worker_id: int, progress: Progress,
                  heartbeat_s: float = 1.0, device: torch.device | None = None):
         self.worker_id, self.progress, self.heartbeat_s = worker_id, progress, heartbeat_s
         self.cuda = None
         if device is not None and device.type == "cuda":  # the index now: the current device is per thread
             self.cuda = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        self.sock = ctx.socket(zmq.DEALER)  # used only by the thread from start() on
-        self.sock.setsockopt(zmq.IDENTITY, identity + CTL_SUFFIX)
-        self.sock.setsockopt(zmq.LINGER, 0)  # beats are worthless once we stop
-        self.sock.connect(endpoint)
+        super().__init__(ctx, endpoint, identity + CTL_SUFFIX, "tgw-beacon")
         # opened now: a worker that ran out of fds can still report itself
         self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # stop() interrupts the poll
         self._baseline: tracemalloc.Snapshot | None = None
-        self._tracing_since, self._we_trace, self._stopped = 0.0, False, False
-        self.thread = threading.Thread(target=self._run, name="tgw-beacon", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """End the thread, which closes its socket; False if it is still running after `timeout`.
-        Call before the Context is terminated; a second call does nothing."""
-        if self._stopped:
-            return True
-        if self.thread.ident is None:  # never started
-            self._close()
-        else:
-            os.write(self._wake_w, b"x")
-            self.thread.join(timeout)
-            if self.thread.is_alive():
-                return False  # it still polls the pipe: leave it open
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._stopped = True
-        return True
+        self._tracing_since, self._we_trace = 0.0, False
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = self.poller()
         next_beat = time.monotonic()
         try:
             while True:
@@ -94,7 +68,7 @@ class Beacon:
                     self._send(self.beat())
                     next_beat = time.monotonic() + self.heartbeat_s
                 ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000))))
-                if self._wake_r in ready:
+                if self.woken(ready):
                     return
                 if self.sock in ready:
                     self._answer()
@@ -102,7 +76,7 @@ class Beacon:
             self._close()
 
     def _close(self) -> None:
-        self.sock.close()
+        super()._close()
         os.close(self._status)
         if self._we_trace:
             tracemalloc.stop()

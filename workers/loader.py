@@ -11,7 +11,6 @@ import ctypes
 import gc
 import logging
 import os
-import threading
 import time
 import weakref
 
@@ -22,6 +21,7 @@ from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, Model
     encode, model_key, to_worker_decoder
 
 from .runner import ChecksumMismatch, ModelRunner
+from .sidethread import SideThread
 
 log = logging.getLogger("tgw.worker")
 LOAD_SUFFIX = b"~load"
@@ -36,55 +36,26 @@ class LoadFailed(Exception):
         self.reason = reason
 
 
-class Loader:
+class Loader(SideThread):
     def __init__(self, ctx: zmq.Context, endpoint: str, identity: bytes, worker_id: int,
                  runners: dict[str, ModelRunner], device: torch.device):
+        super().__init__(ctx, endpoint, identity + LOAD_SUFFIX, "tgw-loader")
         self.worker_id, self.runners, self.device = worker_id, runners, device
-        self.sock = ctx.socket(zmq.DEALER)  # used only by the thread from start() on
-        self.sock.setsockopt(zmq.IDENTITY, identity + LOAD_SUFFIX)
-        self.sock.setsockopt(zmq.LINGER, 0)  # once we stop, the broker forgets this worker's loads
-        self.sock.connect(endpoint)
-        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # stop() interrupts the poll
-        self._stopped = False
-        self.thread = threading.Thread(target=self._run, name="tgw-loader", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """End the thread, which closes its socket; False if it is still running after `timeout`
-        (a load under way finishes first). Call before the Context is terminated; a second call
-        does nothing."""
-        if self._stopped:
-            return True
-        if self.thread.ident is None:  # never started
-            self.sock.close()
-        else:
-            os.write(self._wake_w, b"x")
-            self.thread.join(timeout)
-            if self.thread.is_alive():
-                return False  # it still polls the pipe: leave it open
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self._stopped = True
-        return True
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = self.poller()
         try:
             if self.device.type == "cuda":  # the current device is per thread
                 torch.cuda.set_device(self.device)
             self.sock.send(encode(LoaderHello(worker_id=self.worker_id)))
             while True:
                 ready = dict(poller.poll())
-                if self._wake_r in ready:
+                if self.woken(ready):
                     return
                 if self.sock in ready:
                     self._answer()
         finally:
-            self.sock.close()
+            self._close()
 
     def _answer(self) -> None:
         try:
