@@ -158,6 +158,14 @@ def _child(index: int, target: Any, spec: LoadSpec, nthreads: int, rate: float, 
         pass
 
 
+def reap(children: list) -> None:
+    """Terminate the generator processes still alive (by PID: only the ones this run started)."""
+    for p in children:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+
 def receive(conn, proc, timeout: float, what: str) -> dict:
     """A generator process's next message ("ready", then its samples), or an error saying why not."""
     try:
@@ -208,10 +216,7 @@ def run_load(target: Any, spec: LoadSpec, on_window_start: Optional[Callable[[],
         for p in children:
             p.join(10)
     finally:
-        for p in children:
-            if p.is_alive():
-                p.terminate()  # by PID, only the processes this run started
-                p.join(5)
+        reap(children)
     return {"lat": np.concatenate([r["lat"] for r in results]), "lag": np.concatenate([r["lag"] for r in results]),
             "errors": dict(sum((r["errors"] for r in results), Counter())),
             "error_messages": {k: m for r in results for k, m in r["messages"].items()},

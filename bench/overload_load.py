@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tgw.bench.loadgen import cpu_seconds, receive
+from tgw.bench.loadgen import cpu_seconds, reap, receive
 from tgw.bench.targets import TgwTarget, error_code, make_inputs
 from tgw.client.client import REPLY_GRACE_S  # past a request's timeout, how long the client waits for the answer
 
@@ -165,10 +165,7 @@ def drive(address: str, model: str, rate: float, duration: float, timeout: float
         for p in children:
             p.join(10)
     finally:
-        for p in children:
-            if p.is_alive():
-                p.terminate()  # by PID, only the processes this run started
-                p.join(5)
+        reap(children)
     out: dict[str, Any] = {k: np.concatenate([r[k] for r in results]) for k in ("prio", "code", "lat", "lag")}
     for k in ("scheduled", "sent", "answered", "stuck_threads"):
         out[k] = sum(r[k] for r in results)
