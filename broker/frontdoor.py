@@ -27,8 +27,8 @@ from .sockets import Pump
 if TYPE_CHECKING:
     from .server import Broker
 
-NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)
-OPERATOR_OPS = (*CONTROL_OPS, Metadata)   # answered by operator.py  # refusals that suggest a broken or hostile caller
+NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)  # refusals that suggest a broken or hostile caller
+OPERATOR_OPS = (*CONTROL_OPS, Metadata)   # answered by operator.py
 
 
 class Refused(Exception):

@@ -11,7 +11,7 @@ from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec
+from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
 
 from .batcher import Pending
 
@@ -184,8 +184,8 @@ class WorkerHandle:
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
                                        nbytes=sizes[k]))
         first = requests[0]
-        self.inflight[batch_id] = Inflight(batch_id, first.model, f"{first.model}:{first.version}", requests, block,
-                                           rows)
+        self.inflight[batch_id] = Inflight(batch_id, first.model, model_key(first.model, first.version), requests,
+                                           block, rows)
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                      release=self.take_releases(), splits=[p.rows for p in requests])

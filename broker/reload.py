@@ -11,7 +11,6 @@ out drain and unload. The outcome, good or bad, is logged and kept for `tgw-brok
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING
 
 from tgw.shm.errors import Code, fail
@@ -52,17 +51,19 @@ class Reloader:
     def __init__(self, b: "Broker", rollout: "Rollout", cfg: Config, path: str | None):
         self.b, self.rollout, self.cfg, self.path = b, rollout, cfg, path
         self.outcome: dict = {"path": path} if path else {}
-        self.started_at = time.monotonic()
 
     async def reload(self, msg: Reload) -> ControlReply:
         try:
             message, changes = await self._reload()
         except Exception as exc:
             why = exc.message if hasattr(exc, "message") else str(exc)
-            self.outcome.update(at_s=round(time.monotonic() - self.started_at, 3), ok=False, message=why)
+            self.outcome.update(at_s=self._uptime(), ok=False, message=why)
             raise
-        self.outcome.update(at_s=round(time.monotonic() - self.started_at, 3), ok=True, message=message)
+        self.outcome.update(at_s=self._uptime(), ok=True, message=message)
         return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message=message, details=changes)
+
+    def _uptime(self) -> float:
+        return round(self.b.clock() - self.b.started_at, 3)   # as status counts uptime_s
 
     async def _reload(self) -> tuple[str, dict]:
         if self.path is None:

@@ -62,10 +62,10 @@ class Rollout:
             [m for m in self.registry.models.values() if not m.removed]
         return MetadataReply(v=PROTOCOL_VERSION, id=msg.id, models=[self.describe(m) for m in entries])
 
-    def reply(self, msg, entry: ModelEntry, message: str, since: int, **details) -> ControlReply:
+    def reply(self, msg, entry: ModelEntry, message: str, since: int) -> ControlReply:
         events = [e for e in self.placement.events if e["seq"] > since]
         return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message=message, model=self.describe(entry),
-                            details={**details, "events": events})
+                            details={"events": events})
 
     # ---- load --------------------------------------------------------------------------------
 

@@ -235,7 +235,7 @@ class Broker:
             return False
         self.back.send([worker.identity, encode(msg)])
         worker.free_at = done_by
-        worker.used_at[model_key(model, msg.version)] = now  # least recently used goes first (residency)
+        worker.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)
         return True
 
     # ---- worker side -------------------------------------------------------------------------

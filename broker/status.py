@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Stats, \
-    StatsReply, Status, StatusReply, model_key
+    StatsReply, Status, StatusReply, as_builtins, model_key
 
 from .pool import WorkerState
 from .registry import ModelEntry
@@ -67,11 +67,11 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
 
 
 def versions(b: "Broker", model: str) -> dict:
-    """Each version's lifecycle figures: state, weight, loads, evictions, what each worker holds."""
+    """Each version as metadata shows it (state, weight, loads, evictions, what each worker
+    holds), and its requests admitted and not yet answered."""
     entry = b.registry.models.get(model)
-    return {v: {"state": r.state.value, "weight": r.weight, "active": r.active, "bytes": r.size(), "loads": r.loads,
-                "evictions": r.evictions, "last_load_ms": round(r.last_load_ms, 3),
-                "workers": b.placement.workers_of(r.key)} for v, r in entry.records.items()} if entry else {}
+    return {v: {**as_builtins(r.info(b.placement.workers_of(r.key))), "active": r.active}
+            for v, r in entry.records.items()} if entry else {}
 
 
 def processes(b: "Broker") -> list[dict]:

@@ -30,9 +30,14 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
 
+def error_text(exc: BaseException) -> str:
+    """How a failed load is told to the broker: the exception's type and message, bounded."""
+    return f"{type(exc).__name__}: {exc}".strip()[:MAX_ERROR_CHARS]
+
+
 class LoadFailed(Exception):
     def __init__(self, reason: str, exc: BaseException):
-        super().__init__(f"{type(exc).__name__}: {exc}".strip()[:MAX_ERROR_CHARS])
+        super().__init__(error_text(exc))
         self.reason = reason
 
 

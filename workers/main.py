@@ -22,7 +22,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello
     to_worker_decoder
 
 from .heartbeat import Beacon, Progress
-from .loader import Loader
+from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
 from .serve import Server
 
@@ -101,7 +101,7 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
             runner.warm_up()
         except Exception as exc:
             return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
-                                error=f"{type(exc).__name__}: {exc}".strip()[:4000])
+                                error=error_text(exc))
         loaded[runner.key] = runner
     runners.update(loaded)
     return WorkerReady(worker_id=worker_id, models=sorted(loaded),
@@ -157,7 +157,7 @@ def _preload(args: argparse.Namespace) -> WorkerFailed | None:
         preload(args.preload)
     except RuntimeError as exc:
         traceback.print_exc()
-        return WorkerFailed(worker_id=args.worker_id, model="<preload>", error=str(exc)[:4000])
+        return WorkerFailed(worker_id=args.worker_id, model="<preload>", error=str(exc)[:MAX_ERROR_CHARS])
     return None
 
 
