@@ -64,6 +64,7 @@ class Admission:
         for m in cfg.models:
             self.declare(m)
         self.open = True
+        self.on_finished: list[Callable[[Pending, str | None, float], None]] = []  # metrics, traces, slow log
         self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
         self._memo_generation = registry.generation
 
@@ -232,6 +233,8 @@ class Admission:
             breaker = self.breakers.get(p.model, p.version)
             if breaker is not None:
                 breaker.record(code in FAILURES, now - p.dispatched, now)
+        for hook in self.on_finished:
+            hook(p, code, now)
 
 
 def inflate(meta: TensorMeta, buf: memoryview) -> memoryview:

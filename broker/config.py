@@ -13,11 +13,12 @@ from pydantic import ValidationError
 
 from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
-from .schema import (BreakerDecl, Config, CrashLoopDecl, LeakDecl, ModelDecl, ServerDecl, SupervisorDecl,
-                     TenantDecl, TensorDecl, VersionDecl, WorkersDecl)
+from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
+from .schema_ops import CrashLoopDecl, HttpDecl, LeakDecl, ObservabilityDecl, SupervisorDecl
 
 # the rest of the broker imports the schema from here
-__all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "LeakDecl", "ModelDecl", "ServerDecl",
+__all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "HttpDecl", "LeakDecl", "ModelDecl",
+           "ObservabilityDecl", "ServerDecl",
            "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config",
            "parse_config"]
 

@@ -9,7 +9,7 @@ class Pending:
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
                  "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
-                 "tenant", "dispatched", "in_total", "out_total", "record")
+                 "tenant", "dispatched", "in_total", "out_total", "record", "compute_us", "trace")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False,
@@ -32,6 +32,8 @@ class Pending:
         self.tenant = tenant                        # the quota it counts against (tenants.Tenant) or None
         self.dispatched = 0.0                       # clock seconds it was handed to a worker (0: queued)
         self.record = record                        # its version's record (versions.VersionRecord)
+        self.compute_us = 0                         # its batch's compute time, as the worker measured it
+        self.trace = None                           # its W3C traceparent, when the caller sent one
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)

@@ -209,6 +209,8 @@ class WorkerHandle:
         part = batch.requests[lo:hi]
         del batch.requests[lo:hi]  # answered now: a later worker death must not retry them
         batch.answered += len(part)
+        for p in part:
+            p.compute_us = done.compute_us
         if done.final:
             self.finish(done)
         return batch, part

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tgw.shm.paths import check_ipc_address
 from tgw.shm.wire import DTYPE_SIZES
 
-
-class Strict(BaseModel):
-    # strict: YAML already gives native types, so "32" or true for an int is a mistake to report
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
 
 
 class TensorDecl(Strict):
@@ -221,41 +218,6 @@ class ServerDecl(Strict):
         return int(self.socket_dir_mode, 8)
 
 
-class CrashLoopDecl(Strict):
-    deaths: Annotated[int, Field(ge=2)] = 5        # this many deaths of one worker ...
-    window_s: Annotated[float, Field(gt=0)] = 60.0  # ... within this window is a crash loop:
-    backoff_s: Annotated[float, Field(gt=0)] = 30.0  # its models are unavailable on it this long
-
-
-class LeakDecl(Strict):
-    """When a worker's memory counts as leaking: a snapshot, then a graceful recycle."""
-    window_s: Annotated[float, Field(gt=0)] = 120.0       # RSS history judged
-    min_samples: Annotated[int, Field(ge=3)] = 20          # beats in the window before judging a slope
-    mib_per_min: Optional[Annotated[float, Field(gt=0)]] = None          # sustained rise per minute
-    mib_per_1k_batches: Optional[Annotated[float, Field(gt=0)]] = None   # ... or per 1,000 batches
-    rss_ceiling_mb: Optional[Annotated[int, Field(ge=1)]] = None         # RSS above this, whatever the slope
-    trace_s: Annotated[float, Field(gt=0)] = 10.0          # tracemalloc runs this long before the snapshot
-    recycle: bool = True                                    # replace the worker after the snapshot
-
-
-class SupervisorDecl(Strict):
-    heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
-    hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
-    batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
-    batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its predicted time)
-    crash_loop: CrashLoopDecl = CrashLoopDecl()
-    leak: LeakDecl = LeakDecl()
-    snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots
-    shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-
-    @model_validator(mode="after")
-    def _beats_fit(self) -> "SupervisorDecl":
-        if self.hang_timeout_s < 2 * self.heartbeat_s:
-            raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least twice heartbeat_s "
-                             f"({self.heartbeat_s}): one late beat is not a hang")
-        return self
-
-
 TenantName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
@@ -273,6 +235,8 @@ class Config(Strict):
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
+    http: Optional[HttpDecl] = None                # the KServe v2 HTTP face; None: off
+    observability: ObservabilityDecl = ObservabilityDecl()
     models: Annotated[list[ModelDecl], Field(min_length=1)]
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets

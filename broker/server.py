@@ -2,11 +2,10 @@
 
 Everything here runs as plain callbacks on one uvloop loop: decode once, admit, queue, and
 let one pump per loop turn form batches for workers with room (so a burst drained from the
-socket becomes one batch, not many). The state it owns: the worker roster and routing, the
-phase (starting, serving, stopping) and the batch sequence; the queues live in the batcher,
-the checks in admission, the clients' side (reading, refusing, answering) in frontdoor, the
-worker handshake in handshake, which worker holds which version in placement, the answers
-no worker gives in unserved, read-only answers in status.
+socket becomes one batch, not many). It owns the worker roster and routing, the phase and the
+batch sequence; queues live in batcher, checks in admission, the clients' side in frontdoor,
+the worker handshake in handshake, versions on workers in placement, the answers no worker
+gives in unserved, read-only answers in status.
 """
 from __future__ import annotations
 

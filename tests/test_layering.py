@@ -20,7 +20,7 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 TGW = ("tgw.shm", "tgw.client", "tgw.broker", "tgw.workers")
-SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic")
+SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic", "aiohttp", "prometheus_client", "orjson", "opentelemetry")
 
 # package -> (modules to import, packages that must not be loaded)
 CASES = {
