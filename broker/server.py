@@ -69,7 +69,7 @@ class Broker:
         self.placement.on_failed = self.unserved.load_failed
         self.model_memory = cfg.workers.max_model_memory
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
+                                   self.unserved.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
@@ -115,9 +115,6 @@ class Broker:
         self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
-
-    def unavailable(self) -> str:
-        return self.unserved.unavailable()
 
     def abandon(self, message: str) -> None:
         self.unserved.everything(message)
