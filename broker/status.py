@@ -1,4 +1,4 @@
-"""Read-only answers about the broker: hello, models, health, stats.
+"""Read-only answers about the broker: hello, models, health, stats, status, metrics.
 
 Built from the state the broker owns (registry, worker roster, queues, counters); nothing here
 changes it.
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Stats, \
-    StatsReply, Status, StatusReply, as_builtins, model_key
+from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Scrape, \
+    ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
 
 from .pool import WorkerState
 from .registry import ModelEntry
@@ -93,7 +93,7 @@ def status(b: "Broker", req_id: int) -> StatusReply:
                        workers=[worker_status(w, now) for w in b.roster], models=models,
                        snapshots=list(b.memory.snapshots.recent),
                        reload=dict(b.operator.reloader.outcome) if b.operator else {},
-                       events=list(b.placement.events))
+                       events=list(b.placement.events), http=b.http.address if b.http else "")
 
 
 def worker_status(w, now: float) -> dict:
@@ -110,5 +110,10 @@ def worker_status(w, now: float) -> dict:
     return out
 
 
+def scrape(b: "Broker", req_id: int) -> ScrapeReply:
+    """What GET /metrics serves (broker/metrics.py), for `tgw-broker metrics`."""
+    return ScrapeReply(v=PROTOCOL_VERSION, id=req_id, text=b.metrics.render()[0].decode())
+
+
 # the read-only ops, by request type: each answers (broker, request id)
-ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status}
+ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status, Scrape: scrape}

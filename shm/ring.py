@@ -43,6 +43,7 @@ class RingAllocator:
         self._size: dict[int, int] = {}     # offset -> aligned size, live blocks
         self._released: set[int] = set()    # released but not yet reclaimed (not oldest)
         self._head = 0                      # next free byte after the newest block
+        self.in_use = 0                     # bytes of unreleased blocks (an int: another thread may read it)
 
     @property
     def live_blocks(self) -> int:
@@ -50,7 +51,7 @@ class RingAllocator:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._size[o] for o in self._order if o not in self._released)
+        return self.in_use
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a new block of at least `nbytes`, or None while the arena is full."""
@@ -77,12 +78,14 @@ class RingAllocator:
         self._order.append(offset)
         self._size[offset] = size
         self._head = offset + size
+        self.in_use += size
         return offset
 
     def release(self, offset: int) -> None:
         if offset not in self._size or offset in self._released:
             raise KeyError(f"block at offset {offset} is not allocated")
         self._released.add(offset)
+        self.in_use -= self._size[offset]
         while self._order and self._order[0] in self._released:
             oldest = self._order.popleft()
             self._released.discard(oldest)

@@ -1,4 +1,4 @@
-"""The operator's control ops and their replies (docs/PROTOCOL.md section 5.8).
+"""The operator's control ops and their replies (docs/PROTOCOL.md section 5.8), and the metrics scrape (5.6c).
 
 Imported through tgw.shm.wire like every other message.
 """
@@ -93,3 +93,23 @@ class ControlReply(Struct, tag_field="op", tag="control"):
     message: str
     model: Optional[ModelMetadata] = None
     details: dict[str, Any] = {}
+
+
+# ---- read-only, for operators (docs/PROTOCOL.md §5.6c): what GET /metrics serves, over the native socket
+
+class Query(Struct):
+    """A request that carries nothing but its version, id and token (wire.py's models, health,
+    stats and status have the same three fields)."""
+    v: int
+    id: int = 0
+    token: Optional[str] = None              # the shared auth token (server.auth_token_file)
+
+
+class Scrape(Query, tag_field="op", tag="metrics"):
+    """The broker's Prometheus metrics, for `tgw-broker metrics` where HTTP is off."""
+
+
+class ScrapeReply(Struct, tag_field="op", tag="metrics"):
+    v: int
+    id: int
+    text: str                                # the Prometheus text exposition format, as GET /metrics

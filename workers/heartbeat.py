@@ -36,6 +36,7 @@ class Progress:
         self.batches = 0                  # batches completed since start
         self.batch_id: int | None = None  # the batch computing now, if any
         self.batch_since = 0.0            # CLOCK_MONOTONIC when it started
+        self.outputs = None               # the output arena's allocator (its in_use is read)
 
     def start(self, batch_id: int) -> None:
         self.batch_since = time.monotonic()
@@ -94,7 +95,8 @@ class Beacon(SideThread):
         beat = Heartbeat(worker_id=self.worker_id, pid=os.getpid(), sent=time.monotonic(),
                          rss=int(status[b"VmRSS"].split()[0]) * 1024, cpu_s=t.user + t.system,
                          fds=_count_fds(), threads=int(status[b"Threads"]), batches=self.progress.batches,
-                         batch_id=batch_id, batch_since=self.progress.batch_since if batch_id is not None else 0.0)
+                         batch_id=batch_id, batch_since=self.progress.batch_since if batch_id is not None else 0.0,
+                         output_used=self.progress.outputs.in_use if self.progress.outputs is not None else 0)
         if self.cuda is not None:
             beat.cuda_allocated = torch.cuda.memory_allocated(self.cuda)
             beat.cuda_reserved = torch.cuda.memory_reserved(self.cuda)

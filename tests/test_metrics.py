@@ -1,0 +1,226 @@
+"""Prometheus metrics (broker/metrics*.py): the bucket class, NVML's absence, and a real broker
+scraped with `tgw-broker metrics` after known traffic - exact counts, the dashboard's and the
+README's metric names against what a scrape exposes."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from conftest import base_config, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from tgw.broker.metrics_gpu import READINGS, Nvml
+from tgw.broker.stats import Buckets
+from tgw.client import Client, TgwError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = [1, 2, 3, 4, 5, 1, 7, 8, 2, 1]          # the mlp requests answered with outputs
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+
+def test_buckets_count_a_value_equal_to_a_bound_in_that_bound():
+    b = Buckets((0.1, 1.0, 10.0))
+    for v in (0.05, 0.1, 0.5, 1.0, 3.0, 100.0):
+        b.observe(v)
+    b.observe(2.0, n=3)
+    assert b.counts == [2, 2, 4, 1]
+    assert b.cumulative() == [(0.1, 2), (1.0, 4), (10.0, 8), (float("inf"), 9)]
+    assert b.count == 9 and b.sum == pytest.approx(0.05 + 0.1 + 0.5 + 1.0 + 3.0 + 100.0 + 6.0)
+
+
+@pytest.mark.parametrize("bounds", [(1.0, 0.5), (1.0, 1.0)])
+def test_buckets_refuse_bounds_that_do_not_increase(bounds):
+    with pytest.raises(ValueError):
+        Buckets(bounds)
+
+
+class FakeNvml(SimpleNamespace):
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, fail: bool):
+        super().__init__(inits=0, fail=fail)
+
+    def nvmlInit(self):
+        self.inits += 1
+        if self.fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        if index > 0:
+            raise RuntimeError("invalid argument")
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(used=3 << 30, total=80 << 30)
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=42)
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        raise RuntimeError("not supported")
+
+
+def samples_of(fams) -> dict:
+    return {(f.name, tuple(s.labels.values())): s.value for f in fams for s in f.samples}
+
+
+def test_no_nvml_means_no_gpu_figures_and_one_attempt(monkeypatch):
+    fake = FakeNvml(fail=True)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    nvml = Nvml()
+    assert samples_of(nvml.families([])) == {} and fake.inits == 0     # no GPU worker: NVML is never asked
+    for _ in range(3):
+        fams = nvml.families(["cuda:0"])
+        assert [f.name for f in fams] == [name for name, _, _ in READINGS] and samples_of(fams) == {}
+    assert fake.inits == 1
+
+
+def test_nvml_readings_per_device_leaving_out_what_a_device_cannot_answer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(fail=False))
+    got = {name: value for (name, labels), value in samples_of(Nvml().families(["cuda:0", "cuda:1"])).items()
+           if labels == ("cuda:0",)}
+    assert got == {"tgw_gpu_memory_used_bytes": 3 << 30, "tgw_gpu_memory_total_bytes": 80 << 30,
+                   "tgw_gpu_utilization_ratio": 0.42, "tgw_gpu_temperature_celsius": 61}
+
+
+# ---- a real broker ---------------------------------------------------------------------------
+
+def scrape(address: str, *flags: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "tgw.broker", "metrics", "--address", address, *flags],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def parse(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(fams: dict, sample: str, **labels) -> float:
+    family = re.sub(r"_(total|bucket|sum|count)$", "", sample)
+    hits = [s.value for s in fams[family if family in fams else sample].samples
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(hits) == 1, f"{sample}{labels}: {hits}"
+    return hits[0]
+
+
+def exposable(fams: dict) -> set[str]:
+    """Every sample name the families may carry, samples or not (an empty family: no GPU, no tenant)."""
+    return {f.name + suffix for f in fams.values() for suffix in SUFFIXES[f.type]}
+
+
+@pytest.fixture(scope="module")
+def scraped(model_files, tmp_path_factory):
+    """A broker after known traffic: ROWS answered, a refusal of each kind, one model failure."""
+    import shutil
+    import tempfile
+
+    from tgw.bench.broker_proc import BrokerProc
+    cfg = base_config(model_files, "mlp", "fails", mlp={"breaker": {}})
+    cfg["tenants"] = {"slow": {"rate": 0.001, "burst": 1}}       # one request, then RATE_LIMITED
+    d = tempfile.mkdtemp(prefix="tgwx-", dir="/tmp")
+    b = BrokerProc(cfg, d).start()
+    try:
+        with Client(b.address) as c:
+            wait_until(lambda: "tgw_worker_rss_bytes{" in scrape(b.address), what="a heartbeat")
+            for rows in ROWS[:-1]:
+                c.infer("mlp", {"x": np.ones((rows, 256), np.float32)})
+            c.infer("mlp", {"x": np.ones((ROWS[-1], 256), np.float32)}, tenant="slow")
+            refusals = [("mlp", {"x": np.ones((1, 256), np.float64)}, {}),      # INVALID_INPUT_DTYPE
+                        ("nope", {"x": np.ones((1, 256), np.float32)}, {}),     # MODEL_NOT_FOUND
+                        ("mlp", {"x": np.ones((1, 256), np.float32)}, {"tenant": "slow"}),  # RATE_LIMITED
+                        ("fails", {"x": -np.ones((1, 2), np.float32)}, {})]     # MODEL_EXECUTION_ERROR, admitted
+            codes = []
+            for model, inputs, kw in refusals:
+                with pytest.raises(TgwError) as info:
+                    c.infer(model, inputs, **kw)
+                codes.append(info.value.code.value)
+        assert codes == ["INVALID_INPUT_DTYPE", "MODEL_NOT_FOUND", "RATE_LIMITED", "MODEL_EXECUTION_ERROR"]
+        text = scrape(b.address)
+        reply = json.loads(scrape(b.address, "--json"))
+        yield SimpleNamespace(fams=parse(text), text=text, reply=reply)
+    finally:
+        code = b.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        assert code == 0, b.output()
+
+
+def test_requests_by_model_version_and_code(scraped):
+    fams = scraped.fams
+    assert value(fams, "tgw_requests_total", model="mlp", version="1", code="OK") == len(ROWS)
+    assert value(fams, "tgw_requests_total", model="mlp", version="", code="INVALID_INPUT_DTYPE") == 1
+    assert value(fams, "tgw_requests_total", model="mlp", version="", code="RATE_LIMITED") == 1
+    assert value(fams, "tgw_requests_total", model="", version="", code="MODEL_NOT_FOUND") == 1
+    # admitted, then failed: counted once, under its version
+    assert value(fams, "tgw_requests_total", model="fails", version="1", code="MODEL_EXECUTION_ERROR") == 1
+    assert sum(s.value for s in fams["tgw_requests"].samples) == len(ROWS) + 4
+
+
+def test_latency_and_batch_histograms(scraped):
+    fams = scraped.fams
+    assert value(fams, "tgw_request_duration_seconds_count", model="mlp") == len(ROWS)
+    assert value(fams, "tgw_request_duration_seconds_bucket", model="mlp", le="+Inf") == len(ROWS)
+    assert value(fams, "tgw_request_queue_seconds_count", model="mlp") == len(ROWS)
+    assert value(fams, "tgw_batch_size_rows_sum", model="mlp") == sum(ROWS)
+    batches = value(fams, "tgw_batch_size_rows_count", model="mlp")
+    assert batches == len(ROWS)            # one caller, one request at a time: a batch each
+    assert value(fams, "tgw_batch_size_rows_bucket", model="mlp", le="1.0") == ROWS.count(1)
+    assert value(fams, "tgw_batch_compute_seconds_count", model="mlp") == batches
+    assert value(fams, "tgw_batch_compute_seconds_sum", model="mlp") > 0
+
+
+def test_state_at_rest(scraped):
+    fams = scraped.fams
+    assert value(fams, "tgw_queue_depth", model="mlp", priority="0") == 0
+    assert value(fams, "tgw_inflight_requests", model="mlp", version="1") == 0
+    assert value(fams, "tgw_worker_rss_bytes", worker="worker0[cpu]", device="cpu") > 0
+    assert value(fams, "tgw_worker_state", worker="worker0[cpu]", state="ready") == 1
+    assert value(fams, "tgw_worker_state", worker="worker0[cpu]", state="dead") == 0
+    assert value(fams, "tgw_worker_restarts_total", worker="worker0[cpu]") == 0
+    assert value(fams, "tgw_ring_capacity_bytes", worker="worker0[cpu]", arena="input") == 8 << 20
+    assert value(fams, "tgw_ring_used_bytes", worker="worker0[cpu]", arena="input") == 0
+    # the last heartbeat's figure: blocks whose release rides on the next batch may still count
+    assert 0 <= value(fams, "tgw_ring_used_bytes", worker="worker0[cpu]", arena="output") <= \
+        value(fams, "tgw_ring_capacity_bytes", worker="worker0[cpu]", arena="output")
+    assert value(fams, "tgw_broker_phase", phase="serving") == 1
+    assert value(fams, "tgw_model_ready", model="mlp") == 1
+    assert value(fams, "tgw_model_version_state", model="mlp", version="1", state="ready") == 1
+    assert value(fams, "tgw_model_version_weight", model="mlp", version="1") == 100
+    assert value(fams, "tgw_breaker_state", model="mlp", version="1", state="closed") == 1
+    assert value(fams, "tgw_tenant_rate_limited_total", tenant="slow", reason="rate") == 1
+    assert value(fams, "tgw_tenant_admitted_total", tenant="slow") == 1
+    assert fams["tgw_gpu_memory_used_bytes"].samples == []    # no GPU here: the family, no figures
+
+
+def test_json_flag_prints_the_reply(scraped):
+    assert scraped.reply["op"] == "metrics" and "tgw_requests_total" in scraped.reply["text"]
+
+
+def test_dashboard_names_only_exposed_metrics(scraped):
+    with open(os.path.join(ROOT, "configs", "grafana-tgw.json")) as f:
+        board = json.load(f)
+    assert board["schemaVersion"] >= 36
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])] + \
+        [v["definition"] for v in board["templating"]["list"] if "definition" in v]
+    used = {name for e in exprs for name in re.findall(r"\btgw_[a-z0-9_]+", e)}
+    assert used and used <= exposable(scraped.fams), sorted(used - exposable(scraped.fams))
+
+
+def test_readme_lists_exactly_the_exposed_families(scraped):
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("### Metrics", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `(tgw_[a-z0-9_]+)`", section, re.M)
+    exposed = {f.name + ("_total" if f.type == "counter" else "") for f in scraped.fams.values()}
+    assert len(listed) == len(set(listed)) and set(listed) == exposed
