@@ -92,9 +92,12 @@ class BrokerProc(Proc):
             yaml.safe_dump(config, f)
         super().__init__([], os.path.join(workdir, "broker.log"), "tgw broker")
 
-    def start(self, wait: bool = True, timeout: float = 60.0, env: Optional[dict] = None) -> "BrokerProc":
+    def start(self, wait: bool = True, timeout: float = 60.0, env: Optional[dict] = None,
+              args: tuple[str, ...] = ()) -> "BrokerProc":
+        """`args`: more `tgw-broker start` flags (e.g. --log-format json)."""
         # argv is made here: a caller may set another address (e.g. tcp://) before starting
-        self.argv = [sys.executable, "-m", "tgw.broker", "start", "--config", self.config_path, "--address", self.address]
+        self.argv = [sys.executable, "-m", "tgw.broker", "start", "--config", self.config_path, "--address", self.address,
+                     *args]
         super().start(env)
         if wait:
             self.wait_ready(timeout)

@@ -28,6 +28,7 @@ from .limits import check_declared
 from .registry import Checked, ModelEntry, Registry
 from .stats import Stats
 from .tenants import Tenants
+from .tracing import check_traceparent
 from .versions import VersionRecord, VersionState
 
 
@@ -187,10 +188,13 @@ class Admission:
         checked = intake.checked
         tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
         shape = checked.shape
-        return Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
-                       rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
-                       deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
-                       priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
+        p = Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
+                    rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
+                    deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
+                    priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
+        if msg.traceparent is not None:   # an invalid one is ignored (W3C: a new trace starts)
+            p.trace = check_traceparent(msg.traceparent)
+        return p
 
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
         """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""

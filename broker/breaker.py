@@ -132,7 +132,9 @@ class Breaker:
     # ---- internals ---------------------------------------------------------------------------
 
     def _move(self, to: State, now: float, reason: str) -> None:
-        log.warning("circuit breaker %s: %s -> %s (%s)", self.name, self.state.value, to.value, reason)
+        log.warning("circuit breaker %s: %s -> %s (%s)", self.name, self.state.value, to.value, reason,
+                    extra={"event": "breaker", "breaker": self.name, "from": self.state.value, "to": to.value,
+                           "reason": reason})
         self.history.append({"at": round(now, 3), "from": self.state.value, "to": to.value, "reason": reason})
         self.state, self.since, self.reason = to, now, reason
         self.probes_admitted = self.probes_ok = 0

@@ -57,7 +57,11 @@ class Lifecycle:
                 log.info("stopped during start-up")
                 return
             self.broker.start_serving()
-            log.info("serving on %s with %d worker(s)", address, len(self.supervisor.workers))
+            start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
+                     "models": sorted(self.broker.registry.models), "http": self.broker.http.address
+                     if self.broker.http else None}
+            log.info("serving on %s with %d worker(s)%s", address, start["workers"],
+                     f", HTTP on {start['http']}" if start["http"] else "", extra=start)
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
             await self.stop_event.wait()
             sd_notify("STOPPING=1")

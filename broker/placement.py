@@ -122,7 +122,9 @@ class Placement:
         rec = self.registry.record(msg.key)
         if msg.error is not None:
             w.wanted.discard(msg.key)
-            log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error)
+            log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error,
+                      extra={"event": "model_load_failed", "worker": w.name, "key": msg.key, "reason": msg.reason,
+                             "error": msg.error})
             self.note("load_failed", msg.key, w, reason=msg.reason, message=msg.error[:300])
             if rec is not None:
                 rec.error, rec.failed_at = f"{msg.reason}: {msg.error}", self.clock()
@@ -138,7 +140,9 @@ class Placement:
                 rec.bytes, rec.loads, rec.last_load_ms, rec.error = msg.bytes, rec.loads + 1, msg.load_ms, ""
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
                       rss_after=msg.rss_after)
-            log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes)
+            log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
+                     extra={"event": "model_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
+                            "bytes": msg.bytes})
             self.on_resize(w)
         if started is None:
             log.warning("%s: load answer for %s that was not asked of this life", w.name, msg.key)
@@ -152,7 +156,8 @@ class Placement:
             return
         self.registry.models[rec.model].forget(rec.version)
         self.registry.changed()
-        log.error("%s dropped: %s could not load it again after a restart", key, w.name)
+        log.error("%s dropped: %s could not load it again after a restart", key, w.name,
+                  extra={"event": "model_dropped", "worker": w.name, "key": key})
         self.note("load_failed", key, w, reason="restart", message=error[:300])
         self.on_failed(key, "restart", error)
         self.reconcile()
@@ -162,7 +167,9 @@ class Placement:
         freed = w.sizes.pop(msg.key, 0)
         w.used_at.pop(msg.key, None)
         self.note("unload", msg.key, w, bytes=freed, rss_before=msg.rss_before, rss_after=msg.rss_after)
-        log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20)
+        log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20,
+                 extra={"event": "model_unload", "worker": w.name, "key": msg.key, "bytes": freed,
+                        "rss_before": msg.rss_before, "rss_after": msg.rss_after})
         self.on_resize(w)
         self.reconcile()
 

@@ -186,9 +186,11 @@ class WorkerHandle:
         first = requests[0]
         self.inflight[batch_id] = Inflight(batch_id, first.model, model_key(first.model, first.version), requests,
                                            block, rows)
+        traces = [p.trace for p in requests]   # the callers' trace contexts, for the worker's batch span
         return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
-                     release=self.take_releases(), splits=[p.rows for p in requests])
+                     release=self.take_releases(), splits=[p.rows for p in requests],
+                     traces=[t or "" for t in traces] if any(traces) else [])
 
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""

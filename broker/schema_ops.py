@@ -4,7 +4,7 @@ Split from schema.py (which re-exports them) to keep each module small.
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -57,6 +57,39 @@ class HttpDecl(Strict):
     max_inflight: Annotated[int, Field(ge=1)] = 4096       # HTTP requests admitted and not yet answered
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:   # a parent package is missing
+        return False
+
+
+class TracingDecl(Strict):
+    """OpenTelemetry spans: one per request in the broker (with its phases), one per batch in
+    each worker. Needs opentelemetry-sdk (`pip install tgw[tracing]`)."""
+    exporter: Literal["console", "file", "otlp"]   # stdout; one JSON span per line in `path`; OTLP
+    path: Optional[Annotated[str, Field(min_length=1)]] = None   # file: relative to the config file
+    endpoint: Optional[Annotated[str, Field(min_length=1)]] = None   # otlp: else $OTEL_EXPORTER_OTLP_ENDPOINT
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0   # traces started here; a caller's flag wins
+    service_name: Annotated[str, Field(min_length=1)] = "tgw"
+
+    @model_validator(mode="after")
+    def _usable(self) -> "TracingDecl":
+        if (self.exporter == "file") != (self.path is not None):
+            raise ValueError("path is required with exporter file, and only with it")
+        if self.endpoint is not None and self.exporter != "otlp":
+            raise ValueError("endpoint goes with exporter otlp only")
+        if not _importable("opentelemetry.sdk.trace"):
+            raise ValueError("tracing needs the OpenTelemetry SDK, which is not installed: pip install 'tgw[tracing]' "
+                             "(or remove observability.tracing)")
+        if self.exporter == "otlp" and not _importable("opentelemetry.exporter.otlp"):
+            raise ValueError("exporter otlp needs an OTLP exporter, which is not installed: pip install "
+                             "opentelemetry-exporter-otlp (or use exporter file or console)")
+        return self
+
+
 class ObservabilityDecl(Strict):
     """Logs and traces beyond the defaults."""
     slow_request_ms: Optional[Annotated[float, Field(gt=0)]] = None   # log requests slower than this, with phases
+    tracing: Optional[TracingDecl] = None   # OpenTelemetry spans; None: off, and opentelemetry is never imported

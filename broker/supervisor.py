@@ -117,7 +117,8 @@ class Supervisor:
                "--cpus", ",".join(map(str, w.cpus)), "--heartbeat-s", str(self.watch.heartbeat_s),
                "--preload", ",".join(self.decl.preload)]
         w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), time.monotonic())
-        log.info("spawned %s pid %d", w.name, w.pid)
+        log.info("spawned %s pid %d", w.name, w.pid, extra={"event": "worker_spawned", "worker": w.name,
+                                                             "pid": w.pid})
 
     def spawn_all(self) -> list[WorkerHandle]:
         for w in self.workers:
@@ -128,7 +129,8 @@ class Supervisor:
         """SIGKILL a live worker (ours, by PID) that stopped serving; reap() then sees it dead."""
         if w.proc is None or w.proc.poll() is not None or w.kill_reason:
             return
-        log.error("%s pid %d: %s; killing it", w.name, w.pid, reason)
+        log.error("%s pid %d: %s; killing it", w.name, w.pid, reason,
+                  extra={"event": "worker_kill", "worker": w.name, "pid": w.pid, "reason": reason})
         w.kill_reason = reason
         w.proc.kill()
 
@@ -143,7 +145,8 @@ class Supervisor:
                 w.benched = ""
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
                 w.last_death = w.kill_reason or exit_reason(w.proc.returncode)
-                log.warning("%s pid %d ended: %s", w.name, w.pid, w.last_death)
+                log.warning("%s pid %d ended: %s", w.name, w.pid, w.last_death,
+                            extra={"event": "worker_died", "worker": w.name, "pid": w.pid, "reason": w.last_death})
                 w.exited()
                 out.append(w)
         return out
@@ -166,7 +169,8 @@ class Supervisor:
         if len(deaths) >= loop.deaths:
             w.benched = (f"crash loop: {w.name} died {len(deaths)} times in {loop.window_s:g} s "
                          f"(last: {w.last_death}); next start in {loop.backoff_s:g} s")
-            log.error("%s", w.benched)
+            log.error("%s", w.benched, extra={"event": "crash_loop", "worker": w.name, "deaths": len(deaths),
+                                              "backoff_s": loop.backoff_s})
             delay = max(delay, loop.backoff_s)
         self._restart_at[w.worker_id] = now + delay
 

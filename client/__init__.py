@@ -26,9 +26,9 @@ from tgw.shm.errors import (
     InternalError,
 )
 
-from .client import Client, ConnectError
+from .client import Client, ConnectError, InferResult
 
 __all__ = [
-    "Client", "ConnectError", "Code", "TgwError",
+    "Client", "ConnectError", "InferResult", "Code", "TgwError",
     'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError',
 ]

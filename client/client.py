@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 import zmq.auth
@@ -36,6 +36,14 @@ CONNECT_TIMEOUT_S = 5.0
 SNDMORE, POLLIN, ENOTSUP = int(zmq.SNDMORE), int(zmq.POLLIN), int(zmq.ENOTSUP)
 REPLY_GRACE_S = 0.1  # past the timeout, for the broker's own DEADLINE_EXCEEDED (its sweep runs every 50 ms)
 NO_TIMEOUT_WAIT_S = 600.0  # a request without timeout still stops waiting for a vanished broker
+
+
+class InferResult(NamedTuple):
+    """Client.infer_with_meta's answer."""
+    outputs: dict[str, Any]     # as infer returns them
+    model: str                  # the model that ran: a breaker's fallback while the one asked for is open
+    version: str                # the version that ran: the traffic split's pick when none was named
+    traceparent: str | None     # the broker's request span (tracing on), else the one sent, if any
 
 
 class ConnectError(ConnectionError):
@@ -113,8 +121,8 @@ class Client:
 
     def infer(self, model: str, inputs: dict[str, Any], *, version: str | None = None,
               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
-              compress: bool = False, tenant: str | None = None,
-              routing_key: str | None = None) -> dict[str, "np.ndarray"]:  # noqa: F821
+              compress: bool = False, tenant: str | None = None, routing_key: str | None = None,
+              traceparent: str | None = None) -> dict[str, "np.ndarray"]:  # noqa: F821
         """Run `model` on `inputs` (name -> array with a leading batch dim); returns name -> array.
 
         `timeout` is in seconds (the model's configured timeout when None; 0 = already expired;
@@ -123,7 +131,9 @@ class Client:
         0 is served first (the model's levels: 0..priority_levels-1); `tenant` names whose quota
         the request counts against (default: $TGW_TENANT, else the broker's default tenant);
         `routing_key`, with no version named, keeps the requests that share it on one version
-        while a canary split is in place (e.g. a user id)."""
+        while a canary split is in place (e.g. a user id); `traceparent` (a W3C trace context,
+        "00-<trace id>-<span id>-<flags>") makes the broker's spans children of your span
+        (infer_with_meta returns the one that comes back)."""
         if timeout is not None and not timeout >= 0:
             raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
         metas, frames, declared, sent = encode_tensors(inputs, compress)
@@ -131,10 +141,20 @@ class Client:
         req = Infer(v=PROTOCOL_VERSION, id=next(self._ids), model=model, version=version, inputs=metas,
                     outputs=outputs, priority=priority, compress_outputs=compress,
                     timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=self.token,
-                    tenant=tenant if tenant is not None else self.tenant, routing_key=routing_key)
+                    tenant=tenant if tenant is not None else self.tenant, routing_key=routing_key,
+                    traceparent=traceparent)
         wait = NO_TIMEOUT_WAIT_S if timeout is None else timeout + REPLY_GRACE_S
         reply, tensor_frames = self._call(req, frames, wait, nbytes=sent)
+        self._local.reply = reply   # for infer_with_meta (this thread's last answer)
         return decode_outputs(reply.outputs, tensor_frames)
+
+    def infer_with_meta(self, model: str, inputs: dict[str, Any], **options) -> InferResult:
+        """As infer (the same options), with what the broker says about the run: the model and
+        version that ran, and the traceparent that came back (the broker's request span when
+        it traces, else your own; None when you sent none and it does not trace)."""
+        outputs = self.infer(model, inputs, **options)
+        reply = self._local.reply
+        return InferResult(outputs, reply.model, reply.version, reply.traceparent)
 
     def models(self) -> list[dict]:
         reply, _ = self._call(ListModels(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [],
@@ -162,7 +182,7 @@ class Client:
         last death, crash-loop), models with their queues."""
         r, _ = self._call(Status(v=PROTOCOL_VERSION, id=next(self._ids), token=self.token), [], self.connect_timeout)
         return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
-                "snapshots": r.snapshots, "reload": r.reload, "events": r.events}
+                "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http}
 
     # ---- plumbing ----------------------------------------------------------------------------
 

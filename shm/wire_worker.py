@@ -95,6 +95,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     deadline: float = 0.0     # CLOCK_MONOTONIC seconds (system-wide): past it, nobody waits - skip
     release: list[int] = []   # output blocks the broker is done with (saves a Release message)
     splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
+    traces: list[str] = []    # each request's W3C traceparent ("" if none), in order; [] when none has one
 
 
 class Done(Struct, tag_field="op", tag="w_done"):
@@ -134,6 +135,7 @@ class Heartbeat(Struct, tag_field="op", tag="w_beat"):
     batch_since: float = 0.0         # ... and since when (CLOCK_MONOTONIC)
     cuda_allocated: int = 0          # bytes, GPU workers only
     cuda_reserved: int = 0
+    output_used: int = 0             # bytes of its output arena in unreleased blocks
 
 
 class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):

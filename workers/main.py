@@ -11,7 +11,6 @@ import importlib
 import os
 import signal
 import sys
-import traceback
 
 import setproctitle
 import torch
@@ -25,6 +24,7 @@ from .heartbeat import Beacon, Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
 from .serve import Server
+from .tracing import death_notice, observer_from_env, setup_logging
 
 PR_SET_PDEATHSIG = 1
 
@@ -110,7 +110,9 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
 
 def run_worker(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging()
     device = _setup_process(args)
+    observer = observer_from_env()   # what the broker asked for: spans, slow and failed batch lines
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, args.identity.encode())
@@ -134,12 +136,14 @@ def run_worker(argv: list[str] | None = None) -> int:
         sock.send(encode(answer))
         if isinstance(answer, WorkerFailed):
             return 1
-        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress).serve()
+        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress, observer).serve()
         return 0
     except Exception:
-        traceback.print_exc()  # the death notice: the supervisor logs our stderr and restarts us
+        death_notice("worker failed")  # the supervisor logs our stderr and restarts us
         return 1
     finally:
+        if observer is not None:
+            observer.close()
         loader_stopped = loader.stop()
         beacon.stop()
         sock.close()
@@ -156,7 +160,7 @@ def _preload(args: argparse.Namespace) -> WorkerFailed | None:
     try:
         preload(args.preload)
     except RuntimeError as exc:
-        traceback.print_exc()
+        death_notice(f"preload failed: {exc}")
         return WorkerFailed(worker_id=args.worker_id, model="<preload>", error=str(exc)[:MAX_ERROR_CHARS])
     return None
 

@@ -21,6 +21,7 @@ from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_
 
 from .heartbeat import Progress
 from .runner import TORCH_DTYPES, ModelRunner
+from .tracing import Observer
 
 log = logging.getLogger("tgw.worker")
 RELEASE_WAIT_S = 30.0  # how long a batch may wait for output space before failing OUT_OF_SHM
@@ -32,11 +33,13 @@ class OutputSpaceTimeout(RuntimeError):
 
 class Server:
     def __init__(self, sock: zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
-                 runners: dict[str, ModelRunner], progress: Progress | None = None):
+                 runners: dict[str, ModelRunner], progress: Progress | None = None, observer: Observer | None = None):
         self.sock, self.segment, self.runners = sock, segment, runners
+        self.observer = observer        # spans and slow/failed batch lines (workers/tracing.py), or None
         self.progress = progress or Progress()  # read by the beacon thread
         self.output_base = input_bytes
         self.outputs = RingAllocator(output_bytes)
+        self.progress.outputs = self.outputs   # the beacon reports its use
         self.inbox: deque = deque()   # messages read while waiting for output space
 
     def _next(self):
@@ -65,10 +68,14 @@ class Server:
         blocks.clear()  # a batch parked in the inbox must not release twice
 
     def run_batch(self, batch: Batch) -> Done:
+        start = time.time_ns() if self.observer is not None else 0
         try:
-            return self._run(batch)
+            done = self._run(batch)
         finally:
             self.progress.end()
+        if self.observer is not None:
+            self.observer.batch(batch, done, start, time.time_ns())
+        return done
 
     def _run(self, batch: Batch) -> Done:
         t0 = time.perf_counter()

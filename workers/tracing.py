@@ -1,0 +1,153 @@
+"""The worker's observability, as the broker sets it in the environment of the workers it spawns.
+
+* TGW_LOG_FORMAT=json: log lines (and the death notice's traceback) as JSON objects, one a line.
+* TGW_TRACING (the broker's observability.tracing as JSON): a `tgw.batch` span per batch, linked
+  to the trace context of each request in it (Batch.traces), exported the same way as the
+  broker's spans. Kept when one of its requests' contexts is sampled; with none, by sample_ratio.
+* TGW_SLOW_MS (observability.slow_request_ms): a batch computing longer than that is logged,
+  and so is a failed batch (with tracing or a threshold set), naming its requests' trace ids;
+  at most one line of each kind every INTERVAL_S, the next one saying how many were left out.
+
+Nothing is imported from opentelemetry unless TGW_TRACING is set.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+import traceback
+from collections import Counter
+
+from tgw.shm.wire import Batch, Done
+
+log = logging.getLogger("tgw.worker")
+INTERVAL_S = 1.0
+RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message"}
+
+
+class JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        extra = {k: v for k, v in vars(record).items() if k not in RECORD_FIELDS}
+        exc = self.formatException(record.exc_info) if record.exc_info else None
+        return json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) +
+                           f".{int(record.msecs):03d}Z", "level": record.levelname, "logger": record.name,
+                           "msg": record.getMessage(), **extra, **({"exc": exc} if exc else {})}, default=str)
+
+
+def json_logs() -> bool:
+    return os.environ.get("TGW_LOG_FORMAT") == "json"
+
+
+def setup_logging() -> None:
+    """JSON lines on stderr when the broker logs JSON; else Python's default (warnings, bare)."""
+    if json_logs():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLines())
+        logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+        logging.captureWarnings(True)
+
+
+def death_notice(what: str) -> None:
+    """The traceback of what stops the worker (the supervisor logs its death after it)."""
+    if json_logs():
+        log.error("%s", what, exc_info=True, extra={"event": "worker_error"})
+    else:
+        traceback.print_exc()
+
+
+def trace_ids(batch: Batch) -> list[str]:
+    return list(dict.fromkeys(tp[3:35] for tp in batch.traces if tp))
+
+
+class Observer:
+    """Spans and log lines for each batch the worker answers (Server.run_batch)."""
+
+    def __init__(self, tracing: dict | None, slow_ms: float | None):
+        self.slow_us = slow_ms * 1000 if slow_ms else None
+        self.spans = BatchSpans(tracing) if tracing else None
+        self.logged: dict[str, float] = {}   # kind -> when its last line was logged
+        self.left_out: Counter = Counter()    # kind -> lines not logged since
+
+    def batch(self, batch: Batch, done: Done, start_ns: int, end_ns: int) -> None:
+        if self.spans is not None:
+            self.spans.emit(batch, done, start_ns, end_ns)
+        slow = self.slow_us is not None and done.compute_us > self.slow_us
+        if done.error is not None or slow:
+            self._log(batch, done)
+
+    def close(self) -> None:
+        if self.spans is not None:
+            self.spans.provider.shutdown()   # the last spans written (or sent)
+
+    def _log(self, batch: Batch, done: Done) -> None:
+        now, kind = time.monotonic(), "batch_failed" if done.error else "slow_batch"
+        if now - self.logged.get(kind, -INTERVAL_S) < INTERVAL_S:
+            self.left_out[kind] += 1
+            return
+        self.logged[kind] = now
+        ids, left_out = trace_ids(batch), self.left_out.pop(kind, 0)
+        what = f"failed ({done.error.code}: {done.error.message[:200]})" if done.error else "slow"
+        log.warning("batch %d of %s:%s %s: %d row(s), compute %.1f ms%s%s", batch.batch_id, batch.model,
+                    batch.version, what, batch.rows, done.compute_us / 1000,
+                    f", traces {' '.join(ids[:16])}" if ids else "",
+                    f" ({left_out} more not logged)" if left_out else "",
+                    extra={"event": kind, "batch_id": batch.batch_id,
+                           "model": batch.model, "version": batch.version, "rows": batch.rows,
+                           "code": done.error.code if done.error else "OK", "compute_ms": done.compute_us / 1000,
+                           "trace_ids": ids, "left_out": left_out})
+
+
+class BatchSpans:
+    def __init__(self, decl: dict):
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        self.api, self.ratio = trace, decl["sample_ratio"]
+        self.provider = TracerProvider(resource=Resource.create({"service.name": decl["service_name"],
+                                                                 "service.instance.id": f"worker-{os.getpid()}"}))
+        self.provider.add_span_processor(processor(decl))
+        self.tracer = self.provider.get_tracer("tgw.worker")
+
+    def emit(self, batch: Batch, done: Done, start_ns: int, end_ns: int) -> None:
+        api = self.api
+        contexts = [api.SpanContext(int(tp[3:35], 16), int(tp[36:52], 16), is_remote=True,
+                                    trace_flags=api.TraceFlags(int(tp[53:55], 16))) for tp in batch.traces if tp]
+        # as the broker's sampler: the callers' flags decide (one sampled is enough), else the ratio
+        if not (any(c.trace_flags.sampled for c in contexts) if contexts else random.random() < self.ratio):
+            return
+        span = self.tracer.start_span(
+            "tgw.batch", kind=api.SpanKind.CONSUMER, start_time=start_ns, links=[api.Link(c) for c in contexts],
+            attributes={"tgw.batch_id": batch.batch_id, "tgw.model": batch.model, "tgw.version": batch.version,
+                        "tgw.rows": batch.rows, "tgw.requests": len(batch.splits), "tgw.compute_us": done.compute_us,
+                        "tgw.code": done.error.code if done.error else "OK"})
+        if done.error is not None:
+            span.set_status(api.Status(api.StatusCode.ERROR, done.error.code))
+        span.end(end_time=end_ns)
+
+
+def processor(decl: dict):
+    """Where the worker's spans go: as the broker's (broker/tracing.py `exporter`)."""
+    from opentelemetry.sdk.trace import export
+    if decl["exporter"] != "otlp":   # file (appended to, as the broker and the other workers do) or stdout
+        out = open(decl["path"], "a", encoding="utf-8") if decl["exporter"] == "file" else sys.stdout  # noqa: SIM115
+        return export.SimpleSpanProcessor(export.ConsoleSpanExporter(out=out, formatter=one_line))
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return export.BatchSpanProcessor(OTLPSpanExporter(**({"endpoint": decl["endpoint"]} if decl["endpoint"] else {})))
+
+
+def one_line(span) -> str:
+    return span.to_json(indent=None) + "\n"
+
+
+def observer_from_env() -> Observer | None:
+    """The Observer the broker asked for, or None (nothing to do per batch)."""
+    tracing, slow = os.environ.get("TGW_TRACING"), os.environ.get("TGW_SLOW_MS")
+    if not tracing and not slow:
+        return None
+    return Observer(json.loads(tracing) if tracing else None, float(slow) if slow else None)
