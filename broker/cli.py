@@ -1,13 +1,12 @@
-"""`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, keygen,
+"""`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, metrics, keygen,
 and the model lifecycle verbs of broker/cli_models.py (models ..., reload)."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
-from tgw.shm.wire import PROTOCOL_VERSION, Snapshot, Status
+from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
 from . import cli_models
 from .config import ConfigError, load_config
@@ -121,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--config", help="YAML config file")
     start.add_argument("--address", help="override server.address, e.g. ipc:///run/tgw/tgw.sock")
     start.add_argument("--log-level", default="INFO")
+    start.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("TGW_LOG_FORMAT") or "text",
+                       help="text lines, or one JSON object per line (the workers' too; default: $TGW_LOG_FORMAT, "
+                            "else text)")
+    start.add_argument("--http-port", type=int, help="serve the KServe v2 HTTP face (and /metrics) on this port "
+                       "(0: any free one; the host is http.host, default 127.0.0.1)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
     broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
@@ -128,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot = broker_verb(sub, "snapshot", "write a memory snapshot of each live worker, print the files", 30.0,
                            lambda args: Snapshot(v=PROTOCOL_VERSION, worker=args.worker), print_snapshot)
     snapshot.add_argument("--worker", type=int, help="only worker N (as in worker<N>[...])")
+    broker_verb(sub, "metrics", "the Prometheus metrics of a running broker (what GET /metrics serves)", 5.0,
+                lambda args: Scrape(v=PROTOCOL_VERSION), lambda reply: sys.stdout.write(reply.text))
     cli_models.add_verbs(sub, broker_verb)
     kg = sub.add_parser("keygen", help="write a CURVE key pair (DIR/NAME.key, DIR/NAME.key_secret) for tcp://")
     kg.add_argument("dir", help="directory to write to (created 0700 if missing)")
@@ -154,12 +160,18 @@ def main(argv: list[str] | None = None) -> None:
         print(describe(cfg))
         return
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .logs import setup
+    setup(args.log_format, args.log_level)
     from .demo import demo_config
     from .main import run_broker
     try:
         cfg = load_config(args.config) if args.config else demo_config()
     except ConfigError as exc:
         sys.exit(str(exc))
+    if args.http_port is not None:
+        from .config import with_http_port
+        try:
+            cfg = with_http_port(cfg, args.http_port)
+        except ConfigError as exc:
+            sys.exit(str(exc))
     sys.exit(run_broker(cfg, args.address, os.path.abspath(args.config) if args.config else None))

@@ -160,3 +160,14 @@ def load_config(path: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: top level must be a mapping with a 'models' key")
     return parse_config(data, os.path.dirname(os.path.abspath(path)), path)
+
+
+def with_http_port(cfg: Config, port: int) -> Config:
+    """The config with its HTTP face on `port` (`tgw-broker start --http-port`; turned on if the
+    config has no `http` section); remembered, so a reload of the file applies it again."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--http-port must be 0..65535, got {port}")
+    http = cfg.http.model_copy(update={"port": port}) if cfg.http else HttpDecl(port=port)
+    out = cfg.model_copy(update={"http": http})
+    out._http_port = port
+    return out

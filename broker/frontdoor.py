@@ -114,8 +114,14 @@ class FrontDoor:
             self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
             return self.error(ident, 0, err)
         if isinstance(msg, Infer):
-            self._infer(ident, msg, frames[2:])
-        elif isinstance(msg, OPERATOR_OPS):
+            self.infer(ident, msg, frames[2:])
+        else:
+            self.dispatch(ident, msg)
+
+    def dispatch(self, ident, msg) -> None:
+        """Answer a decoded request other than infer (`ident`: a socket identity, or the HTTP
+        face's HttpCaller)."""
+        if isinstance(msg, OPERATOR_OPS):
             if self.b.operator is None:
                 return self.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
             self.b.operator.handle(ident, msg)
@@ -127,7 +133,7 @@ class FrontDoor:
         else:
             self.reply(ident, status.ANSWERS[type(msg)](self.b, msg.id))
 
-    def _infer(self, ident: bytes, msg: Infer, tensor_frames: list) -> None:
+    def infer(self, ident, msg: Infer, tensor_frames: list) -> None:
         try:
             self.b.admission.admit(ident, msg, tensor_frames)
             self.b.schedule()
@@ -145,20 +151,24 @@ class FrontDoor:
 
     # ---- answers -----------------------------------------------------------------------------
 
-    def reply(self, ident: bytes, msg, *tensors) -> None:
-        # the outbox copies every frame, so ring views may be released after
-        self.outbox.send(ident, [encode(msg), *tensors])
+    def reply(self, ident, msg, *tensors) -> None:
+        # the outbox copies every frame (an HttpCaller its tensors), so ring views may be released after
+        if type(ident) is bytes:
+            self.outbox.send(ident, [encode(msg), *tensors])
+        else:
+            ident.deliver(msg, tensors)
 
-    def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None) -> None:
+    def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None,
+              trace: str | None = None) -> None:
         self.b.stats.error(model, err.code.value)
-        self.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
+        self.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body(), traceparent=trace))
 
     def fail(self, p: Pending, err: TgwError) -> None:
         """Answer an admitted request with an error."""
         self.callers.paid(p.client)
         self.b.admission.finished(p, err.code.value, self.b.clock())
         err.details.setdefault("model", p.model)
-        self.error(p.client, p.req_id, err, p.model)
+        self.error(p.client, p.req_id, err, p.model, p.trace)   # the broker's span by now, as answer's
 
     def answer(self, p: Pending, views: dict, now: float) -> None:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
@@ -170,8 +180,9 @@ class FrontDoor:
             payload = [views[name][1] for name in p.outputs]
         metas = [TensorMeta(name=name, dtype=views[name][0].dtype, shape=[p.rows, *views[name][0].shape[1:]],
                             compression="lz4" if p.compress else None) for name in p.outputs]
+        # p.trace: the broker's request span when tracing is on (set by finished), else the caller's own
         self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
-                                        outputs=metas), *payload)
+                                        outputs=metas, traceparent=p.trace), *payload)
 
     def close(self) -> None:
         self.gate.stop()

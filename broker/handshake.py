@@ -47,12 +47,14 @@ class Handshake:
             if rec is not None:
                 rec.seen = True
                 rec.bytes = rec.bytes or msg.sizes.get(key, 0)
-        log.info("%s ready with %s", w.name, ", ".join(msg.models))
+        log.info("%s ready with %s", w.name, ", ".join(msg.models),
+                 extra={"event": "worker_ready", "worker": w.name, "pid": w.pid, "models": msg.models})
         return True
 
     def failed(self, w: WorkerHandle, msg: WorkerFailed) -> None:
         reason = f"{w.name} failed to load model {msg.model}: {msg.error}"
-        log.error("%s", reason)
+        log.error("%s", reason, extra={"event": "model_load_failed", "worker": w.name, "key": msg.model,
+                                       "error": msg.error})
         if self.serving() and self.registry.record(msg.model) is not None:
             self.lost_version(w, msg.model, msg.error)   # else every restart would fail the same way
         else:
@@ -70,7 +72,9 @@ class Handshake:
             for p in batch.requests:
                 p.attempts += 1
                 if p.attempts >= 2:
-                    log.error("request in flight at two worker deaths, not retried: %s", fingerprint(p))
+                    log.error("request in flight at two worker deaths, not retried: %s", fingerprint(p),
+                              extra={"event": "poison_request", "request_id": p.req_id, "model": p.model,
+                                     "version": p.version, "trace_id": p.trace[3:35] if p.trace else None})
                 if retry and p.attempts == 1:
                     p.alone = True
                     again.append(p)
@@ -93,4 +97,4 @@ def fingerprint(p: Pending) -> str:
     """What identifies a request in the logs without its data."""
     shapes = f"variable dims {list(p.shape_key)}" if p.shape_key else "fixed dims"
     return (f"model={p.model} version={p.version} rows={p.rows} {shapes} "
-            f"input_bytes={p.nbytes} client={p.client.hex()} id={p.req_id}")
+            f"input_bytes={p.nbytes} client={p.client.hex() if type(p.client) is bytes else p.client} id={p.req_id}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import setproctitle
@@ -17,11 +18,14 @@ import zmq
 from tgw.shm.paths import default_address
 from tgw.shm.segment import ShmError
 
+from . import tracing
 from .auth import load_token
 from .callers import fit_max_clients, raise_fd_limit
 from .config import Config
 from .endpoints import StartupError, backend_address, bind, remove_socket_files, zap_handler
+from .http_face import HttpFace
 from .lifecycle import Lifecycle
+from .logs import install_slow
 from .operator import Operator
 from .server import Broker
 from .supervisor import Supervisor
@@ -41,6 +45,10 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     lifecycle = Lifecycle(broker, supervisor, cfg)
     broker.operator = Operator(broker, cfg, address, config_path)
     loop = asyncio.get_running_loop()
+    # observability: hooks on each request's end only for what is configured; workers told by env
+    install_slow(cfg.observability.slow_request_ms, broker.admission.on_finished)
+    tracer = tracing.install(cfg.observability.tracing, broker.admission.on_finished, loop,
+                             os.path.dirname(config_path) if config_path else os.getcwd())
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
@@ -54,7 +62,11 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         back = bind(ctx, supervisor.endpoint, cfg.server, public=False)
         made.append(supervisor.endpoint)
         broker.attach(loop, front, back, zap)
+        if cfg.http is not None:
+            broker.http = HttpFace(broker, cfg.http)
         try:
+            if broker.http is not None:
+                await broker.http.start()
             try:
                 swept = supervisor.prepare()
             except ShmError as exc:
@@ -65,10 +77,14 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         finally:
             lifecycle.shutdown()
             broker.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
+            if broker.http is not None:   # after the answers, so its handlers can write them
+                await broker.http.stop()
             broker.close()
     finally:
         ctx.destroy(linger=0)
         remove_socket_files(*made)
+        if tracer is not None:
+            tracer.shutdown()   # the last spans written (or sent)
 
 
 def run_broker(cfg: Config, address: str | None = None, config_path: str | None = None) -> int:

@@ -17,7 +17,7 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload
 
 from . import arenas
-from .config import Config, ConfigError, ModelDecl, load_config
+from .config import Config, ConfigError, ModelDecl, load_config, with_http_port
 from .registry import ModelEntry
 from .residency import budget_bytes
 from .versions import VersionRecord, VersionState
@@ -31,7 +31,8 @@ HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
 
 def restart_only(old: Config, new: Config) -> list[str]:
     """The keys whose change a running broker cannot apply."""
-    keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant")
+    keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant", "http",
+                        "observability")
             if getattr(old, k) != getattr(new, k)]
     if old.workers.model_dump(exclude={"max_model_memory"}) != new.workers.model_dump(exclude={"max_model_memory"}):
         keys.append("workers")
@@ -73,6 +74,8 @@ class Reloader:
         except ConfigError as exc:
             raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}",
                        reason="invalid_config") from None
+        if self.cfg._http_port is not None:   # `start --http-port` still holds
+            new = with_http_port(new, self.cfg._http_port)
         refused = restart_only(self.cfg, new) + self._arena_misfits(new)
         if refused:
             raise fail(Code.INVALID_ARGUMENT, "reload refused, nothing changed: these changes need a restart: "

@@ -241,6 +241,7 @@ class Config(Strict):
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
     require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
+    _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
 
     @model_validator(mode="after")
     def _references(self) -> "Config":

@@ -31,6 +31,7 @@ from .costmodel import CostModel
 from .frontdoor import FrontDoor
 from .handshake import Handshake, death_error
 from .memory import MemoryWatch
+from .metrics import Metrics
 from .placement import Placement
 from .pool import WorkerHandle, WorkerState
 from .registry import Registry
@@ -50,6 +51,7 @@ class Phase(Enum):
 
 class Broker:
     operator = None   # operator.Operator: control ops and SIGHUP (main.py attaches it)
+    http = None       # http_face.HttpFace when configured (main.py attaches it)
 
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
                  token: str | None = None, workers: int = 1):
@@ -71,6 +73,7 @@ class Broker:
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
                                    self.unserved.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
+        self.metrics = Metrics(self)     # /metrics and `tgw-broker metrics`: hooks admission
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh

@@ -16,7 +16,7 @@ import msgspec
 from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, ErrorBody, IOSpec, Struct,  # noqa: F401
                         TensorMeta, as_builtins, model_key, nbytes_of, split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
-                           SetTraffic, UnloadVersion, VersionInfo)
+                           Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
                           UnloadModel, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot)
@@ -43,6 +43,7 @@ class Infer(Struct, tag_field="op", tag="infer"):
     token: Optional[str] = None              # the shared auth token (server.auth_token_file)
     tenant: Optional[str] = None             # whose quota the request counts against (config `tenants`)
     routing_key: Optional[str] = None        # with no version named: the same key, the same version (canary)
+    traceparent: Optional[str] = None        # W3C trace context of the caller's span; invalid: ignored
 
 
 class ListModels(Struct, tag_field="op", tag="models"):
@@ -79,7 +80,7 @@ class Snapshot(Struct, tag_field="op", tag="snapshot"):
 
 CONTROL_OPS = (LoadVersion, UnloadVersion, SetTraffic, Reload)
 Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot, LoadVersion, UnloadVersion, SetTraffic,
-                Metadata, Reload]
+                Metadata, Reload, Scrape]
 
 
 class Envelope(Struct):
@@ -104,12 +105,14 @@ class InferReply(Struct, tag_field="op", tag="infer"):
     model: str
     version: str
     outputs: list[TensorMeta]
+    traceparent: Optional[str] = None        # the broker's request span (tracing on), else the caller's own
 
 
 class ErrorReply(Struct, tag_field="op", tag="error"):
     v: int
     id: int
     error: ErrorBody
+    traceparent: Optional[str] = None        # an admitted request's, as InferReply's
 
 
 class ModelInfo(Struct):
@@ -168,6 +171,7 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # recent model lifecycle events, oldest first: at_s, event (load, load_failed, unload, evict,
     # swap, traffic, reload), model, version, worker, ms, bytes, message
     events: list[dict[str, Any]] = []
+    http: str = ""                      # the HTTP face's address (http://host:port); "" when off
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
@@ -178,7 +182,7 @@ class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply,
-              MetadataReply, ControlReply]
+              MetadataReply, ControlReply, ScrapeReply]
 
 
 ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel]

@@ -14,6 +14,7 @@ PROTOCOL_VERSION = 1
 # Tensor dtypes tgw accepts, by numpy name; bytes per element.
 DTYPE_SIZES: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
+    "uint16": 2, "uint32": 4, "uint64": 8,   # torch carries these (few ops take them: models cast first)
     "float16": 2, "float32": 4, "float64": 8,
 }
 COMPRESSIONS = ("lz4",)

@@ -12,6 +12,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           Health, HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
                           ListModels, LoaderHello, LoadModel, LoadModels, LoadVersion, Metadata, MetadataReply,
                           ModelInfo, ModelLoaded, ModelMetadata, ModelSpec, ModelsReply, ModelUnloaded, Release,
+                          Scrape, ScrapeReply,
                           Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
                           StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
                           WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
@@ -43,6 +44,7 @@ REQUESTS = [
     Metadata(v=V, id=13, model="mlp"),
     Metadata(v=V),
     Reload(v=V, id=14),
+    Scrape(v=V, id=15), Scrape(v=V),
 ]
 
 META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, default_version="2",
@@ -70,6 +72,9 @@ REPLIES = [
     MetadataReply(v=V, id=13, models=[META]),
     ControlReply(v=V, id=10, message="mlp:2 serves every request", model=META, details={"events": []}),
     ControlReply(v=V, id=14, message="reloaded"),
+    ScrapeReply(v=V, id=15, text="# TYPE tgw_requests_total counter\n"),
+    ErrorReply(v=V, id=9, error=ErrorBody(code="OVERLOADED", message="full"), traceparent="00-" + "1" * 32 + "-"
+               + "2" * 16 + "-01"),
 ]
 
 TO_WORKER = [

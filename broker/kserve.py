@@ -1,0 +1,257 @@
+"""KServe v2 / Open Inference Protocol tensors over HTTP: request bodies in, replies out.
+
+A body is a JSON header, optionally followed by raw tensor bytes: the binary tensor extension
+gives the header's length in `Inference-Header-Content-Length` and each binary input's size in
+its `parameters.binary_data_size`, in input order. Binary inputs become memoryview slices of the
+body, so their bytes are copied once, into the ring, as native frames are. JSON `data` is parsed
+by orjson and converted by numpy from the (flat or nested) list in one call. Outputs go back as
+JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header.
+
+Everything wrong with a body raises a TgwError naming the field; the caller answers it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import orjson
+
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.wire import PROTOCOL_VERSION, Infer, InferReply, TensorMeta
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+DATATYPES = {"BOOL": "bool", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+             "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+             "FP16": "float16", "FP32": "float32", "FP64": "float64"}
+DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+NOT_CARRIED = {"BF16": "tgw carries no bfloat16 tensors (no model can declare one): send FP32 or FP16",
+               "BYTES": "tgw carries no BYTES (string) tensors (no model can declare one): send numbers"}
+# the JSON element kinds numpy infers that each tensor kind takes: ints never take floats
+TAKES = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+# request parameters tgw has no meaning for: refused rather than silently ignored
+UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
+             "sequence_end": "sequence batching", "shared_memory_region": "shared-memory regions over HTTP",
+             "classification": "classification outputs"}
+
+
+class Frame:
+    """A tensor's bytes as admission reads a ZeroMQ frame: `.buffer`, and len() in bytes."""
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview):
+        self.buffer = buffer
+
+    def __len__(self) -> int:
+        return self.buffer.nbytes
+
+
+class Decoded(NamedTuple):
+    infer: Infer
+    frames: list[Frame]
+    request_id: str | None          # the body's "id", echoed in the reply
+    binary: frozenset[str] | bool   # outputs to send as raw bytes (True: all of them)
+
+
+def bad(message: str, code: Code = Code.INVALID_ARGUMENT, **details) -> TgwError:
+    return fail(code, message, **details)
+
+
+def header_length(value: str | None, body_size: int) -> int:
+    """The JSON header's size: the whole body without the binary extension."""
+    if value is None:
+        return body_size
+    try:
+        n = int(value)
+    except ValueError:
+        raise bad(f"{HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if not 0 < n <= body_size:
+        raise bad(f"{HEADER_LENGTH} is {n} but the body holds {body_size} bytes")
+    return n
+
+
+def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int) -> Decoded:
+    """The Infer message and tensor frames of one request body."""
+    n = header_length(length, len(body))
+    view = memoryview(body)
+    try:
+        doc = orjson.loads(view[:n])
+    except orjson.JSONDecodeError as exc:
+        raise bad(f"request body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise bad("request body must be a JSON object with \"inputs\"")
+    params = mapping(doc.get("parameters"), "parameters")
+    for key, what in UNOFFERED.items():
+        if key in params:
+            raise bad(f"parameter {key!r}: tgw does not offer {what}", parameter=key)
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise bad("\"inputs\" must be a non-empty list of tensors")
+    metas, frames, offset = [], [], n
+    for i, spec in enumerate(inputs):
+        meta, frame, offset = input_tensor(spec, i, view, offset)
+        metas.append(meta)
+        frames.append(frame)
+    if offset != len(body):
+        raise bad(f"{len(body) - offset} bytes follow the last binary input (binary_data_size of each input "
+                  "must add up to the body after the JSON header)")
+    outputs, binary = requested_outputs(doc.get("outputs"), params)
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad(f"\"id\" must be a string, got {type(request_id).__name__}")
+    msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=metas, outputs=outputs,
+                priority=int_param(params, "priority", 0), timeout_ms=timeout_ms(params),
+                routing_key=str_param(params, "routing_key"))
+    return Decoded(msg, frames, request_id, binary)
+
+
+def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, Frame, int]:
+    if not isinstance(spec, dict):
+        raise bad(f"inputs[{i}] must be an object")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"inputs[{i}] needs a \"name\" string")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"input {name!r}: \"shape\" must be a list of non-negative integers, got {shape!r}",
+                  Code.INVALID_INPUT_SHAPE, input=name)
+    dtype = datatype(spec.get("datatype"), name)
+    params = mapping(spec.get("parameters"), f"input {name!r} parameters")
+    for key, what in UNOFFERED.items():
+        if key in params:
+            raise bad(f"input {name!r}: parameter {key!r}: tgw does not offer {what}", input=name)
+    size = params.get("binary_data_size")
+    if size is not None:
+        if "data" in spec:
+            raise bad(f"input {name!r} has both \"data\" and parameters.binary_data_size", input=name)
+        if type(size) is not int or size < 0 or offset + size > body.nbytes:
+            raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
+                      "left in the body", input=name)
+        return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(body[offset:offset + size]), offset + size
+    if "data" not in spec:
+        raise bad(f"input {name!r} has neither \"data\" nor parameters.binary_data_size", input=name)
+    return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(json_tensor(spec["data"], dtype, shape, name)), \
+        offset
+
+
+def datatype(value: Any, name: str) -> str:
+    dtype = DATATYPES.get(value) if isinstance(value, str) else None
+    if dtype is None:
+        why = NOT_CARRIED.get(value) if isinstance(value, str) else None
+        raise bad(f"input {name!r}: datatype {value!r}: " + (why or f"must be one of {', '.join(DATATYPES)}"),
+                  Code.INVALID_INPUT_DTYPE, input=name, got=value)
+    return dtype
+
+
+def json_tensor(data: Any, dtype: str, shape: list[int], name: str) -> memoryview:
+    """The raw bytes of a JSON tensor: flat or nested lists of numbers (true/false for BOOL)."""
+    want = math.prod(shape)
+    if not isinstance(data, list):
+        raise bad(f"input {name!r}: \"data\" must be a list", input=name)
+    try:
+        found = np.asarray(data)
+    except ValueError as exc:   # ragged nesting
+        raise bad(f"input {name!r}: \"data\" is not a regular array: {exc}", Code.INVALID_INPUT_SHAPE,
+                  input=name) from None
+    if found.size != want:
+        raise bad(f"input {name!r}: \"data\" holds {found.size} values; shape {shape} needs {want}",
+                  Code.INVALID_INPUT_SHAPE, input=name, got=found.size, expected=want)
+    target = np.dtype(dtype)
+    if want and found.dtype.kind not in TAKES[target.kind]:
+        raise bad(f"input {name!r}: {DATATYPE_OF[dtype]} data must be "
+                  f"{'true/false' if target.kind == 'b' else 'integers' if target.kind in 'iu' else 'numbers'}, "
+                  f"got {kinds(found.dtype.kind)}", Code.INVALID_INPUT_DTYPE, input=name)
+    try:
+        arr = found.astype(target, copy=False)
+    except OverflowError as exc:
+        raise bad(f"input {name!r}: {exc}", input=name) from None
+    if target.kind in "iu" and want and not np.array_equal(arr, found):
+        raise bad(f"input {name!r}: values out of the range of {DATATYPE_OF[dtype]}", input=name)
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
+
+
+def kinds(kind: str) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "floats"}.get(kind, "strings or objects")
+
+
+def requested_outputs(outputs: Any, params: dict) -> tuple[list[str] | None, frozenset[str] | bool]:
+    everything_binary = params.get("binary_data_output", False)
+    if type(everything_binary) is not bool:
+        raise bad("parameter binary_data_output must be true or false")
+    if outputs is None:
+        return None, everything_binary
+    if not isinstance(outputs, list):
+        raise bad("\"outputs\" must be a list")
+    names, binary = [], set()
+    for i, spec in enumerate(outputs):
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(name, str):
+            raise bad(f"outputs[{i}] needs a \"name\" string")
+        out_params = mapping(spec.get("parameters"), f"output {name!r} parameters")
+        for key, what in UNOFFERED.items():
+            if key in out_params:
+                raise bad(f"output {name!r}: parameter {key!r}: tgw does not offer {what}", output=name)
+        flag = out_params.get("binary_data", everything_binary)
+        if type(flag) is not bool:
+            raise bad(f"output {name!r}: binary_data must be true or false", output=name)
+        names.append(name)
+        if flag:
+            binary.add(name)
+    return names, frozenset(binary)
+
+
+def mapping(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad(f"{what} must be an object")
+    return value
+
+
+def int_param(params: dict, key: str, default: int) -> int:
+    value = params.get(key, default)
+    if type(value) is not int or value < 0:
+        raise bad(f"parameter {key} must be a non-negative integer, got {value!r}", parameter=key)
+    return value
+
+
+def str_param(params: dict, key: str) -> str | None:
+    value = params.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad(f"parameter {key} must be a string, got {value!r}", parameter=key)
+    return value
+
+
+def timeout_ms(params: dict) -> int | None:
+    """`timeout` is in microseconds, as Triton's; tgw deadlines are whole milliseconds (at least 1)."""
+    if "timeout" not in params:
+        return None
+    us = int_param(params, "timeout", 0)
+    if us == 0:
+        raise bad("parameter timeout must be positive (microseconds)", parameter="timeout")
+    return max(1, -(-us // 1000))
+
+
+def encode(reply: InferReply, frames: list, request_id: str | None, binary: frozenset[str] | bool) \
+        -> tuple[bytes, list]:
+    """The JSON header of a reply and the raw outputs that follow it (none: a JSON-only reply)."""
+    outputs, blobs = [], []
+    for meta, frame in zip(reply.outputs, frames):
+        out: dict[str, Any] = {"name": meta.name, "datatype": DATATYPE_OF[meta.dtype], "shape": meta.shape}
+        if binary is True or (binary and meta.name in binary):
+            out["parameters"] = {"binary_data_size": len(frame)}
+            blobs.append(frame)
+        else:
+            out["data"] = np.frombuffer(frame, dtype=meta.dtype)
+        outputs.append(out)
+    doc: dict[str, Any] = {"model_name": reply.model, "model_version": reply.version, "outputs": outputs}
+    if request_id is not None:
+        doc["id"] = request_id
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
+
+
+def error_body(err: TgwError | dict) -> bytes:
+    """Triton's error shape ({"error": message}) plus tgw's code, retryable flag and details."""
+    body = err if isinstance(err, dict) else {"error": err.message, "code": err.code.value,
+                                              "retryable": err.retryable, "details": err.details}
+    return orjson.dumps(body, default=str)
