@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded demo: set up, start the broker, send real traffic to every demo
-# model, check each answer against the model run in-process, print a table, stop, check /dev/shm.
+# model (native socket and KServe v2 HTTP), check each answer against the model run in-process,
+# print a table, stop, check /dev/shm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh server
@@ -9,7 +10,7 @@ address="ipc://${run_dir}/tgw.sock"
 log="${run_dir}/broker.log"
 export TGW_DEMO_DIR="${TGW_DEMO_DIR:-$HOME/.cache/tgw/demo}"
 
-.venv/bin/tgw-broker start --address "$address" >"$log" 2>&1 &
+.venv/bin/tgw-broker start --address "$address" --http-port 0 >"$log" 2>&1 &
 broker=$!
 cleanup() { kill -TERM "$broker" 2>/dev/null && wait "$broker" 2>/dev/null; rm -rf "$run_dir"; }
 trap cleanup EXIT

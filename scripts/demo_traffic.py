@@ -1,6 +1,7 @@
 """Demo traffic: real requests to every demo model, each answer checked against the model run
-in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model;
-then a hot swap of mlp under traffic (no request may fail).
+in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model, over
+the native socket and over the KServe v2 HTTP face; then a hot swap of mlp under traffic (no
+request may fail), and the request counters /metrics shows.
 
 Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
 """
@@ -14,6 +15,7 @@ import time
 
 import numpy as np
 
+import demo_http
 from tgw.client import Client, ConnectError, TgwError
 
 CONCURRENCY = 8
@@ -47,8 +49,9 @@ def make_inputs(model: dict, rng: np.random.Generator) -> dict:
     return out
 
 
-def drive(address: str, model: dict, n: int) -> tuple[list, list, list, float]:
-    """n requests from CONCURRENCY threads sharing one Client; returns (records, latencies, errors, seconds)."""
+def drive(address: str, model: dict, n: int, http: str | None = None) -> tuple[list, list, list, float]:
+    """n requests from CONCURRENCY threads sharing one Client (or over HTTP at `http`); returns
+    (records, latencies, errors, seconds)."""
     records, latencies, errors = [], [], []
     lock = threading.Lock()
     counter = iter(range(n))
@@ -59,10 +62,10 @@ def drive(address: str, model: dict, n: int) -> tuple[list, list, list, float]:
             x = make_inputs(model, rng)
             t0 = time.perf_counter()
             try:
-                y = c.infer(model["name"], x, timeout=30)
-            except TgwError as err:
+                y = demo_http.infer(http, model, x) if http else c.infer(model["name"], x, timeout=30)
+            except (TgwError, demo_http.HttpError) as err:
                 with lock:
-                    errors.append(err.code.value)
+                    errors.append(getattr(err.code, "value", err.code))
                 continue
             dt = time.perf_counter() - t0
             with lock:
@@ -129,24 +132,31 @@ def main() -> int:
     wait_ready(args.address, args.broker_pid)
     with Client(args.address) as c:
         models = c.models()
+        http = c.status()["http"]
     rows, failed = [], False
-    for model in models:
-        records, lat, errors, elapsed = drive(args.address, model, args.requests)
-        bad = mismatches(records, os.path.join(args.models_dir, f"{model['name']}-v1.pt"), model)
-        ms = np.array(lat) * 1e3 if lat else np.array([np.nan])
-        rows.append((model["name"], len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
-                     np.percentile(ms, 99), len(lat) / elapsed))
-        failed |= bool(errors) or bad > 0 or len(lat) != args.requests
-    print(f"\n{'model':<8} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
-    for name, n, e, bad, p50, p99, rps in rows:
-        print(f"{name:<8} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
-    print(f"(concurrency {CONCURRENCY}, 1-4 rows per request, answers checked against the model run in-process)")
+    for face, url in (("native", None), ("HTTP", http)):
+        for model in models:
+            records, lat, errors, elapsed = drive(args.address, model, args.requests, url)
+            bad = mismatches(records, os.path.join(args.models_dir, f"{model['name']}-v1.pt"), model)
+            ms = np.array(lat) * 1e3 if lat else np.array([np.nan])
+            rows.append((model["name"], face, len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
+                         np.percentile(ms, 99), len(lat) / elapsed))
+            failed |= bool(errors) or bad > 0 or len(lat) != args.requests
+    print(f"\n{'model':<8} {'face':<7} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'req/s':>8}")
+    for name, face, n, e, bad, p50, p99, rps in rows:
+        print(f"{name:<8} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
+    print(f"(concurrency {CONCURRENCY}, 1-4 rows per request, answers checked against the model run in-process; "
+          f"HTTP: KServe v2 at {http}, binary tensors)")
     mlp = next(m for m in models if m["name"] == "mlp")
     n, e, bad, swap_ms, message = hot_swap(args.address, mlp, os.path.join(args.models_dir, "mlp-v1.pt"),
                                            4 * args.requests)
     print(f"\nhot swap of mlp 1 -> 2 under traffic: {n} requests, {e} errors, {bad} mismatches; the swap "
           f"(load beside, flip, drain, unload) took {swap_ms:.0f} ms\n  broker: {message}")
     failed |= bool(e) or bad > 0 or n != 4 * args.requests
+    print(f"\n{http}/metrics, requests by model, version and outcome:")
+    for line in demo_http.metrics_lines(http):
+        print(f"  {line}")
     print("RESULT:", "FAIL" if failed else "OK")
     return 1 if failed else 0
 
