@@ -6,8 +6,9 @@
 * Transport floor (`EchoServer`): a raw pyzmq ROUTER broker -> DEALER worker echo over ipc://
   (`python -m tgw.bench.baselines broker FRONT BACK | worker BACK`); the worker replies with as
   many bytes as the request's 8-byte header asks for (the model's output size).
-* The seed design (`FlaskServer`): Flask + `torch.jit.load` (not frozen, as the seed did), JSON
-  bodies, gunicorn sync workers with one torch thread each, on 127.0.0.1.
+* The seed design (`FlaskServer`): Flask + `torch.jit.load` (not frozen, as the seed did), the
+  KServe v2 JSON bodies tgw's HTTP face takes, gunicorn sync workers with one torch thread each,
+  on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import zmq
 
 from tgw.bench.broker_proc import Proc
 from tgw.bench.loadgen import cpu_seconds
-from tgw.bench.targets import make_inputs
+from tgw.bench.targets import make_inputs, v2_datatype
 
 FLASK_MODELS_ENV = "TGW_BENCH_FLASK_MODELS"
 
@@ -236,12 +237,16 @@ class EchoServer(Server):
 # ---- Flask + gunicorn --------------------------------------------------------------------------
 
 def create_app():
-    """gunicorn's app factory (`tgw.bench.baselines:create_app()`); the models come in the environment."""
+    """gunicorn's app factory (`tgw.bench.baselines:create_app()`); the models come in the environment.
+    It takes the body tgw's HTTP face takes, a KServe v2 JSON request (`{"inputs": [{name, shape,
+    datatype, data (flat)}]}`), as a typical Flask server would: Flask's JSON, then
+    `torch.tensor(data, dtype).reshape(shape)` per input, and answers in the v2 shape (`outputs`
+    with flat `data` lists)."""
     import torch
     from flask import Flask, jsonify, request
 
     torch.set_num_threads(1)
-    models = {name: (torch.jit.load(d["path"], map_location="cpu").eval(), d["inputs"])
+    models = {name: (torch.jit.load(d["path"], map_location="cpu").eval(), d["inputs"], d["outputs"])
               for name, d in json.loads(os.environ[FLASK_MODELS_ENV]).items()}
     app = Flask("tgw-bench-flask")
 
@@ -249,21 +254,26 @@ def create_app():
     def health():
         return jsonify({"ready": True, "models": sorted(models)})
 
-    @app.post("/infer/<name>")
+    @app.post("/v2/models/<name>/infer")
     def infer(name: str):
-        module, inputs = models[name]
-        body = request.get_json(force=True)["inputs"]
+        module, inputs, outputs = models[name]
+        body = {i["name"]: i for i in request.get_json(force=True)["inputs"]}
         with torch.inference_mode():
-            out = module(*[torch.tensor(body[i["name"]], dtype=getattr(torch, i["dtype"])) for i in inputs])
-        outputs = out if isinstance(out, dict) else {"output_0": out}  # the demo models return one tensor or a dict
-        return jsonify({"outputs": {k: v.tolist() for k, v in outputs.items()}})
+            out = module(*[torch.tensor(body[d["name"]]["data"], dtype=getattr(torch, d["dtype"]))
+                           .reshape(body[d["name"]]["shape"]) for d in inputs])
+        # the demo models return one tensor or a dict of them
+        out = out if isinstance(out, dict) else {outputs[0]["name"]: out}
+        return jsonify({"model_name": name, "outputs": [
+            {"name": k, "datatype": v2_datatype(v.dtype), "shape": list(v.shape), "data": v.flatten().tolist()}
+            for k, v in out.items()]})
 
     return app
 
 
 class FlaskServer(Server):
     def __init__(self, models: dict[str, dict[str, Any]], workers: int, workdir: str):
-        """models: name -> {"path": file, "inputs": [{"name", "dtype", ...}], ...} (the demo declarations)."""
+        """models: name -> {"path": file, "inputs"/"outputs": [{"name", "dtype", ...}], ...} (the demo
+        declarations)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -271,7 +281,7 @@ class FlaskServer(Server):
                             "-b", f"127.0.0.1:{self.port}", "--timeout", "300", "--graceful-timeout", "5",
                             "--log-level", "warning", "tgw.bench.baselines:create_app()"],
                            os.path.join(workdir, "gunicorn.log"), "gunicorn")
-        decl = {n: {"path": m["path"], "inputs": m["inputs"]} for n, m in models.items()}
+        decl = {n: {k: m[k] for k in ("path", "inputs", "outputs")} for n, m in models.items()}
         super().__init__([self.master], lambda: self._workers_ready(workers), 120,
                          env={FLASK_MODELS_ENV: json.dumps(decl), "PYTHONUNBUFFERED": "1"})
 

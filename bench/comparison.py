@@ -1,6 +1,7 @@
-"""`tgw-bench compare`: the baselines (baselines.py) and tgw native (BrokerProc) on the same demo
-models, inputs and closed-loop scenarios, in one invocation; bench/README.md says what each row
-and ratio means. Every server is stopped by PID at the end, also on Ctrl-C, SIGTERM and errors.
+"""`tgw-bench compare`: the baselines (baselines.py) and tgw (BrokerProc: native, and its KServe v2
+HTTP face with JSON and binary bodies) on the same demo models, inputs and closed-loop scenarios,
+in one invocation; bench/README.md says what each row and ratio means. Every server is stopped
+by PID at the end, also on Ctrl-C, SIGTERM and errors.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
 from tgw.bench.broker_proc import BrokerProc, stop_all
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
-from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, make_inputs, tensor_bytes
+from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target
 
-SERVERS = ("transport", "tgw", "flask")
+SERVERS = ("transport", *report.TGW_SYSTEMS, "flask")
 MODES = {  # seconds measured per row, warm-up per row, seconds per floor batch size, floor rounds
     "quick": {"duration": 2.0, "warmup": 0.5, "floor_seconds": 0.5, "floor_rounds": 1},
     "full": {"duration": 15.0, "warmup": 3.0, "floor_seconds": 3.0, "floor_rounds": 2},
@@ -48,24 +49,33 @@ SCENARIOS = (Scenario("mlp", 1), Scenario("mlp", 16), Scenario("mlp", 64),
 
 
 def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> dict[str, Any]:
-    """The scenario's rows with tgw over Flask (throughput, p50), over the floor (rows/s) and over
-    the transport floor (throughput)."""
+    """The scenario's rows with tgw native over Flask (throughput, p50), over the floor (rows/s) and
+    over the transport floor (throughput); each HTTP row of tgw over Flask (throughput, p50) and over
+    tgw native (throughput, broker CPU per request)."""
     def value(system: str, key: str) -> Optional[float]:
         row = rows.get(system) or {"error": None}
-        return None if "error" in row else (row["latency_ms"]["p50"] if key == "p50" else row[key])
+        if "error" in row:
+            return None
+        return row["latency_ms"]["p50"] if key == "p50" else \
+            (row.get("cpu_us_per_request") or {}).get("broker") if key == "broker_us" else row[key]
 
-    def ratio(system: str, key: str) -> Optional[float]:
-        a, b = value("tgw", key), value(system, key)
-        return a / b if a is not None and b else None
+    def ratio(a: str, b: str, key: str) -> Optional[float]:
+        x, y = value(a, key), value(b, key)
+        return x / y if x is not None and y else None
     # tgw's p50 over what a request cannot avoid: the transport's round trip and one batch-1 forward
     p50s = [value(s, "p50") for s in ("tgw", "transport", "in-process")]
-    excess = None if None in p50s else p50s[0] - p50s[1] - p50s[2]
+    ratios = {"tgw_over_flask_throughput": ratio("tgw", "flask", "throughput_rps"),
+              "tgw_over_flask_p50": ratio("tgw", "flask", "p50"),
+              "tgw_over_floor_throughput": ratio("tgw", "in-process", "rows_per_s"),
+              "tgw_over_transport_throughput": ratio("tgw", "transport", "throughput_rps"),
+              "tgw_p50_excess_ms": None if None in p50s else p50s[0] - p50s[1] - p50s[2]}
+    for s in report.TGW_SYSTEMS[1:]:
+        ratios.update({f"{s}_over_flask_throughput": ratio(s, "flask", "throughput_rps"),
+                       f"{s}_over_flask_p50": ratio(s, "flask", "p50"),
+                       f"{s}_over_tgw_throughput": ratio(s, "tgw", "throughput_rps"),
+                       f"{s}_broker_us_over_tgw": ratio(s, "tgw", "broker_us")})
     return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency, "payload_bytes": payload_bytes,
-            "rows": rows, "ratios": {"tgw_over_flask_throughput": ratio("flask", "throughput_rps"),
-                                     "tgw_over_flask_p50": ratio("flask", "p50"),
-                                     "tgw_over_floor_throughput": ratio("in-process", "rows_per_s"),
-                                     "tgw_over_transport_throughput": ratio("transport", "throughput_rps"),
-                                     "tgw_p50_excess_ms": excess}}
+            "rows": rows, "ratios": ratios}
 
 
 def batching(tgw: dict[str, Any], floor: Optional[dict[str, Any]], workers: int) -> dict[str, Optional[float]]:
@@ -105,7 +115,8 @@ def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
 
 
 def tgw_config(models: dict[str, dict[str, Any]], names: list[str], workers: int) -> dict[str, Any]:
-    return {"server": {"max_request_bytes": 64 << 20},
+    """The broker of the tgw rows; its HTTP face (the tgw HTTP rows) on any free port of 127.0.0.1."""
+    return {"server": {"max_request_bytes": 64 << 20}, "http": {"host": "127.0.0.1", "port": 0},
             "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},  # arenas: auto
             "models": [{"name": n, "versions": [{"version": "1", "path": models[n]["path"]}],
                         "inputs": models[n]["inputs"], "outputs": models[n]["outputs"],
@@ -114,9 +125,9 @@ def tgw_config(models: dict[str, dict[str, Any]], names: list[str], workers: int
 
 
 class Servers:
-    """The transport echo, the tgw broker and gunicorn, started once; rows run against them and
-    stop() stops them by PID. A server that fails to start marks its rows {"error": ...}; the
-    other systems still run."""
+    """The transport echo, the tgw broker (its native socket and its HTTP face) and gunicorn,
+    started once; rows run against them and stop() stops them by PID. A server that fails to start
+    marks its rows {"error": ...}; the other systems still run."""
 
     def __init__(self, a: argparse.Namespace, work: str, models: dict, names: list[str], log: Callable[[str], None]):
         self.a, self.work, self.models, self.names, self.log = a, work, models, names, log
@@ -124,28 +135,55 @@ class Servers:
         self.info: dict[str, dict[str, Any]] = {"tgw": {}, "flask": {}}
         self.echo = self.tgw = self.flask = self.client = None
         self.wrk = shutil.which("wrk")
+        self.http_generator = ""
+        self.bodies: dict[tuple[str, bool], tuple[str, int]] = {}  # (model, binary) -> (file, JSON header bytes)
 
     def start(self, system: str) -> None:
         try:
+            if system in report.HTTP_SYSTEMS:
+                self._http_bodies()
             if system == "transport":
                 self.echo = EchoServer(self.work)
-            elif system == "tgw":
-                from tgw.client import Client
-                self.tgw = BrokerProc(tgw_config(self.models, self.names, self.a.tgw_workers), self.work)
-                self.client = Client(self.tgw.start(timeout=180).address)
-                self.info["tgw"].update(config=self.tgw.config_path, processes=self.client.stats()["processes"])
+            elif system in report.TGW_SYSTEMS:  # one broker for the three tgw rows
+                self._broker()
+                if system != "tgw" and "http" not in self.info["tgw"]:
+                    self.info["tgw"]["http"] = self.client.status()["http"]   # its HTTP face
             else:
-                self.info["flask"]["generator"] = f"wrk ({self.wrk})" if self.wrk else \
-                    "python fallback (wrk not installed: keep-alive http.client through loadgen.py)"
-                if not self.wrk:
-                    self.log(WRK_INSTALL_HINT)
-                for n in self.names:
-                    with open(os.path.join(self.work, f"body-{n}.json"), "w") as f:
-                        json.dump({"inputs": {k: v.tolist() for k, v in make_inputs(self.models[n]).items()}}, f)
                 self.flask = FlaskServer({n: self.models[n] for n in self.names}, self.a.flask_workers, self.work)
         except Exception as exc:  # noqa: BLE001 - the other systems still run
             self.failed[system] = f"{type(exc).__name__}: {exc}"
             self.log(f"{system} could not start: {self.failed[system]}")
+
+    def _broker(self) -> None:
+        if self.tgw is None:
+            from tgw.client import Client
+            self.tgw = BrokerProc(tgw_config(self.models, self.names, self.a.tgw_workers), self.work)
+            self.client = Client(self.tgw.start(timeout=180).address)
+            self.info["tgw"].update(config=self.tgw.config_path, processes=self.client.stats()["processes"])
+        if self.client is None:
+            raise RuntimeError("the tgw broker did not start (see the first tgw row)")
+
+    def _http_bodies(self) -> None:
+        """Once: the request bodies (v2 JSON, posted unchanged to Flask and to tgw's HTTP face; v2
+        binary for tgw HTTP binary) and the HTTP generator (wrk, or the Python fallback)."""
+        if self.bodies:
+            return
+        self.http_generator = f"wrk ({self.wrk})" if self.wrk else \
+            "python fallback (wrk not installed: keep-alive HTTP/1.1 sockets through loadgen.py)"
+        if not self.wrk:
+            self.log(WRK_INSTALL_HINT)
+        for n in self.names:
+            for binary in (False, True):
+                body, header = v2_body(self.models[n], binary)
+                path = os.path.join(self.work, f"body-{n}.{'bin' if binary else 'json'}")
+                with open(path, "wb") as f:
+                    f.write(body)
+                self.bodies[n, binary] = path, header
+
+    def http_target(self, system: str, model: str) -> HttpTarget:
+        """What the HTTP generator posts for `system`: the same path and JSON body to Flask and tgw."""
+        url = f"http://127.0.0.1:{self.flask.port}" if system == "flask" else self.info["tgw"]["http"]
+        return v2_target(url, model, *self.bodies[model, system == "tgw_http_bin"], system == "tgw_http_bin", system)
 
     def row(self, system: str, sc: Scenario) -> dict[str, Any]:
         """One measured row, or {"error": ...}: a failure is recorded and the run goes on."""
@@ -153,19 +191,20 @@ class Servers:
             return {"error": self.failed[system]}
         m, name = self.models[sc.model], f"{report.LABELS[system]} {sc.key}"
         spec = LoadSpec("closed", sc.concurrency, self.a.duration, self.a.warmup, self.a.procs)
-        body = os.path.join(self.work, f"body-{sc.model}.json")
+        tgw = {"stats": self.client.stats} if system in report.TGW_SYSTEMS else {}
+        processes = self.info["tgw"].get("processes")
         try:
             if system == "transport":
                 target = ZmqEchoTarget(self.echo.front, tensor_bytes(m["inputs"]), tensor_bytes(m["outputs"]))
                 row = measure(target, spec, self.echo.processes)
             elif system == "tgw":
-                target = TgwTarget(self.tgw.address, sc.model, timeout=60.0)
-                row = measure(target, spec, self.info["tgw"]["processes"], stats=self.client.stats)
+                row = measure(TgwTarget(self.tgw.address, sc.model, timeout=60.0), spec, processes, **tgw)
             else:
                 drive = functools.partial(wrk_drive, self.wrk) if self.wrk else \
                     functools.partial(loadgen_drive, kind="python-fallback")
-                target = HttpTarget("127.0.0.1", self.flask.port, f"/infer/{sc.model}", body)
-                row = {**measure(target, spec, self.flask.processes, drive=drive), "body_bytes": os.path.getsize(body)}
+                target = self.http_target(system, sc.model)
+                row = {**measure(target, spec, self.flask.processes if system == "flask" else processes,
+                                 drive=drive, **tgw), "body_bytes": os.path.getsize(target.body_path)}
         except Exception as exc:  # noqa: BLE001
             self.log(f"{name} FAILED: {type(exc).__name__}: {exc}")
             return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
@@ -215,16 +254,18 @@ def collect(a: argparse.Namespace, work: str, models: dict, scenarios: list[Scen
                     rows[sc.key][system] = srv.row(system, sc)
         finally:
             srv.stop()
-        res["tgw_server"], res["flask_server"] = srv.info["tgw"], srv.info["flask"]
+        res["tgw_server"], res["flask_server"], res["http_generator"] = srv.info["tgw"], srv.info["flask"], \
+            srv.http_generator or "-"
     if "floors" in res and a.floor_rounds > 1:
         log("in-process floor again (the best of both rounds is kept)")
         res["floors"] = floor(previous=res["floors"])
     for sc in scenarios:
         if "floors" in res:
             rows[sc.key]["in-process"] = floor_row(res["floors"][sc.model])
-        if "error" not in rows[sc.key].get("tgw", {"error": ""}):
-            rows[sc.key]["tgw"]["batching"] = batching(rows[sc.key]["tgw"], (res.get("floors") or {}).get(sc.model),
-                                                       a.tgw_workers)
+        for system in report.TGW_SYSTEMS:
+            if "error" not in rows[sc.key].get(system, {"error": ""}):
+                rows[sc.key][system]["batching"] = batching(rows[sc.key][system],
+                                                            (res.get("floors") or {}).get(sc.model), a.tgw_workers)
     return {"scenarios": [scenario_result(sc, tensor_bytes(models[sc.model]["inputs"]), rows[sc.key])
                           for sc in scenarios], **res}
 
@@ -257,7 +298,7 @@ def run(a: argparse.Namespace, command: str) -> int:
             shutil.rmtree(work, ignore_errors=True)
     settings = {k: getattr(a, k) for k in ("duration", "warmup", "floor_seconds", "floor_module", "tgw_workers",
                                            "flask_workers", "floor_procs", "procs", "systems")}
-    settings["http_generator"] = res.get("flask_server", {}).get("generator", "-")
+    settings["http_generator"] = res.get("http_generator", "-")
     result = {"mode": mode, "date": date, "command": command, "machine": report.machine(), "settings": settings,
               **res, "wall_s": time.monotonic() - t0}
     print("\n" + report.text_table(report.compare_table(result["scenarios"]), 3))

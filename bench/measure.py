@@ -34,8 +34,8 @@ WRK_INSTALL_HINT = ("wrk not found on $PATH: the Flask rows use the Python fallb
 
 WRK_LUA = r"""
 wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local f = assert(io.open("%(body)s", "rb"))
+%(headers)s
+local f = assert(io.open(%(body)s, "rb"))
 wrk.body = f:read("*a")
 f:close()
 
@@ -228,12 +228,21 @@ def run_wrk(wrk: str, url: str, lua: str, connections: int, seconds: float, time
     return {**parse_wrk(proc.stdout), "argv": argv}
 
 
+def wrk_lua(target: HttpTarget) -> str:
+    """wrk's script for `target`: its body file, content type and extra headers, and the done() report."""
+    def lua_str(text: str) -> str:
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    headers = {"Content-Type": target.content_type, **target.headers}
+    return WRK_LUA % {"body": lua_str(target.body_path),
+                      "headers": "\n".join(f"wrk.headers[{lua_str(k)}] = {lua_str(v)}" for k, v in headers.items())}
+
+
 def wrk_drive(wrk: str, target: HttpTarget, spec: LoadSpec, on_window_start, on_window_end) -> dict[str, Any]:
     """measure()'s drive for the HTTP rows: a closed loop of spec.level connections."""
     url = f"http://{target.host}:{target.port}{target.path}"
     lua = target.body_path + ".lua"
     with open(lua, "w") as f:
-        f.write(WRK_LUA % {"body": target.body_path.replace("\\", "\\\\").replace('"', '\\"')})
+        f.write(wrk_lua(target))
     conns = int(spec.level)
     if spec.warmup > 0:
         run_wrk(wrk, url, lua, conns, spec.warmup)

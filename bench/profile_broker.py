@@ -2,12 +2,14 @@
 load, and the sync client's own cost per `infer` (bench/README.md quotes both).
 
     python -m tgw.bench.profile_broker broker --concurrency 64 --duration 15 [--transport]
-        [--perf PATH] [--py-spy PATH] [--cprofile wall|cpu] [--out DIR]
+        [--http json|binary] [--perf PATH] [--py-spy PATH] [--cprofile wall|cpu] [--out DIR]
     python -m tgw.bench.profile_broker client --threads 1,8 --rounds 5 [--client NAME=WHERE ...]
 
 `broker` starts a broker with the comparison's config (the demo models, one cpu worker per core),
 loads it through the load generator and reports, over the window, the broker's CPU per request
-by thread (/proc/PID/task/*/stat; with --transport the echo broker's first, under the same load),
+by thread (/proc/PID/task/*/stat; with --transport the echo broker's first, under the same load;
+with --http through its KServe v2 HTTP face, the comparison's JSON or binary body, by the Python
+HTTP generator),
 perf's on-CPU split by thread and library, py-spy's split of the Python work by area and
 cProfile's calls per request (the broker then runs under `_run-broker`, SIGUSR2 toggling it).
 `client` runs each `--client` (a module name, or a folder holding a copy of client/) in turn
@@ -38,7 +40,7 @@ from tgw.bench import comparison
 from tgw.bench.broker_proc import BrokerProc, Proc, stop_all
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import loadgen_drive, measure
-from tgw.bench.targets import TgwTarget, find_model, make_inputs
+from tgw.bench.targets import TgwTarget, find_model, make_inputs, v2_body, v2_target
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -219,8 +221,14 @@ def profile_broker(a: argparse.Namespace) -> int:
                    "--nonblocking", "--format", "raw", "--output", raw]] if a.py_spy else [])
             spy = [lambda _: spies.extend(subprocess.Popen(v, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                                           for v in argvs)]
-            row, n, main_us = window(a, TgwTarget(srv.address, a.model, timeout=60.0), processes, pid,
-                                     at_start=toggle + spy, at_end=toggle, stats=c.stats)
+            target = TgwTarget(srv.address, a.model, timeout=60.0)
+            if a.http:
+                body, header = v2_body(find_model(c.models(), a.model), a.http == "binary")
+                with open(os.path.join(work, "body"), "wb") as f:
+                    f.write(body)
+                target = v2_target(c.status()["http"], a.model, f.name, header, a.http == "binary",
+                                   f"tgw HTTP {a.http}")
+            row, n, main_us = window(a, target, processes, pid, at_start=toggle + spy, at_end=toggle, stats=c.stats)
             for p in spies:
                 err = p.communicate(timeout=120)[1]
                 if p.returncode:
@@ -369,6 +377,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add("--concurrency", type=int, default=64)
     add("--procs", type=int, default=0, help="generator processes (default: as tgw-bench)")
     add("--transport", action="store_true", help="first the echo broker under the same load")
+    add("--http", choices=("json", "binary"), help="load the broker through its HTTP face (KServe v2 JSON or "
+                                                  "binary body) instead of the tgw client")
     add("--perf", help="path of perf: the broker's on-CPU samples (native frames, kernel)")
     add("--perf-rate", type=int, default=999, help="perf samples per second (default 999)")
     add("--py-spy", help="path of py-spy: the broker's Python stacks")

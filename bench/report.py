@@ -14,9 +14,11 @@ from typing import Any, Iterable
 import numpy as np
 import psutil
 
-SYSTEMS = ("in-process", "transport", "tgw", "flask")
+SYSTEMS = ("in-process", "transport", "tgw", "tgw_http", "tgw_http_bin", "flask")
 LABELS = {"in-process": "in-process floor", "transport": "transport floor (pyzmq echo)",
-          "tgw": "tgw native", "flask": "Flask+gunicorn"}
+          "tgw": "tgw native", "tgw_http": "tgw HTTP", "tgw_http_bin": "tgw HTTP binary", "flask": "Flask+gunicorn"}
+TGW_SYSTEMS = ("tgw", "tgw_http", "tgw_http_bin")     # rows served by the one tgw broker of a run
+HTTP_SYSTEMS = ("tgw_http", "tgw_http_bin", "flask")  # rows loaded by the HTTP generator (wrk or its fallback)
 LATENCY_KEYS = (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"))
 
 
@@ -27,7 +29,7 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
 def label(system: str, row: dict[str, Any]) -> str:
     """The system's name; HTTP rows add the generator that loaded them (wrk or python-fallback)."""
     kind = (row.get("generator") or {}).get("kind")
-    return LABELS[system] + (f" ({kind})" if system == "flask" and kind else "")
+    return LABELS[system] + (f" ({kind})" if system in HTTP_SYSTEMS and kind else "")
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -93,23 +95,24 @@ def markdown_table(rows: list[list[str]], left: int = 1) -> str:
 def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
     """Header + one line per (scenario, system); the first 3 columns are text."""
     out = [["scenario", "payload", "system", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors", "batch",
-            "gen CPU", "tgw/Flask", "tgw/floor"]]
+            "gen CPU", "vs Flask", "vs native", "tgw/floor"]]
     for res in results:
         r, n = res["ratios"], res["payload_bytes"]
         for system in (s for s in SYSTEMS if s in res["rows"]):
             row = res["rows"][system]
             first = [res["scenario"], f"{n / 1024:.0f} KiB" if n >= 1024 else f"{n} B", label(system, row)]
             if "error" in row:
-                out.append(first + ["FAILED: " + str(row["error"]).splitlines()[0][:60]] + [""] * 8)
+                out.append(first + ["FAILED: " + str(row["error"]).splitlines()[0][:60]] + [""] * 9)
                 continue
-            lat, tgw = row["latency_ms"], system == "tgw"
-            batch = {"tgw": _f((row.get("broker_stats") or {}).get("mean_batch_rows"), "{:.1f}"),
-                     "in-process": str(row.get("floor", {}).get("best_batch"))}.get(system, "")
+            lat, tgw, over_native = row["latency_ms"], system == "tgw", r.get(f"{system}_over_tgw_throughput")
+            batch = _f((row.get("broker_stats") or {}).get("mean_batch_rows"), "{:.1f}") if system in TGW_SYSTEMS \
+                else str(row.get("floor", {}).get("best_batch")) if system == "in-process" else ""
             out.append(first + [
                 _f(row["throughput_rps"], "{:,.0f}") + (" sps" if system == "in-process" else ""),
                 *(_f(lat.get(k), "{:.3f}") for k in ("p50", "p99", "p99_9")), str(row.get("requests_failed", 0)),
                 batch, _f(row.get("generator", {}).get("cpu_cores")),
-                _f(r["tgw_over_flask_throughput"], "{:.2f}x") if tgw else "",
+                _f(r.get(f"{system}_over_flask_throughput"), "{:.2f}x") if system in TGW_SYSTEMS else "",
+                _f(over_native, "{:.2f}x") if system in TGW_SYSTEMS[1:] else "",
                 _f(r["tgw_over_floor_throughput"]) if tgw else ""])
     return out
 
@@ -117,24 +120,27 @@ def compare_table(results: list[dict[str, Any]]) -> list[list[str]]:
 def cost_table(results: list[dict[str, Any]]) -> list[list[str]]:
     """Header + one line per (scenario, server system): CPU microseconds per request over the
     window (the broker process, the processes doing the work, the load generator), the whole
-    server tree's PSS at the window's end, and for tgw its ratio to the transport floor and its
-    p50 over the c=1 budget (transport p50 + in-process batch-1 p50); the first 2 columns are text."""
+    server tree's PSS at the window's end, for tgw native its ratio to the transport floor and its
+    p50 over the c=1 budget (transport p50 + in-process batch-1 p50), for every tgw row how busy its
+    batches kept the workers, and for the HTTP rows of tgw their broker CPU per request over the
+    native row's; the first 2 columns are text."""
     out = [["scenario", "system", "req/s", "broker us/req", "workers us/req", "gen us/req", "server PSS MiB",
-            "tgw/transport", "p50 - (transport + floor) ms", "worker busy", "compute/floor"]]
+            "tgw/transport", "p50 - (transport + floor) ms", "worker busy", "compute/floor", "broker vs native"]]
     for res in results:
         r = res["ratios"]
         for system in (s for s in SYSTEMS if s in res["rows"] and s != "in-process"):
             row = res["rows"][system]
             if "error" in row:
                 continue
-            us, tgw = row.get("cpu_us_per_request") or {}, system == "tgw"
+            us, tgw, served = row.get("cpu_us_per_request") or {}, system == "tgw", system in TGW_SYSTEMS
             out.append([res["scenario"], label(system, row), _f(row["throughput_rps"], "{:,.0f}"),
                         *(_f(us.get(k), "{:.1f}") for k in ("broker", "workers", "generator")),
                         _f(row.get("server_pss_mb"), "{:.0f}"),
                         _f(r.get("tgw_over_transport_throughput"), "{:.2f}x") if tgw else "",
                         _f(r.get("tgw_p50_excess_ms"), "{:+.3f}") if tgw else "",
-                        _f((row.get("batching") or {}).get("worker_busy"), "{:.0%}") if tgw else "",
-                        _f((row.get("batching") or {}).get("compute_over_floor"), "{:.2f}x") if tgw else ""])
+                        _f((row.get("batching") or {}).get("worker_busy"), "{:.0%}") if served else "",
+                        _f((row.get("batching") or {}).get("compute_over_floor"), "{:.2f}x") if served else "",
+                        _f(r.get(f"{system}_broker_us_over_tgw"), "{:.2f}x") if served and not tgw else ""])
     return out
 
 
@@ -180,8 +186,13 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         markdown_table(compare_table(result["scenarios"]), 3), "",
         "req/s of the in-process floor is samples/s (sps) summed over its copies at the best of batch 1, "
         "max/4 and max (that batch size is in the batch column); its p50/p99 are one batch-1 call. batch of "
-        "tgw = mean rows per batch the broker formed. tgw/Flask = throughput ratio; tgw/floor = tgw rows/s "
-        "over the floor's samples/s. gen CPU = cores used by the load generator in the window.",
+        "the tgw rows = mean rows per batch the broker formed. tgw native is the tgw client through the load "
+        "generator; tgw HTTP and tgw HTTP binary are the same broker's KServe v2 HTTP face, loaded by the HTTP "
+        "generator that loads Flask+gunicorn: tgw HTTP posts the very body file Flask gets (v2 JSON, flat "
+        "`data`), tgw HTTP binary the binary tensor extension (JSON header + raw bytes, binary outputs). "
+        "vs Flask = the row's req/s over Flask's; vs native = the HTTP row's req/s over tgw native's (a "
+        "different generator, on the same cores: compare their gen us/req); tgw/floor "
+        "= tgw rows/s over the floor's samples/s. gen CPU = cores used by the load generator in the window.",
         "", "CPU per request and memory (in-process floor rows have none):", "",
         markdown_table(cost_table(result["scenarios"]), 2), "",
         "us/req = CPU microseconds (user + system) over the window divided by the requests measured in it: "
@@ -192,13 +203,15 @@ def section_markdown(result: dict[str, Any], json_rel: str, png_rel: str) -> str
         "split between their users). tgw/transport = tgw req/s over the transport floor's; p50 - (transport + "
         "floor) = tgw p50 minus the transport floor's p50 and the in-process batch-1 p50. worker busy = the "
         "workers' summed batch compute time over the window x workers; compute/floor = that compute time over "
-        "the in-process floor's time for the same batch sizes.",
+        "the in-process floor's time for the same batch sizes. broker vs native = the HTTP row's broker "
+        "us/req over tgw native's (what the HTTP face costs the broker per request).",
     ]
     if s["http_generator"].startswith("python"):
-        lines += ["", "**wrk was not installed for this run**: the Flask+gunicorn rows were loaded by the Python "
-                      "fallback generator (keep-alive http.client through loadgen.py), which spends more CPU per "
-                      "request than wrk and competes with gunicorn for the same cores, so those rows (and "
-                      "tgw/Flask) are not comparable with wrk-loaded runs. Install wrk and rerun for them."]
+        lines += ["", "**wrk was not installed for this run**: the HTTP rows (Flask+gunicorn, tgw HTTP, tgw HTTP "
+                      "binary) were loaded by the Python fallback generator (keep-alive HTTP/1.1 sockets through "
+                      "loadgen.py), which spends more CPU per request than wrk and competes with the servers for "
+                      "the same cores, so those rows (and vs Flask) are not comparable with wrk-loaded runs. "
+                      "Install wrk and rerun for them."]
     lines += ["", f"Raw results: `{json_rel}`; plot: `{png_rel}` ."]
     warnings = [f"- {sc['scenario']} / {label(name, row)}: {w}" for sc in result["scenarios"]
                 for name, row in sc["rows"].items() for w in row.get("warnings", [])]

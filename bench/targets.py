@@ -7,15 +7,17 @@ neither), and the process `close()` at the end.
 """
 from __future__ import annotations
 
-import http.client
+import json
+import socket
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 
 VAR_LEN = 16
 GENERATORS = ("random", "zeros")
+HEADER_LENGTH = "Inference-Header-Content-Length"  # KServe v2's binary tensor extension: the JSON header's bytes
 
 
 def _shape(decl: dict[str, Any], batch: int = 1, var_len: int = VAR_LEN) -> tuple[int, ...]:
@@ -44,6 +46,30 @@ def make_inputs(meta: dict[str, Any], batch: int = 1, seed: int = 0, var_len: in
 def tensor_bytes(decls: list[dict[str, Any]]) -> int:
     """Bytes of one row of the tensors declared by `decls` (a model's "inputs" or "outputs")."""
     return sum(int(np.prod(_shape(d))) * np.dtype(d["dtype"]).itemsize for d in decls)
+
+
+def v2_datatype(dtype: Any) -> str:
+    """A numpy (or torch) dtype's KServe v2 datatype name: FP32, INT64, UINT8, BOOL..."""
+    dt = np.dtype(str(dtype).removeprefix("torch."))
+    return "BOOL" if dt.kind == "b" else {"f": "FP", "i": "INT", "u": "UINT"}[dt.kind] + str(dt.itemsize * 8)
+
+
+def v2_body(meta: dict[str, Any], binary: bool = False) -> tuple[bytes, int]:
+    """One request of `make_inputs(meta)` as a KServe v2 / Open Inference Protocol body, and the
+    length of its JSON header. JSON: `{"inputs": [{name, shape, datatype, data (flat)}]}`, the
+    header being the whole body. binary: the binary tensor extension, a JSON header whose inputs
+    give `parameters.binary_data_size` (and which asks for binary outputs) followed by the raw
+    little-endian bytes of each input in order; the header length goes in the request header
+    HEADER_LENGTH."""
+    inputs = make_inputs(meta)
+    specs = [{"name": k, "shape": list(v.shape), "datatype": v2_datatype(v.dtype)} for k, v in inputs.items()]
+    if not binary:
+        body = json.dumps({"inputs": [{**s, "data": v.ravel().tolist()} for s, v in zip(specs, inputs.values())]})
+        return body.encode(), len(body)  # ASCII
+    raw = [v.astype(v.dtype.newbyteorder("<"), copy=False).tobytes() for v in inputs.values()]
+    header = json.dumps({"inputs": [{**s, "parameters": {"binary_data_size": len(b)}} for s, b in zip(specs, raw)],
+                         "parameters": {"binary_data_output": True}}).encode()
+    return b"".join([header, *raw]), len(header)
 
 
 def find_model(models: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -134,9 +160,12 @@ class HttpTarget:
     host: str
     port: int
     path: str
-    body_path: str  # a JSON body; wrk posts the same file
+    body_path: str  # the body posted as it is (wrk posts the same file)
     timeout: float = 30.0
     label: str = "http"
+    model: str = ""  # the model it calls, for the broker's stats of a tgw row
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request, as wrk's Lua script does
 
     def open(self, seed: int) -> "HttpTarget":
         with open(self.body_path, "rb") as f:
@@ -144,22 +173,78 @@ class HttpTarget:
         return self
 
     def caller(self, index: int) -> Caller:
-        headers = {"Content-Type": "application/json", "Connection": "keep-alive"}
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        fields = {"Host": f"{self.host}:{self.port}", "Content-Type": self.content_type,
+                  "Content-Length": str(len(self.body)), **self.headers}
+        request = "".join([f"POST {self.path} HTTP/1.1\r\n", *(f"{k}: {v}\r\n" for k, v in fields.items()),
+                           "\r\n"]).encode("latin-1") + self.body
+        conn = HttpConnection(self.host, self.port, self.timeout)
 
         def call() -> None:
-            # http.client reconnects by itself after a close, its own (a response that closes the
-            # connection, as gunicorn's sync workers send) or ours after an error
-            try:
-                conn.request("POST", self.path, body=self.body, headers=headers)
-                resp = conn.getresponse()
-                resp.read()
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                raise
-            if resp.status != 200:
-                raise CallError(f"HTTP_{resp.status}")
+            status = conn.exchange(request)
+            if status != 200:
+                raise CallError(f"HTTP_{status}")
         return call
 
     def close(self) -> None:
         pass  # the process exits next, which closes its connections
+
+
+class HttpConnection:
+    """One keep-alive HTTP/1.1 connection for the fallback generator, as lean as a Python caller
+    gets (http.client parses every reply's headers with the email package and writes a body
+    apart from its headers): a request goes out in one write, as wrk sends it, and its reply is
+    read by Content-Length. Reopened after the server closes it (gunicorn's sync workers answer
+    `Connection: close`) or after an error."""
+
+    def __init__(self, host: str, port: int, timeout: float):
+        self.address, self.timeout = (host, port), timeout
+        self.sock: Optional[socket.socket] = None
+        self.buf = bytearray()
+
+    def exchange(self, request: bytes) -> int:
+        """Send one request and read its reply; returns the status code."""
+        if self.sock is None:
+            self.sock = socket.create_connection(self.address, self.timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self.sock.sendall(request)
+            status, keep = self.reply()
+        except (OSError, ValueError):
+            self.close()
+            raise
+        if not keep:
+            self.close()
+        return status
+
+    def reply(self) -> tuple[int, bool]:
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            self.fill()
+        status_line, *lines = self.buf[:end].decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        if "content-length" not in fields:
+            raise ValueError(f"a reply without Content-Length: {status_line}")
+        total = end + 4 + int(fields["content-length"])
+        while len(self.buf) < total:
+            self.fill()
+        del self.buf[:total]
+        return int(status_line.split(" ", 2)[1]), \
+            status_line.startswith("HTTP/1.1") and fields.get("connection", "").lower() != "close"
+
+    def fill(self) -> None:
+        chunk = self.sock.recv(1 << 18)
+        if not chunk:
+            raise ConnectionResetError("the server closed the connection")
+        self.buf += chunk
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock, self.buf = None, bytearray()
+
+
+def v2_target(url: str, model: str, body_path: str, header: int, binary: bool, label: str = "http") -> HttpTarget:
+    """`POST {url}/v2/models/{model}/infer` of a v2_body() file: JSON, or the binary extension with
+    its content type and HEADER_LENGTH (`header`: the JSON header's bytes). url: http://host:port."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    extra = {"content_type": "application/octet-stream", "headers": {HEADER_LENGTH: str(header)}} if binary else {}
+    return HttpTarget(host, int(port), f"/v2/models/{model}/infer", body_path, label=label, model=model, **extra)

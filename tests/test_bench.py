@@ -9,6 +9,7 @@ output, the HTTP fallback generator against a stub server.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -21,8 +22,8 @@ from tgw.bench import cli, comparison, report
 from tgw.bench.baselines import EchoServer, floor_row, run_floors
 from tgw.bench.broker_proc import BrokerProc
 from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
-from tgw.bench.measure import loadgen_drive, measure, parse_wrk, stats_diff
-from tgw.bench.targets import CallError, HttpTarget, ZmqEchoTarget
+from tgw.bench.measure import loadgen_drive, measure, parse_wrk, stats_diff, wrk_lua
+from tgw.bench.targets import HEADER_LENGTH, CallError, HttpTarget, ZmqEchoTarget, make_inputs, v2_body
 from tgw.shm.segment import list_segments
 
 
@@ -176,8 +177,12 @@ def test_compare_rows_ratios_and_tables(tmp_path):
         {"batch": 1, "samples_per_s": 1000.0, "latency_ms": {"p50": 1.0, "p99": 2.0}},
         {"batch": 32, "samples_per_s": 4000.0, "latency_ms": {"p50": 8.0, "p99": 9.0}}]}
     sc = comparison.Scenario("mlp", 16)
-    flask = {**_row(500, 16.0), "generator": {"cpu_cores": 0.3, "kind": "python-fallback"}}
-    rows = {"in-process": floor_row(floor), "transport": _row(8000, 1.0), "tgw": _row(2000, 4.0), "flask": flask}
+    http = {"cpu_cores": 0.3, "kind": "python-fallback"}
+    flask = {**_row(500, 16.0), "generator": http}
+    tgw_http = {**_row(1500, 5.0), "generator": http, "cpu_us_per_request": {"broker": 100.0, "workers": 60.0}}
+    tgw_http_bin = {**_row(1800, 4.5), "generator": http, "cpu_us_per_request": {"broker": 60.0, "workers": 60.0}}
+    rows = {"in-process": floor_row(floor), "transport": _row(8000, 1.0), "tgw": _row(2000, 4.0),
+            "tgw_http": tgw_http, "tgw_http_bin": tgw_http_bin, "flask": flask}
     res = comparison.scenario_result(sc, 1024, rows)
     r = res["ratios"]
     assert r["tgw_over_flask_throughput"] == pytest.approx(4.0)
@@ -185,19 +190,35 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     assert r["tgw_over_floor_throughput"] == pytest.approx(0.5)
     assert r["tgw_over_transport_throughput"] == pytest.approx(0.25)
     assert r["tgw_p50_excess_ms"] == pytest.approx(4.0 - 1.0 - 1.0)  # tgw - transport - floor batch-1
+    # the HTTP rows of tgw: over Flask (same generator, same body) and over tgw native (same broker)
+    assert r["tgw_http_over_flask_throughput"] == pytest.approx(3.0)
+    assert r["tgw_http_over_flask_p50"] == pytest.approx(5.0 / 16.0)
+    assert r["tgw_http_over_tgw_throughput"] == pytest.approx(0.75)
+    assert r["tgw_http_bin_over_tgw_throughput"] == pytest.approx(0.9)
+    assert r["tgw_http_bin_over_flask_throughput"] == pytest.approx(3.6)
+    assert r["tgw_http_broker_us_over_tgw"] == pytest.approx(2.5)
+    assert r["tgw_http_bin_broker_us_over_tgw"] == pytest.approx(1.5)
     failed = comparison.scenario_result(comparison.Scenario("resnet", 1), 49152,
                                         {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
     assert failed["ratios"]["tgw_over_flask_throughput"] is None
+    assert failed["ratios"]["tgw_http_over_flask_throughput"] is None
+    assert failed["ratios"]["tgw_http_over_tgw_throughput"] == pytest.approx(0.75)
     table = report.compare_table([res, failed])
-    assert len(table) == 1 + 8 and all(len(t) == len(table[0]) for t in table)
+    assert len(table) == 1 + 12 and all(len(t) == len(table[0]) for t in table)
     assert any("FAILED" in c for t in table for c in t)
-    assert "Flask+gunicorn (python-fallback)" in [t[2] for t in table]  # the generator is named per row
+    labels = [t[2] for t in table]  # the HTTP generator is named on every row it loaded
+    assert {"Flask+gunicorn (python-fallback)", "tgw HTTP (python-fallback)",
+            "tgw HTTP binary (python-fallback)", "tgw native"} <= set(labels)
+    http_line = table[labels.index("tgw HTTP binary (python-fallback)")]
+    assert http_line[table[0].index("vs Flask")] == "3.60x" and http_line[table[0].index("vs native")] == "0.90x"
     text, md = report.text_table(table, 3), report.markdown_table(table, 3)
     assert "4.00x" in text and md.count("\n") == len(table)
     costs = report.cost_table([res, failed])
-    assert len(costs) == 1 + 3 + 2 and all(len(t) == len(costs[0]) for t in costs)  # no floor or failed rows
+    assert len(costs) == 1 + 5 + 4 and all(len(t) == len(costs[0]) for t in costs)  # no floor or failed rows
     tgw = next(t for t in costs if t[1] == "tgw native")
     assert tgw[3:7] == ["40.0", "60.0", "90.0", "300"] and tgw[7] == "0.25x" and tgw[8] == "+2.000"
+    http_cost = next(t for t in costs if t[1] == "tgw HTTP (python-fallback)")
+    assert http_cost[3] == "100.0" and http_cost[costs[0].index("broker vs native")] == "2.50x"
     result = {"mode": "quick", "date": "d", "command": "tgw-bench compare --quick", "wall_s": 1.0,
               "machine": report.machine(), "scenarios": [res, failed],
               "settings": {"duration": 2, "warmup": 0.5, "tgw_workers": 2, "flask_workers": 2, "floor_procs": 2,
@@ -246,6 +267,63 @@ def test_wrk_output_parsing():
     assert t["errors"] == {"read": 3, "timeout": 1, "status": 2}
     with pytest.raises(ValueError, match="TGW_WRK_JSON"):
         parse_wrk(WRK_TEXT)
+
+
+def test_wrk_script_sends_the_targets_headers():
+    t = HttpTarget("127.0.0.1", 1, "/v2/models/m/infer", '/tmp/a "b".bin', content_type="application/octet-stream",
+                   headers={HEADER_LENGTH: "152"})
+    lua = wrk_lua(t)
+    assert 'wrk.headers["Content-Type"] = "application/octet-stream"' in lua
+    assert 'wrk.headers["Inference-Header-Content-Length"] = "152"' in lua
+    assert 'io.open("/tmp/a \\"b\\".bin", "rb")' in lua and "TGW_WRK_JSON" in lua
+
+
+def test_v2_bodies(models):
+    """The bodies the HTTP rows post: KServe v2 JSON (flat data) and the binary tensor extension."""
+    x = make_inputs(models["mlp"])["x"]
+    body, n = v2_body(models["mlp"])
+    assert n == len(body)
+    assert json.loads(body) == {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                            "data": x.ravel().tolist()}]}
+    body, n = v2_body(models["mlp"], binary=True)
+    assert json.loads(body[:n]) == {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32",
+                                                "parameters": {"binary_data_size": 1024}}],
+                                    "parameters": {"binary_data_output": True}}
+    assert body[n:] == x.tobytes()
+    body, n = v2_body(models["embed"], binary=True)
+    assert json.loads(body[:n])["inputs"][0]["datatype"] == "INT64" and len(body) - n == 16 * 8
+
+
+def test_compare_http_rows_end_to_end(models):
+    """tgw native, tgw HTTP (the JSON body Flask gets) and tgw HTTP binary against one broker, and
+    Flask+gunicorn, through the comparison's own Servers on tiny settings: every row filled, the
+    broker's stats and CPU accounting on the HTTP rows, the ratios, a clean broker stop."""
+    work = tempfile.mkdtemp(prefix="tgwbh-", dir="/tmp")
+    a = argparse.Namespace(systems=["tgw", "tgw_http", "tgw_http_bin", "flask"], duration=0.5, warmup=0.2, procs=1,
+                           tgw_workers=1, flask_workers=1, floor_seconds=0.05, floor_procs=1, floor_module="freeze",
+                           floor_rounds=1)
+    try:
+        res = comparison.collect(a, work, models, [comparison.Scenario("mlp", 2)], lambda msg: None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    srv = res["tgw_server"]
+    assert srv["exit_status"] == 0 and srv["shm_leftovers"] == [] and srv["http"].startswith("http://127.0.0.1:")
+    assert res["http_generator"] != "-"
+    (sc,) = res["scenarios"]
+    rows = sc["rows"]
+    assert sorted(rows) == sorted(a.systems)
+    for system, row in rows.items():
+        assert "error" not in row, row.get("traceback")
+        assert row["requests_ok"] > 0 and row["requests_failed"] == 0, row["errors"]
+    assert rows["flask"]["body_bytes"] == rows["tgw_http"]["body_bytes"] > rows["tgw_http_bin"]["body_bytes"]
+    for system in ("tgw_http", "tgw_http_bin"):
+        row = rows[system]
+        assert row["generator"]["kind"] in ("wrk", "python-fallback") and row["target"] == system
+        assert row["broker_stats"]["requests"] >= row["requests_ok"] // 2 and "worker_busy" in row["batching"]
+        _check_costs(row, ["broker", "worker"])
+    for key in ("tgw_http_over_flask_throughput", "tgw_http_bin_over_tgw_throughput", "tgw_http_broker_us_over_tgw",
+                "tgw_http_bin_broker_us_over_tgw"):
+        assert sc["ratios"][key] > 0
 
 
 def test_http_fallback_generator(bench_dir):
