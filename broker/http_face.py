@@ -179,8 +179,18 @@ class HttpFace:
         one, else one join (aiohttp's read() copies twice). Too large: refused before it is read,
         when Content-Length says so."""
         limit = self.decl.max_body_bytes
-        if (request.content_length or 0) > limit and "Content-Encoding" not in request.headers:
-            raise self.too_large()
+        length = request.content_length
+        if length is not None and "Content-Encoding" not in request.headers:   # as sent: one read
+            if length > limit:
+                raise self.too_large()
+            if length == 0:
+                return b""
+            if request.content.is_eof():   # it all came with the headers (small bodies): no await
+                return request.content.read_nowait()
+            try:
+                return await request.content.readexactly(length)
+            except asyncio.IncompleteReadError:
+                raise fail(Code.INVALID_ARGUMENT, f"the body ended before its Content-Length ({length})") from None
         chunks, size = [], 0
         while chunk := await request.content.readany():
             size += len(chunk)

@@ -70,10 +70,54 @@ def header_length(value: str | None, body_size: int) -> int:
     return n
 
 
+class Header(NamedTuple):
+    """What a request's JSON header says, apart from the tensors' bytes."""
+    metas: list[TensorMeta]
+    sizes: list[int] | None          # each input's binary_data_size, when every input is binary
+    outputs: list[str] | None
+    binary: frozenset[str] | bool
+    request_id: str | None
+    priority: int
+    timeout_ms: int | None
+    routing_key: str | None
+
+
+HEADERS_MAX = 256           # binary-only headers remembered (a steady stream repeats one)
+HEADER_MEMO_BYTES = 4096    # longer headers are not remembered
+_headers: dict[bytes, Header] = {}
+
+
 def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int) -> Decoded:
-    """The Infer message and tensor frames of one request body."""
+    """The Infer message and tensor frames of one request body. A header whose inputs are all
+    binary is parsed once and remembered by its bytes: a stream of like requests pays a lookup."""
     n = header_length(length, len(body))
     view = memoryview(body)
+    key = bytes(view[:n]) if length is not None and n <= HEADER_MEMO_BYTES else None
+    head = _headers.get(key) if key is not None else None
+    if head is None:
+        head, frames, end = parse_header(view, n)
+        if key is not None and head.sizes is not None:
+            if len(_headers) >= HEADERS_MAX:
+                _headers.clear()
+            _headers[key] = head
+    else:
+        frames, end = [], n
+        for size in head.sizes:
+            frames.append(Frame(view[end:end + size]))
+            end += size
+        if end > len(body):
+            raise bad(f"the inputs' binary_data_size ({end - n} bytes in all) does not fit the {len(body) - n} bytes "
+                      "after the JSON header")
+    if end != len(body):
+        raise bad(f"{len(body) - end} bytes follow the last binary input (binary_data_size of each input "
+                  "must add up to the body after the JSON header)")
+    msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=head.metas, outputs=head.outputs,
+                priority=head.priority, timeout_ms=head.timeout_ms, routing_key=head.routing_key)
+    return Decoded(msg, frames, head.request_id, head.binary)
+
+
+def parse_header(view: memoryview, n: int) -> tuple[Header, list[Frame], int]:
+    """The header, the inputs' frames and where the last binary input ends."""
     try:
         doc = orjson.loads(view[:n])
     except orjson.JSONDecodeError as exc:
@@ -87,25 +131,24 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise bad("\"inputs\" must be a non-empty list of tensors")
-    metas, frames, offset = [], [], n
+    metas, frames, sizes, end = [], [], [], n
     for i, spec in enumerate(inputs):
-        meta, frame, offset = input_tensor(spec, i, view, offset)
+        meta, frame, size = input_tensor(spec, i, view, end)
         metas.append(meta)
         frames.append(frame)
-    if offset != len(body):
-        raise bad(f"{len(body) - offset} bytes follow the last binary input (binary_data_size of each input "
-                  "must add up to the body after the JSON header)")
+        sizes.append(size)
+        end += size or 0
     outputs, binary = requested_outputs(doc.get("outputs"), params)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad(f"\"id\" must be a string, got {type(request_id).__name__}")
-    msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=metas, outputs=outputs,
-                priority=int_param(params, "priority", 0), timeout_ms=timeout_ms(params),
-                routing_key=str_param(params, "routing_key"))
-    return Decoded(msg, frames, request_id, binary)
+    head = Header(metas, sizes if None not in sizes else None, outputs, binary, request_id,
+                  int_param(params, "priority", 0), timeout_ms(params), str_param(params, "routing_key"))
+    return head, frames, end
 
 
-def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, Frame, int]:
+def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, Frame, int | None]:
+    """An input's meta and bytes, and its binary_data_size (None: JSON data)."""
     if not isinstance(spec, dict):
         raise bad(f"inputs[{i}] must be an object")
     name = spec.get("name")
@@ -127,11 +170,10 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
         if type(size) is not int or size < 0 or offset + size > body.nbytes:
             raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
                       "left in the body", input=name)
-        return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(body[offset:offset + size]), offset + size
+        return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(body[offset:offset + size]), size
     if "data" not in spec:
         raise bad(f"input {name!r} has neither \"data\" nor parameters.binary_data_size", input=name)
-    return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(json_tensor(spec["data"], dtype, shape, name)), \
-        offset
+    return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(json_tensor(spec["data"], dtype, shape, name)), None
 
 
 def datatype(value: Any, name: str) -> str:

@@ -91,3 +91,19 @@ def test_reply_json_and_binary():
     assert blobs == [n.tobytes()]
     header, blobs = kserve.encode(reply, [y.tobytes(), n.tobytes()], None, False)
     assert blobs == [] and "id" not in orjson.loads(header)
+
+
+def test_a_binary_header_is_parsed_once_and_the_body_still_checked_each_time():
+    doc = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}],
+           "parameters": {"priority": 1}}
+    header = json.dumps(doc).encode()
+    kserve._headers.clear()
+    first = kserve.decode(header + bytes(8), str(len(header)), "m", None, 1)
+    assert list(kserve._headers) == [header]
+    second = kserve.decode(header + np.array([1.5, 2.5], np.float32).tobytes(), str(len(header)), "m", "2", 2)
+    assert (second.infer.id, second.infer.version, second.infer.priority) == (2, "2", 1)
+    assert second.infer.inputs == first.infer.inputs
+    assert np.frombuffer(second.frames[0].buffer, np.float32).tolist() == [1.5, 2.5]
+    for body, words in ((header + bytes(4), "does not fit"), (header + bytes(9), "1 bytes follow")):
+        with pytest.raises(TgwError, match=words):
+            kserve.decode(body, str(len(header)), "m", None, 3)
