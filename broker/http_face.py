@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
-from tgw.shm.errors import Code, TgwError, fail, http_status
+from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply, InferReply
 
 from . import kserve, status
@@ -50,8 +50,9 @@ class HttpCaller:
         return "http"
 
 
-def error_response(err: TgwError) -> web.Response:
-    return web.Response(status=err.http_status, body=kserve.error_body(err), content_type="application/json")
+def error_response(err: TgwError, trace: str | None = None) -> web.Response:
+    return web.Response(status=err.http_status, body=kserve.error_body(err), content_type="application/json",
+                        headers={TRACEPARENT: trace} if trace else None)
 
 
 def json_response(doc, status_code: int = 200) -> web.Response:
@@ -142,8 +143,7 @@ class HttpFace:
         self.b.door.dispatch(caller, msg)
         reply, frames = await caller.future
         if isinstance(reply, ErrorReply):
-            e = reply.error
-            raise fail(Code(e.code), e.message, retryable=e.retryable, **e.details)
+            raise error_from_body(reply.error)
         return reply, frames
 
     # ---- inference ---------------------------------------------------------------------------
@@ -167,11 +167,7 @@ class HttpFace:
         finally:
             self.inflight -= 1
         if isinstance(reply, ErrorReply):
-            e = reply.error
-            return web.Response(status=http_status(e.code), content_type="application/json",
-                                headers={TRACEPARENT: reply.traceparent} if reply.traceparent else None,
-                                body=kserve.error_body({"error": e.message, "code": e.code,
-                                                        "retryable": e.retryable, "details": e.details}))
+            return error_response(error_from_body(reply.error), reply.traceparent)
         return self.infer_response(request, reply, frames, decoded)
 
     async def body(self, request: web.Request) -> bytes:

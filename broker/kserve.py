@@ -125,9 +125,7 @@ def parse_header(view: memoryview, n: int) -> tuple[Header, list[Frame], int]:
     if not isinstance(doc, dict):
         raise bad("request body must be a JSON object with \"inputs\"")
     params = mapping(doc.get("parameters"), "parameters")
-    for key, what in UNOFFERED.items():
-        if key in params:
-            raise bad(f"parameter {key!r}: tgw does not offer {what}", parameter=key)
+    refuse_unoffered(params, "")
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise bad("\"inputs\" must be a non-empty list of tensors")
@@ -160,9 +158,7 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
                   Code.INVALID_INPUT_SHAPE, input=name)
     dtype = datatype(spec.get("datatype"), name)
     params = mapping(spec.get("parameters"), f"input {name!r} parameters")
-    for key, what in UNOFFERED.items():
-        if key in params:
-            raise bad(f"input {name!r}: parameter {key!r}: tgw does not offer {what}", input=name)
+    refuse_unoffered(params, f"input {name!r}: ", input=name)
     size = params.get("binary_data_size")
     if size is not None:
         if "data" in spec:
@@ -230,9 +226,7 @@ def requested_outputs(outputs: Any, params: dict) -> tuple[list[str] | None, fro
         if not isinstance(name, str):
             raise bad(f"outputs[{i}] needs a \"name\" string")
         out_params = mapping(spec.get("parameters"), f"output {name!r} parameters")
-        for key, what in UNOFFERED.items():
-            if key in out_params:
-                raise bad(f"output {name!r}: parameter {key!r}: tgw does not offer {what}", output=name)
+        refuse_unoffered(out_params, f"output {name!r}: ", output=name)
         flag = out_params.get("binary_data", everything_binary)
         if type(flag) is not bool:
             raise bad(f"output {name!r}: binary_data must be true or false", output=name)
@@ -240,6 +234,13 @@ def requested_outputs(outputs: Any, params: dict) -> tuple[list[str] | None, fro
         if flag:
             binary.add(name)
     return names, frozenset(binary)
+
+
+def refuse_unoffered(params: dict, where: str, **details) -> None:
+    """A parameter tgw has no meaning for is refused by name, never silently ignored."""
+    for key, what in UNOFFERED.items():
+        if key in params:
+            raise bad(f"{where}parameter {key!r}: tgw does not offer {what}", parameter=key, **details)
 
 
 def mapping(value: Any, what: str) -> dict:
@@ -292,8 +293,7 @@ def encode(reply: InferReply, frames: list, request_id: str | None, binary: froz
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
 
 
-def error_body(err: TgwError | dict) -> bytes:
+def error_body(err: TgwError) -> bytes:
     """Triton's error shape ({"error": message}) plus tgw's code, retryable flag and details."""
-    body = err if isinstance(err, dict) else {"error": err.message, "code": err.code.value,
-                                              "retryable": err.retryable, "details": err.details}
-    return orjson.dumps(body, default=str)
+    return orjson.dumps({"error": err.message, "code": err.code.value, "retryable": err.retryable,
+                         "details": err.details}, default=str)
