@@ -68,11 +68,8 @@ class Beacon(SideThread):
                 if time.monotonic() >= next_beat:
                     self._send(self.beat())
                     next_beat = time.monotonic() + self.heartbeat_s
-                ready = dict(poller.poll(max(0, int((next_beat - time.monotonic()) * 1000))))
-                if self.woken(ready):
+                if not self.serve_once(poller, max(0, int((next_beat - time.monotonic()) * 1000))):
                     return
-                if self.sock in ready:
-                    self._answer()
         finally:
             self._close()
 

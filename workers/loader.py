@@ -53,12 +53,8 @@ class Loader(SideThread):
             if self.device.type == "cuda":  # the current device is per thread
                 torch.cuda.set_device(self.device)
             self.sock.send(encode(LoaderHello(worker_id=self.worker_id)))
-            while True:
-                ready = dict(poller.poll())
-                if self.woken(ready):
-                    return
-                if self.sock in ready:
-                    self._answer()
+            while self.serve_once(poller):
+                pass
         finally:
             self._close()
 

@@ -48,6 +48,19 @@ class SideThread:
     def woken(self, ready: dict) -> bool:
         return self._wake_r in ready
 
+    def serve_once(self, poller: zmq.Poller, timeout_ms: int | None = None) -> bool:
+        """Wait up to `timeout_ms` (None: for ever) and answer the socket's message if one came;
+        False once stop() woke the thread."""
+        ready = dict(poller.poll(timeout_ms))
+        if self.woken(ready):
+            return False
+        if self.sock in ready:
+            self._answer()
+        return True
+
+    def _answer(self) -> None:
+        raise NotImplementedError
+
     def _run(self) -> None:
         raise NotImplementedError
 
