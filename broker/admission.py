@@ -13,17 +13,16 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
-import lz4.frame
-
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
-from tgw.shm.wire import Infer, TensorMeta, nbytes_of
+from tgw.shm.wire import Infer, nbytes_of
 
 from .batcher import Batcher, Pending
 from .breaker import FAILURES, Breakers
 from .callers import Callers
 from .concurrency import AdaptiveLimit
 from .config import Config, ModelDecl
+from .inbound import tensor_bytes
 from .limits import check_declared
 from .registry import Checked, ModelEntry, Registry
 from .stats import Stats
@@ -186,7 +185,7 @@ class Admission:
     def _pending(self, client: bytes, msg: Infer, intake: "Intake", tensor_frames: list, deadline: float,
                  now: float, tenant) -> Pending:
         checked = intake.checked
-        tensors = [inflate(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
+        tensors = [tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
         shape = checked.shape
         p = Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
                     rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
@@ -240,18 +239,3 @@ class Admission:
         for hook in self.on_finished:
             hook(p, code, now)
 
-
-def inflate(meta: TensorMeta, buf: memoryview) -> memoryview:
-    """A tensor's raw bytes: the frame itself, or its lz4 frame inflated to exactly the declared size."""
-    if meta.compression is None:
-        return buf
-    want = nbytes_of(meta.dtype, meta.shape)
-    inflater = lz4.frame.LZ4FrameDecompressor()
-    try:  # never inflate past the declared size: a small frame must not cost gigabytes
-        raw = inflater.decompress(buf, max_length=want)
-    except RuntimeError as exc:
-        raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: bad lz4 frame: {exc}", input=meta.name) from None
-    if len(raw) != want or not inflater.eof:
-        raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r}: lz4 frame does not decompress to the "
-                   f"{want} bytes that shape {meta.shape} x {meta.dtype} needs", input=meta.name)
-    return memoryview(raw)

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import lz4.frame
-
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, DecodeError, ErrorReply, Infer, InferReply, Metadata, \
-    Snapshot, TensorMeta, encode, envelope_decoder, request_decoder
+    Snapshot, SUPPORTED_VERSIONS, encode, envelope_decoder, request_decoder
 
 from . import status
 from .auth import token_ok
 from .batcher import Pending
 from .callers import EVENTS
 from .gatekeeper import Gatekeeper
+from .outbound import reply_tensors
 from .outbox import Outbox
 from .schema import ServerDecl
 from .sockets import Pump
@@ -59,7 +58,7 @@ def read_request(frames: list, server: ServerDecl, token: str | None = None):
         msg = request_decoder.decode(header)
     except DecodeError as exc:
         raise _malformed(header, exc) from None
-    if msg.v != PROTOCOL_VERSION:
+    if msg.v not in SUPPORTED_VERSIONS:
         raise Refused(msg.id, _version_mismatch(msg.v), "version_mismatch")
     if not token_ok(token, msg.token):
         raise Refused(msg.id, fail(Code.UNAUTHENTICATED, "missing or wrong token (the broker is configured with "
@@ -74,7 +73,7 @@ def _malformed(header, exc: Exception) -> Refused:
         env = None
     # `type(...) is int`: a bool is an int to isinstance, but not on the wire
     req_id = env.id if env is not None and type(env.id) is int else 0
-    if env is not None and type(env.v) is int and env.v != PROTOCOL_VERSION:
+    if env is not None and type(env.v) is int and env.v not in SUPPORTED_VERSIONS:
         # a newer client's header may not fit our structs: name the real problem
         return Refused(req_id, _version_mismatch(env.v), "version_mismatch")
     return Refused(req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"), "malformed_header")
@@ -82,7 +81,8 @@ def _malformed(header, exc: Exception) -> Refused:
 
 def _version_mismatch(version: int) -> TgwError:
     return fail(Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
-                f"{PROTOCOL_VERSION}", client_protocol=version, server_protocol=PROTOCOL_VERSION)
+                f"{PROTOCOL_VERSION} (and serves {', '.join(map(str, SUPPORTED_VERSIONS))})", client_protocol=version,
+                server_protocol=PROTOCOL_VERSION, supported=list(SUPPORTED_VERSIONS))
 
 
 class FrontDoor:
@@ -174,12 +174,7 @@ class FrontDoor:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
         self.callers.paid(p.client)
         self.b.admission.finished(p, None, now)
-        if p.compress:
-            payload = [lz4.frame.compress(views[name][1]) for name in p.outputs]
-        else:
-            payload = [views[name][1] for name in p.outputs]
-        metas = [TensorMeta(name=name, dtype=views[name][0].dtype, shape=[p.rows, *views[name][0].shape[1:]],
-                            compression="lz4" if p.compress else None) for name in p.outputs]
+        metas, payload = reply_tensors(p, views)
         # p.trace: the broker's request span when tracing is on (set by finished), else the caller's own
         self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                         outputs=metas, traceparent=p.trace), *payload)

@@ -24,11 +24,12 @@ from tgw.shm.errors import (
     WorkerDiedError,
     ModelExecutionErrorError,
     InternalError,
+    UnavailableError,
 )
 
 from .client import Client, ConnectError, InferResult
 
 __all__ = [
     "Client", "ConnectError", "InferResult", "Code", "TgwError",
-    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError',
+    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

@@ -29,6 +29,9 @@ class Code(str, Enum):
     WORKER_DIED = "WORKER_DIED"
     MODEL_EXECUTION_ERROR = "MODEL_EXECUTION_ERROR"
     INTERNAL = "INTERNAL"
+    # raised by the client only: the connection to the broker was lost (the broker died, restarted
+    # or stopped answering heartbeats) or none came up in time; a request may or may not have run
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 # code -> (HTTP status, retryable)
@@ -50,6 +53,7 @@ ERROR_TABLE: dict[Code, tuple[int, bool]] = {
     Code.WORKER_DIED: (503, True),
     Code.MODEL_EXECUTION_ERROR: (500, False),
     Code.INTERNAL: (500, False),
+    Code.UNAVAILABLE: (503, True),
 }
 
 
@@ -157,6 +161,10 @@ class ModelExecutionErrorError(TgwError):
 
 class InternalError(TgwError):
     code = Code.INTERNAL
+
+
+class UnavailableError(TgwError):
+    code = Code.UNAVAILABLE
 
 
 ERROR_CLASSES: dict[Code, type[TgwError]] = {cls.code: cls for cls in TgwError.__subclasses__()}

@@ -8,13 +8,14 @@ docs/PROTOCOL.md documents this for clients in other languages.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import msgspec
 
 # the contract's other parts, re-exported: import every message from here
-from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, ErrorBody, IOSpec, Struct,  # noqa: F401
-                        TensorMeta, as_builtins, model_key, nbytes_of, split_model_key)
+from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, WIRE_DTYPES,  # noqa: F401
+                        CudaIpc, ErrorBody, IOSpec, Struct, TensorMeta, as_builtins, model_key, nbytes_of,
+                        split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
@@ -39,11 +40,54 @@ class Infer(Struct, tag_field="op", tag="infer"):
     outputs: Optional[list[str]] = None      # subset of declared outputs; None = all
     timeout_ms: Optional[int] = None         # relative deadline, from the broker's receipt
     priority: int = 0                        # 0 is the highest level (the model's priority_levels)
-    compress_outputs: bool = False           # reply frames lz4-compressed
+    # reply frames lz4-compressed: True, all; "auto": those large and compressible enough
+    compress_outputs: Union[bool, Literal["auto"]] = False
     token: Optional[str] = None              # the shared auth token (server.auth_token_file)
     tenant: Optional[str] = None             # whose quota the request counts against (config `tenants`)
     routing_key: Optional[str] = None        # with no version named: the same key, the same version (canary)
     traceparent: Optional[str] = None        # W3C trace context of the caller's span; invalid: ignored
+    output_region: Optional["RegionSlice"] = None    # write the outputs there (else: frames)
+    output_cuda: dict[str, CudaIpc] = {}     # output name -> the caller's CUDA buffer to write it into
+
+
+class RegionSlice(Struct):
+    """Bytes [offset, offset + nbytes) of a registered region."""
+    region: int
+    offset: int
+    nbytes: int
+
+
+class Cancel(Struct, tag_field="op", tag="cancel"):
+    """Drop the caller's requests `ids` that are still queued; answered with `cancel`."""
+    v: int
+    id: int
+    ids: list[int]
+    token: Optional[str] = None
+
+
+class Goodbye(Struct, tag_field="op", tag="bye"):
+    """The caller is closing: drop its queued requests. Not answered."""
+    v: int
+    id: int = 0
+    token: Optional[str] = None
+
+
+class RegisterRegion(Struct, tag_field="op", tag="region"):
+    """Register a shared-memory region: the caller's open memfd `fd` (sealed against shrinking),
+    which the broker opens through /proc/<caller's pid>/fd/<fd>; `nbytes` its size."""
+    v: int
+    id: int
+    fd: int
+    nbytes: int
+    name: str = ""                           # the caller's label, for status and logs
+    token: Optional[str] = None
+
+
+class UnregisterRegion(Struct, tag_field="op", tag="unregion"):
+    v: int
+    id: int
+    region: int
+    token: Optional[str] = None
 
 
 class ListModels(Struct, tag_field="op", tag="models"):
@@ -80,7 +124,7 @@ class Snapshot(Struct, tag_field="op", tag="snapshot"):
 
 CONTROL_OPS = (LoadVersion, UnloadVersion, SetTraffic, Reload)
 Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot, LoadVersion, UnloadVersion, SetTraffic,
-                Metadata, Reload, Scrape]
+                Metadata, Reload, Scrape, Cancel, Goodbye, RegisterRegion, UnregisterRegion]
 
 
 class Envelope(Struct):
@@ -115,6 +159,21 @@ class ErrorReply(Struct, tag_field="op", tag="error"):
     traceparent: Optional[str] = None        # an admitted request's, as InferReply's
 
 
+class CancelReply(Struct, tag_field="op", tag="cancel"):
+    v: int
+    id: int
+    cancelled: int                      # of the ids: dropped from their queues, never to run
+    running: int = 0                    # already on a worker (their replies will come)
+
+
+class RegionReply(Struct, tag_field="op", tag="region"):
+    v: int
+    id: int
+    region: int                         # the handle tensors name (TensorMeta.region)
+    nbytes: int
+    registered: bool = True             # False: the answer to unregion
+
+
 class ModelInfo(Struct):
     name: str
     versions: list[str]
@@ -123,6 +182,7 @@ class ModelInfo(Struct):
     inputs: list[IOSpec]
     outputs: list[IOSpec]
     ready: bool
+    wire_dtypes: list[str] = []         # reduced precisions its float32 inputs may travel in
 
 
 class ModelsReply(Struct, tag_field="op", tag="models"):
@@ -152,6 +212,9 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     dropped: dict[str, int] = {}     # reason -> n: replies not delivered (slow reader, caller gone)
     clients: dict[str, int] = {}     # connected, max_clients, owed (requests admitted, not yet answered)
     tenants: dict[str, dict[str, Any]] = {}   # name -> rate, burst, tokens, inflight, admitted, limited
+    # reason -> n: queued requests dropped unrun (cancelled, client_closed, client_gone)
+    abandoned: dict[str, int] = {}
+    regions: dict[str, int] = {}     # registered, bytes, registrations, refused, swept
 
 
 class StatusReply(Struct, tag_field="op", tag="status"):
@@ -182,7 +245,7 @@ class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply,
-              MetadataReply, ControlReply, ScrapeReply]
+              MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply]
 
 
 ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel]

@@ -9,7 +9,10 @@ from typing import Any, Optional
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# versions whose requests this broker serves: a version-1 request is a subset of version 2
+# (docs/PROTOCOL.md section 6, compatibility)
+SUPPORTED_VERSIONS = (1, 2)
 
 # Tensor dtypes tgw accepts, by numpy name; bytes per element.
 DTYPE_SIZES: dict[str, int] = {
@@ -18,10 +21,28 @@ DTYPE_SIZES: dict[str, int] = {
     "float16": 2, "float32": 4, "float64": 8,
 }
 COMPRESSIONS = ("lz4",)
+# reduced wire precisions of a float32 tensor (TensorMeta.wire_dtype), with their bytes per element
+WIRE_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2}
 
 
 class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
     pass
+
+
+class CudaIpc(Struct):
+    """A CUDA tensor shared by CUDA IPC handle (torch.multiprocessing's reduction of it): the
+    tensor is `shape`/`dtype` of its TensorMeta, C-contiguous, starting `offset_bytes` into a
+    storage of `storage_bytes` on CUDA device `device`, which `handle` opens in another process."""
+    device: int                        # the device's index in the broker box's CUDA numbering
+    device_uuid: str                   # the device's UUID, so both sides mean the same GPU
+    handle: bytes                      # cudaIpcMemHandle of the storage's allocation
+    storage_bytes: int
+    storage_offset_bytes: int          # where the storage starts in that allocation
+    offset_bytes: int = 0              # where the tensor starts in the storage
+    ref_counter_handle: bytes = b""    # torch's shared reference counter (keeps the block alive)
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""          # cudaIpcEventHandle: wait on it before reading
+    event_sync_required: bool = False
 
 
 class TensorMeta(Struct):
@@ -29,6 +50,11 @@ class TensorMeta(Struct):
     dtype: str
     shape: list[int]
     compression: Optional[str] = None  # "lz4": the frame is an lz4 frame of the raw bytes
+    # "float16" | "bfloat16": a float32 tensor sent at that precision (frame: 2 bytes per element)
+    wire_dtype: Optional[str] = None
+    region: Optional[int] = None       # the bytes are in this registered shared-memory region (empty frame)
+    offset: int = 0                    # ... starting here
+    cuda: Optional[CudaIpc] = None     # the bytes are this CUDA tensor (empty frame)
 
 
 class ErrorBody(Struct):

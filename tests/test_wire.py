@@ -12,7 +12,8 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           Health, HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
                           ListModels, LoaderHello, LoadModel, LoadModels, LoadVersion, Metadata, MetadataReply,
                           ModelInfo, ModelLoaded, ModelMetadata, ModelSpec, ModelsReply, ModelUnloaded, Release,
-                          Scrape, ScrapeReply,
+                          Scrape, ScrapeReply, Cancel, CancelReply, CudaIpc, Goodbye, RegionReply, RegionSlice,
+                          RegisterRegion, UnregisterRegion,
                           Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
                           StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
                           WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
@@ -45,6 +46,17 @@ REQUESTS = [
     Metadata(v=V),
     Reload(v=V, id=14),
     Scrape(v=V, id=15), Scrape(v=V),
+    Infer(v=V, id=16, model="mlp", compress_outputs="auto", output_region=RegionSlice(region=1, offset=64, nbytes=4096),
+          inputs=[TensorMeta(name="x", dtype="float32", shape=[2, 4], wire_dtype="bfloat16"),
+                  TensorMeta(name="z", dtype="float32", shape=[2, 4], region=1, offset=128)]),
+    Infer(v=V, id=17, model="mlp", inputs=[TensorMeta(name="x", dtype="float32", shape=[2, 4], cuda=CudaIpc(
+          device=0, device_uuid="GPU-1", handle=b"h" * 64, storage_bytes=32, storage_offset_bytes=0))],
+          output_cuda={"y": CudaIpc(device=0, device_uuid="GPU-1", handle=b"o" * 64, storage_bytes=80,
+                                    storage_offset_bytes=512, event_handle=b"e" * 64, event_sync_required=True)}),
+    Cancel(v=V, id=18, ids=[3, 4]),
+    Goodbye(v=V), Goodbye(v=V, id=19),
+    RegisterRegion(v=V, id=20, fd=7, nbytes=1 << 20, name="pytest"),
+    UnregisterRegion(v=V, id=21, region=1),
 ]
 
 META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, default_version="2",
@@ -54,6 +66,8 @@ META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, d
 
 REPLIES = [
     HelloReply(v=V, id=1, server="tgw 0.1", max_request_bytes=64 << 20),
+    CancelReply(v=V, id=18, cancelled=1, running=1),
+    RegionReply(v=V, id=20, region=1, nbytes=1 << 20), RegionReply(v=V, id=21, region=1, nbytes=1 << 20, registered=False),
     InferReply(v=V, id=7, model="mlp", version="1", outputs=[TensorMeta(name="y", dtype="float32", shape=[2, 10])]),
     ErrorReply(v=V, id=9, error=ErrorBody(code="MODEL_NOT_FOUND", message="no model 'x'", retryable=False,
                                           details={"model": "x", "known": ["mlp"]})),
@@ -245,6 +259,7 @@ EXPECTED = {
     "RATE_LIMITED": 429, "OVERLOADED": 429, "DEADLINE_EXCEEDED": 504, "CIRCUIT_OPEN": 503,
     "OUT_OF_GPU_MEMORY": 507, "OUT_OF_SHM": 507, "WORKER_DIED": 503, "MODEL_EXECUTION_ERROR": 500,
     "INTERNAL": 500,
+    "UNAVAILABLE": 503,   # the client's own: the connection to the broker was lost
 }
 
 
@@ -317,6 +332,6 @@ def test_tgw_error_defaults():
 
 
 def test_error_body_round_trip_to_exception():
-    body = reply_decoder.decode(encode(REPLIES[2])).error
+    body = reply_decoder.decode(encode(next(r for r in REPLIES if isinstance(r, ErrorReply)))).error
     e = error_from_body(body)
     assert isinstance(e, tgw.client.ModelNotFoundError) and e.details["known"] == ["mlp"]
