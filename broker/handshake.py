@@ -32,7 +32,7 @@ class Handshake:
         self.lost_version = lost_version  # ... drops that version instead (placement.forget_failed)
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
-        w.pid = msg.pid
+        w.pid, w.device_uuid = msg.pid, msg.device_uuid
         return LoadModels(models=self.registry.startup_specs())
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:

@@ -13,6 +13,7 @@ from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
 
+from . import cuda_route
 from .batcher import Pending
 
 
@@ -77,6 +78,7 @@ class WorkerHandle:
     retiring: bool = False            # the successor serves: this one takes no new batches
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
     budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
+    device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: cuda_route.py)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -155,11 +157,13 @@ class WorkerHandle:
     def name(self) -> str:
         return f"worker{self.worker_id}[{self.device}]"
 
-    def can_take(self, model_key: str, max_inflight: int, suspect: bool = False) -> bool:
+    def can_take(self, model_key: str, max_inflight: int, suspect: bool = False, head: Pending | None = None) -> bool:
         """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
-        worker holding nothing else, so if it kills the worker it takes no other request along."""
+        worker holding nothing else, so if it kills the worker it takes no other request along.
+        A request bound to a GPU (`head`'s CUDA tensors) runs only on a worker on that GPU."""
         if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
-                (self.evicting and model_key in self.evicting):
+                (self.evicting and model_key in self.evicting) or \
+                (head is not None and not cuda_route.fits(self, head)):
             return False
         if suspect:
             return not self.inflight
@@ -174,23 +178,25 @@ class WorkerHandle:
         buf = self.segment.buf
         rows = sum(p.rows for p in requests)
         tensors = []
+        dims = cuda_route.dims(requests[0].shape_key)   # without a GPU tag
         for k, (decl, rel) in enumerate(zip(inputs, region_offsets(sizes))):
             offset = pos = block + rel
             for p in requests:            # rows of one input lie contiguous: the worker's view is no gather
                 n = p.nbytes[k]
                 buf[pos:pos + n] = p.tensors[k]
                 pos += n
-            shape = [rows, *requests[0].shape_key[k]] if requests[0].shape_key else [rows, *decl.shape]
+            shape = [rows, *dims[k]] if dims else [rows, *decl.shape]
             tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
                                        nbytes=sizes[k]))
         first = requests[0]
         self.inflight[batch_id] = Inflight(batch_id, first.model, model_key(first.model, first.version), requests,
                                            block, rows)
         traces = [p.trace for p in requests]   # the callers' trace contexts, for the worker's batch span
-        return Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
-                     block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
-                     release=self.take_releases(), splits=[p.rows for p in requests],
-                     traces=[t or "" for t in traces] if any(traces) else [])
+        batch = Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
+                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
+                      release=self.take_releases(), splits=[p.rows for p in requests],
+                      traces=[t or "" for t in traces] if any(traces) else [])
+        return cuda_route.attach(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""

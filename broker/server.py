@@ -178,7 +178,7 @@ class Broker:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.head(model, now)
-                worker = self._pick(model_key(model, head.version), full, head.alone)
+                worker = self._pick(model_key(model, head.version), full, head)
                 if worker is None:
                     if head.record is not None and head.record.on_demand:  # evicted while it waited: load again
                         self.placement.demand(head.record, float("inf"))
@@ -201,10 +201,10 @@ class Broker:
             if w.releases and w.inflight:
                 self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
 
-    def _pick(self, key: str, full: set[int], suspect: bool) -> WorkerHandle | None:
+    def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
         best = None
         for w in self.roster:
-            if w.worker_id not in full and w.can_take(key, self.max_inflight, suspect):
+            if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head):
                 if best is None or len(w.inflight) < len(best.inflight):
                     best = w
         return best

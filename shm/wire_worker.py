@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .wire_base import ErrorBody, IOSpec, Struct
+from .wire_base import CudaIpc, ErrorBody, IOSpec, Struct
 
 # ---- broker <-> worker -----------------------------------------------------------------------
 
@@ -33,6 +33,7 @@ class WorkerHello(Struct, tag_field="op", tag="w_hello"):
     v: int
     worker_id: int
     pid: int
+    device_uuid: str = ""           # a GPU worker's device UUID (CUDA tensors by IPC handle go to it)
 
 
 class LoadModels(Struct, tag_field="op", tag="w_load"):
@@ -96,6 +97,9 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     release: list[int] = []   # output blocks the broker is done with (saves a Release message)
     splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
     traces: list[str] = []    # each request's W3C traceparent ("" if none), in order; [] when none has one
+    # CUDA tensors by IPC handle (docs/PROTOCOL.md 5.10), per request in order; [] when none:
+    cuda_inputs: list[list[CudaIpc]] = []        # its inputs in declared order (then `inputs` carry no bytes)
+    cuda_outputs: list[dict[str, CudaIpc]] = []  # output name -> the caller's buffer to write its rows into
 
 
 class Done(Struct, tag_field="op", tag="w_done"):

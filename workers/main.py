@@ -20,6 +20,7 @@ from tgw.shm.segment import Segment
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
+from .cuda_ipc import device_uuid
 from .heartbeat import Beacon, Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
@@ -128,7 +129,8 @@ def run_worker(argv: list[str] | None = None) -> int:
     loader.start()  # before the hello: serving loads by the time the broker knows this worker
     try:
         failure = _preload(args)
-        sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid())))
+        sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid(),
+                                     device_uuid=device_uuid(device))))
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")

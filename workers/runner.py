@@ -53,6 +53,11 @@ class ModelRunner:
 
     def run(self, inputs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
         """Forward one batch; returns the outputs in declared order, on the CPU, C-contiguous."""
+        return self.to_host(self.forward(inputs, rows))
+
+    def forward(self, inputs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+        """Forward one batch; the outputs in declared order, checked, where the model left them
+        (on its device)."""
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
         with torch.inference_mode():
@@ -60,10 +65,16 @@ class ModelRunner:
         outs = self._map(result)
         for decl, t in zip(self.outputs, outs):
             _check(decl, t, rows)
+        return outs
+
+    def to_host(self, outs: list[torch.Tensor], skip: frozenset[int] = frozenset()) -> list[torch.Tensor]:
+        """The outputs on the CPU, C-contiguous; those at `skip` (written elsewhere: CUDA buffers)
+        become meta tensors of their shape and dtype, holding no memory."""
+        outs = [torch.empty(t.shape, dtype=t.dtype, device="meta") if k in skip else t for k, t in enumerate(outs)]
         if self.device.type != "cpu":
-            outs = [t.to("cpu", non_blocking=True) for t in outs]
+            outs = [t if k in skip else t.to("cpu", non_blocking=True) for k, t in enumerate(outs)]
             torch.cuda.current_stream(self.device).synchronize()
-        return [t.contiguous() for t in outs]
+        return [t if k in skip else t.contiguous() for k, t in enumerate(outs)]
 
     def _map(self, result) -> list[torch.Tensor]:
         names = [o.name for o in self.outputs]

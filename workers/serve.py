@@ -19,6 +19,7 @@ from tgw.shm.ring import BlockTooLarge, RingAllocator, aligned_total, region_off
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_key, to_worker_decoder
 
+from . import cuda_ipc
 from .heartbeat import Progress
 from .runner import TORCH_DTYPES, ModelRunner
 from .tracing import Observer
@@ -79,6 +80,8 @@ class Server:
 
     def _run(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
+        if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
+            return cuda_ipc.run(self, batch, t0)
         if batch.deadline and time.monotonic() > batch.deadline:
             return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
         key = model_key(batch.model, batch.version)
@@ -106,14 +109,15 @@ class Server:
         done.compute_us = int((time.perf_counter() - t0) * 1e6)
         return done
 
-    def _write_parts(self, batch: Batch, outs: list[torch.Tensor], runner: ModelRunner) -> Done:
+    def _write_parts(self, batch: Batch, outs: list[torch.Tensor], runner: ModelRunner,
+                     skip: frozenset[int] = frozenset()) -> Done:
         """Write the outputs in parts at request boundaries, packed greedily so each part fits the
         arena, and send each part but the last (returned) as soon as it is written: the broker
         replies and releases its block while later parts wait for space. A request whose outputs
         alone can never fit is answered OUT_OF_SHM; the others get their outputs."""
         splits = batch.splits if sum(batch.splits) == batch.rows else [batch.rows]
         starts = list(itertools.accumulate(splits, initial=0))
-        row_bytes = [t.numel() * t.element_size() // batch.rows for t in outs]
+        row_bytes = [0 if k in skip else t.numel() * t.element_size() // batch.rows for k, t in enumerate(outs)]
         cap, n, i = self.outputs.capacity, len(splits), 0
 
         def need(lo: int, hi: int) -> int:  # one block holding the outputs of requests lo..hi-1
@@ -130,7 +134,7 @@ class Server:
                 while j < n and need(i, j + 1) <= cap:
                     j += 1
                 try:
-                    block, tensors = self._write([t[starts[i]:starts[j]] for t in outs], runner)
+                    block, tensors = self._write([t[starts[i]:starts[j]] for t in outs], runner, skip)
                     done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
                 except OutputSpaceTimeout as exc:  # the rest of the batch fails with it
                     done, j = _error(batch, Code.OUT_OF_SHM, str(exc), arena="output"), n
@@ -147,8 +151,10 @@ class Server:
         flat = torch.frombuffer(self.segment.buf, dtype=dtype, count=t.nbytes // dtype.itemsize, offset=t.offset)
         return flat.view(t.shape)
 
-    def _write(self, outs: list[torch.Tensor], runner: ModelRunner):
-        sizes = [t.numel() * t.element_size() for t in outs]
+    def _write(self, outs: list[torch.Tensor], runner: ModelRunner, skip: frozenset[int] = frozenset()):
+        """One output block holding `outs`, but those at `skip` (written into callers' CUDA buffers:
+        described with their shape, no bytes)."""
+        sizes = [0 if k in skip else t.numel() * t.element_size() for k, t in enumerate(outs)]
         block = self._alloc(aligned_total(sizes))
         tensors = []
         for decl, t, size, rel in zip(runner.outputs, outs, sizes, region_offsets(sizes)):

@@ -1,0 +1,219 @@
+"""CUDA tensors by IPC handle, the worker's part (docs/PROTOCOL.md section 5.10).
+
+A batch whose requests' inputs are CUDA tensors of a caller on this box carries their CudaIpc
+descriptors (Batch.cuda_inputs) instead of ring bytes; a batch may also name callers' CUDA
+buffers for outputs (Batch.cuda_outputs). This worker, on that GPU, opens each descriptor the
+way torch.multiprocessing's rebuild_cuda_tensor does (torch/multiprocessing/reductions.py:
+UntypedStorage._new_shared_cuda, then a tensor over that storage): the caller's memory read in
+place, no copy. Opening waits, on this device's current stream, for the caller's event when the
+descriptor says so (event_sync_required: inside _new_shared_cuda, StorageSharing.cpp), so the
+model's kernels on that stream see the caller's data.
+
+Handles are not cached past a batch. torch already maps each allocation once per process while
+any storage over it lives (CUDACachingAllocator::getIpcDevPtr keeps a handle -> mapping table),
+so several requests from one allocation in a batch share one cudaIpcOpenMemHandle. Holding
+storages longer would keep the caller's ref-counted block out of its allocator (torch's "limbo")
+after the caller dropped it, and a caller reuses its blocks all the time. So every storage
+opened for a batch is dropped - its deleter syncs the stream and decrements the caller's
+counter - before the batch's completion is sent: once a caller has its reply, nothing here
+touches its memory again.
+
+A descriptor that cannot be opened (a stale or foreign handle, another GPU, too small a
+storage) fails its own request (INVALID_ARGUMENT); the batch's other requests run, with zeros
+in the failed one's rows, and the answer comes in parts at request boundaries.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.ring import BlockTooLarge
+from tgw.shm.wire import Batch, CudaIpc, Done, encode, model_key
+
+from .runner import TORCH_DTYPES
+
+
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID as torch prints it ("" on the CPU or when the driver does not say)."""
+    if device.type != "cuda":
+        return ""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except Exception:
+        return ""
+
+
+def _norm(uuid: str) -> str:
+    uuid = uuid.strip().lower()
+    return uuid[4:] if uuid.startswith("gpu-") else uuid
+
+
+def _bad(message: str, reason: str = "cuda_bad_handle", **details) -> TgwError:
+    return fail(Code.INVALID_ARGUMENT, message, reason=reason, **details)
+
+
+def open_storage(d: CudaIpc, device: torch.device, own_uuid: str = "") -> torch.UntypedStorage:
+    """The caller's storage `d` describes, mapped into this process on `device` (this worker's)."""
+    if device.type != "cuda":
+        raise _bad(f"a CUDA tensor of cuda:{d.device} reached a worker on {device}", "cuda_wrong_device")
+    if d.device_uuid and own_uuid:
+        if _norm(d.device_uuid) != _norm(own_uuid):
+            raise _bad(f"a CUDA tensor of GPU {d.device_uuid} reached the worker on {device} ({own_uuid})",
+                       "cuda_wrong_device")
+    elif d.device != device.index:
+        raise _bad(f"a CUDA tensor of cuda:{d.device} reached the worker on {device}", "cuda_wrong_device")
+    if not d.handle or d.storage_bytes <= 0 or d.storage_offset_bytes < 0:
+        raise _bad("a CUDA IPC descriptor without a handle, or with no storage")
+    try:   # the argument list of rebuild_cuda_tensor's _new_shared_cuda call, on this worker's index
+        return torch.UntypedStorage._new_shared_cuda(
+            device.index, d.handle, d.storage_bytes, d.storage_offset_bytes, d.ref_counter_handle,
+            d.ref_counter_offset, d.event_handle or bytes(64), bool(d.event_sync_required))
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise _bad(f"cannot open the CUDA IPC handle: {type(exc).__name__}: {first}".strip()) from None
+
+
+def over(storage: torch.UntypedStorage, dtype: torch.dtype, shape: list[int], offset_bytes: int,
+         what: str) -> torch.Tensor:
+    """A C-contiguous tensor of `shape` x `dtype` starting `offset_bytes` into `storage` (as
+    torch._utils._rebuild_tensor builds one over a received storage); refused when it would
+    reach past the storage or start unaligned."""
+    item = dtype.itemsize
+    need = item
+    for dim in shape:
+        need *= dim
+    if offset_bytes < 0 or offset_bytes % item:
+        raise _bad(f"{what}: offset {offset_bytes} is not a multiple of {item} ({dtype})", "cuda_bad_layout")
+    if offset_bytes + need > storage.nbytes():
+        raise _bad(f"{what}: {list(shape)} x {str(dtype).removeprefix('torch.')} needs {need} bytes from byte "
+                   f"{offset_bytes}; the CUDA buffer holds {storage.nbytes()}", "cuda_buffer_too_small",
+                   needed=need, size=storage.nbytes() - offset_bytes)
+    stride, acc = [], 1
+    for dim in reversed(shape):
+        stride.append(acc)
+        acc *= max(dim, 1)
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+    return torch._utils._rebuild_tensor(typed, offset_bytes // item, tuple(shape), tuple(reversed(stride)))
+
+
+def run(server, batch: Batch, t0: float) -> Done:
+    """Serve a batch carrying CUDA descriptors (workers/serve.Server._run's counterpart). Every
+    storage it opens is dropped before it returns, so before the completion is sent."""
+    if batch.deadline and time.monotonic() > batch.deadline:
+        return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
+    key = model_key(batch.model, batch.version)
+    runner = server.runners.get(key)
+    if runner is None:
+        return _error(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
+    server.progress.start(batch.batch_id)
+    n = len(batch.cuda_inputs or batch.cuda_outputs)
+    splits = batch.splits if len(batch.splits) == n and sum(batch.splits) == batch.rows else None
+    if splits is None:
+        return _error(batch, Code.INTERNAL, f"batch has {n} requests' CUDA descriptors but splits {batch.splits}")
+    starts = list(itertools.accumulate(splits, initial=0))
+    bad: dict[int, TgwError] = {}
+    try:
+        host, skip = _compute(server, batch, runner, splits, starts, bad)
+    except torch.cuda.OutOfMemoryError as exc:
+        return _error(batch, Code.OUT_OF_GPU_MEMORY, str(exc).splitlines()[0])
+    except TgwError as err:
+        return Done(batch_id=batch.batch_id, error=err.to_body())
+    except Exception as exc:  # a model bug fails this batch, not the worker
+        return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000],
+                      exception=type(exc).__name__)
+    done = _answer(server, batch, runner, host, skip, bad, starts)
+    done.compute_us = int((time.perf_counter() - t0) * 1e6)
+    return done
+
+
+def _compute(server, batch: Batch, runner, splits: list[int], starts: list[int], bad: dict):
+    """Open, forward, write the callers' buffers; (the outputs for the arena, the indices of
+    those every answered request took in its CUDA buffer). Opened storages die with this frame."""
+    device, n = runner.device, len(splits)
+    own = getattr(server, "device_uuid", None)
+    if own is None:
+        own = server.device_uuid = device_uuid(device)
+    opened: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    buffers: list[dict[str, tuple]] = [{} for _ in range(n)]
+    for r in range(n):
+        try:
+            for d, t in zip(batch.cuda_inputs[r] if batch.cuda_inputs else (), batch.inputs):
+                storage = open_storage(d, device, own)
+                opened[r].append(over(storage, TORCH_DTYPES[t.dtype], [splits[r], *t.shape[1:]], d.offset_bytes,
+                                      f"input {t.name!r}"))
+            for name, d in (batch.cuda_outputs[r] if batch.cuda_outputs else {}).items():
+                buffers[r][name] = (open_storage(d, device, own), d.offset_bytes)
+        except TgwError as err:
+            bad[r] = err
+            opened[r], buffers[r] = [], {}
+    if len(bad) == n:
+        return None, frozenset()
+    if batch.cuda_inputs:
+        inputs = []
+        for k, t in enumerate(batch.inputs):
+            dtype = TORCH_DTYPES[t.dtype]
+            parts = [torch.zeros([splits[r], *t.shape[1:]], dtype=dtype, device=device) if r in bad else opened[r][k]
+                     for r in range(n)]
+            inputs.append(parts[0] if n == 1 else torch.cat(parts))
+    else:
+        inputs = [server._view(t) for t in batch.inputs]
+    del opened
+    outs = runner.forward(inputs, batch.rows)
+    del inputs
+    names = [o.name for o in runner.outputs]
+    wrote = False
+    for r in range(n):
+        for name, (storage, offset) in buffers[r].items() if r not in bad else ():
+            src = outs[names.index(name)][starts[r]:starts[r + 1]]
+            try:
+                dst = over(storage, src.dtype, list(src.shape), offset, f"output {name!r}")
+            except TgwError as err:
+                bad[r] = err
+                break
+            dst.copy_(src)
+            wrote = True
+            del dst
+    if wrote and device.type == "cuda":   # the callers' buffers hold their rows before any completion leaves
+        torch.cuda.current_stream(device).synchronize()
+    answered = [r for r in range(n) if r not in bad]
+    skip = frozenset(k for k, name in enumerate(names) if answered and all(name in buffers[r] for r in answered))
+    del buffers
+    return runner.to_host(outs, skip), skip
+
+
+def _answer(server, batch: Batch, runner, host, skip: frozenset, bad: dict, starts: list[int]) -> Done:
+    """The completion: whole when every request was served, else in parts at request boundaries,
+    each failed request a part of its own; parts but the last are sent here."""
+    from .serve import OutputSpaceTimeout
+    n = len(starts) - 1
+    if not bad:
+        try:
+            block, tensors = server._write(host, runner, skip)
+        except BlockTooLarge:
+            return server._write_parts(batch, host, runner, skip)
+        except OutputSpaceTimeout as exc:
+            return _error(batch, Code.OUT_OF_SHM, str(exc), arena="output")
+        return Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+    i = 0
+    while True:
+        if i in bad:
+            done, j = Done(batch_id=batch.batch_id, error=bad[i].to_body()), i + 1
+        else:
+            j = next((r for r in range(i, n) if r in bad), n)
+            try:
+                block, tensors = server._write([t[starts[i]:starts[j]] for t in host], runner, skip)
+                done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+            except (BlockTooLarge, OutputSpaceTimeout) as exc:
+                done = _error(batch, Code.OUT_OF_SHM, f"{type(exc).__name__}: {exc}", arena="output")
+        done.first, done.count, done.final = i, j - i, j == n
+        if done.final:
+            return done
+        server.sock.send(encode(done))
+        i = j
+
+
+def _error(batch: Batch, code: Code, message: str, **details) -> Done:
+    return Done(batch_id=batch.batch_id, error=fail(code, message, **details).to_body())
