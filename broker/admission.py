@@ -193,6 +193,7 @@ class Admission:
                     priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
         if msg.traceparent is not None:   # an invalid one is ignored (W3C: a new trace starts)
             p.trace = check_traceparent(msg.traceparent)
+        p.output_region = msg.output_region   # checked by regions.Regions.resolve
         return p
 
     def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:

@@ -99,6 +99,18 @@ class Batcher:
         q.count += 1
         return shed
 
+    def remove(self, p: Pending) -> bool:
+        """Take `p` out of its queue (a cancel); False when it is not queued (running, or answered)."""
+        q = self.queues.get(p.model)
+        if q is None:
+            return False
+        try:
+            q.levels[min(p.priority, len(q.levels) - 1)].remove(p)
+        except ValueError:
+            return False
+        q.count -= 1
+        return True
+
     def shed_for(self, p: Pending) -> Pending | None:
         """Take out the youngest queued request of the lowest level below `p`'s, to make room
         for `p`; None when nothing queued ranks lower (then `p` itself is the one to refuse)."""

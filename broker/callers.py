@@ -61,6 +61,7 @@ class Callers:
         self.served: dict[bytes, float] = {}   # callers let in -> when last seen
         self.owed: dict[bytes, int] = {}       # caller -> requests admitted and not yet answered
         self.denied = 0                        # connections closed at the handshake (past the headroom)
+        self.disconnects = 0                   # connections closed, ever (abandon.py looks after each)
 
     # ---- connections -------------------------------------------------------------------------
 
@@ -70,6 +71,7 @@ class Callers:
             self.connected += 1
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = max(0, self.connected - 1)
+            self.disconnects += 1
 
     def zap(self, frames: list) -> list:
         """The ZAP reply to a new connection: allowed while the count is within the headroom past

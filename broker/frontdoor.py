@@ -10,16 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, DecodeError, ErrorReply, Infer, InferReply, Metadata, \
-    Snapshot, SUPPORTED_VERSIONS, encode, envelope_decoder, request_decoder
+from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, Cancel, DecodeError, ErrorReply, Goodbye, Infer, InferReply, \
+    Metadata, RegisterRegion, Snapshot, SUPPORTED_VERSIONS, UnregisterRegion, encode, envelope_decoder, \
+    request_decoder
 
-from . import status
+from . import cuda_route, status
+from .abandon import Abandonment
 from .auth import token_ok
 from .batcher import Pending
 from .callers import EVENTS
 from .gatekeeper import Gatekeeper
 from .outbound import reply_tensors
 from .outbox import Outbox
+from .regions import Regions
 from .schema import ServerDecl
 from .sockets import Pump
 
@@ -93,6 +96,8 @@ class FrontDoor:
         self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
         self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
         self.gate.start()
+        self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
+        self.abandon = Abandonment(self)
 
     def on_message(self, frames: list) -> None:
         try:
@@ -105,6 +110,8 @@ class FrontDoor:
     def _on_message(self, frames: list) -> None:
         ident = frames[0].bytes
         try:
+            if ident not in self.callers.served and len(frames) > 1:
+                self.abandon.meet(ident, frames[1])
             self.callers.let_in(ident)
             msg = read_request(frames, self.server, self.token)
         except Refused as refused:
@@ -114,7 +121,9 @@ class FrontDoor:
             self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
             return self.error(ident, 0, err)
         if isinstance(msg, Infer):
-            self.infer(ident, msg, frames[2:])
+            self.infer(ident, msg, frames[2:], frames[1])
+        elif isinstance(msg, (RegisterRegion, UnregisterRegion)):
+            self.regions.handle(ident, msg, frames[1])
         else:
             self.dispatch(ident, msg)
 
@@ -125,6 +134,8 @@ class FrontDoor:
             if self.b.operator is None:
                 return self.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
             self.b.operator.handle(ident, msg)
+        elif isinstance(msg, (Cancel, Goodbye)):
+            self.abandon.handle(ident, msg)
         elif isinstance(msg, Snapshot):
             try:
                 self.b.memory.request(self.b.roster, msg, self.b.clock(), lambda reply: self.reply(ident, reply))
@@ -133,9 +144,15 @@ class FrontDoor:
         else:
             self.reply(ident, status.ANSWERS[type(msg)](self.b, msg.id))
 
-    def infer(self, ident, msg: Infer, tensor_frames: list) -> None:
+    def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
+        """`header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
         try:
-            self.b.admission.admit(ident, msg, tensor_frames)
+            if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
+                tensor_frames = self.regions.resolve(msg, header, tensor_frames)
+            cuda, tensor_frames = cuda_route.inspect(self.b, msg, tensor_frames, header)  # CUDA tensors by handle
+            p = self.b.admission.admit(ident, msg, tensor_frames)
+            cuda_route.bind(self.b, p, cuda)
+            self.abandon.track(p)
             self.b.schedule()
         except TgwError as err:
             if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
@@ -148,6 +165,8 @@ class FrontDoor:
 
     def tick(self) -> None:
         self.outbox.settle_all()
+        self.regions.tick(self.b.clock())
+        self.abandon.sweep()
 
     # ---- answers -----------------------------------------------------------------------------
 
@@ -174,7 +193,9 @@ class FrontDoor:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
         self.callers.paid(p.client)
         self.b.admission.finished(p, None, now)
-        metas, payload = reply_tensors(p, views)
+        placed = self.regions.write(p, views) if p.output_region is not None else None
+        metas, payload = placed if placed is not None else reply_tensors(p, views)
+        cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
         # p.trace: the broker's request span when tracing is on (set by finished), else the caller's own
         self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                         outputs=metas, traceparent=p.trace), *payload)

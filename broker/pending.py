@@ -9,7 +9,8 @@ class Pending:
 
     __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
                  "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
-                 "tenant", "dispatched", "in_total", "out_total", "record", "compute_us", "trace")
+                 "tenant", "dispatched", "in_total", "out_total", "record", "compute_us", "trace", "output_region",
+                 "cuda")
 
     def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
                  tensors: list, outputs: list[str], deadline: float, compress: bool = False,
@@ -34,6 +35,8 @@ class Pending:
         self.record = record                        # its version's record (versions.VersionRecord)
         self.compute_us = 0                         # its batch's compute time, as the worker measured it
         self.trace = None                           # its W3C traceparent, when the caller sent one
+        self.cuda = None                            # its GPU binding (cuda_route.CudaRequest), if any
+        self.output_region = None                   # the caller's RegionSlice for its outputs (regions.py)
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)

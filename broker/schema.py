@@ -188,6 +188,8 @@ class ServerDecl(Strict):
     socket_group: Optional[Annotated[str, Field(min_length=1)]] = None   # may use the front socket
     auth_token_file: Optional[str] = None         # shared token every native request must carry
     curve_secret_key_file: Optional[str] = None   # ZeroMQ CURVE key pair (tgw-broker keygen)
+    # shared-memory regions (docs/PROTOCOL.md 5.9): the bytes one client process may register, in all
+    max_region_bytes: Annotated[int, Field(ge=0)] = 1 << 30
 
     @field_validator("address")
     @classmethod

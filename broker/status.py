@@ -61,9 +61,10 @@ def stats(b: "Broker", req_id: int) -> StatsReply:
     return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
                       tenants=adm.tenants.as_dict(),
                       errors=dict(b.stats.unrouted_errors), refused=seen.get("refused", {}),
-                      dropped=seen.get("dropped", {}),
+                      dropped=seen.get("dropped", {}), abandoned=_abandoned(b),
                       clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,
-                               "denied": b.callers.denied, "owed": sum(b.callers.owed.values())})
+                               "denied": b.callers.denied, "owed": sum(b.callers.owed.values())},
+                      regions=_regions(b))
 
 
 def versions(b: "Broker", model: str) -> dict:
@@ -117,3 +118,13 @@ def scrape(b: "Broker", req_id: int) -> ScrapeReply:
 
 # the read-only ops, by request type: each answers (broker, request id)
 ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status, Scrape: scrape}
+
+
+def _abandoned(b: "Broker") -> dict:
+    door = getattr(b, "door", None)   # None until the broker is attached to its sockets
+    return dict(door.abandon.counts) if door is not None else {}
+
+
+def _regions(b: "Broker") -> dict:
+    door = getattr(b, "door", None)   # None until the broker is attached to its sockets
+    return door.regions.as_dict() if door is not None else {}

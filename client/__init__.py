@@ -1,4 +1,6 @@
-"""tgw.client: the Python client library (numpy in, numpy out; torch tensors accepted lazily).
+"""tgw.client: the Python client library (numpy in, numpy out; torch tensors in and out, torch
+imported only when the caller uses it): Client (threads), AsyncClient (asyncio), streams,
+shared-memory regions, CUDA tensors by IPC handle.
 
     from tgw.client import Client
     with Client() as c:
@@ -27,9 +29,12 @@ from tgw.shm.errors import (
     UnavailableError,
 )
 
+from .aio import AsyncClient
 from .client import Client, ConnectError, InferResult
+from .retry import RetryPolicy
+from .stream import StreamResult
 
 __all__ = [
-    "Client", "ConnectError", "InferResult", "Code", "TgwError",
+    "Client", "AsyncClient", "ConnectError", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
     'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

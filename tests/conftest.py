@@ -60,6 +60,14 @@ def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
         time.sleep(POLL_S)
 
 
+def readme_block(marker: str) -> str:
+    """The code block after `<!-- MARKER -->` in the README."""
+    with open(os.path.join(HERE, "..", "README.md")) as f:
+        text = f.read()
+    block = text.split(f"<!-- {marker} -->\n", 1)[1]
+    return block.split("\n", 1)[1].split("\n```\n", 1)[0]
+
+
 def in_flight(client) -> int:
     """Batches the broker has handed to workers and not yet seen completed."""
     return sum(p.get("inflight", 0) for p in client.stats()["processes"] if p["role"] == "worker")

@@ -9,7 +9,7 @@ import pytest
 from tgw.broker import cli, cli_models, control
 from tgw.broker.cli_models import parse_weights
 from tgw.shm.errors import VersionNotFoundError
-from tgw.shm.wire import (ControlReply, IOSpec, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,
+from tgw.shm.wire import (PROTOCOL_VERSION as V, ControlReply, IOSpec, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,
                           SetTraffic, Snapshot, Status, StatusReply, UnloadVersion, VersionInfo, encode,
                           request_decoder)
 
@@ -41,14 +41,14 @@ def test_load_with_every_flag():
                  "--server-key", "k")
     assert (args.address, args.json, args.token_file, args.server_key) == ("ipc:///tmp/x.sock", True, "/t", "k")
     assert args.label == "tgw-broker models load"
-    assert args.request(args) == LoadVersion(v=1, model="mlp", version="3", path="/models/mlp/3.pt",
+    assert args.request(args) == LoadVersion(v=V, model="mlp", version="3", path="/models/mlp/3.pt",
                                              sha256=DIGEST.lower(), weight=10)
 
 
 def test_load_defaults_to_a_hot_swap_of_the_declared_path_with_a_long_wait():
     args = parse("models", "load", "mlp", "--version", "3")
     assert args.timeout == 600.0 and not args.json
-    assert request_of("models", "load", "mlp", "--version", "3") == LoadVersion(v=1, model="mlp", version="3")
+    assert request_of("models", "load", "mlp", "--version", "3") == LoadVersion(v=V, model="mlp", version="3")
 
 
 @pytest.mark.parametrize("argv, complaint", [
@@ -66,14 +66,14 @@ def test_bad_arguments_are_usage_errors(capsys, argv, complaint):
 
 
 def test_unload_one_version_or_all():
-    assert request_of("models", "unload", "mlp", "--version", "1") == UnloadVersion(v=1, model="mlp", version="1")
-    assert request_of("models", "unload", "mlp") == UnloadVersion(v=1, model="mlp")
+    assert request_of("models", "unload", "mlp", "--version", "1") == UnloadVersion(v=V, model="mlp", version="1")
+    assert request_of("models", "unload", "mlp") == UnloadVersion(v=V, model="mlp")
     assert parse("models", "unload", "mlp").timeout == 600.0
 
 
 def test_traffic_sends_the_weights():
     assert request_of("models", "traffic", "mlp", "1=90", "2=10") == \
-        SetTraffic(v=1, model="mlp", weights={"1": 90, "2": 10})
+        SetTraffic(v=V, model="mlp", weights={"1": 90, "2": 10})
     assert parse("models", "traffic", "mlp", "1=1").timeout == 60.0
 
 
@@ -83,12 +83,12 @@ def test_traffic_refuses_a_bad_pair_with_its_reason(capsys):
 
 
 def test_list_metadata_reload_status_snapshot():
-    assert request_of("models", "list") == Metadata(v=1)
-    assert request_of("models", "metadata", "mlp") == Metadata(v=1, model="mlp")
-    assert request_of("models", "metadata") == Metadata(v=1)
-    assert request_of("reload") == Reload(v=1)
-    assert request_of("status") == Status(v=1)
-    assert request_of("snapshot", "--worker", "2") == Snapshot(v=1, worker=2)
+    assert request_of("models", "list") == Metadata(v=V)
+    assert request_of("models", "metadata", "mlp") == Metadata(v=V, model="mlp")
+    assert request_of("models", "metadata") == Metadata(v=V)
+    assert request_of("reload") == Reload(v=V)
+    assert request_of("status") == Status(v=V)
+    assert request_of("snapshot", "--worker", "2") == Snapshot(v=V, worker=2)
     waits = {verb: parse(*verb.split()).timeout for verb in ("models list", "models metadata", "reload", "status",
                                                               "snapshot")}
     assert waits == {"models list": 5.0, "models metadata": 5.0, "reload": 600.0, "status": 5.0, "snapshot": 30.0}
@@ -131,7 +131,7 @@ def model(versions: list[VersionInfo], name: str = "mlp", default: str | None = 
 
 
 def test_models_table(capsys):
-    reply = MetadataReply(v=1, id=1, models=[
+    reply = MetadataReply(v=V, id=1, models=[
         model([version("1", 90), version("2", 10)]),
         model([version("7", 1), version("8", 2, state="loading"), version("9", 0, state="draining")],
               name="a-long-model-name", default="8", residency="on_demand"),
@@ -148,7 +148,7 @@ def test_models_table(capsys):
 
 
 def test_metadata(capsys):
-    reply = MetadataReply(v=1, id=1, models=[model([
+    reply = MetadataReply(v=V, id=1, models=[model([
         version("1", 3, sha256="ab" * 32, workers={"worker0[cpu]": "loaded", "worker1[cpu]": "unloading"},
                 bytes=3 * 2**20, loads=2, evictions=1, last_load_ms=812.4),
         version("2", 1, state="loading", workers={"worker0[cpu]": "loading"})])])
@@ -169,7 +169,7 @@ def test_metadata(capsys):
 def test_control_reply_message_figures_events_and_model(capsys):
     load = {"seq": 4, "at_s": 12.25, "event": "load", "model": "mlp", "version": "2", "worker": "worker0[cpu]",
             "ms": 812.4, "bytes": 2 * 2**20, "rss_before": 100 * 2**20, "rss_after": 102 * 2**20}
-    reply = ControlReply(v=1, id=1, message="mlp:2 serves every request that names no version; 1 drained and unloaded",
+    reply = ControlReply(v=V, id=1, message="mlp:2 serves every request that names no version; 1 drained and unloaded",
                          model=model([version("2", 100)], default="2"),
                          details={"workers": {"worker0[cpu]": {"load_ms": 812.4, "bytes": 2 * 2**20}},
                                   "drained": 3, "unloaded": ["1"], "swap": True, "freed": {"rss_bytes": 2**20},
@@ -190,12 +190,12 @@ def test_control_reply_message_figures_events_and_model(capsys):
 
 
 def test_control_reply_without_model(capsys):
-    cli_models.print_control(ControlReply(v=1, id=1, message="config reloaded: nothing changed"))
+    cli_models.print_control(ControlReply(v=V, id=1, message="config reloaded: nothing changed"))
     assert capsys.readouterr().out == "config reloaded: nothing changed\n"
 
 
 def status_reply(**kw) -> StatusReply:
-    return StatusReply(v=1, id=1, phase="serving", uptime_s=42.0, workers=[], models={}, **kw)
+    return StatusReply(v=V, id=1, phase="serving", uptime_s=42.0, workers=[], models={}, **kw)
 
 
 def test_status_shows_the_last_reload_and_recent_events(capsys):
@@ -256,15 +256,15 @@ def run_main(*argv: str) -> int:
 
 def test_query_prints_the_reply(answers, capsys):
     sent, answer = answers
-    answer["reply"] = ControlReply(v=1, id=2, message="traffic of mlp set", model=model([version("1", 1)]))
+    answer["reply"] = ControlReply(v=V, id=2, message="traffic of mlp set", model=model([version("1", 1)]))
     assert run_main("models", "traffic", "mlp", "1=1", "--address", "ipc:///tmp/x.sock") == 0
-    assert sent == [("ipc:///tmp/x.sock", SetTraffic(v=1, model="mlp", weights={"1": 1}), 60.0)]
+    assert sent == [("ipc:///tmp/x.sock", SetTraffic(v=V, model="mlp", weights={"1": 1}), 60.0)]
     assert capsys.readouterr().out == "traffic of mlp set\n  mlp now: 1 ready 100%\n"
 
 
 def test_query_json(answers, capsys):
     _, answer = answers
-    answer["reply"] = MetadataReply(v=1, id=2, models=[model([version("1", 1)])])
+    answer["reply"] = MetadataReply(v=V, id=2, models=[model([version("1", 1)])])
     assert run_main("models", "metadata", "mlp", "--json", "--address", "ipc:///tmp/x.sock") == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["op"] == "metadata" and printed["models"][0]["versions"][0]["version"] == "1"

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import base_config, in_flight, wait_until
+from conftest import base_config, in_flight, readme_block, wait_until
 from tgw.bench.broker_proc import BrokerProc
 from tgw.client import Client
 
@@ -294,11 +294,7 @@ def test_token_guards_everything_but_health(make_broker, model_files, short_dir,
 
 
 def readme_example(kind: str) -> str:
-    """The code block after `<!-- http-example:KIND -->` in the README."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        text = f.read()
-    block = text.split(f"<!-- http-example:{kind} -->\n", 1)[1]
-    return block.split("\n", 1)[1].split("\n```\n", 1)[0]
+    return readme_block(f"http-example:{kind}")
 
 
 def test_readme_examples_work_as_printed(http_broker, native):
