@@ -43,7 +43,11 @@ def broker_families(b: "Broker", now: float) -> Iterator:
                                   "reason", labels=["reason"])
     for reason, n in seen.get("dropped", {}).items():
         dropped.add_metric([reason], n)
-    yield from (refused, dropped)
+    abandoned = CounterMetricFamily("tgw_requests_abandoned", "Queued requests dropped unrun because nobody waits "
+                                    "for them any more (cancelled, client_closed, client_gone)", labels=["reason"])
+    for reason, n in b.door.abandon.counts.items():
+        abandoned.add_metric([reason], n)
+    yield from (refused, dropped, abandoned)
 
 
 def worker_families(b: "Broker", now: float) -> Iterator:

@@ -74,10 +74,16 @@ class AsyncClient:
     # ---- connection --------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Connect and say hello (idempotent); ConnectError when no broker answers in connect_timeout."""
+        """Connect and say hello (idempotent); ConnectError when no broker answers in connect_timeout
+        (a later call tries again)."""
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(self._connect())
-        await asyncio.shield(self._connecting)
+        try:
+            await asyncio.shield(self._connecting)
+        except BaseException:
+            if self._connecting.done():
+                self._connecting = None
+            raise
 
     async def _connect(self) -> None:
         if self._closed:
@@ -94,13 +100,23 @@ class AsyncClient:
             await asyncio.wait_for(self._up.wait(), self.connect_timeout)
             reply, _ = await self._request(Hello(v=PROTOCOL_VERSION, id=next(self._ids), client="tgw.client/py-async",
                                                  token=self.token), [], self.connect_timeout)
-        except (asyncio.TimeoutError, TgwError) as exc:
-            if isinstance(exc, TgwError) and exc.code not in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE):
+        except BaseException as exc:
+            self._detach()
+            if isinstance(exc, TgwError) and exc.code not in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE) or \
+                    not isinstance(exc, (asyncio.TimeoutError, TgwError)):
                 raise
             hint = " (a wrong server key looks the same: check TGW_SERVER_KEY)" if self._curve else ""
             raise ConnectError(f"no tgw broker answered at {self.address} within "
                                f"{self.connect_timeout:g}s{hint}") from None
         self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
+
+    def _detach(self, linger_ms: int = 0) -> None:
+        """Stop reading the socket and close it."""
+        link, self._link = self._link, None
+        if link is not None:
+            self._loop.remove_reader(link.sock.getsockopt(zmq.FD))
+            self._loop.remove_reader(link.monitor.getsockopt(zmq.FD))
+            link.close(linger_ms)
 
     async def close(self) -> None:
         """Unregister regions, say goodbye (the broker drops this client's queued requests),
@@ -112,8 +128,6 @@ class AsyncClient:
             await region.aclose()
         link = self._link
         if link is not None:
-            self._loop.remove_reader(link.sock.getsockopt(zmq.FD))
-            self._loop.remove_reader(link.monitor.getsockopt(zmq.FD))
             link.events()
             self._fail_all(lambda rid: fail(Code.UNAVAILABLE, "the client was closed", source="client",
                                             request_id=rid))
@@ -122,11 +136,13 @@ class AsyncClient:
                     link.sock.send(encode(Goodbye(v=PROTOCOL_VERSION, token=self.token)), NOBLOCK)
                 except zmq.ZMQError:
                     pass
-            link.close(GOODBYE_LINGER_MS if link.up else 0)
+            self._detach(GOODBYE_LINGER_MS if link.up else 0)
         self._ctx.term()
 
     def _on_monitor(self) -> None:
         link = self._link
+        if link is None:
+            return
         if link.events():
             self._fail_all(link.lost_error)
         if link.up:
@@ -292,9 +308,9 @@ class AsyncClient:
 
     def _drain(self) -> None:
         self._drain_scheduled = False
-        sock = self._link.sock
-        if sock.closed:
+        if self._link is None:
             return
+        sock = self._link.sock
         pending = self._pending
         while sock.getsockopt(EVENTS) & POLLIN:
             try:

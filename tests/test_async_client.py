@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from conftest import base_config, wait_until
-from tgw.client import Client, DeadlineExceededError, ModelNotFoundError, RateLimitedError
+from tgw.client import Client, ConnectError, DeadlineExceededError, ModelNotFoundError, RateLimitedError
 from tgw.client.aio import AsyncClient
 from tgw.client.retry import Attempts, RetryPolicy
 from tgw.shm.errors import Code, fail
@@ -82,6 +82,10 @@ def test_async_errors_are_the_sync_errors(shared_broker):
                 await ac.infer("mlp", {"x": X}, timeout=-1)
             assert bad.value.code is Code.INVALID_ARGUMENT
             assert (await ac.health())["live"] and (await ac.models())
+        nowhere = AsyncClient(shared_broker.address + ".missing", connect_timeout=0.5)
+        with pytest.raises(ConnectError):
+            await nowhere.infer("mlp", {"x": X})
+        await nowhere.close()
     run(main())
 
 
