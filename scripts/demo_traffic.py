@@ -1,6 +1,7 @@
 """Demo traffic: real requests to every demo model, each answer checked against the model run
 in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model, over
-the native socket and over the KServe v2 HTTP face; then a hot swap of mlp under traffic (no
+the native socket (a Client shared by threads, and one AsyncClient with ASYNC_INFLIGHT requests
+in flight) and over the KServe v2 HTTP face; then a hot swap of mlp under traffic (no
 request may fail), and the request counters /metrics shows.
 
 Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
@@ -19,6 +20,7 @@ import demo_http
 from tgw.client import Client, ConnectError, TgwError
 
 CONCURRENCY = 8
+ASYNC_INFLIGHT = 32
 
 
 def wait_ready(address: str, broker_pid: int | None, timeout: float = 300.0) -> None:
@@ -83,6 +85,35 @@ def drive(address: str, model: dict, n: int, http: str | None = None) -> tuple[l
     return records, latencies, errors, elapsed
 
 
+def drive_async(address: str, model: dict, n: int) -> tuple[list, list, list, float]:
+    """As drive, from ASYNC_INFLIGHT coroutines sharing one AsyncClient (one socket, one thread)."""
+    import asyncio
+
+    from tgw.client import AsyncClient
+    records, latencies, errors = [], [], []
+
+    async def main() -> float:
+        counter = iter(range(n))
+        async with AsyncClient(address) as c:
+            async def caller(seed: int) -> None:
+                rng = np.random.default_rng(seed)
+                for _ in counter:
+                    x = make_inputs(model, rng)
+                    t0 = time.perf_counter()
+                    try:
+                        y = await c.infer(model["name"], x, timeout=30)
+                    except TgwError as err:
+                        errors.append(err.code.value)
+                        continue
+                    latencies.append(time.perf_counter() - t0)
+                    records.append((x, y))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(caller(s) for s in range(ASYNC_INFLIGHT)))
+            return time.perf_counter() - t0
+    elapsed = asyncio.run(main())
+    return records, latencies, errors, elapsed
+
+
 def mismatches(records: list, path: str, model: dict) -> int:
     import torch  # only for the in-process reference, after the timed traffic
     module = torch.jit.load(path)
@@ -134,9 +165,12 @@ def main() -> int:
         models = c.models()
         http = c.status()["http"]
     rows, failed = [], False
-    for face, url in (("native", None), ("HTTP", http)):
+    for face, url in (("native", None), ("async", None), ("HTTP", http)):
         for model in models:
-            records, lat, errors, elapsed = drive(args.address, model, args.requests, url)
+            if face == "async":
+                records, lat, errors, elapsed = drive_async(args.address, model, args.requests)
+            else:
+                records, lat, errors, elapsed = drive(args.address, model, args.requests, url)
             bad = mismatches(records, os.path.join(args.models_dir, f"{model['name']}-v1.pt"), model)
             ms = np.array(lat) * 1e3 if lat else np.array([np.nan])
             rows.append((model["name"], face, len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
@@ -146,8 +180,8 @@ def main() -> int:
           f"{'req/s':>8}")
     for name, face, n, e, bad, p50, p99, rps in rows:
         print(f"{name:<8} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
-    print(f"(concurrency {CONCURRENCY}, 1-4 rows per request, answers checked against the model run in-process; "
-          f"HTTP: KServe v2 at {http}, binary tensors)")
+    print(f"(concurrency {CONCURRENCY} threads; async: one AsyncClient, {ASYNC_INFLIGHT} in flight; 1-4 rows per "
+          f"request, answers checked against the model run in-process; HTTP: KServe v2 at {http}, binary tensors)")
     mlp = next(m for m in models if m["name"] == "mlp")
     n, e, bad, swap_ms, message = hot_swap(args.address, mlp, os.path.join(args.models_dir, "mlp-v1.pt"),
                                            4 * args.requests)
