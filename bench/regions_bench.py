@@ -88,8 +88,8 @@ class Caller:
         return Region(self.send, nbytes, **options)
 
     def infer(self, model: str, inputs: dict, region: Region | None = None, timeout: float = 60.0, **options):
-        call = prepare(next(self.ids), model, inputs, token=self.token, default_tenant=None, region=region,
-                       timeout=timeout, **options)
+        call = prepare(next(self.ids), model, inputs, token=self.token, default_tenant=None, address=self.address,
+                       region=region, timeout=timeout, **options)
         answered = False
         try:
             reply, frames = self.exchange(call.msg, call.frames, timeout + 1.0)

@@ -129,7 +129,7 @@ class Admission:
             self._memo.clear()
             self._memo_generation = self.registry.generation
         key = (msg.model, None if msg.outputs is None else tuple(msg.outputs), tuple(sizes),
-               *[(t.name, t.dtype, tuple(t.shape), t.compression) for t in msg.inputs])
+               *[(t.name, t.dtype, tuple(t.shape), t.compression, t.wire_dtype) for t in msg.inputs])
         hit = self._memo.get(key)
         if hit is not None:
             entry, shape, out_nbytes = hit

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import COMPRESSIONS, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of, split_model_key
+from tgw.shm.wire import COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of, split_model_key
 
 from .config import Config, ModelDecl
+from .inbound import wire_nbytes
 from .routing import Traffic
 from .versions import VersionRecord, VersionState
 
@@ -79,7 +80,7 @@ class ModelEntry:
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
                          max_batch_size=self.decl.max_batch_size, inputs=self.inputs, outputs=self.outputs,
-                         ready=ready)
+                         ready=ready, wire_dtypes=list(self.decl.wire_dtypes))
 
 
 @dataclass(slots=True)
@@ -217,11 +218,14 @@ class Registry:
             if meta.compression is not None and meta.compression not in COMPRESSIONS:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown compression {meta.compression!r} on "
                            f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
-            want = nbytes_of(decl.dtype, shape)
+            if meta.wire_dtype is not None:
+                _check_wire_dtype(model, decl, meta.wire_dtype)
+            want = wire_nbytes(meta)
             got = frame_sizes[order[k]]
             if meta.compression is None and got != want:
+                what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
                 raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
-                           f"shape {shape} x {decl.dtype} needs {want}", input=decl.name, expected=want, got=got)
+                           f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
             if model.variable:
                 shape_key.append(tuple(shape[1:]))
         return order, rows, tuple(shape_key)
@@ -235,6 +239,22 @@ class Registry:
             raise fail(Code.INVALID_ARGUMENT, f"requested outputs {wanted}; model {model.name!r} has "
                        f"{sorted(model.output_names)} (each at most once)")
         return list(wanted)
+
+
+def _check_wire_dtype(model: ModelEntry, decl: IOSpec, wire_dtype: str) -> None:
+    """A float32 input sent at a reduced precision: one tgw knows, that the model's config allows."""
+    allowed = model.decl.wire_dtypes
+    if wire_dtype not in WIRE_DTYPES:
+        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r}: unknown wire_dtype {wire_dtype!r}; "
+                   f"one of {list(WIRE_DTYPES)}", input=decl.name, wire_dtype=wire_dtype)
+    if decl.dtype != "float32":
+        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} is {decl.dtype}: only float32 inputs may be "
+                   f"sent at a reduced wire_dtype ({wire_dtype})", input=decl.name, wire_dtype=wire_dtype)
+    if wire_dtype not in allowed:
+        raise fail(Code.INVALID_INPUT_DTYPE, f"model {model.name!r} does not take input {decl.name!r} as "
+                   f"{wire_dtype}: its config allows {list(allowed) or 'no reduced precision'} "
+                   f"(models[].wire_dtypes)", input=decl.name, wire_dtype=wire_dtype, allowed=list(allowed),
+                   config_key="models[].wire_dtypes")
 
 
 def _dims_match(got: list[int], declared: list[int]) -> bool:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tgw.shm.paths import check_ipc_address
-from tgw.shm.wire import DTYPE_SIZES
+from tgw.shm.wire import DTYPE_SIZES, WIRE_DTYPES
 
 from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
 
@@ -74,6 +74,16 @@ class ModelDecl(Strict):
     adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
     breaker: Optional[BreakerDecl] = None
     residency: Literal["always", "on_demand"] = "always"  # on_demand: loaded on first use, LRU-evictable
+    # reduced precisions its float32 inputs may travel in (client wire_dtype=); widened to float32 on arrival
+    wire_dtypes: list[str] = []
+
+    @field_validator("wire_dtypes")
+    @classmethod
+    def _wire_dtypes(cls, v: list[str]) -> list[str]:
+        unknown = [d for d in v if d not in WIRE_DTYPES]
+        if unknown:
+            raise ValueError(f"unknown wire_dtypes {unknown}; one of {', '.join(WIRE_DTYPES)}")
+        return list(dict.fromkeys(v))
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelDecl":
@@ -88,6 +98,9 @@ class ModelDecl(Strict):
             too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
             if too_big:
                 raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
+        if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):
+            raise ValueError(f"wire_dtypes {self.wire_dtypes}: model {self.name!r} has no float32 input (only "
+                             "float32 inputs travel at a reduced precision)")
         if self.breaker and self.breaker.fallback == self.name:
             raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
         return self

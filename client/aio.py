@@ -173,7 +173,7 @@ class AsyncClient:
         region, reregistered = options.get("region"), False
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
-                           timeout=tries.left(), **options)
+                           address=self.address, timeout=tries.left(), **options)
             try:
                 reply, frames = await self._infer(call)
                 self.last_reply = reply

@@ -170,7 +170,7 @@ class Client:
         tries, reregistered = Attempts(retry if retry is not None else self.retry, timeout), False
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
-                           version=version, timeout=tries.left(), outputs=outputs, priority=priority,
+                           address=self.address, version=version, timeout=tries.left(), outputs=outputs, priority=priority,
                            compress=compress, tenant=tenant, routing_key=routing_key, traceparent=traceparent,
                            return_type=return_type, region=region, **options)
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tgw.shm.compression import for_address
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, Infer
 
@@ -67,19 +68,21 @@ class Call:
 
 
 def prepare(req_id: int, model: str, inputs: dict[str, Any], *, token: str | None, default_tenant: str | None,
-            version: str | None = None, timeout: float | None = None, outputs: list[str] | None = None,
+            address: str, version: str | None = None, timeout: float | None = None, outputs: list[str] | None = None,
             priority: int = 0, compress: bool | str = False, tenant: str | None = None,
             routing_key: str | None = None, traceparent: str | None = None, return_type: str = "numpy",
-            region=None, cuda_out: dict | None = None) -> Call:
-    """The Call for Client.infer's arguments (see there); raises the TgwError a bad argument gets."""
+            region=None, cuda_out: dict | None = None, wire_dtype: str | None = None) -> Call:
+    """The Call for Client.infer's arguments (see there) to the broker at `address`; raises the
+    TgwError a bad argument gets."""
     if timeout is not None and not timeout >= 0:
         raise fail(Code.INVALID_ARGUMENT, f"timeout must be >= 0 seconds, got {timeout}", timeout=timeout)
     if return_type not in RETURN_TYPES:
         raise fail(Code.INVALID_ARGUMENT, f"return_type must be one of {RETURN_TYPES}, got {return_type!r}")
     if compress not in (True, False, "auto"):
         raise fail(Code.INVALID_ARGUMENT, f"compress must be True, False or 'auto', got {compress!r}")
+    compress = for_address(compress, address)   # "auto" is off over ipc:// (docs/PROTOCOL.md section 4)
     host, on_gpu = cuda_ipc.split(inputs)   # CUDA tensors go by handle (encode would copy them to the host)
-    metas, frames, declared, sent = encode_tensors(host, compress) if host or not on_gpu else ([], [], 0, 0)
+    metas, frames, declared, sent = encode_tensors(host, compress, wire_dtype) if host or not on_gpu else ([], [], 0, 0)
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=metas, outputs=outputs,
                 priority=priority, compress_outputs=compress,
                 timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=token,

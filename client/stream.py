@@ -85,7 +85,7 @@ class Stream:
             self._receive(block=True)
         tag = next(self._tags) if tag is None else tag
         c = self.client
-        call = prepare(c.next_id(), self.model, inputs, token=c.token, default_tenant=c.tenant,
+        call = prepare(c.next_id(), self.model, inputs, token=c.token, default_tenant=c.tenant, address=c.address,
                        **{**self.options, **overrides})
         c._check_size(call.declared, call.sent)
         try:

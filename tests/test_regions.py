@@ -79,7 +79,7 @@ def test_region_inputs_equal_the_socket_path(caller):
     before = regions(caller)
     with caller.region(4 << 20) as region:
         via_socket = caller.infer("resnet224", {"image": x})["logits"]
-        call = prepare(1, "resnet224", {"image": x}, token=None, default_tenant=None, region=region)
+        call = prepare(1, "resnet224", {"image": x}, token=None, default_tenant=None, address="ipc://test", region=region)
         assert call.frames == [b""] and call.msg.inputs[0].region == region.handle and call.sent == 0
         region.release(call.slots)
         via_region = caller.infer("resnet224", {"image": x}, region=region)["logits"]
@@ -120,7 +120,7 @@ def test_outputs_into_the_region_and_the_fallback(caller):
     want = caller.infer("resnet224", {"image": x})["logits"]
     with caller.region(4 << 20, output_bytes=LOGITS) as region:
         before = regions(caller)
-        call = prepare(1, "resnet224", {"image": x}, token=None, default_tenant=None, region=region)
+        call = prepare(1, "resnet224", {"image": x}, token=None, default_tenant=None, address="ipc://test", region=region)
         reply, frames = caller.call(call.msg, call.frames)
         meta = reply.outputs[0]
         assert meta.region == region.handle and meta.offset == call.msg.output_region.offset
@@ -157,7 +157,7 @@ def test_unregistered_on_close_and_reregistered_after_unknown(caller):
 
 def _infer_naming(caller, region_handle, *, offset=0, frame=b"", compression=None, output=None):
     x = np.ones((2, 256), dtype=np.float32)
-    call = prepare(next(caller.ids), "mlp", {"x": x}, token=None, default_tenant=None)
+    call = prepare(next(caller.ids), "mlp", {"x": x}, token=None, default_tenant=None, address="ipc://test")
     meta = call.msg.inputs[0]
     meta.region, meta.offset, meta.compression = region_handle, offset, compression
     call.msg.output_region = output
@@ -286,7 +286,7 @@ def test_allocator_quarantine_and_fallback():
     calls = []
     x = np.zeros(4096, dtype=np.uint8)
     while True:
-        call = prepare(len(calls) + 1, "m", {"x": x}, token=None, default_tenant=None, region=region)
+        call = prepare(len(calls) + 1, "m", {"x": x}, token=None, default_tenant=None, address="ipc://test", region=region)
         if call.msg.inputs[0].region is None:
             break
         calls.append(call)
