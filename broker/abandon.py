@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from .frontdoor import FrontDoor
 
 MAX_CANCEL_IDS = 4096   # ids one cancel may name (more are ignored: a header is bounded anyway)
+RECHECK_S = 2.0         # after a disconnect, look again on every tick this long: the socket closes while
+                        # the process is still ending
 
 
 class Peer(NamedTuple):
@@ -42,16 +44,19 @@ def peer_credentials(frame) -> Peer | None:
         address = frame.get("Peer-Address")
     except Exception:  # a frame that is not a ZeroMQ message (a test's bytes), or no metadata
         return None
-    parts = address.rsplit(":", 3)
-    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+    # libzmq writes "localhost:uid:gid:pid" for a unix socket; a tcp peer's address is numeric
+    parts = address.split(":") if isinstance(address, str) else ()
+    if len(parts) != 4 or parts[0] != "localhost" or not all(p.isdigit() for p in parts[1:]):
         return None
     return Peer(int(parts[1]), int(parts[2]), int(parts[3]))
 
 
 def process_start(pid: int) -> float | None:
-    """When process `pid` started (None: no such process): a pid and its start time name one process."""
+    """When process `pid` started (None: no such process, or one that has ended and is waiting to
+    be reaped): a pid and its start time name one process."""
     try:
-        return psutil.Process(pid).create_time()
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return None
 
@@ -63,6 +68,7 @@ class Abandonment:
         self.processes: dict[bytes, tuple[int, float]] = {}   # ipc caller -> (pid, start time)
         self.counts: Counter = Counter()                # reason -> queued requests dropped unrun
         self._disconnects_seen = 0
+        self._recheck_until = 0.0
         self.b.admission.on_finished.append(self.finished)
 
     # ---- bookkeeping (hot path) ----------------------------------------------------------------
@@ -110,12 +116,15 @@ class Abandonment:
         self._drop(taken, reason)
         return len(taken)
 
-    def sweep(self) -> None:
-        """After a disconnect: drop the queued requests of callers whose process is gone."""
+    def sweep(self, now: float) -> None:
+        """After a disconnect (and on every tick for RECHECK_S after one): drop the queued requests
+        of callers whose process is gone."""
         disconnects = self.door.callers.disconnects
-        if disconnects == self._disconnects_seen:
+        if disconnects != self._disconnects_seen:
+            self._disconnects_seen = disconnects
+            self._recheck_until = now + RECHECK_S
+        elif now > self._recheck_until:
             return
-        self._disconnects_seen = disconnects
         owed = self.door.callers.owed
         gone = {ident for ident, (pid, start) in self.processes.items()
                 if ident in owed and process_start(pid) != start}

@@ -166,7 +166,7 @@ class FrontDoor:
     def tick(self) -> None:
         self.outbox.settle_all()
         self.regions.tick(self.b.clock())
-        self.abandon.sweep()
+        self.abandon.sweep(self.b.clock())
 
     # ---- answers -----------------------------------------------------------------------------
 

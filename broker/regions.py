@@ -26,13 +26,13 @@ import os
 import time
 from typing import Callable
 
-import psutil
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import align_up
 from tgw.shm.wire import DTYPE_SIZES, PROTOCOL_VERSION, Infer, RegionReply, RegisterRegion, TensorMeta, \
     UnregisterRegion, nbytes_of
 
+from .abandon import peer_credentials, process_start
 from .pending import Pending
 
 SWEEP_S = 1.0               # how often regions of dead processes are looked for
@@ -68,28 +68,9 @@ class Region:
 
 def peer_of(header) -> tuple[int, int] | None:
     """(uid, pid) of the process at the other end of an ipc:// connection; None for tcp:// (or an
-    HTTP caller: no header frame). libzmq writes "localhost:uid:gid:pid" for a unix socket;
-    a tcp peer's address is numeric, never "localhost"."""
-    try:
-        addr = header.get("Peer-Address")
-    except Exception:  # noqa: BLE001 - no metadata on this frame
-        return None
-    parts = addr.split(":") if isinstance(addr, str) else ()
-    if len(parts) != 4 or parts[0] != "localhost":
-        return None
-    try:
-        return int(parts[1]), int(parts[3])
-    except ValueError:
-        return None
-
-
-def process_start(pid: int) -> float | None:
-    """The process's start time (None: gone, or a zombie): with the pid, who owns a region."""
-    try:
-        p = psutil.Process(pid)
-        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
-    except psutil.Error:
-        return None
+    HTTP caller: no header frame)."""
+    peer = peer_credentials(header) if header is not None else None
+    return None if peer is None else (peer.uid, peer.pid)
 
 
 def refuse(code: Code, reason: str, message: str, **details) -> TgwError:
