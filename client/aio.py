@@ -26,10 +26,10 @@ from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, Goodbye, Health, 
     Stats, Status, as_builtins, encode
 
 from .client import (CONNECT_TIMEOUT_S, GOODBYE_LINGER_MS, NO_TIMEOUT_WAIT_S, REPLY_GRACE_S, ConnectError, InferResult,
-                     health_dict, model_dict, read_reply, settings, stats_dict, status_dict, unknown_region)
+                     health_dict, model_dict, read_reply, settings, stats_dict, status_dict)
 from .connection import LIVENESS_S, Link
 from .request import Call, prepare
-from .retry import Attempts, RetryPolicy
+from .retry import REREGISTER, Attempts, RetryPolicy
 from .tensors import ZERO_COPY_MIN
 
 log = logging.getLogger("tgw.client")
@@ -169,8 +169,8 @@ class AsyncClient:
         """As Client.infer_with_meta, awaited."""
         if self._link is None:
             await self.connect()
-        tries = Attempts(retry if retry is not None else self.retry, options.pop("timeout", None))
-        region, reregistered = options.get("region"), False
+        region = options.get("region")
+        tries = Attempts(retry if retry is not None else self.retry, options.pop("timeout", None), region)
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
                            address=self.address, timeout=tries.left(), **options)
@@ -180,16 +180,15 @@ class AsyncClient:
                 return InferResult(call.outputs(reply, frames), reply.model, reply.version, reply.traceparent)
             except Exception as exc:
                 call.end(exc)
-                if region is not None and not reregistered and unknown_region(exc):   # a restarted broker
-                    await region.areregister()
-                    reregistered = True
-                    continue
                 wait = tries.after(exc)
                 if wait is None:
                     raise
             finally:
                 call.end()
-            await asyncio.sleep(wait)   # the policy's back-off, before the next try
+            if wait is REREGISTER:   # the broker restarted
+                await region.areregister()
+            else:
+                await asyncio.sleep(wait)   # the policy's back-off, before the next try
 
     def stream(self, model: str, *, window: int = 64, **options):
         """An async streaming session (client.stream.AsyncStream): `await s.send(inputs, tag)`,

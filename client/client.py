@@ -28,7 +28,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Goodbye, Hea
 
 from .connection import LIVENESS_S, Link
 from .request import Call, prepare
-from .retry import Attempts, RetryPolicy
+from .retry import REREGISTER, Attempts, RetryPolicy
 from .tensors import ZERO_COPY_MIN
 
 CONNECT_TIMEOUT_S = 5.0
@@ -167,28 +167,27 @@ class Client:
         carries large tensors through shared memory instead of the socket; `retry` overrides the
         client's retry policy. Further options (`wire_dtype`, `cuda_out`) are described in the
         README's client section."""
-        tries, reregistered = Attempts(retry if retry is not None else self.retry, timeout), False
+        tries = Attempts(retry if retry is not None else self.retry, timeout, region)
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
-                           address=self.address, version=version, timeout=tries.left(), outputs=outputs, priority=priority,
-                           compress=compress, tenant=tenant, routing_key=routing_key, traceparent=traceparent,
-                           return_type=return_type, region=region, **options)
+                           address=self.address, version=version, timeout=tries.left(), outputs=outputs,
+                           priority=priority, compress=compress, tenant=tenant, routing_key=routing_key,
+                           traceparent=traceparent, return_type=return_type, region=region, **options)
             try:
                 reply, frames = self._infer(call)
                 self._local.reply = reply   # for infer_with_meta (this thread's last answer)
                 return call.outputs(reply, frames)
             except Exception as exc:
                 call.end(exc)
-                if region is not None and not reregistered and unknown_region(exc):   # a restarted broker
-                    region.reregister()
-                    reregistered = True
-                    continue
                 wait = tries.after(exc)
                 if wait is None:
                     raise
             finally:
                 call.end()
-            time.sleep(wait)   # the policy's back-off, before the next try
+            if wait is REREGISTER:   # the broker restarted
+                region.reregister()
+            else:
+                time.sleep(wait)     # the policy's back-off, before the next try
 
     def infer_with_meta(self, model: str, inputs: dict[str, Any], **options) -> InferResult:
         """As infer (the same options), with what the broker says about the run: the model and
@@ -351,11 +350,6 @@ class Client:
             if isinstance(reply, ErrorReply):
                 raise error_from_body(reply.error)
             return reply, parts
-
-
-def unknown_region(err: BaseException) -> bool:
-    """The broker does not know the region the call named: it restarted (re-register and retry)."""
-    return getattr(err, "details", {}).get("reason") == "unknown_region"
 
 
 def read_reply(sock: zmq.Socket):

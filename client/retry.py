@@ -46,11 +46,15 @@ class RetryPolicy:
         return wait
 
 
-class Attempts:
-    """One call's tries under a policy (None: a single try) and its timeout (None: none)."""
+REREGISTER = "reregister"   # Attempts.after: register the call's region again, then try at once
 
-    def __init__(self, policy: RetryPolicy | None, timeout: float | None):
-        self.policy, self.timeout = policy, timeout
+
+class Attempts:
+    """One call's tries under a policy (None: a single try) and its timeout (None: none); `region`:
+    the call's shared-memory region, registered again (once) when the broker no longer knows it."""
+
+    def __init__(self, policy: RetryPolicy | None, timeout: float | None, region=None):
+        self.policy, self.timeout, self.region = policy, timeout, region
         self.started, self.attempt = time.monotonic(), 1
 
     def left(self) -> float | None:
@@ -60,8 +64,12 @@ class Attempts:
             return self.timeout
         return max(0.0, self.timeout - (time.monotonic() - self.started))
 
-    def after(self, err: BaseException) -> float | None:
-        """The wait before the next try after `err`, or None: raise it."""
+    def after(self, err: BaseException) -> float | str | None:
+        """The wait before the next try after `err`; REREGISTER when the broker does not know the
+        call's region (it restarted: not counted as a try); None: raise it."""
+        if self.region is not None and getattr(err, "details", {}).get("reason") == "unknown_region":
+            self.region = None
+            return REREGISTER
         if self.policy is None:
             return None
         wait = self.policy.delay(err, self.attempt, self.left())

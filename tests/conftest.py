@@ -60,6 +60,18 @@ def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
         time.sleep(POLL_S)
 
 
+def kill_broker(b) -> None:
+    """SIGKILL the broker (by its PID) and wait for its workers to follow it (PR_SET_PDEATHSIG)."""
+    workers = b.worker_pids()
+    b.proc.kill()
+    b.proc.wait()
+    for w in workers:
+        try:
+            psutil.Process(w).wait(30)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def readme_block(marker: str) -> str:
     """The code block after `<!-- MARKER -->` in the README."""
     with open(os.path.join(HERE, "..", "README.md")) as f:

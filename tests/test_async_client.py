@@ -21,7 +21,7 @@ import uvloop
 from conftest import base_config, wait_until
 from tgw.client import Client, ConnectError, DeadlineExceededError, ModelNotFoundError, RateLimitedError
 from tgw.client.aio import AsyncClient
-from tgw.client.retry import Attempts, RetryPolicy
+from tgw.client.retry import REREGISTER, Attempts, RetryPolicy
 from tgw.shm.errors import Code, fail
 
 X = np.arange(256, dtype=np.float32).reshape(1, 256) / 256
@@ -47,6 +47,14 @@ def run(coro):
 
 def queued(c: Client, model: str = "spin") -> int:
     return c.stats()["models"][model]["queued"]
+
+
+async def start_blocker(ac: AsyncClient, c: Client) -> asyncio.Future:
+    """The long spin request, once it is on the worker (so what follows it stays queued)."""
+    blocker = asyncio.ensure_future(ac.infer("spin", spin(BLOCKER_ROUNDS)))
+    await asyncio.to_thread(wait_until, lambda: queued(c) == 0 and c.stats()["models"]["spin"]["requests"] == 1,
+                            what="the blocker on the worker")
+    return blocker
 
 
 def test_thousands_in_flight_on_one_connection_match_the_sync_client(model_files, make_broker):
@@ -94,9 +102,7 @@ def test_cancelling_the_awaiting_task_drops_the_queued_request(model_files, make
     with Client(b.address) as c:
         async def main():
             async with AsyncClient(b.address) as ac:
-                blocker = asyncio.ensure_future(ac.infer("spin", spin(BLOCKER_ROUNDS)))
-                await asyncio.to_thread(wait_until, lambda: c.stats()["models"]["spin"]["requests"] == 1
-                                        and queued(c) == 0, what="the blocker on the worker")
+                blocker = await start_blocker(ac, c)
                 waiting = [asyncio.ensure_future(ac.infer("spin", spin(1))) for _ in range(10)]
                 await asyncio.to_thread(wait_until, lambda: queued(c) == 10, what="ten queued")
                 for t in waiting:
@@ -115,9 +121,7 @@ def test_a_timeout_cancels_the_request_at_the_broker(model_files, make_broker):
     with Client(b.address) as c:
         async def main():
             async with AsyncClient(b.address) as ac:
-                blocker = asyncio.ensure_future(ac.infer("spin", spin(BLOCKER_ROUNDS)))
-                await asyncio.to_thread(wait_until, lambda: queued(c) == 0 and
-                                        c.stats()["models"]["spin"]["requests"] == 1, what="the blocker running")
+                blocker = await start_blocker(ac, c)
                 # the broker's own deadline would answer it too, but later: the client gives up
                 # first (the local wait is the timeout plus 0.1 s) and cancels
                 with pytest.raises(DeadlineExceededError) as late:
@@ -163,6 +167,9 @@ def test_retry_delays_follow_the_policy_and_the_deadline():
     assert all(0.5 <= jittered.delay(busy, 1, None) <= 1.0 for _ in range(100))
     tries = Attempts(None, None)
     assert tries.left() is None and tries.after(busy) is None
+    lost = fail(Code.INVALID_ARGUMENT, "region 3 is not registered", reason="unknown_region")
+    once = Attempts(None, None, region=object())   # a restarted broker: register again, once
+    assert once.after(lost) is REREGISTER and once.after(lost) is None
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
 
@@ -173,9 +180,7 @@ def test_closing_the_client_drops_its_queued_requests(model_files, make_broker):
         async def main():
             ac = AsyncClient(b.address)
             await ac.connect()
-            blocker = asyncio.ensure_future(ac.infer("spin", spin(BLOCKER_ROUNDS)))
-            await asyncio.to_thread(wait_until, lambda: queued(c) == 0 and
-                                    c.stats()["models"]["spin"]["requests"] == 1, what="the blocker running")
+            blocker = await start_blocker(ac, c)
             waiting = [asyncio.ensure_future(ac.infer("spin", spin(1))) for _ in range(6)]
             await asyncio.to_thread(wait_until, lambda: queued(c) == 6, what="six queued")
             await ac.close()
@@ -206,9 +211,7 @@ def test_the_queued_requests_of_a_vanished_client_are_dropped(model_files, make_
 
         async def hold():
             async with AsyncClient(b.address) as ac:
-                task = asyncio.ensure_future(ac.infer("spin", spin(BLOCKER_ROUNDS)))
-                await asyncio.to_thread(wait_until, lambda: queued(c) == 0 and
-                                        c.stats()["models"]["spin"]["requests"] == 1, what="the blocker running")
+                task = await start_blocker(ac, c)
                 script = os.path.join(short_dir, "vanish.py")
                 with open(script, "w") as f:
                     f.write(VANISHING)

@@ -9,7 +9,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import base_config, in_flight, wait_until
+from conftest import base_config, in_flight, kill_broker, wait_until
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 from tgw.shm.paths import ipc_path
@@ -32,18 +32,6 @@ def test_clean_stop_leaves_nothing(model_files, make_broker):
     assert not any(psutil.pid_exists(w) and psutil.Process(w).status() != psutil.STATUS_ZOMBIE for w in workers)
 
 
-def _kill_broker(b) -> None:
-    """SIGKILL the broker and wait for its workers to follow it (PR_SET_PDEATHSIG)."""
-    workers = b.worker_pids()
-    b.proc.kill()
-    b.proc.wait()
-    for w in workers:
-        try:
-            psutil.Process(w).wait(30)
-        except psutil.NoSuchProcess:
-            pass
-
-
 def test_process_titles_name_broker_and_workers(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp"))
     titles = [" ".join(psutil.Process(pid).cmdline()).strip() for pid in [b.proc.pid, *b.worker_pids()]]
@@ -54,7 +42,7 @@ def test_sigkill_of_broker_then_restart_sweeps(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp"))
     pid = b.proc.pid
     stale = list_segments(pid)
-    _kill_broker(b)
+    kill_broker(b)
     assert list_segments(pid) == stale and stale  # left behind by the crash...
     b2 = make_broker(base_config(model_files, "mlp"), sub="again")
     assert list_segments(pid) == []                # ...and swept by the next start
@@ -65,7 +53,7 @@ def test_sigkill_of_broker_then_restart_sweeps(model_files, make_broker):
 
 def test_stale_socket_file_is_replaced(model_files, make_broker):
     b = make_broker(base_config(model_files, "mlp"))
-    _kill_broker(b)
+    kill_broker(b)
     b.start()  # same address: the dead broker's socket file must not block it
     with Client(b.address) as c:
         assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)

@@ -6,11 +6,10 @@ import asyncio
 import threading
 
 import numpy as np
-import psutil
 import pytest
 import uvloop
 
-from conftest import base_config, wait_until
+from conftest import base_config, kill_broker, wait_until
 from tgw.client import Client, ConnectError, UnavailableError
 from tgw.client.aio import AsyncClient
 from tgw.client.connection import Link
@@ -19,18 +18,6 @@ from tgw.shm.errors import Code
 from test_async_client import BLOCKER_ROUNDS, one_at_a_time, queued, spin
 
 X = np.zeros((1, 256), np.float32)
-
-
-def kill_broker(b) -> None:
-    """SIGKILL the broker (by its PID) and wait for its workers to follow it (PR_SET_PDEATHSIG)."""
-    workers = b.worker_pids()
-    b.proc.kill()
-    b.proc.wait()
-    for w in workers:
-        try:
-            psutil.Process(w).wait(30)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def test_sync_call_without_timeout_raises_when_the_broker_dies(model_files, make_broker):

@@ -31,7 +31,7 @@ import torch
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import BlockTooLarge
-from tgw.shm.wire import Batch, CudaIpc, Done, encode, model_key
+from tgw.shm.wire import Batch, CudaIpc, Done, encode
 
 from .runner import TORCH_DTYPES
 
@@ -99,16 +99,10 @@ def over(storage: torch.UntypedStorage, dtype: torch.dtype, shape: list[int], of
     return torch._utils._rebuild_tensor(typed, offset_bytes // item, tuple(shape), tuple(reversed(stride)))
 
 
-def run(server, batch: Batch, t0: float) -> Done:
-    """Serve a batch carrying CUDA descriptors (workers/serve.Server._run's counterpart). Every
-    storage it opens is dropped before it returns, so before the completion is sent."""
-    if batch.deadline and time.monotonic() > batch.deadline:
-        return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
-    key = model_key(batch.model, batch.version)
-    runner = server.runners.get(key)
-    if runner is None:
-        return _error(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
-    server.progress.start(batch.batch_id)
+def run(server, batch: Batch, runner, t0: float) -> Done:
+    """Serve a batch carrying CUDA descriptors, once Server._run has checked its deadline and
+    found its model's `runner`. Every storage it opens is dropped before it returns, so before
+    the completion is sent."""
     n = len(batch.cuda_inputs or batch.cuda_outputs)
     splits = batch.splits if len(batch.splits) == n and sum(batch.splits) == batch.rows else None
     if splits is None:

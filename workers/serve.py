@@ -80,8 +80,6 @@ class Server:
 
     def _run(self, batch: Batch) -> Done:
         t0 = time.perf_counter()
-        if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
-            return cuda_ipc.run(self, batch, t0)
         if batch.deadline and time.monotonic() > batch.deadline:
             return _error(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
         key = model_key(batch.model, batch.version)
@@ -89,6 +87,8 @@ class Server:
         if runner is None:
             return _error(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
         self.progress.start(batch.batch_id)
+        if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
+            return cuda_ipc.run(self, batch, runner, t0)
         try:
             inputs = [self._view(t) for t in batch.inputs]
             outs = runner.run(inputs, batch.rows)
