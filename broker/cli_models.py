@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Iterator
 
+from tgw.shm.model_format import FORMATS
 from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata,
                           Reload, SetTraffic, UnloadVersion)
 
@@ -77,9 +78,10 @@ def add_verbs(sub, broker_verb) -> None:
     load = model_verb("load", "load a new version of a declared model (no --weight: a hot swap)",
                       CONTROL_WAIT_S, load_request, print_control)
     load.add_argument("--version", required=True, help="the new version's name (a name in use is refused)")
-    load.add_argument("--path", help="TorchScript file inside the config's model_roots, as the broker sees it "
+    load.add_argument("--path", help="model file inside the config's model_roots, as the broker sees it "
                                      "(default: the path the config declares for this version)")
     load.add_argument("--sha256", type=sha256_hex, help="the file's SHA-256; the worker checks the bytes it loads")
+    load.add_argument("--format", choices=FORMATS, help="what the file must hold (default: whatever it holds)")
     load.add_argument("--weight", type=non_negative_int,
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
@@ -101,7 +103,7 @@ def add_verbs(sub, broker_verb) -> None:
 
 def load_request(args) -> LoadVersion:
     return LoadVersion(v=PROTOCOL_VERSION, model=args.model, version=args.version, path=args.path,
-                       sha256=args.sha256, weight=args.weight)
+                       sha256=args.sha256, weight=args.weight, format=args.format)
 
 
 # ---- printing --------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def print_metadata(reply: MetadataReply) -> None:
         for v in m.versions:
             print(f"  version {v.version}: {v.state}, weight {v.weight} ({share(v.weight, total)}), {mib(v.bytes)}, "
                   f"loads {v.loads}, evictions {v.evictions}, last load {v.last_load_ms:.0f} ms")
-            print(f"    path {v.path}" + (f", sha256 {v.sha256}" if v.sha256 else ""))
+            print(f"    path {v.path} ({v.format})" + (f", sha256 {v.sha256}" if v.sha256 else ""))
             if v.workers:
                 print("    " + ", ".join(f"{worker} {state}" for worker, state in v.workers.items()))
 

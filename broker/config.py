@@ -11,6 +11,8 @@ from typing import Optional
 import yaml
 from pydantic import ValidationError
 
+from tgw.shm.model_format import FORMATS, detect
+
 from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
 from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
@@ -103,9 +105,10 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> l
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
         sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
+        fmt = v.get("format") if v.get("format") in FORMATS else None
         path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
         try:
-            check_file(confine(path, roots) if roots is not None else path, sha256)
+            check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
         except PathRefused as err:
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
@@ -133,9 +136,8 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     problems += root_problems + _duplicate_problems(data) + _file_problems(data, base_dir, roots)
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
-    models = [m.model_copy(update={"versions": [
-        v.model_copy(update={"path": confine(os.path.join(base_dir, v.path), roots)}) for v in m.versions]})
-        for m in cfg.models]
+    models = [m.model_copy(update={"versions": [_resolved(v, base_dir, roots) for v in m.versions]})
+              for m in cfg.models]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:
         sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
@@ -144,6 +146,12 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
     return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
                                                  "server": server}))
+
+
+def _resolved(v: VersionDecl, base_dir: str, roots: Optional[list[str]]) -> VersionDecl:
+    """The version with its path confined (the real file) and its format read from that file."""
+    path = confine(os.path.join(base_dir, v.path), roots)
+    return v.model_copy(update={"path": path, "format": detect(path, v.format)})
 
 
 def load_config(path: str) -> Config:

@@ -75,7 +75,7 @@ class ModelEntry:
         return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
 
     def spec(self, rec: VersionRecord) -> ModelSpec:
-        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes)
+        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size)
 
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",

@@ -108,7 +108,7 @@ class Reloader:
                 entry = registry.models[m.name]
                 for v in m.versions:
                     if v.version not in entry.records:
-                        decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256)
+                        decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256, v.format)
                         loaded.append((entry, await rollout.load_beside(entry, decl)))
         except BaseException:
             for entry, rec in loaded:

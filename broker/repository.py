@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .server import Broker
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
-LOAD_PARAMS = {"version": str, "path": str, "sha256": str, "weight": int,
+LOAD_PARAMS = {"version": str, "path": str, "sha256": str, "weight": int, "format": str,
                "unload_dependents": bool}   # tritonclient sends it; tgw models have no dependents
 
 
@@ -92,7 +92,7 @@ class Repository:
 
     async def load(self, request: web.Request) -> web.Response:
         """parameters: version (default: the config's default version), path (default: the
-        config's), sha256, weight (a canary beside what serves; none: a hot swap)."""
+        config's), sha256, weight (a canary beside what serves; none: a hot swap), format."""
         self.control_allowed()
         entry = self.b.registry.entry(request.match_info["model"])
         params = self.params(await self.body(request))
@@ -100,7 +100,7 @@ class Repository:
         if "version" not in params and version in entry.records:
             return self.done(f"{model_key(entry.name, version)} is already loaded")
         msg = LoadVersion(v=PROTOCOL_VERSION, model=entry.name, version=version, path=params.get("path"),
-                          sha256=params.get("sha256"), weight=params.get("weight"))
+                          sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"))
         reply, _ = await self.ask(msg)
         return self.done(reply.message)
 
@@ -130,7 +130,7 @@ class Repository:
         return doc
 
     @staticmethod
-    def params(doc: dict, allowed=("version", "path", "sha256", "weight")) -> dict:
+    def params(doc: dict, allowed=("version", "path", "sha256", "weight", "format")) -> dict:
         params = kserve.mapping(doc.get("parameters"), "parameters")
         for key, value in params.items():
             want = LOAD_PARAMS.get(key) if key in allowed else None

@@ -28,6 +28,7 @@ from .versions import VersionRecord, VersionState
 if TYPE_CHECKING:
     from .server import Broker
 
+FILE_REASONS = {"sha256": "checksum", "format": "format"}   # ModelFileError.field -> the error's reason
 UNLOAD_WAIT_S = 60.0   # bound on waiting for workers to confirm an unload
 
 
@@ -72,7 +73,7 @@ class Rollout:
     async def load(self, msg: LoadVersion) -> ControlReply:
         entry = self.registry.entry(msg.model)
         since = self.placement.seq
-        decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256)
+        decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256, msg.format)
         if msg.weight is not None and not 0 <= msg.weight <= 1_000_000:
             raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
         rec = await self.load_beside(entry, decl)
@@ -89,9 +90,9 @@ class Rollout:
         return self.reply(msg, entry, message, since)
 
     async def checked_decl(self, entry: ModelEntry, version: str, path: str | None,
-                           sha256: str | None) -> VersionDecl:
-        """The version to load, its path confined to model_roots and its file checked (off the loop:
-        hashing a large file takes a while)."""
+                           sha256: str | None, fmt: str | None = None) -> VersionDecl:
+        """The version to load, its path confined to model_roots and its file checked, its format
+        included (off the loop: hashing a large file takes a while)."""
         if version in entry.records:
             raise fail(Code.INVALID_ARGUMENT, f"model {entry.name!r} already has version {version!r} "
                        f"({entry.records[version].state.value}); a version's name identifies its outputs, so load "
@@ -101,22 +102,22 @@ class Rollout:
             if declared is None:
                 raise fail(Code.INVALID_ARGUMENT, f"version {version!r} of {entry.name!r} is not in the config: give "
                            "its path", model=entry.name, version=version, reason="no_path")
-            path, sha256 = declared.path, sha256 or declared.sha256
+            path, sha256, fmt = declared.path, sha256 or declared.sha256, fmt or declared.format
         try:
-            decl = VersionDecl(version=version, path=path, sha256=sha256)
+            decl = VersionDecl(version=version, path=path, sha256=sha256, format=fmt)
         except ValidationError as exc:  # the schema's rules: version name, sha256 form
             raise fail(Code.INVALID_ARGUMENT, f"invalid version {version!r}: {exc.errors()[0]['msg']}",
                        version=version) from None
         try:
             decl = decl.model_copy(update={"path": confine(path, self.roots)})
-            await asyncio.get_running_loop().run_in_executor(None, check_file, decl.path, decl.sha256)
+            fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, decl.path, decl.sha256, fmt)
         except PathRefused as exc:
             raise fail(Code.INVALID_ARGUMENT, f"model path refused: {exc}", reason="outside_model_roots",
                        path=path, model_roots=self.roots) from None
         except ModelFileError as exc:
-            raise fail(Code.INVALID_ARGUMENT, str(exc), reason="checksum" if exc.field == "sha256" else "file",
+            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
                        path=path) from None
-        return decl
+        return decl.model_copy(update={"format": fmt})
 
     async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
         """Load the version on every worker serving the model (one, for an on-demand model) and

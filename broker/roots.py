@@ -1,4 +1,4 @@
-"""Where model files may come from, and whether a file is the one declared.
+"""Where model files may come from, and whether a file is the one declared (and of its format).
 
 Used by config validation and by loads an operator asks for at run time, so nothing here
 depends on the schema: a path is confined to the model_roots folders, then checked.
@@ -10,17 +10,20 @@ import os
 import stat
 from typing import Optional
 
+from tgw.shm.model_format import ModelFormatError, detect
+
 
 class PathRefused(ValueError):
     """A model path outside model_roots, or one that could be read as pointing elsewhere."""
 
 
 class ModelFileError(ValueError):
-    """A model file that is missing, not a regular file, or not the one its sha256 names."""
+    """A model file that is missing, not a regular file, not the one its sha256 names, or not
+    of the format declared."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
-        self.field = field   # the version key the problem is about: "path" or "sha256"
+        self.field = field   # the version key the problem is about: "path", "sha256" or "format"
 
 
 def _inside(path: str, root: str) -> bool:
@@ -52,8 +55,9 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def check_file(path: str, sha256: Optional[str]) -> None:
-    """Raise ModelFileError unless `path` is a regular file whose sha256 (when given) matches."""
+def check_file(path: str, sha256: Optional[str], fmt: Optional[str] = None) -> str:
+    """The file's format (`fmt`, or detected when None); ModelFileError unless `path` is a regular
+    file whose sha256 (when given) matches and that holds a servable model of that format."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise ModelFileError(f"not a regular file: {path}", "path")
@@ -64,3 +68,9 @@ def check_file(path: str, sha256: Optional[str]) -> None:
         raise ModelFileError(f"cannot read model file {path}: {exc.strerror}", "path") from None
     if actual != sha256:
         raise ModelFileError(f"sha256 does not match {path} (sha256 {actual})", "sha256")
+    try:
+        return detect(path, fmt)
+    except ModelFormatError as exc:
+        raise ModelFileError(str(exc), "format" if fmt else "path") from None
+    except OSError as exc:
+        raise ModelFileError(f"cannot read model file {path}: {exc.strerror}", "path") from None

@@ -38,6 +38,8 @@ class VersionDecl(Strict):
     version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
     path: str
     sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+    # what the file holds (shm/model_format.py tells it from the file); parse_config fills it in
+    format: Optional[Literal["torchscript", "export", "aoti"]] = None
     weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
 
 

@@ -54,11 +54,13 @@ class VersionRecord:
         except OSError:
             return 0
 
-    def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int]) -> ModelSpec:
+    def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int], max_batch_size: int) -> ModelSpec:
         return ModelSpec(name=self.model, version=self.version, path=self.decl.path, inputs=inputs,
-                         outputs=outputs, warmup_batch_sizes=list(warmup), sha256=self.decl.sha256)
+                         outputs=outputs, warmup_batch_sizes=list(warmup), sha256=self.decl.sha256,
+                         format=self.decl.format or "torchscript", max_batch_size=max_batch_size)
 
     def info(self, workers: dict[str, str]) -> VersionInfo:
         return VersionInfo(version=self.version, path=self.decl.path, state=self.state.value, weight=self.weight,
                            sha256=self.decl.sha256, workers=workers, bytes=self.size(), loads=self.loads,
-                           evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3))
+                           evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
+                           format=self.decl.format or "torchscript")

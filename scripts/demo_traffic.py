@@ -114,9 +114,18 @@ def drive_async(address: str, model: dict, n: int) -> tuple[list, list, list, fl
     return records, latencies, errors, elapsed
 
 
-def mismatches(records: list, path: str, model: dict) -> int:
+def demo_path(models_dir: str, name: str) -> tuple[str, str]:
+    """(file, format) of demo model `name` (mlp-export: mlp's weights as a torch.export program)."""
+    from tgw.workers.demo_models import FORMAT_MODELS, demo_file  # imports torch: after the timed traffic
+    base, fmt = FORMAT_MODELS.get(name, (name, "torchscript"))
+    return demo_file(models_dir, base, fmt), fmt
+
+
+def mismatches(records: list, models_dir: str, model: dict) -> int:
     import torch  # only for the in-process reference, after the timed traffic
-    module = torch.jit.load(path)
+    from tgw.workers.formats import load_in_process
+    path, fmt = demo_path(models_dir, model["name"])
+    module = load_in_process(fmt, path).call   # the program as the worker loads it, in this process
     bad = 0
     with torch.inference_mode():
         for x, y in records:
@@ -132,7 +141,7 @@ def mismatches(records: list, path: str, model: dict) -> int:
     return bad
 
 
-def hot_swap(address: str, model: dict, path: str, n: int) -> tuple[int, int, int, float, str]:
+def hot_swap(address: str, model: dict, models_dir: str, n: int) -> tuple[int, int, int, float, str]:
     """Drive `model` while `tgw-broker models load` swaps in version "2" (the same file, so the
     answers stay checkable); returns (requests, errors, mismatches, swap ms, the broker's message)."""
     from tgw.broker.control import ask
@@ -146,11 +155,12 @@ def hot_swap(address: str, model: dict, path: str, n: int) -> tuple[int, int, in
         while c.stats()["models"][model["name"]]["requests"] < before + n // 4 and driver.is_alive():
             time.sleep(0.01)   # swap once traffic flows
     t0 = time.perf_counter()
+    path = demo_path(models_dir, model["name"])[0]
     reply = ask(address, LoadVersion(v=PROTOCOL_VERSION, model=model["name"], version="2", path=path), 120)
     swap_ms = (time.perf_counter() - t0) * 1e3
     driver.join()
     records, lat, errors, _ = result[0]
-    return len(lat) + len(errors), len(errors), mismatches(records, path, model), swap_ms, reply.message
+    return len(lat) + len(errors), len(errors), mismatches(records, models_dir, model), swap_ms, reply.message
 
 
 def main() -> int:
@@ -171,20 +181,22 @@ def main() -> int:
                 records, lat, errors, elapsed = drive_async(args.address, model, args.requests)
             else:
                 records, lat, errors, elapsed = drive(args.address, model, args.requests, url)
-            bad = mismatches(records, os.path.join(args.models_dir, f"{model['name']}-v1.pt"), model)
+            bad = mismatches(records, args.models_dir, model)
             ms = np.array(lat) * 1e3 if lat else np.array([np.nan])
             rows.append((model["name"], face, len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
                          np.percentile(ms, 99), len(lat) / elapsed))
             failed |= bool(errors) or bad > 0 or len(lat) != args.requests
-    print(f"\n{'model':<8} {'face':<7} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} "
+    print(f"\n{'model':<10} {'face':<7} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'req/s':>8}")
     for name, face, n, e, bad, p50, p99, rps in rows:
-        print(f"{name:<8} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
+        print(f"{name:<10} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
     print(f"(concurrency {CONCURRENCY} threads; async: one AsyncClient, {ASYNC_INFLIGHT} in flight; 1-4 rows per "
           f"request, answers checked against the model run in-process; HTTP: KServe v2 at {http}, binary tensors)")
+    if not any(m["name"] == "mlp-aoti" for m in models):
+        print("mlp-aoti: not served, no C++ compiler was found to build its AOTInductor package (the broker log "
+              "says so); install g++ and start again to add it")
     mlp = next(m for m in models if m["name"] == "mlp")
-    n, e, bad, swap_ms, message = hot_swap(args.address, mlp, os.path.join(args.models_dir, "mlp-v1.pt"),
-                                           4 * args.requests)
+    n, e, bad, swap_ms, message = hot_swap(args.address, mlp, args.models_dir, 4 * args.requests)
     print(f"\nhot swap of mlp 1 -> 2 under traffic: {n} requests, {e} errors, {bad} mismatches; the swap "
           f"(load beside, flip, drain, unload) took {swap_ms:.0f} ms\n  broker: {message}")
     failed |= bool(e) or bad > 0 or n != 4 * args.requests

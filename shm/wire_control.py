@@ -22,6 +22,7 @@ class LoadVersion(Struct, tag_field="op", tag="load"):
     sha256: Optional[str] = None
     weight: Optional[int] = None
     token: Optional[str] = None
+    format: Optional[str] = None             # torchscript, export, aoti; None: as the file (or config) says
 
 
 class UnloadVersion(Struct, tag_field="op", tag="unload"):
@@ -68,6 +69,7 @@ class VersionInfo(Struct):
     loads: int = 0
     evictions: int = 0
     last_load_ms: float = 0.0
+    format: str = "torchscript"         # what the file holds (shm/model_format.py)
 
 
 class ModelMetadata(Struct):

@@ -18,6 +18,8 @@ class ModelSpec(Struct):
     outputs: list[IOSpec]
     warmup_batch_sizes: list[int] = []
     sha256: Optional[str] = None   # checked by the worker on the very bytes it loads
+    format: str = "torchscript"    # torchscript, export, aoti: checked again on those bytes
+    max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
 
 
 class BlockTensor(Struct):
@@ -66,7 +68,7 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     worker_id: int
     key: str
     error: Optional[str] = None     # None: loaded and warmed up, serving from now on
-    reason: str = ""                # with an error: file, checksum, load, warmup, out_of_memory
+    reason: str = ""                # with an error: file, checksum, format, load, warmup, out_of_memory
     bytes: int = 0                  # parameter and buffer bytes
     rss_before: int = 0
     rss_after: int = 0

@@ -30,6 +30,15 @@ BASE_MODELS = ("mlp", "embed")          # from the demo set
 TEST_MODELS = ("mixed", "fails", "spin")  # from tests/models.py
 
 
+def unloaded_model(path, salt: bytes = b"") -> None:
+    """A file config validation takes for a TorchScript archive (its zip directory says so) and
+    no worker could load: for tests that validate configs and never load their models."""
+    import zipfile
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/code/__torch__.py", b"# never loaded\n" + salt)
+        archive.writestr("archive/data.pkl", b"")
+
+
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory) -> dict:
     """name -> (path, io declaration) for the demo models and the test models."""
@@ -38,7 +47,7 @@ def model_files(tmp_path_factory) -> dict:
 
     out = str(tmp_path_factory.mktemp("models"))
     demo = build_demo_models(out)
-    files = {n: (demo[n], DEMO_MODELS[n][2]) for n in demo}
+    files = {n: (demo[n]["path"], DEMO_MODELS[n][2]) for n in demo}
     for name in MODELS:
         path = os.path.join(out, f"{name}.pt")
         save(name, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import unloaded_model
 from tgw.broker.admission import Admission
 from tgw.broker.batcher import Batcher
 from tgw.broker.breaker import State
@@ -38,7 +39,7 @@ def model(name: str, **kw) -> dict:
 
 
 def make(tmp_path, *models: dict, **top) -> tuple[Admission, Clock, list]:
-    (tmp_path / "m.pt").write_bytes(b"not loaded here")
+    unloaded_model(tmp_path / "m.pt")
     cfg = parse_config({"models": list(models), **top}, str(tmp_path))
     clock, shed = Clock(), []
     registry = Registry(cfg)

@@ -151,17 +151,17 @@ def test_metadata(capsys):
     reply = MetadataReply(v=V, id=1, models=[model([
         version("1", 3, sha256="ab" * 32, workers={"worker0[cpu]": "loaded", "worker1[cpu]": "unloading"},
                 bytes=3 * 2**20, loads=2, evictions=1, last_load_ms=812.4),
-        version("2", 1, state="loading", workers={"worker0[cpu]": "loading"})])])
+        version("2", 1, state="loading", workers={"worker0[cpu]": "loading"}, format="export")])])
     cli_models.print_metadata(reply)
     assert capsys.readouterr().out.splitlines() == [
         "mlp: always, default version 1, max batch 64",
         "  input  x float32 [256]",
         "  output y float32 [-1, 10]",
         "  version 1: ready, weight 3 (75%), 3.0 MiB, loads 2, evictions 1, last load 812 ms",
-        f"    path /models/mlp/1.pt, sha256 {'ab' * 32}",
+        f"    path /models/mlp/1.pt (torchscript), sha256 {'ab' * 32}",
         "    worker0[cpu] loaded, worker1[cpu] unloading",
         "  version 2: loading, weight 1 (25%), 0.0 MiB, loads 0, evictions 0, last load 0 ms",
-        "    path /models/mlp/2.pt",
+        "    path /models/mlp/2.pt (export)",
         "    worker0[cpu] loading",
     ]
 

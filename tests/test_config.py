@@ -11,9 +11,9 @@ import sys
 import pytest
 import yaml
 
+from conftest import unloaded_model
 from tgw.broker.config import Config, ConfigError, file_sha256, load_config, parse_config
 
-MODEL_BYTES = b"not really torchscript, config checks only existence and sha256"
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def model_dir(tmp_path):
     base = tmp_path.resolve()
     (base / "models").mkdir()
     for name in ("a1.pt", "a2.pt", "b1.pt"):
-        (base / "models" / name).write_bytes(MODEL_BYTES + name.encode())
+        unloaded_model(base / "models" / name, name.encode())
     return base
 
 
@@ -316,7 +316,7 @@ def test_missing_config_folder_is_named_when_model_roots_is_empty(model_dir):
 
 def test_model_outside_the_roots_is_named(model_dir):
     (model_dir / "elsewhere").mkdir()
-    (model_dir / "elsewhere" / "x.pt").write_bytes(MODEL_BYTES)
+    unloaded_model(model_dir / "elsewhere" / "x.pt")
     data = valid()
     data["model_roots"] = ["models"]
     data["models"][0]["versions"][1]["path"] = "elsewhere/x.pt"
@@ -330,7 +330,7 @@ def test_model_outside_the_roots_is_named(model_dir):
 
 def test_model_root_prefix_is_not_a_root(model_dir):
     (model_dir / "models2").mkdir()
-    (model_dir / "models2" / "x.pt").write_bytes(MODEL_BYTES)
+    unloaded_model(model_dir / "models2" / "x.pt")
     data = valid()
     data["model_roots"] = ["models"]
     data["models"][1]["versions"][0]["path"] = "models2/x.pt"
@@ -345,7 +345,7 @@ def test_model_path_with_dotdot_is_refused(model_dir):
 
 
 def test_model_symlink_escaping_the_roots_is_refused(model_dir):
-    (model_dir / "secret.pt").write_bytes(MODEL_BYTES)
+    unloaded_model(model_dir / "secret.pt")
     (model_dir / "models" / "link.pt").symlink_to(model_dir / "secret.pt")
     data = valid()
     data["model_roots"] = ["models"]

@@ -145,7 +145,7 @@ def test_every_refusal_names_its_cause_and_the_old_version_keeps_serving(one, mo
         (LoadVersion(v=0, model="m", version="2", path=path("link.pt")), Code.INVALID_ARGUMENT, "symlink"),
         (LoadVersion(v=0, model="m", version="2", path=path("add2.pt"), sha256="0" * 64), Code.INVALID_ARGUMENT,
          "sha256"),
-        (LoadVersion(v=0, model="m", version="2", path=path("junk.pt")), Code.MODEL_EXECUTION_ERROR, "(load)"),
+        (LoadVersion(v=0, model="m", version="2", path=path("junk.pt")), Code.INVALID_ARGUMENT, "not a zip archive"),
         (LoadVersion(v=0, model="m", version="2", path=path("wrong.pt")), Code.MODEL_EXECUTION_ERROR, "warmup"),
         (LoadVersion(v=0, model="m", version="1", path=path("add2.pt")), Code.INVALID_ARGUMENT, "already has"),
         (LoadVersion(v=0, model="m", version="2"), Code.INVALID_ARGUMENT, "give its path"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import unloaded_model
 from tgw.broker.config import parse_config
 from tgw.broker.registry import Registry
 from tgw.shm.errors import Code, TgwError
@@ -20,7 +21,7 @@ VAR_INPUTS = [{"name": "tokens", "dtype": "int64", "shape": [-1]},
 def reg(tmp_path) -> Registry:
     """"fixed" (versions 1 and 2, only 1 loaded) and "var" (variable dims), both max 8 rows."""
     for name in ("f1.pt", "f2.pt", "v1.pt"):
-        (tmp_path / name).write_bytes(b"validation never opens model files")
+        unloaded_model(tmp_path / name)
     cfg = parse_config({"models": [
         {"name": "fixed", "versions": [{"version": "1", "path": "f1.pt"}, {"version": "2", "path": "f2.pt"}],
          "default_version": "1", "inputs": FIXED_INPUTS, "max_batch_size": MAX_ROWS,

@@ -6,6 +6,7 @@ import hashlib
 
 import pytest
 
+from conftest import unloaded_model
 from tgw.broker import config, roots
 from tgw.broker.roots import ModelFileError, PathRefused, check_file, confine, file_sha256
 
@@ -16,7 +17,7 @@ def tree(tmp_path):
     base = tmp_path.resolve()
     for rel in ("root/a.pt", "root/sub/b.pt", "root2/a.pt", "outside/c.pt"):
         (base / rel).parent.mkdir(parents=True, exist_ok=True)
-        (base / rel).write_bytes(rel.encode())
+        unloaded_model(base / rel, rel.encode())
     return base
 
 
@@ -97,16 +98,26 @@ def test_the_filesystem_root_holds_every_path(tree):
 
 # ---- check_file ----------------------------------------------------------------------------------
 
-def file_error(path, sha256=None) -> ModelFileError:
+def file_error(path, sha256=None, fmt=None) -> ModelFileError:
     with pytest.raises(ModelFileError) as info:
-        check_file(str(path), sha256)
+        check_file(str(path), sha256, fmt)
     return info.value
 
 
 def test_a_regular_file_passes_with_and_without_its_sha256(tree):
     path = tree / "root" / "a.pt"
-    check_file(str(path), None)
-    check_file(str(path), hashlib.sha256(path.read_bytes()).hexdigest())
+    assert check_file(str(path), None) == "torchscript"     # its format, read from the file
+    assert check_file(str(path), hashlib.sha256(path.read_bytes()).hexdigest()) == "torchscript"
+
+
+def test_a_file_of_another_format_than_declared_is_refused_by_name(tree):
+    path = tree / "root" / "a.pt"
+    err = file_error(path, fmt="export")
+    assert err.field == "format"
+    assert str(err) == f"{path} is declared format: export but is a TorchScript archive (torch.jit.save)"
+    path.write_bytes(b"plain bytes")
+    err = file_error(path)
+    assert err.field == "path" and "is not a zip archive" in str(err)
 
 
 def test_a_missing_file_is_named(tree):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import base_config
+from conftest import base_config, unloaded_model
 from tgw.bench.broker_proc import BrokerProc
 from tgw.broker.config import ConfigError, parse_config
 from tgw.broker.inbound import tensor_bytes, widen, wire_nbytes
@@ -186,7 +186,7 @@ def test_torch_bfloat16_tensors():
 
 @pytest.fixture
 def reg(tmp_path) -> Registry:
-    (tmp_path / "m.pt").write_bytes(b"validation never opens model files")
+    unloaded_model(tmp_path / "m.pt")
     io = {"inputs": [{"name": "x", "dtype": "float32", "shape": [4]}, {"name": "n", "dtype": "int64", "shape": [2]}],
           "outputs": [{"name": "y", "dtype": "float32", "shape": [4]}]}
     cfg = parse_config({"models": [
@@ -236,7 +236,7 @@ def test_models_reply_lists_wire_dtypes(reg):
     ({"wire_dtypes": ["bfloat16"], "inputs": [{"name": "n", "dtype": "int64", "shape": [2]}]}, "no float32 input"),
 ])
 def test_config_refuses(tmp_path, entry, says):
-    (tmp_path / "m.pt").write_bytes(b"x")
+    unloaded_model(tmp_path / "m.pt")
     model = {"name": "m", "versions": [{"version": "1", "path": "m.pt"}],
              "inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
              "outputs": [{"name": "y", "dtype": "float32", "shape": [4]}], **entry}

@@ -1,20 +1,47 @@
-"""The embedded demo's TorchScript models, generated locally (nothing is downloaded).
+"""The embedded demo's models, generated locally (nothing is downloaded), in each format tgw serves.
 
 `python -m tgw.workers.demo_models DIR` writes them; the broker runs that in a subprocess so
-it never imports torch itself. Weights come from a fixed seed, so every build is identical.
+it never imports torch itself. Weights come from a fixed seed, so every build is identical and
+`mlp-export` and `mlp-aoti` hold the very weights of `mlp`.
+
+Exporting your own model (`save_model` below does exactly this):
+
+    import torch
+    from torch.export import Dim
+    model = MyModel().eval()
+    example = (torch.randn(4, 256),)             # a batch of >= 2 rows: a batch of 1 would be fixed at 1
+    batch = Dim("batch", min=1, max=64)          # max: at least the config's max_batch_size
+    shapes = ({0: batch},)                       # one dict per input; a -1 dim also gets a Dim:
+                                                 # {0: batch, 1: Dim("tokens", min=1, max=512)}
+
+    # format: torchscript (deprecated by PyTorch, still served)
+    torch.jit.save(torch.jit.script(model), "model.pt")
+    # format: export -- a torch.export program
+    ep = torch.export.export(model, example, dynamic_shapes=shapes)
+    torch.export.save(ep, "model.pt2")
+    # format: aoti -- AOTInductor: compiled ahead of time (needs a C++ compiler; on a GPU box,
+    # export with CUDA example inputs and a CUDA model to get a CUDA package). Compile the
+    # program as saved and loaded back: compiled straight from torch.export.export, torch 2.13
+    # narrows the batch range to >= 2 (measured), and tgw refuses a program that cannot take 1 row
+    torch._inductor.aoti_compile_and_package(torch.export.load("model.pt2"), package_path="model-aoti.pt2")
+
+The config then declares the file as usual; `format:` is optional (tgw reads it from the file)
+and, when given, must match. The batch Dim's range must cover 1..max_batch_size and the
+warm-up sizes, and every dim the config declares -1 must be a Dim in the program: tgw checks
+both when the model loads and refuses it, naming the dim, otherwise.
 """
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
+import shutil
 import sys
+from typing import Callable
 
 import torch
 from torch import nn
-
-DEMO_VERSION = "1"
-
 
 class MLP(nn.Module):
     def __init__(self) -> None:
@@ -84,31 +111,100 @@ DEMO_MODELS = {
 }
 
 
-def build_module(name: str) -> torch.jit.ScriptModule:
-    factory = DEMO_MODELS[name][0]
+# the same weights in another format: name -> (the model it is made from, format)
+DEMO_VERSION = "1"
+FORMAT_MODELS = {"mlp-export": ("mlp", "export"), "mlp-aoti": ("mlp", "aoti")}
+SUFFIX = {"torchscript": ".pt", "export": ".pt2", "aoti": ".pt2"}
+TORCH_TAG = torch.__version__.split("+")[0]   # an AOTInductor build runs only with the torch that built it
+
+
+def build_module(name: str) -> nn.Module:
+    """The eager demo model `name` (mlp, resnet, embed) with its fixed weights."""
     torch.manual_seed(1234)
-    module = factory().eval()
-    return torch.jit.script(module)
+    return DEMO_MODELS[name][0]().eval()
 
 
-def build_demo_models(out_dir: str) -> dict[str, str]:
-    """Write every demo model (skipping ones already there); returns name -> path."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {}
-    for name in DEMO_MODELS:
-        path = os.path.join(out_dir, f"{name}-v{DEMO_VERSION}.pt")
-        if not os.path.exists(path):
+def demo_file(out_dir: str, base: str, fmt: str) -> str:
+    """Where the demo model `base` in format `fmt` is cached."""
+    tag = f"-torch{TORCH_TAG}" if fmt == "aoti" else ""
+    stem = base if fmt == "torchscript" else f"{base}-{fmt}"
+    return os.path.join(out_dir, f"{stem}-v{DEMO_VERSION}{tag}{SUFFIX[fmt]}")
+
+
+def dynamic_shapes(io_decl: dict, max_batch_size: int) -> tuple:
+    """torch.export's dynamic_shapes for a config declaration: a shared batch Dim of
+    1..max_batch_size, and a Dim for every -1 dim."""
+    batch = torch.export.Dim("batch", min=1, max=max_batch_size)
+    return tuple({0: batch, **{k: torch.export.Dim(f"{t['name']}_{k}", min=1, max=4096)
+                               for k, d in enumerate(t["shape"], start=1) if d == -1}}
+                 for t in io_decl["inputs"])
+
+
+def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: tuple | None = None) -> str:
+    """Write `module` to `path` in format `fmt` (torchscript, export or aoti), atomically: a
+    reader never sees half a file. `shapes`: torch.export's dynamic_shapes (export and aoti)."""
+    tmp = os.path.join(os.path.dirname(path) or ".", f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    try:
+        if fmt == "torchscript":
             data = io.BytesIO()
-            torch.jit.save(build_module(name), data)  # in memory: no temp name inside the archive
-            tmp = f"{path}.{os.getpid()}.tmp"
+            torch.jit.save(torch.jit.script(module), data)  # in memory: no temp name inside the archive
             with open(tmp, "wb") as f:
                 f.write(data.getvalue())
-            os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
-        paths[name] = path
-    return paths
+        else:
+            ep = torch.export.export(module, example, dynamic_shapes=shapes)
+            if fmt == "export":
+                torch.export.save(ep, tmp)
+            else:  # from the program saved and loaded back: its batch range keeps 1 (see above)
+                saved = io.BytesIO()
+                torch.export.save(ep, saved)
+                saved.seek(0)
+                torch._inductor.aoti_compile_and_package(torch.export.load(saved), package_path=tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler AOTInductor would use ($CXX, else c++, g++ or clang++), if there is one."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((p for p in map(shutil.which, names) if p), None)
+
+
+def build_file(out_dir: str, base: str, fmt: str) -> str:
+    """The cached file of demo model `base` in format `fmt`, built first if missing."""
+    path = demo_file(out_dir, base, fmt)
+    if not os.path.exists(path):
+        example = tuple(x.repeat(2, *[1] * (x.dim() - 1)) for x in DEMO_MODELS[base][1]())  # 4 rows
+        save_model(build_module(base), example, path, fmt, dynamic_shapes(DEMO_MODELS[base][2],
+                                                                          DEMO_MODELS[base][2]["max_batch_size"]))
+    return path
+
+
+def build_demo_models(out_dir: str, formats: bool = False, log: Callable[[str], None] = lambda line: None) -> dict:
+    """Write every demo model (skipping ones already there); name -> {path, format, base}.
+    `formats`: FORMAT_MODELS too, the AOTInductor one only where a C++ compiler is found (`log`
+    says so otherwise)."""
+    os.makedirs(out_dir, exist_ok=True)
+    wanted = {name: (name, "torchscript") for name in DEMO_MODELS}
+    if formats:
+        wanted.update(FORMAT_MODELS)
+    built = {}
+    for name, (base, fmt) in wanted.items():
+        if fmt == "aoti" and not os.path.exists(demo_file(out_dir, base, fmt)) and cxx_compiler() is None:
+            log(f"{name}: skipped, no C++ compiler found ($CXX, c++, g++, clang++) to build the AOTInductor package")
+            continue
+        built[name] = {"path": build_file(out_dir, base, fmt), "format": fmt, "base": base}
+    return built
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    paths = build_demo_models(out)
-    print(json.dumps({name: {"path": paths[name], **DEMO_MODELS[name][2]} for name in DEMO_MODELS}))
+    ap = argparse.ArgumentParser(prog="python -m tgw.workers.demo_models", description="write the demo models, "
+                                 "print name -> {path, format, inputs, outputs, max_batch_size} as JSON")
+    ap.add_argument("dir")
+    ap.add_argument("--formats", action="store_true", help=f"also {', '.join(FORMAT_MODELS)} (the same weights as "
+                    "export and AOTInductor files; the AOTInductor build takes ~30 s, once)")
+    args = ap.parse_args()
+    models = build_demo_models(args.dir, args.formats, log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps({name: {**m, **DEMO_MODELS[m["base"]][2]} for name, m in models.items()}))

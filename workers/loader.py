@@ -17,9 +17,11 @@ import weakref
 import torch
 import zmq
 
+from tgw.shm.model_format import ModelFormatError
 from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, UnloadModel, \
     encode, model_key, to_worker_decoder
 
+from .formats import FormatMismatch
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
 
@@ -121,10 +123,12 @@ class Loader(SideThread):
 def _reason(exc: Exception, phase: str) -> str:
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return "out_of_memory"
-    if phase == "warmup":
+    if phase == "warmup" and not isinstance(exc, FormatMismatch):
         return "warmup"
     if isinstance(exc, ChecksumMismatch):
         return "checksum"
+    if isinstance(exc, (FormatMismatch, ModelFormatError)):
+        return "format"
     if isinstance(exc, OSError):
         return "file"
     return "load"

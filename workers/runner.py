@@ -1,13 +1,17 @@
-"""One loaded TorchScript model: load, warm up, run a batch, map results to declared outputs."""
+"""One loaded model (TorchScript, exported program or AOTInductor package): load, check it
+against the declaration, warm up, run a batch, map results to declared outputs."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 
 import torch
 
+from tgw.shm.model_format import detect
 from tgw.shm.wire import IOSpec, ModelSpec, model_key
+
+from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
+from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
 TORCH_DTYPES = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -31,14 +35,11 @@ class ChecksumMismatch(ValueError):
 class ModelRunner:
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.spec, self.device = spec, device
-        module = _load_verified(spec, device)
-        module.eval()
-        self.nbytes = _storage_bytes(module)  # before freezing, which turns them into constants
-        try:  # freezing inlines weights and folds constants; some scripted modules refuse it
-            module = torch.jit.freeze(module)
-        except Exception:
-            pass
-        self.module = module
+        self.program = _load_verified(spec, device)
+        problems = export_refusals(spec, self.program)
+        if problems:
+            raise FormatMismatch(f"{spec.path} cannot serve {self.key} as declared: " + "; ".join(problems))
+        self.module, self.nbytes = self.program.call, self.program.nbytes
         self.outputs = spec.outputs
 
     @property
@@ -46,10 +47,26 @@ class ModelRunner:
         return model_key(self.spec.name, self.spec.version)
 
     def warm_up(self) -> None:
-        """Run each warm-up batch size once; also proves the outputs match the declaration."""
+        """Run each warm-up batch size once; also proves the outputs match the declaration. An
+        AOTInductor package also runs at the batch and -1 dims' edges (shape_checks.aoti_edges)."""
+        if self.program.fmt == "aoti":
+            try:
+                aoti_edges(self.spec, lambda rows, change: self._checked(self._call(self.examples(rows, change)), rows))
+            except FormatMismatch as exc:
+                raise FormatMismatch(f"{self.spec.path} cannot serve {self.key} as declared: {exc}") from None
+            return
         for rows in self.spec.warmup_batch_sizes or [1]:
-            inputs = [_example(t, rows, self.device) for t in self.spec.inputs]
-            self.run(inputs, rows)
+            self.run(self.examples(rows), rows)
+
+    def examples(self, rows: int, change: tuple[int, int, int] | None = None) -> list[torch.Tensor]:
+        """Warm-up inputs: zeros (the least likely to trip a model's own input checks); a -1 dim
+        at a size the program allows, or as `change` (input, tensor dim, size) says."""
+        shapes = [[rows, *(example_size(self.program, i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
+                  for i, t in enumerate(self.spec.inputs)]
+        if change is not None:
+            shapes[change[0]][change[1]] = change[2]
+        return [torch.zeros(s, dtype=TORCH_DTYPES[t.dtype], device=self.device)
+                for s, t in zip(shapes, self.spec.inputs)]
 
     def run(self, inputs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
         """Forward one batch; returns the outputs in declared order, on the CPU, C-contiguous."""
@@ -60,8 +77,21 @@ class ModelRunner:
         (on its device)."""
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
+        check_request_dims(self.spec, self.program, inputs)
+        try:
+            result = self._call(inputs)
+        except RuntimeError as exc:   # an AOTInductor input check: the request's shape, not the model
+            problem = aoti_input_problem(exc) if self.program.fmt == "aoti" else None
+            if problem is None or problem[1] == 0:
+                raise
+            raise out_of_range(f"input {self.spec.inputs[problem[0]].name!r}: {problem[2]}") from None
+        return self._checked(result, rows)
+
+    def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():
-            result = self.module(*inputs)
+            return self.module(*inputs)
+
+    def _checked(self, result, rows: int) -> list[torch.Tensor]:
         outs = self._map(result)
         for decl, t in zip(self.outputs, outs):
             _check(decl, t, rows)
@@ -92,10 +122,10 @@ class ModelRunner:
         raise OutputMismatch(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
 
 
-def _load_verified(spec: ModelSpec, device: torch.device):
-    """torch.jit.load of a private copy of the file, hashed as it was copied: what loads is what
-    was checked even if the file changes meanwhile. The copy is an anonymous in-memory file
-    (memfd) torch reads record by record, so the load's RSS peak is about the model itself
+def _load_verified(spec: ModelSpec, device: torch.device) -> Program:
+    """Load a private copy of the file, hashed and its format told as it was copied: what loads
+    is what was checked even if the file changes meanwhile. The copy is an anonymous in-memory
+    file (memfd) torch reads record by record, so the load's RSS peak is about the model itself
     (measured for 64 MiB of weights: +69 MiB; loading a BytesIO of the file peaked at +259 MiB)."""
     fd = os.memfd_create("tgw-model", os.MFD_CLOEXEC)
     try:
@@ -108,18 +138,12 @@ def _load_verified(spec: ModelSpec, device: torch.device):
                     view = view[os.write(fd, view):]
         if spec.sha256 is not None and digest.hexdigest() != spec.sha256.lower():
             raise ChecksumMismatch(f"{spec.path}: sha256 is {digest.hexdigest()}, expected {spec.sha256}")
-        return torch.jit.load(f"/proc/self/fd/{fd}", map_location=device)
+        with open(f"/proc/self/fd/{fd}", "rb") as copy:
+            fmt = detect(copy, spec.format, where=spec.path)
+            copy.seek(0)
+            return load_in_process(fmt, copy, device)
     finally:
         os.close(fd)
-
-
-def _storage_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct storages behind the parameters and buffers (shared ones count once)."""
-    sizes = {}
-    for t in itertools.chain(module.parameters(), module.buffers()):
-        storage = t.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
-    return sum(sizes.values())
 
 
 def _check(decl: IOSpec, t: torch.Tensor, rows: int) -> None:
@@ -133,8 +157,3 @@ def _check(decl: IOSpec, t: torch.Tensor, rows: int) -> None:
     if not ok:
         raise OutputMismatch(f"output {decl.name!r} has shape {shape}, declared [{rows}, "
                              f"{', '.join(map(str, decl.shape))}] (-1 = any)")
-
-
-def _example(t: IOSpec, rows: int, device: torch.device) -> torch.Tensor:
-    """Warm-up input: zeros (the least likely to trip a model's own input checks), -1 dims = 8."""
-    return torch.zeros([rows, *(8 if d == -1 else d for d in t.shape)], dtype=TORCH_DTYPES[t.dtype], device=device)

@@ -14,7 +14,7 @@ from collections import deque
 import torch
 import zmq
 
-from tgw.shm.errors import Code, fail
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import BlockTooLarge, RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, encode, model_key, to_worker_decoder
@@ -95,6 +95,8 @@ class Server:
             del inputs  # views pin the mapping; drop them before anything can close it
         except torch.cuda.OutOfMemoryError as exc:
             return _error(batch, Code.OUT_OF_GPU_MEMORY, str(exc).splitlines()[0])
+        except TgwError as err:   # the requests' own fault (a dim outside the program's range)
+            return Done(batch_id=batch.batch_id, error=err.to_body())
         except Exception as exc:  # a model bug fails this batch, not the worker
             return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000],
                           exception=type(exc).__name__)
