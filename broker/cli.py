@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as exc:
             sys.exit(str(exc))
         print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
+        for m in cfg.models:
+            print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
         from .arenas import describe
         print(describe(cfg))
         return

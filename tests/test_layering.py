@@ -25,7 +25,7 @@ SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic", "aiohttp", "pro
 # package -> (modules to import, packages that must not be loaded)
 CASES = {
     "shm": (["tgw.shm", "tgw.shm.wire", "tgw.shm.errors", "tgw.shm.ring", "tgw.shm.segment", "tgw.shm.views",
-             "tgw.shm.paths"],
+             "tgw.shm.paths", "tgw.shm.model_format"],
             ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", *SERVER_ONLY]),
     "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
                ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
