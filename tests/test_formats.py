@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from bench.lifecycle import control
+from conftest import readme_block
 from tgw.broker.config import ConfigError, parse_config
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
@@ -267,3 +268,20 @@ def test_save_model_writes_each_format_a_reader_can_load(tmp_path):
         assert torch.equal(load_in_process("torchscript", path).call(x)["embedding"], module(x)["embedding"])
         data = io.BytesIO(open(path, "rb").read())
         assert detect(data) == "torchscript"
+
+
+@needs_cxx
+def test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch(tmp_path):
+    subprocess.run([sys.executable, "-c", readme_block("model-export")], cwd=tmp_path, check=True, timeout=600,
+                   capture_output=True)
+    io_decl = {"inputs": MLP_IO["inputs"], "outputs": MLP_IO["outputs"]}
+    x = torch.randn(3, 256)
+    results = []
+    for name, fmt in (("model.pt", "torchscript"), ("model.pt2", "export"), ("model-aoti.pt2", "aoti")):
+        path = str(tmp_path / name)
+        assert detect(path) == fmt
+        runner = ModelRunner(spec(path, fmt, io_decl, max_batch_size=64, warmup=[1, 64]), torch.device("cpu"))
+        runner.warm_up()   # 1 and 64 rows: the AOTInductor package, compiled from the loaded program, takes both
+        results.append(runner.run([x], 3)[0])
+    torch.testing.assert_close(results[1], results[0])
+    torch.testing.assert_close(results[2], results[0], rtol=1e-4, atol=1e-5)
