@@ -285,3 +285,13 @@ def test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch
         results.append(runner.run([x], 3)[0])
     torch.testing.assert_close(results[1], results[0])
     torch.testing.assert_close(results[2], results[0], rtol=1e-4, atol=1e-5)
+
+
+def test_without_a_cxx_compiler_the_demo_skips_its_aoti_model_and_says_so(tmp_path, monkeypatch):
+    from tgw.workers.demo_models import build_demo_models
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    said: list[str] = []
+    built = build_demo_models(str(tmp_path / "demo"), formats=True, log=said.append)
+    assert "mlp-aoti" not in built and built["mlp-export"]["format"] == "export"
+    assert said == ["mlp-aoti: skipped, no C++ compiler found ($CXX, c++, g++, clang++) to build the AOTInductor "
+                    "package"]

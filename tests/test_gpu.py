@@ -30,3 +30,25 @@ def test_auto_devices_use_every_gpu(model_files, make_broker):
     with Client(b.address) as c:
         devices = [p["device"] for p in c.stats()["processes"] if p["role"] == "worker"]
     assert devices == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def test_export_and_aoti_programs_serve_on_a_cuda_worker(tmp_path, make_broker):
+    """An exported program made on the CPU is moved to the worker's device; an AOTInductor
+    package compiled for the CPU is refused there, naming why; one compiled for CUDA serves."""
+    from tgw.workers.demo_models import DEMO_MODELS, MLP, build_file, cxx_compiler, dynamic_shapes, save_model
+    io_decl = DEMO_MODELS["mlp"][2]
+    export = build_file(str(tmp_path), "mlp", "export")
+    paths = {"mlp-export": export}
+    if cxx_compiler() is not None:
+        torch.manual_seed(1234)
+        paths["mlp-aoti-cuda"] = save_model(MLP().eval().cuda(), (torch.randn(4, 256, device="cuda"),),
+                                            str(tmp_path / "mlp-aoti-cuda.pt2"), "aoti", dynamic_shapes(io_decl, 64))
+    models = [{"name": n, "versions": [{"version": "1", "path": p}], **io_decl} for n, p in paths.items()]
+    b = make_broker({"model_roots": ["/"], "models": models, "workers": {"devices": ["cuda:0"]}})
+    x = np.random.default_rng(4).standard_normal((8, 256), dtype=np.float32)
+    from tgw.workers.formats import load_in_process
+    with torch.inference_mode():
+        ref = load_in_process("export", export).call(torch.from_numpy(x)).numpy()
+    with Client(b.address) as c:
+        for name in paths:
+            np.testing.assert_allclose(c.infer(name, {"x": x})["y"], ref, rtol=1e-3, atol=1e-4, err_msg=name)
