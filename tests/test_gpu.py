@@ -52,3 +52,12 @@ def test_export_and_aoti_programs_serve_on_a_cuda_worker(tmp_path, make_broker):
     with Client(b.address) as c:
         for name in paths:
             np.testing.assert_allclose(c.infer(name, {"x": x})["y"], ref, rtol=1e-3, atol=1e-4, err_msg=name)
+    if cxx_compiler() is not None:
+        from tgw.shm.wire import IOSpec, ModelSpec
+        from tgw.workers.formats import FormatMismatch
+        from tgw.workers.runner import ModelRunner
+        spec = ModelSpec(name="m", version="1", path=build_file(str(tmp_path), "mlp", "aoti"), format="aoti",
+                         inputs=[IOSpec(**t) for t in io_decl["inputs"]],
+                         outputs=[IOSpec(**t) for t in io_decl["outputs"]], max_batch_size=64)
+        with pytest.raises(FormatMismatch, match="compiled for cpu; this worker runs on cuda:0"):
+            ModelRunner(spec, torch.device("cuda:0"))
