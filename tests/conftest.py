@@ -6,6 +6,8 @@ child process behind.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import sys
@@ -37,6 +39,16 @@ def unloaded_model(path, salt: bytes = b"") -> None:
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("archive/code/__torch__.py", b"# never loaded\n" + salt)
         archive.writestr("archive/data.pkl", b"")
+
+
+@functools.cache
+def placeholder_model() -> str:
+    """One unloaded_model file for the session, for configs built when a test module is imported."""
+    folder = tempfile.mkdtemp(prefix="tgw-placeholder-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, "placeholder.pt")
+    unloaded_model(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import placeholder_model
 from tgw.broker.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
 from tgw.broker.config import ConfigError, WorkersDecl, parse_config
 from tgw.client import Client
@@ -22,7 +23,7 @@ MIB = 1 << 20
 
 
 def model(name: str, inputs: list, outputs: list, max_batch_size: int = 32) -> dict:
-    return {"name": name, "versions": [{"version": "1", "path": __file__}], "max_batch_size": max_batch_size,
+    return {"name": name, "versions": [{"version": "1", "path": placeholder_model()}], "max_batch_size": max_batch_size,
             "inputs": [{"name": f"i{k}", "dtype": d, "shape": s} for k, (d, s) in enumerate(inputs)],
             "outputs": [{"name": f"o{k}", "dtype": d, "shape": s} for k, (d, s) in enumerate(outputs)]}
 
@@ -142,7 +143,7 @@ def test_k_plus_one_batches_of_ring_always_fit_k_in_flight(k):
 def test_check_config_prints_the_resolved_sizes(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [RESNET],
-                                    "model_roots": [os.path.dirname(__file__)]}))  # the "model" is this file
+                                    "model_roots": [os.path.dirname(placeholder_model())]}))
     r = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -3,8 +3,10 @@ rate-limited complaints (injected clock), and the open-file budget."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
+
 import zmq
 
 from tgw.broker.callers import Callers, fit_max_clients, headroom
@@ -122,8 +124,15 @@ def test_a_deeply_nested_header_is_refused_as_malformed_not_a_crash():
 
     from tgw.broker.frontdoor import Refused, read_request
     deep = msgspec.Raw(b"\x81\xa1a" * 1000 + b"\x80")   # {"a": {"a": ... {}}}, 1,000 deep
-    for field in ("extra", "model", "id", "v"):
-        header = msgspec.msgpack.encode({"op": "health", "v": 1, "id": 5, field: deep})
-        with pytest.raises(Refused) as info:
-            read_request([zmq.Frame(b"caller"), zmq.Frame(header)], ServerDecl())
-        assert info.value.error.code == Code.INVALID_ARGUMENT and info.value.kind == "malformed_header"
+    # the broker never imports torch and runs at Python's default limit; torch.export and
+    # inductor, imported by other tests of this process, raise it
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        for field in ("extra", "model", "id", "v"):
+            header = msgspec.msgpack.encode({"op": "health", "v": 1, "id": 5, field: deep})
+            with pytest.raises(Refused) as info:
+                read_request([zmq.Frame(b"caller"), zmq.Frame(header)], ServerDecl())
+            assert info.value.error.code == Code.INVALID_ARGUMENT and info.value.kind == "malformed_header"
+    finally:
+        sys.setrecursionlimit(limit)
