@@ -1,8 +1,9 @@
 """The three systems tgw is compared with (bench/README.md says what each row measures).
 
-* In-process floor (`run_floors`): the TorchScript file called directly on the load generator's
+* In-process floor (`run_floors`): the model file called directly on the load generator's
   inputs in spawned copies, one torch thread each, frozen as tgw's worker does, timing each batch
-  size in lockstep.
+  size in lockstep. module="served" (bench/format_rows.py), or a declaration whose "format" is
+  export or aoti, loads it with the worker's own `load_in_process` instead.
 * Transport floor (`EchoServer`): a raw pyzmq ROUTER broker -> DEALER worker echo over ipc://
   (`python -m tgw.bench.baselines broker FRONT BACK | worker BACK`); the worker replies with as
   many bytes as the request's 8-byte header asks for (the model's output size).
@@ -37,8 +38,14 @@ FLASK_MODELS_ENV = "TGW_BENCH_FLASK_MODELS"
 
 # ---- the in-process floor ----------------------------------------------------------------------
 
-def _load(path: str, how: str):
+def _load(path: str, how: str, fmt: Optional[str] = None):
+    """(callable, how it was loaded). how="served", or a file that is not TorchScript: exactly
+    the program tgw's worker serves (`load_in_process`); otherwise the TorchScript file frozen
+    (or not) as `how` says."""
     import torch
+    if how == "served" or fmt not in (None, "torchscript"):
+        from tgw.workers.formats import load_in_process
+        return load_in_process(fmt or "torchscript", path).call, f"{fmt or 'torchscript'}, as the worker loads it"
     module = torch.jit.load(path, map_location="cpu").eval()
     if how == "none":
         return module, "as loaded"
@@ -56,7 +63,7 @@ def _copy(model: dict[str, Any], how: str, batches: list[int], seconds: float, w
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the copies
     import torch
     torch.set_num_threads(1)
-    module, how = _load(model["path"], how)
+    module, how = _load(model["path"], how, model.get("format"))
     out = []
     with torch.inference_mode():
         for b in batches:
@@ -78,7 +85,7 @@ def _copy(model: dict[str, Any], how: str, batches: list[int], seconds: float, w
 
 
 def measure_floor(model: dict[str, Any], seconds: float, procs: int, module: str = "freeze") -> dict[str, Any]:
-    """One round for one model (a demo declaration: path, inputs, max_batch_size)."""
+    """One round for one model (a demo declaration: path, inputs, max_batch_size, optionally format)."""
     import psutil
     top = model["max_batch_size"]
     batches = sorted({1, max(1, top // 4), top})
