@@ -11,7 +11,7 @@ from typing import Optional
 import yaml
 from pydantic import ValidationError
 
-from tgw.shm.model_format import FORMATS, detect
+from tgw.shm.model_format import FORMATS, ModelFormatError, detect
 
 from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
@@ -151,7 +151,11 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
 def _resolved(v: VersionDecl, base_dir: str, roots: Optional[list[str]]) -> VersionDecl:
     """The version with its path confined (the real file) and its format read from that file."""
     path = confine(os.path.join(base_dir, v.path), roots)
-    return v.model_copy(update={"path": path, "format": detect(path, v.format)})
+    try:
+        fmt = detect(path, v.format)
+    except (ModelFormatError, OSError) as exc:   # replaced since _file_problems looked at it
+        raise ConfigError(f"version {v.version}: {exc}") from None
+    return v.model_copy(update={"path": path, "format": fmt})
 
 
 def load_config(path: str) -> Config:

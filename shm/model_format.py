@@ -47,8 +47,8 @@ def detect(f: Union[str, IO[bytes]], declared: Optional[str] = None, where: str 
         with zipfile.ZipFile(f) as archive:
             names = archive.namelist()
             found = formats_in(names)
-            if ("export" in found or "aoti" in found) and not _is_pt2(archive, names):
-                found.pop("export", None), found.pop("aoti", None)
+            if not _is_pt2(archive, names):   # models/ or data/aotinductor/ in some other archive
+                found = {k: v for k, v in found.items() if k == "torchscript"}
     except (zipfile.BadZipFile, EOFError):
         raise ModelFormatError(f"{where} is not a zip archive, so none of {', '.join(FORMATS)}: a model file is "
                                "written by torch.jit.save, torch.export.save or aoti_compile_and_package") from None
