@@ -8,9 +8,11 @@ equal the program run in this process. AOTInductor tests need a C++ compiler (sk
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
+import urllib.request
 import zipfile
 
 import numpy as np
@@ -240,7 +242,7 @@ def test_a_program_that_cannot_take_every_batch_stops_start_up(files, make_broke
 
 
 def test_runtime_loads_check_the_format_and_swap_torchscript_for_export(files, make_broker):
-    b = make_broker(served_config(files, ["mlp-torchscript"]))
+    b = make_broker({**served_config(files, ["mlp-torchscript"]), "http": {"port": 0}})
     x = np.random.default_rng(1).standard_normal((2, 256), dtype=np.float32)
     with Client(b.address) as c:
         before = c.infer("mlp-torchscript", {"x": x})["y"]
@@ -256,8 +258,11 @@ def test_runtime_loads_check_the_format_and_swap_torchscript_for_export(files, m
     with Client(b.address) as c:
         after = c.infer("mlp-torchscript", {"x": x})
         meta = c.metadata("mlp-torchscript")[0]
+        url = c.status()["http"]
     np.testing.assert_allclose(after["y"], before, rtol=1e-4, atol=1e-5)
     assert [(v["version"], v["format"]) for v in meta["versions"]] == [("3", "export")]
+    with urllib.request.urlopen(f"{url}/v2/models/mlp-torchscript", timeout=30) as reply:   # KServe metadata
+        assert json.load(reply)["platform"] == "pytorch_export"
 
 
 def test_save_model_writes_each_format_a_reader_can_load(tmp_path):
