@@ -300,3 +300,13 @@ def test_without_a_cxx_compiler_the_demo_skips_its_aoti_model_and_says_so(tmp_pa
     assert "mlp-aoti" not in built and built["mlp-export"]["format"] == "export"
     assert said == ["mlp-aoti: skipped, no C++ compiler found ($CXX, c++, g++, clang++) to build the AOTInductor "
                     "package"]
+
+
+def test_an_aoti_packages_cpu_isa_is_checked_against_this_cpus_flags():
+    from tgw.workers.formats import missing_cpu_features
+    avx2_only = {"fpu", "sse4_2", "avx", "avx2"}
+    assert missing_cpu_features("AVX512 AVX512_VNNI", avx2_only) == ["avx512f", "avx512_vnni"]
+    assert missing_cpu_features("AVX512 AVX512_VNNI AMX_TILE", avx2_only | {"avx512f", "avx512_vnni"}) == ["amx_tile"]
+    assert missing_cpu_features("AVX2", avx2_only) == []
+    assert missing_cpu_features("INVALID_VEC_ISA", avx2_only) == []   # no vector code: nothing needed
+    assert missing_cpu_features("ASIMD", set()) == []                   # flags unknown (not x86): not checked

@@ -101,15 +101,22 @@ def _aoti(f, device: torch.device) -> Program:
     return Program(model, "aoti")
 
 
-def missing_cpu_features(isa: str) -> list[str]:
+# inductor's x86 vector ISA names (torch/_inductor/cpu_vec_isa.py) -> the /proc/cpuinfo flag each needs;
+# others (INVALID_VEC_ISA: no vector code; neon, asimd, vsx, zvector) are not checked
+ISA_FLAGS = {"avx2": "avx2", "avx512": "avx512f", "avx512_vnni": "avx512_vnni", "amx_tile": "amx_tile"}
+
+
+def missing_cpu_features(isa: str, flags: Optional[set[str]] = None) -> list[str]:
     """The /proc/cpuinfo flags an AOTInductor CPU ISA string (say "AVX512 AVX512_VNNI") needs
-    that this CPU lacks; a package built for more would die of SIGILL in its first batch."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    except OSError:
-        return []
-    wanted = [{"avx512": "avx512f"}.get(tok.lower(), tok.lower()) for tok in isa.split()]
+    that this CPU (or `flags`) lacks; a package built for more would die of SIGILL in its first
+    batch."""
+    if flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+        except OSError:
+            flags = set()
+    wanted = [ISA_FLAGS[tok] for tok in isa.lower().split() if tok in ISA_FLAGS]
     return [w for w in wanted if flags and w not in flags]
 
 
