@@ -24,6 +24,7 @@ from typing import Optional
 from tgw.bench import comparison, lifecycle_run, overload, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
+from tgw.bench.selfhosted import subset
 from tgw.bench.targets import GENERATORS, VAR_LEN, TgwTarget, find_model
 
 
@@ -35,16 +36,6 @@ def _levels(text: str) -> list[float]:
     if not vals or min(vals) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {text!r}")
     return vals
-
-
-def _subset(known: tuple[str, ...]):
-    """An argparse type: a comma-separated subset of `known`."""
-    def parse(text: str) -> list[str]:
-        names = [x for x in text.split(",") if x]
-        if not names or set(names) - set(known):
-            raise argparse.ArgumentTypeError(f"choose from {','.join(known)}, got {text!r}")
-        return names
-    return parse
 
 
 def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
@@ -74,10 +65,10 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
     cmp.add_argument("--quick", action="store_true", help="short runs (about 90 s in all) for development")
     cmp.add_argument("--duration", type=float, help="override: measured seconds per row")
     cmp.add_argument("--warmup", type=float, help="override: warm-up seconds per row")
-    cmp.add_argument("--systems", default=list(report.SYSTEMS), type=_subset(report.SYSTEMS),
+    cmp.add_argument("--systems", default=list(report.SYSTEMS), type=subset(report.SYSTEMS),
                      help=f"comma-separated subset of {','.join(report.SYSTEMS)} (default: all)")
     models = tuple(dict.fromkeys(sc.model for sc in comparison.SCENARIOS))
-    cmp.add_argument("--models", type=_subset(models),
+    cmp.add_argument("--models", type=subset(models),
                      help=f"comma-separated subset of {','.join(models)} (default: all)")
     cores = os.cpu_count() or 1
     cmp.add_argument("--tgw-workers", type=int, default=cores, help=f"tgw cpu workers (default: cores = {cores})")

@@ -27,14 +27,14 @@ from tgw.bench.baselines import run_floors
 from tgw.bench.broker_proc import BrokerProc
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
-from tgw.bench.selfhosted import parser as make_parser
+from tgw.bench.selfhosted import parser as make_parser, subset
 from tgw.bench.targets import TgwTarget, make_inputs
 from tgw.shm.model_format import FORMATS
 
 BASES = ("mlp", "resnet", "embed")
 LEVELS = (1, 64)
 
-# how save_model compiles AOTInductor packages, and why (tgw.workers.demo_models.AOTI_GUARDS)
+# how save_model compiles AOTInductor packages (its comment says why)
 AOTI_CONV_NOTE = "AOTInductor packages compiled from the loaded program with mkldnn and nnpack off (batch range 1..max)"
 
 
@@ -169,25 +169,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def csv_list(allowed: tuple[str, ...]):
-    def parse(text: str) -> list[str]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in items if x not in allowed]
-        if bad or not items:
-            raise ValueError(f"{', '.join(bad) or 'nothing'}: choose from {', '.join(allowed)}")
-        return items
-    parse.__name__ = "list"   # argparse names the type in its error
-    return parse
-
-
 def run(argv: Optional[list[str]] = None) -> tuple[int, dict[str, Any]]:
     p = make_parser("python -m tgw.bench.format_rows", __doc__)
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per tgw row (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds per tgw row (default 1)")
     p.add_argument("--floor-seconds", type=float, default=2.0, help="seconds per floor batch size (default 2)")
     p.add_argument("--floor-rounds", type=int, default=2, help="floor rounds, the best kept (default 2)")
-    p.add_argument("--models", type=csv_list(BASES), default=["mlp", "resnet"], help="demo models (default mlp,resnet)")
-    p.add_argument("--formats", type=csv_list(FORMATS), default=list(FORMATS), help="default: all three")
+    p.add_argument("--models", type=subset(BASES), default=["mlp", "resnet"], help="demo models (default mlp,resnet)")
+    p.add_argument("--formats", type=subset(FORMATS), default=list(FORMATS), help="default: all three")
     p.add_argument("--models-dir", help="build (or reuse) the model files here; default: a private folder, removed")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args(argv)

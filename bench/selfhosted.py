@@ -64,3 +64,13 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     parts = doc.split("\n\n", 2)
     return argparse.ArgumentParser(prog=prog, description=parts[0], epilog=parts[2] if len(parts) > 2 else None,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def subset(known: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `known`."""
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        if not names or set(names) - set(known):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(known)}, got {text!r}")
+        return names
+    return parse

@@ -11,7 +11,7 @@ from typing import Optional
 import yaml
 from pydantic import ValidationError
 
-from tgw.shm.model_format import FORMATS, ModelFormatError, detect
+from tgw.shm.model_format import FORMATS
 
 from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
@@ -97,10 +97,10 @@ def _model_roots(data: object, base_dir: str) -> tuple[Optional[list[str]], list
                    if not os.path.isdir(root)]
 
 
-def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> list[str]:
-    """Model files must lie in model_roots, exist and match their sha256 (checked on the raw
-    tree, best effort)."""
-    problems = []
+def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> tuple[list[str], dict[str, str]]:
+    """Model files must lie in model_roots, exist, match their sha256 and hold their format
+    (checked on the raw tree, best effort); also each version's format by key path."""
+    problems, formats = [], {}
     for vpath, v in _items(data, ("models", "*", "versions", "*")):
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
@@ -108,7 +108,7 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> l
         fmt = v.get("format") if v.get("format") in FORMATS else None
         path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
         try:
-            check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
+            formats[vpath] = check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
         except PathRefused as err:
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
@@ -120,7 +120,7 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> l
                 problems.append(f"  {kpath}: file not found: {path}")
             elif path is not None and os.stat(path).st_mode & 0o007:
                 problems.append(f"  {kpath}: {path} is readable by every user; chmod o-rwx it (it is a secret)")
-    return problems
+    return problems, formats
 
 
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
@@ -133,11 +133,14 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     except ValidationError as err:
         problems += _pydantic_problems(err)
     roots, root_problems = _model_roots(data, base_dir)
-    problems += root_problems + _duplicate_problems(data) + _file_problems(data, base_dir, roots)
+    file_problems, formats = _file_problems(data, base_dir, roots)
+    problems += root_problems + _duplicate_problems(data) + file_problems
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
-    models = [m.model_copy(update={"versions": [_resolved(v, base_dir, roots) for v in m.versions]})
-              for m in cfg.models]
+    models = [m.model_copy(update={"versions": [
+        v.model_copy(update={"path": confine(os.path.join(base_dir, v.path), roots),
+                             "format": formats[f"models.{i}.versions.{j}"]}) for j, v in enumerate(m.versions)]})
+        for i, m in enumerate(cfg.models)]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:
         sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
@@ -146,16 +149,6 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
     return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
                                                  "server": server}))
-
-
-def _resolved(v: VersionDecl, base_dir: str, roots: Optional[list[str]]) -> VersionDecl:
-    """The version with its path confined (the real file) and its format read from that file."""
-    path = confine(os.path.join(base_dir, v.path), roots)
-    try:
-        fmt = detect(path, v.format)
-    except (ModelFormatError, OSError) as exc:   # replaced since _file_problems looked at it
-        raise ConfigError(f"version {v.version}: {exc}") from None
-    return v.model_copy(update={"path": path, "format": fmt})
 
 
 def load_config(path: str) -> Config:

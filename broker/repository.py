@@ -61,9 +61,8 @@ class Repository:
     def kserve_metadata(self, model: str, version: str | None) -> dict:
         entry, version = self.version_of(model, version)
         shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
-        fmt = (shown.decl.format if shown else None) or "torchscript"
         return {"name": entry.name, "versions": [version] if version else entry.routable(),
-                "platform": f"pytorch_{fmt}", "inputs": io(entry.inputs), "outputs": io(entry.outputs),
+                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs), "outputs": io(entry.outputs),
                 "parameters": {"max_batch_size": entry.decl.max_batch_size, "default_version": entry.default,
                                "residency": entry.decl.residency}}
 

@@ -109,15 +109,15 @@ class Rollout:
             raise fail(Code.INVALID_ARGUMENT, f"invalid version {version!r}: {exc.errors()[0]['msg']}",
                        version=version) from None
         try:
-            decl = decl.model_copy(update={"path": confine(path, self.roots)})
-            fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, decl.path, decl.sha256, fmt)
+            real = confine(path, self.roots)
+            fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, real, sha256, fmt)
         except PathRefused as exc:
             raise fail(Code.INVALID_ARGUMENT, f"model path refused: {exc}", reason="outside_model_roots",
                        path=path, model_roots=self.roots) from None
         except ModelFileError as exc:
             raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
                        path=path) from None
-        return decl.model_copy(update={"format": fmt})
+        return decl.model_copy(update={"path": real, "format": fmt})
 
     async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
         """Load the version on every worker serving the model (one, for an on-demand model) and

@@ -45,6 +45,11 @@ class VersionRecord:
     def version(self) -> str:
         return self.decl.version
 
+    @property
+    def format(self) -> str:
+        """What its file holds (parse_config and rollout.checked_decl read it from the file)."""
+        return self.decl.format or "torchscript"
+
     def size(self) -> int:
         """Bytes it takes loaded: measured, else the file's size (weights dominate a TorchScript file)."""
         if self.bytes:
@@ -57,10 +62,10 @@ class VersionRecord:
     def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int], max_batch_size: int) -> ModelSpec:
         return ModelSpec(name=self.model, version=self.version, path=self.decl.path, inputs=inputs,
                          outputs=outputs, warmup_batch_sizes=list(warmup), sha256=self.decl.sha256,
-                         format=self.decl.format or "torchscript", max_batch_size=max_batch_size)
+                         format=self.format, max_batch_size=max_batch_size)
 
     def info(self, workers: dict[str, str]) -> VersionInfo:
         return VersionInfo(version=self.version, path=self.decl.path, state=self.state.value, weight=self.weight,
                            sha256=self.decl.sha256, workers=workers, bytes=self.size(), loads=self.loads,
                            evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
-                           format=self.decl.format or "torchscript")
+                           format=self.format)

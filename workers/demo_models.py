@@ -21,7 +21,7 @@ Exporting your own model (`save_model` below does exactly this):
     torch.export.save(ep, "model.pt2")
     # format: aoti -- AOTInductor: compiled ahead of time (needs a C++ compiler; on a GPU box,
     # export with CUDA example inputs and a CUDA model to get a CUDA package). Compile the
-    # program as saved and loaded back, with mkldnn and nnpack off (see AOTI_GUARDS below)
+    # program as saved and loaded back, with mkldnn and nnpack off (save_model says why)
     with torch.backends.mkldnn.flags(enabled=False), torch.backends.nnpack.flags(enabled=False):
         torch._inductor.aoti_compile_and_package(torch.export.load("model.pt2"), package_path="model-aoti.pt2")
 
@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+
 
 class MLP(nn.Module):
     def __init__(self) -> None:
@@ -111,15 +112,8 @@ DEMO_MODELS = {
 }
 
 
-# the same weights in another format: name -> (the model it is made from, format)
-# Why AOTInductor is compiled from the saved-and-loaded program with mkldnn and nnpack off: with
-# torch 2.13 on the CPU, compiled straight from torch.export.export the batch range narrowed to
-# >= 2, and a conv's backend choice for the example batch became guards (the demo resnet's
-# package, from 4 example rows, took only 2..15 rows); both measured. tgw refuses such a package
-# at load, as batches of 1 row are common. Compiled this way the range stays 1..max and the
-# package still runs ATen's conv (outputs as eager's at 1, 2, 16 and 32 rows).
-AOTI_GUARDS = "compiled from the loaded program, mkldnn and nnpack off: batch range 1..max"
 DEMO_VERSION = "1"
+# the same weights in another format: name -> (the model it is made from, format)
 FORMAT_MODELS = {"mlp-export": ("mlp", "export"), "mlp-aoti": ("mlp", "aoti")}
 SUFFIX = {"torchscript": ".pt", "export": ".pt2", "aoti": ".pt2"}
 TORCH_TAG = torch.__version__.split("+")[0]   # an AOTInductor build runs only with the torch that built it
@@ -161,7 +155,14 @@ def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: t
             ep = torch.export.export(module, example, dynamic_shapes=shapes)
             if fmt == "export":
                 torch.export.save(ep, tmp)
-            else:  # see AOTI_GUARDS
+            else:
+                # From the program saved and loaded back, with mkldnn and nnpack off: with torch
+                # 2.13 on the CPU, compiled straight from torch.export.export the batch range
+                # narrowed to >= 2, and a conv's backend choice for the example batch became
+                # guards (the demo resnet's package, from 4 example rows, took only 2..15 rows);
+                # both measured. tgw refuses such a package at load, as batches of 1 row are
+                # common. Compiled this way the range stays 1..max and the package still runs
+                # ATen's conv (outputs as eager's at 1, 2, 16 and 32 rows).
                 saved = io.BytesIO()
                 torch.export.save(ep, saved)
                 saved.seek(0)

@@ -123,12 +123,12 @@ class Loader(SideThread):
 def _reason(exc: Exception, phase: str) -> str:
     if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
         return "out_of_memory"
-    if phase == "warmup" and not isinstance(exc, FormatMismatch):
+    if isinstance(exc, (FormatMismatch, ModelFormatError)):   # at load, or at an AOTInductor warm-up's edges
+        return "format"
+    if phase == "warmup":
         return "warmup"
     if isinstance(exc, ChecksumMismatch):
         return "checksum"
-    if isinstance(exc, (FormatMismatch, ModelFormatError)):
-        return "format"
     if isinstance(exc, OSError):
         return "file"
     return "load"

@@ -38,13 +38,16 @@ class ModelRunner:
         self.program = _load_verified(spec, device)
         problems = export_refusals(spec, self.program)
         if problems:
-            raise FormatMismatch(f"{spec.path} cannot serve {self.key} as declared: " + "; ".join(problems))
+            raise self._refused("; ".join(problems))
         self.module, self.nbytes = self.program.call, self.program.nbytes
         self.outputs = spec.outputs
 
     @property
     def key(self) -> str:
         return model_key(self.spec.name, self.spec.version)
+
+    def _refused(self, why: str) -> FormatMismatch:
+        return FormatMismatch(f"{self.spec.path} cannot serve {self.key} as declared: {why}")
 
     def warm_up(self) -> None:
         """Run each warm-up batch size once; also proves the outputs match the declaration. An
@@ -53,7 +56,7 @@ class ModelRunner:
             try:
                 aoti_edges(self.spec, lambda rows, change: self._checked(self._call(self.examples(rows, change)), rows))
             except FormatMismatch as exc:
-                raise FormatMismatch(f"{self.spec.path} cannot serve {self.key} as declared: {exc}") from None
+                raise self._refused(str(exc)) from None
             return
         for rows in self.spec.warmup_batch_sizes or [1]:
             self.run(self.examples(rows), rows)

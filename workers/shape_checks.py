@@ -52,9 +52,9 @@ def export_refusals(spec: ModelSpec, program: Program) -> list[str]:
                 f"{len(spec.inputs)} {[t.name for t in spec.inputs]}"]
     problems = []
     for t, dims, dtype in zip(spec.inputs, program.dims, program.dtypes or []):
-        declared = str(torch.empty(0, dtype=dtype).dtype).removeprefix("torch.") if dtype is not None else None
-        if declared is not None and declared != t.dtype:
-            problems.append(f"input {t.name!r} is {t.dtype} in the config but {declared} in the program")
+        in_program = str(dtype).removeprefix("torch.")
+        if dtype is not None and in_program != t.dtype:
+            problems.append(f"input {t.name!r} is {t.dtype} in the config but {in_program} in the program")
         if len(dims) != len(t.shape) + 1:
             problems.append(f"input {t.name!r} has {len(dims)} dims in the program; the config declares "
                             f"{len(t.shape)} after the batch dim")
