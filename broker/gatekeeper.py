@@ -36,17 +36,11 @@ class Gatekeeper(threading.Thread):
         try:
             while not self._stop_flag.is_set():
                 for sock, _ in poller.poll(POLL_MS):
-                    frames = sock.recv_multipart()
-                    try:
-                        if sock is self.zap:
-                            self.zap.send_multipart(self.callers.zap(frames))
-                        else:
-                            self.callers.on_monitor(frames)
-                    except zmq.ZMQError:
-                        raise
-                    except Exception:  # one odd message must not end the gate: new connections would hang
-                        log.exception("gatekeeper: a %s message failed; going on",
-                                      "ZAP" if sock is self.zap else "monitor")
+                    # every monitor event first: a connection's ACCEPTED is queued before its ZAP
+                    # request, and answering on a count that lacks it lets one past the headroom
+                    self._count_connections()
+                    if sock is self.zap:
+                        self._answer(self.zap.recv_multipart())
         except zmq.ZMQError as exc:  # the context went away under us: the broker is stopping
             if not self._stop_flag.is_set():
                 log.error("gatekeeper stopped: %s", exc)
@@ -54,6 +48,26 @@ class Gatekeeper(threading.Thread):
             for sock in (self.monitor, self.zap):
                 if sock is not None:
                     sock.close(linger=0)
+
+    def _count_connections(self) -> None:
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._guarded("monitor", self.callers.on_monitor, frames)
+
+    def _answer(self, frames: list) -> None:
+        self._guarded("ZAP", lambda f: self.zap.send_multipart(self.callers.zap(f)), frames)
+
+    @staticmethod
+    def _guarded(kind: str, handle, frames: list) -> None:
+        try:
+            handle(frames)
+        except zmq.ZMQError:
+            raise
+        except Exception:  # one odd message must not end the gate: new connections would hang
+            log.exception("gatekeeper: a %s message failed; going on", kind)
 
     def stop(self) -> None:
         self._stop_flag.set()
