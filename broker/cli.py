@@ -91,6 +91,8 @@ def print_status(address: str, reply) -> None:
         age = "-" if w["heartbeat_age_s"] is None else f"{w['heartbeat_age_s']:.1f}"
         print(f"{w['name']:<16}{w['pid']:>8} {w['state']:<9}{w['inflight']:>9}{rss:>9}{w.get('batches', '-'):>9}"
               f"{age:>8}{w['restarts']:>9}  {w['benched'] or w['last_death']}")
+        if "gpu_ooms" in w:
+            print(f"  {gpu_line(w)}")
     print(f"{'model':<16}{'ready':>6}{'queued':>8}{'requests':>10}{'replies':>9}  errors")
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
@@ -103,6 +105,20 @@ def print_status(address: str, reply) -> None:
         print("recent model events:")
         for event in reply.events[-RECENT_EVENTS:]:
             print(f"  {cli_models.event_line(event)}")
+
+
+def gpu_line(w: dict) -> str:
+    """A GPU worker's device at its last heartbeat: "gpu: 3.1/80.0 GiB, 42% busy, 61 °C, 250 W; 0 OOMs"
+    ("-" for a figure the device does not report; "no NVML figures" where NVML cannot say)."""
+    g, ooms = w.get("gpu"), f"{w['gpu_ooms']} OOM{'' if w['gpu_ooms'] == 1 else 's'}"
+    if not g:
+        return f"gpu: no NVML figures; {ooms}"
+
+    def fig(key: str, form: str, scale: float = 1.0) -> str:
+        return "-" if g.get(key) is None else format(g[key] * scale, form)
+    return (f"gpu: {fig('memory_used', '.1f', 2**-30)}/{fig('memory_total', '.1f', 2**-30)} GiB, "
+            f"{fig('utilization', '.0f', 100)}% busy, {fig('temperature_c', '.0f')} °C, {fig('power_w', '.0f')} W; "
+            f"{ooms}")
 
 
 def reload_line(reload: dict) -> str:

@@ -5,7 +5,8 @@ on_finished: its outcome by version, its end-to-end and queued seconds into fixe
 a bucket per batch (stats.Stats.batch). Everything else is read from the state the broker
 already owns when a scrape comes, by a custom collector on a registry of this broker's own (a
 test process may hold several brokers). The README's table (Operations: Metrics) lists every
-family; metrics_state.py has the workers', versions' and scheduler's, metrics_gpu.py NVML's.
+family; metrics_state.py has the workers', versions' and scheduler's, metrics_gpu.py the GPU
+workers' device figures (NVML, as their heartbeats carry them).
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from . import metrics_state
-from .metrics_gpu import Nvml
+from . import metrics_gpu, metrics_state
 from .pending import Pending
 from .stats import Buckets
 
@@ -47,7 +47,6 @@ class Metrics(Collector):
     def __init__(self, broker: "Broker"):
         self.b = broker
         self.series: dict[str, ModelSeries] = {}
-        self.nvml = Nvml()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         broker.admission.on_finished.append(self.finished)
@@ -76,7 +75,7 @@ class Metrics(Collector):
         yield from metrics_state.worker_families(b, now)
         yield from metrics_state.version_families(b, now)
         yield from metrics_state.scheduler_families(b)
-        yield from self.nvml.families(sorted({w.device for w in b.roster if w.device.startswith("cuda:")}))
+        yield from metrics_gpu.families(b.roster)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;

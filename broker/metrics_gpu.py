@@ -1,59 +1,48 @@
-"""GPU figures for /metrics from NVML (nvidia-ml-py; the broker has no torch): memory, utilisation,
-temperature and power of each device a worker runs on.
+"""GPU figures for /metrics: memory, utilisation, temperature and power of each GPU worker's
+device, and the CUDA out-of-memory errors its serving loop met.
 
-NVML is initialised at the first scrape that has a GPU worker, once: where it fails (no driver,
-no library, a CPU-only box) the failure is remembered and the families stay empty, without an
-error. A reading a device does not support (power on some boards) is left out alone.
+The broker reads no NVML for them: each GPU worker reads NVML for its own device, found by
+UUID (workers/gpu_readings.py), and sends the figures in its heartbeat; the families show the
+last heartbeat's, as `status` does (status.gpu_status). A CPU worker, and a GPU worker whose
+NVML cannot start, adds no samples; a figure the device does not report is left out alone.
 """
 from __future__ import annotations
 
-import logging
-from typing import Callable
+from typing import Iterable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger("tgw.broker")
+from .metrics_state import WORKER
+from .status import gpu_status
 
-# name, help, reading(pynvml, handle) -> value
-READINGS: list[tuple[str, str, Callable]] = [
-    ("tgw_gpu_memory_used_bytes", "Device memory in use, by every process on the GPU",
-     lambda nv, h: nv.nvmlDeviceGetMemoryInfo(h).used),
-    ("tgw_gpu_memory_total_bytes", "Device memory of the GPU", lambda nv, h: nv.nvmlDeviceGetMemoryInfo(h).total),
-    ("tgw_gpu_utilization_ratio", "Fraction of the last sample period in which a kernel ran on the GPU (0-1)",
-     lambda nv, h: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100),
-    ("tgw_gpu_temperature_celsius", "GPU core temperature",
-     lambda nv, h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
-    ("tgw_gpu_power_watts", "Power drawn by the GPU board", lambda nv, h: nv.nvmlDeviceGetPowerUsage(h) / 1000),
+# name, help, GpuReading field
+READINGS: list[tuple[str, str, str]] = [
+    ("tgw_gpu_memory_used_bytes", "Device memory in use, by every process on the worker's GPU, at its last "
+     "heartbeat", "memory_used"),
+    ("tgw_gpu_memory_total_bytes", "Device memory of the worker's GPU", "memory_total"),
+    ("tgw_gpu_utilization_ratio", "Fraction of NVML's last sample period in which a kernel ran on the worker's "
+     "GPU (0-1), at its last heartbeat", "utilization"),
+    ("tgw_gpu_temperature_celsius", "Core temperature of the worker's GPU, at its last heartbeat", "temperature_c"),
+    ("tgw_gpu_power_watts", "Power drawn by the worker's GPU board, at its last heartbeat", "power_w"),
 ]
 
 
-class Nvml:
-    def __init__(self) -> None:
-        self._lib = None     # the pynvml module once initialised; False once that failed
-
-    def lib(self):
-        if self._lib is None:
-            try:
-                import pynvml
-                pynvml.nvmlInit()
-                self._lib = pynvml
-            except Exception as exc:  # no driver or library: no GPU figures, and that is all
-                log.info("NVML unavailable: /metrics has no GPU figures (%s)", exc)
-                self._lib = False
-        return self._lib or None
-
-    def families(self, devices: list[str]) -> list[GaugeMetricFamily]:
-        """One family per reading, a sample per device ("cuda:N", NVML's index N) that answers it."""
-        fams = [GaugeMetricFamily(name, doc, labels=["device"]) for name, doc, _ in READINGS]
-        nv = self.lib() if devices else None
-        for device in devices if nv is not None else ():
-            try:
-                handle = nv.nvmlDeviceGetHandleByIndex(int(device.split(":", 1)[1]))
-            except Exception:  # noqa: BLE001 - a device NVML does not know: nothing to show for it
-                continue
-            for fam, (_, _, read) in zip(fams, READINGS):
-                try:
-                    fam.add_metric([device], float(read(nv, handle)))
-                except Exception:  # noqa: BLE001 - not supported on this device
-                    continue
-        return fams
+def families(workers: Iterable) -> Iterator:
+    """A family per reading and the OOM counter, with samples labelled (worker, device) from each
+    worker's last heartbeat (`workers`: the roster, or anything with name, device and beat)."""
+    fams = [GaugeMetricFamily(name, doc, labels=WORKER) for name, doc, _ in READINGS]
+    ooms = CounterMetricFamily("tgw_worker_gpu_oom", "GPU workers: CUDA out-of-memory errors the worker met, "
+                               "those recovered by splitting the batch included, from its last heartbeat "
+                               "(restarts from 0 with a new process)", labels=WORKER)
+    for w in workers:
+        seen = gpu_status(w)
+        if not seen:
+            continue
+        labels = [w.name, w.device]
+        ooms.add_metric(labels, seen["gpu_ooms"])
+        for fam, (_, _, field) in zip(fams, READINGS):
+            figure = (seen.get("gpu") or {}).get(field)
+            if figure is not None:
+                fam.add_metric(labels, float(figure))
+    yield from fams
+    yield ooms

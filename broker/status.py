@@ -108,7 +108,20 @@ def worker_status(w, now: float) -> dict:
                    batches=beat.batches, busy_s=round(now - beat.batch_since, 3) if beat.batch_id is not None else 0.0)
         if beat.cuda_reserved:
             out.update(cuda_allocated=beat.cuda_allocated, cuda_reserved=beat.cuda_reserved)
+        out.update(gpu_status(w))
     return out
+
+
+def gpu_status(w) -> dict:
+    """A GPU worker's `gpu` (its device's figures from NVML at its last heartbeat: a dict with
+    a None per figure the device does not report, or None where NVML cannot say) and `gpu_ooms`;
+    {} for a CPU worker and before the first heartbeat. /metrics (metrics_gpu.py) shows the same."""
+    beat = w.beat
+    if beat is None:
+        return {}
+    if not w.device.startswith("cuda"):   # out-of-memory on a CPU worker: only a custom op raises one
+        return {"gpu_ooms": beat.gpu_ooms} if beat.gpu_ooms else {}
+    return {"gpu": as_builtins(beat.gpu) if beat.gpu is not None else None, "gpu_ooms": beat.gpu_ooms}
 
 
 def scrape(b: "Broker", req_id: int) -> ScrapeReply:

@@ -18,7 +18,7 @@ from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, SUPPORTED_V
                         split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
-from .wire_worker import (Batch, BlockTensor, Done, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
+from .wire_worker import (Batch, BlockTensor, Done, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
                           UnloadModel, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot)
 

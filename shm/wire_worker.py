@@ -36,6 +36,7 @@ class WorkerHello(Struct, tag_field="op", tag="w_hello"):
     worker_id: int
     pid: int
     device_uuid: str = ""           # a GPU worker's device UUID (CUDA tensors by IPC handle go to it)
+    device_memory: int = 0          # a GPU worker's device memory, bytes (workers.max_model_memory shares)
 
 
 class LoadModels(Struct, tag_field="op", tag="w_load"):
@@ -126,6 +127,16 @@ class Stop(Struct, tag_field="op", tag="w_stop"):
     pass
 
 
+class GpuReading(Struct):
+    """A GPU worker's device as NVML reports it, read by the worker (by its device's UUID) at a
+    heartbeat: a figure the device does not report is None."""
+    memory_used: Optional[int] = None      # bytes of device memory in use, by every process on the GPU
+    memory_total: Optional[int] = None     # bytes of device memory
+    utilization: Optional[float] = None    # share of NVML's last sample period in which a kernel ran (0-1)
+    temperature_c: Optional[float] = None  # core temperature, degrees Celsius
+    power_w: Optional[float] = None        # board power draw, watts
+
+
 class Heartbeat(Struct, tag_field="op", tag="w_beat"):
     """Sent every heartbeat_s by a thread of the worker that does not depend on its serving
     loop, on the worker's control socket (identity: the worker's + b"~ctl")."""
@@ -142,6 +153,8 @@ class Heartbeat(Struct, tag_field="op", tag="w_beat"):
     cuda_allocated: int = 0          # bytes, GPU workers only
     cuda_reserved: int = 0
     output_used: int = 0             # bytes of its output arena in unreleased blocks
+    gpu: Optional[GpuReading] = None  # GPU workers where NVML answers; None on the CPU
+    gpu_ooms: int = 0                # CUDA out-of-memory errors met since start, recovered ones included
 
 
 class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):

@@ -1,6 +1,7 @@
-"""Prometheus metrics (broker/metrics*.py): the bucket class, NVML's absence, and a real broker
-scraped with `tgw-broker metrics` after known traffic - exact counts, the dashboard's and the
-README's metric names against what a scrape exposes."""
+"""Prometheus metrics (broker/metrics*.py): the bucket class, and a real broker scraped with
+`tgw-broker metrics` after known traffic - exact counts, no GPU figures on a CPU box, the
+dashboard's and the README's metric names against what a scrape exposes. The GPU families from
+heartbeats: tests/test_gpu_metrics.py."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from conftest import base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from tgw.broker.metrics_gpu import READINGS, Nvml
+from tgw.broker.metrics_gpu import READINGS
 from tgw.broker.stats import Buckets
 from tgw.client import Client, TgwError
 
@@ -40,58 +41,6 @@ def test_buckets_count_a_value_equal_to_a_bound_in_that_bound():
 def test_buckets_refuse_bounds_that_do_not_increase(bounds):
     with pytest.raises(ValueError):
         Buckets(bounds)
-
-
-class FakeNvml(SimpleNamespace):
-    NVML_TEMPERATURE_GPU = 0
-
-    def __init__(self, fail: bool):
-        super().__init__(inits=0, fail=fail)
-
-    def nvmlInit(self):
-        self.inits += 1
-        if self.fail:
-            raise RuntimeError("NVML Shared Library Not Found")
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        if index > 0:
-            raise RuntimeError("invalid argument")
-        return index
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(used=3 << 30, total=80 << 30)
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        return SimpleNamespace(gpu=42)
-
-    def nvmlDeviceGetTemperature(self, h, sensor):
-        return 61
-
-    def nvmlDeviceGetPowerUsage(self, h):
-        raise RuntimeError("not supported")
-
-
-def samples_of(fams) -> dict:
-    return {(f.name, tuple(s.labels.values())): s.value for f in fams for s in f.samples}
-
-
-def test_no_nvml_means_no_gpu_figures_and_one_attempt(monkeypatch):
-    fake = FakeNvml(fail=True)
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    nvml = Nvml()
-    assert samples_of(nvml.families([])) == {} and fake.inits == 0     # no GPU worker: NVML is never asked
-    for _ in range(3):
-        fams = nvml.families(["cuda:0"])
-        assert [f.name for f in fams] == [name for name, _, _ in READINGS] and samples_of(fams) == {}
-    assert fake.inits == 1
-
-
-def test_nvml_readings_per_device_leaving_out_what_a_device_cannot_answer(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(fail=False))
-    got = {name: value for (name, labels), value in samples_of(Nvml().families(["cuda:0", "cuda:1"])).items()
-           if labels == ("cuda:0",)}
-    assert got == {"tgw_gpu_memory_used_bytes": 3 << 30, "tgw_gpu_memory_total_bytes": 80 << 30,
-                   "tgw_gpu_utilization_ratio": 0.42, "tgw_gpu_temperature_celsius": 61}
 
 
 # ---- a real broker ---------------------------------------------------------------------------
@@ -146,10 +95,11 @@ def scraped(model_files, tmp_path_factory):
                 with pytest.raises(TgwError) as info:
                     c.infer(model, inputs, **kw)
                 codes.append(info.value.code.value)
+            status = c.status()
         assert codes == ["INVALID_INPUT_DTYPE", "MODEL_NOT_FOUND", "RATE_LIMITED", "MODEL_EXECUTION_ERROR"]
         text = scrape(b.address)
         reply = json.loads(scrape(b.address, "--json"))
-        yield SimpleNamespace(fams=parse(text), text=text, reply=reply)
+        yield SimpleNamespace(fams=parse(text), text=text, reply=reply, status=status)
     finally:
         code = b.stop()
         shutil.rmtree(d, ignore_errors=True)
@@ -200,7 +150,14 @@ def test_state_at_rest(scraped):
     assert value(fams, "tgw_breaker_state", model="mlp", version="1", state="closed") == 1
     assert value(fams, "tgw_tenant_rate_limited_total", tenant="slow", reason="rate") == 1
     assert value(fams, "tgw_tenant_admitted_total", tenant="slow") == 1
-    assert fams["tgw_gpu_memory_used_bytes"].samples == []    # no GPU here: the family, no figures
+
+def test_a_cpu_broker_has_gpu_families_without_samples(scraped):
+    fams = scraped.fams
+    gpu = [name for name, _, _ in READINGS] + ["tgw_worker_gpu_oom"]
+    assert all(fams[name].samples == [] for name in gpu)        # no GPU here: the families, no figures
+    assert "tgw_gpu_" not in "".join(line for line in scraped.text.splitlines() if not line.startswith("#"))
+    workers = scraped.status["workers"]
+    assert workers and all("gpu" not in w and "gpu_ooms" not in w and "rss" in w for w in workers)
 
 
 def test_json_flag_prints_the_reply(scraped):

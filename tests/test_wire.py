@@ -18,6 +18,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
                           WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
+from tgw.shm.wire_worker import GpuReading
 
 V = PROTOCOL_VERSION
 x_meta = TensorMeta(name="x", dtype="float32", shape=[2, 256])
@@ -112,6 +113,12 @@ FROM_WORKER = [
     Done(batch_id=2, error=ErrorBody(code="MODEL_EXECUTION_ERROR", message="bad")),
     Heartbeat(worker_id=0, pid=1234, sent=5.5, rss=1 << 26, cpu_s=1.25, fds=12, threads=4, batches=9,
               batch_id=10, batch_since=5.0),
+    Heartbeat(worker_id=1, pid=1235, sent=6.5, rss=1 << 26, cpu_s=1.5, fds=12, threads=5, batches=3,
+              cuda_allocated=1 << 20, cuda_reserved=1 << 21, gpu_ooms=2,
+              gpu=GpuReading(memory_used=3 << 30, memory_total=80 << 30, utilization=0.42, temperature_c=61.0,
+                             power_w=250.5)),
+    Heartbeat(worker_id=1, pid=1235, sent=7.5, rss=1 << 26, cpu_s=1.5, fds=12, threads=5, batches=3,
+              gpu=GpuReading(memory_used=3 << 30, memory_total=80 << 30)),   # a device without the rest
     WorkerSnapshot(snapshot_id=3, worker_id=0, tracing_since=4.0, traced_bytes=2048,
                    growth=[LineGrowth(where="m.py:3", size_diff=1024, count_diff=2)]),
     WorkerReady(worker_id=0, models=["mlp:1"], sizes={"mlp:1": 1024}),
@@ -335,3 +342,20 @@ def test_error_body_round_trip_to_exception():
     body = reply_decoder.decode(encode(next(r for r in REPLIES if isinstance(r, ErrorReply)))).error
     e = error_from_body(body)
     assert isinstance(e, tgw.client.ModelNotFoundError) and e.details["known"] == ["mlp"]
+
+
+def test_heartbeat_of_a_worker_before_gpu_figures_decodes():
+    """A heartbeat as a CPU worker, or one of a release before GPU figures, sends it: no gpu, no gpu_ooms."""
+    old = {"op": "w_beat", "worker_id": 0, "pid": 7, "sent": 1.0, "rss": 4096, "cpu_s": 0.5, "fds": 9,
+           "threads": 3, "batches": 0, "cuda_allocated": 0, "output_used": 0}
+    beat = from_worker_decoder.decode(msgspec.msgpack.encode(old))
+    assert isinstance(beat, Heartbeat) and beat.gpu is None and beat.gpu_ooms == 0
+    assert "gpu" not in msgspec.msgpack.decode(encode(beat)) and "gpu_ooms" not in msgspec.msgpack.decode(encode(beat))
+
+
+def test_gpu_reading_leaves_out_what_the_device_does_not_report():
+    partial = [m for m in FROM_WORKER if isinstance(m, Heartbeat) and m.gpu is not None][-1]
+    raw = msgspec.msgpack.decode(encode(partial))
+    assert raw["gpu"] == {"memory_used": 3 << 30, "memory_total": 80 << 30}
+    beat = from_worker_decoder.decode(msgspec.msgpack.encode({**raw, "gpu": {"temperature_c": 55}}))
+    assert beat.gpu == GpuReading(temperature_c=55.0) and beat.gpu.power_w is None

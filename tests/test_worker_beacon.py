@@ -78,7 +78,9 @@ def test_heartbeats_describe_the_process(fast):
         assert (b.worker_id, b.pid, b.batches, b.batch_id) == (3, os.getpid(), 0, None)
         assert b.rss > 0 and b.fds > 0 and b.threads >= 2 and b.cpu_s > 0
         assert b.cuda_allocated == b.cuda_reserved == 0
+        assert b.gpu is None and b.gpu_ooms == 0        # a CPU worker: no GPU figures, never an OOM
     assert beats[0].sent < beats[1].sent < beats[2].sent
+    assert fast.beacon.gpu is None                     # and no NVML reader to ask
 
 
 def test_heartbeats_carry_progress(fast):
@@ -93,6 +95,14 @@ def test_heartbeats_carry_progress(fast):
     while beat.batches == 0:
         beat = fast.recv(Heartbeat)
     assert (beat.batch_id, beat.batch_since, beat.batches) == (None, 0.0, 1)
+
+
+def test_heartbeats_carry_the_oom_count(fast):
+    fast.progress.gpu_ooms += 2     # as the serving loop counts them
+    beat = fast.recv(Heartbeat)
+    while beat.gpu_ooms == 0:       # sampled before the count: the next one has it
+        beat = fast.recv(Heartbeat)
+    assert beat.gpu_ooms == 2
 
 
 class UntilFlag(torch.nn.Module):

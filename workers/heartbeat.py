@@ -18,6 +18,8 @@ import zmq
 
 from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot, encode, to_worker_decoder
 
+from .cuda_ipc import device_uuid
+from .gpu_readings import GpuReader
 from .sidethread import SideThread
 
 log = logging.getLogger("tgw.worker")
@@ -37,6 +39,7 @@ class Progress:
         self.batch_id: int | None = None  # the batch computing now, if any
         self.batch_since = 0.0            # CLOCK_MONOTONIC when it started
         self.outputs = None               # the output arena's allocator (its in_use is read)
+        self.gpu_ooms = 0                 # CUDA out-of-memory errors met, those recovered by splitting too
 
     def start(self, batch_id: int) -> None:
         self.batch_since = time.monotonic()
@@ -54,6 +57,8 @@ class Beacon(SideThread):
         self.cuda = None
         if device is not None and device.type == "cuda":  # the index now: the current device is per thread
             self.cuda = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        # NVML's figures of this worker's own GPU, found by UUID (read in the beacon's thread)
+        self.gpu = GpuReader(device_uuid(self.cuda)) if self.cuda is not None else None
         super().__init__(ctx, endpoint, identity + CTL_SUFFIX, "tgw-beacon")
         # opened now: a worker that ran out of fds can still report itself
         self._status = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
@@ -93,10 +98,12 @@ class Beacon(SideThread):
                          rss=int(status[b"VmRSS"].split()[0]) * 1024, cpu_s=t.user + t.system,
                          fds=_count_fds(), threads=int(status[b"Threads"]), batches=self.progress.batches,
                          batch_id=batch_id, batch_since=self.progress.batch_since if batch_id is not None else 0.0,
-                         output_used=self.progress.outputs.in_use if self.progress.outputs is not None else 0)
+                         output_used=self.progress.outputs.in_use if self.progress.outputs is not None else 0,
+                         gpu_ooms=self.progress.gpu_ooms)
         if self.cuda is not None:
             beat.cuda_allocated = torch.cuda.memory_allocated(self.cuda)
             beat.cuda_reserved = torch.cuda.memory_reserved(self.cuda)
+            beat.gpu = self.gpu.read()    # None when NVML cannot say; never raises
         return beat
 
     def _answer(self) -> None:
