@@ -210,7 +210,7 @@ class Breakers:
         mine = [b for key in worker.models if (b := self.by_key.get(split_model_key(key))) is not None
                 and b.decl.memory_fraction is not None]
         if mine:
-            fraction = memory_fraction(worker.device, beat)
+            fraction = memory_fraction(worker.device, beat, worker.device_memory)
             for b in mine:
                 b.memory(fraction, worker.name, now)
 

@@ -25,14 +25,18 @@ log = logging.getLogger("tgw.broker")
 
 class Handshake:
     def __init__(self, registry: Registry, serving: Callable[[], bool] = lambda: False,
-                 lost_version: Callable[[WorkerHandle, str, str], None] = lambda w, key, error: None):
+                 lost_version: Callable[[WorkerHandle, str, str], None] = lambda w, key, error: None,
+                 budget: Callable[[WorkerHandle], int | None] | None = None):
         self.registry = registry
         self.failure: str | None = None  # the first load failure, which fails start-up
         self.serving = serving            # once serving, a restarted worker's failed load ...
         self.lost_version = lost_version  # ... drops that version instead (placement.forget_failed)
+        self.budget = budget              # a worker's model budget, once its hello gave its device's size
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
-        w.pid, w.device_uuid = msg.pid, msg.device_uuid
+        w.pid, w.device_uuid, w.device_memory = msg.pid, msg.device_uuid, msg.device_memory
+        if self.budget is not None:
+            w.budget = self.budget(w)
         return LoadModels(models=self.registry.startup_specs())
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:

@@ -79,6 +79,7 @@ class WorkerHandle:
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
     budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
     device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: cuda_route.py)
+    device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED

@@ -165,7 +165,7 @@ class Reloader:
         self.rollout.roots = new.model_roots
         b.model_memory = new.workers.max_model_memory
         for w in b.roster:
-            w.budget = budget_bytes(b.model_memory, w.device)
+            w.budget = budget_bytes(b.model_memory, w.device, w.device_memory)
         b.registry.changed()
         b.placement.reconcile()
         return retiring

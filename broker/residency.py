@@ -21,24 +21,14 @@ from .versions import VersionRecord
 log = logging.getLogger("tgw.broker")
 
 
-def device_memory(device: str) -> int:
-    """Total bytes of a worker's device: host RAM for cpu, the GPU's memory (NVML) for cuda:N."""
-    if device.startswith("cuda:"):
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(device[5:]))).total
-        finally:
-            pynvml.nvmlShutdown()
-    return psutil.virtual_memory().total
-
-
-def budget_bytes(max_model_memory: int | float | None, device: str) -> int | None:
-    """workers.max_model_memory as bytes: an int is bytes, a float a fraction of the device's memory."""
+def budget_bytes(max_model_memory: int | float | None, device: str, device_total: int = 0) -> int | None:
+    """workers.max_model_memory as bytes: an int is bytes, a float a fraction of the device's
+    memory: host RAM for cpu, for cuda:N the GPU's as its worker's hello said (None before)."""
     if max_model_memory is None:
         return None
     if isinstance(max_model_memory, float):
-        return int(max_model_memory * device_memory(device))
+        total = device_total if device.startswith("cuda:") else psutil.virtual_memory().total
+        return int(max_model_memory * total) if total else None
     return int(max_model_memory)
 
 

@@ -144,6 +144,9 @@ class WorkersDecl(Strict):
     # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
     # its models load: how a deployment registers the custom ops its models call
     preload: list[Annotated[str, Field(min_length=1)]] = []
+    # how a CUDA worker page-locks its ring for copies to and from the GPU (workers/device_io.py):
+    # register the ring (no host copy), a pinned staging buffer per batch, or pageable (a baseline)
+    cuda_host_memory: Literal["register", "staging", "pageable"] = "register"
     # each worker's budget for loaded models: bytes (int) or share of its device's memory (float in (0, 1])
     max_model_memory: Optional[Union[int, float]] = None
     # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)

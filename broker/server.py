@@ -74,7 +74,8 @@ class Broker:
                                    self.unserved.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
         self.metrics = Metrics(self)     # /metrics and `tgw-broker metrics`: hooks admission
-        self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed)
+        self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,
+                                   lambda w: budget_bytes(self.model_memory, w.device, w.device_memory))
         self.memory = MemoryWatch(cfg.supervisor, self.send)
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
@@ -97,7 +98,6 @@ class Broker:
         """Route messages from (a new life of) this worker, and of its heartbeat thread, to it."""
         if w not in self.roster:
             self.roster.append(w)
-        w.budget = budget_bytes(self.model_memory, w.device)
         self.routes[w.identity] = self.routes[w.control_identity] = self.routes[w.loader_identity] = w
 
     def remove_worker(self, w: WorkerHandle) -> None:

@@ -17,23 +17,11 @@ from tgw.shm import segment as shm_segment
 from tgw.shm.segment import Segment, ShmError
 
 from .config import SupervisorDecl, WorkersDecl
+from .gpus import plan_devices
 from .pool import WorkerHandle, WorkerState
 
 log = logging.getLogger("tgw.supervisor")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-
-
-def cuda_device_count() -> int:
-    """GPUs visible through NVML (no torch in the broker); 0 where there is no driver."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return 0
 
 
 def exit_reason(returncode: int) -> str:
@@ -43,13 +31,6 @@ def exit_reason(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with code {returncode}"
-
-
-def plan_devices(decl: WorkersDecl) -> list[str]:
-    if decl.devices != "auto":
-        return list(decl.devices)
-    n = cuda_device_count()
-    return [f"cuda:{i}" for i in range(n)] or ["cpu"]
 
 
 def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
@@ -115,7 +96,7 @@ class Supervisor:
                "--input-bytes", str(w.input_bytes), "--output-bytes", str(w.output_bytes),
                "--endpoint", self.endpoint, "--threads", str(self.decl.threads_per_worker),
                "--cpus", ",".join(map(str, w.cpus)), "--heartbeat-s", str(self.watch.heartbeat_s),
-               "--preload", ",".join(self.decl.preload)]
+               "--preload", ",".join(self.decl.preload), "--cuda-host-memory", self.decl.cuda_host_memory]
         w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), time.monotonic())
         log.info("spawned %s pid %d", w.name, w.pid, extra={"event": "worker_spawned", "worker": w.name,
                                                              "pid": w.pid})

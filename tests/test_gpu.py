@@ -12,8 +12,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
 
 
-def test_cuda_worker_matches_cpu_reference(model_files, make_broker):
-    b = make_broker(base_config(model_files, "mlp", "mixed", workers={"devices": ["cuda:0"]}))
+@pytest.mark.parametrize("host_memory", ["register", "staging", "pageable"])
+def test_cuda_worker_matches_cpu_reference(model_files, make_broker, host_memory):
+    b = make_broker(base_config(model_files, "mlp", "mixed",
+                                workers={"devices": ["cuda:0"], "cuda_host_memory": host_memory}))
     x = np.random.default_rng(3).standard_normal((8, 256), dtype=np.float32)
     ref = torch.jit.load(model_files["mlp"][0])(torch.from_numpy(x)).detach().numpy()
     with Client(b.address) as c:
@@ -30,6 +32,17 @@ def test_auto_devices_use_every_gpu(model_files, make_broker):
     with Client(b.address) as c:
         devices = [p["device"] for p in c.stats()["processes"] if p["role"] == "worker"]
     assert devices == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def test_cuda_visible_devices_decides_what_auto_starts(model_files, make_broker):
+    """The broker reads CUDA_VISIBLE_DEVICES as CUDA does: the last GPU alone, then none."""
+    last = torch.cuda.device_count() - 1
+    for sub, env, expect in (("one", str(last), ["cuda:0"]), ("none", "", ["cpu"])):
+        b = make_broker(base_config(model_files, "mlp", workers={"devices": "auto"}), start=False, sub=sub)
+        b.start(env={"CUDA_VISIBLE_DEVICES": env})
+        with Client(b.address) as c:
+            assert [p["device"] for p in c.stats()["processes"] if p["role"] == "worker"] == expect
+            assert c.infer("mlp", {"x": np.ones((1, 256), np.float32)})["y"].shape == (1, 10)
 
 
 def test_export_and_aoti_programs_serve_on_a_cuda_worker(tmp_path, make_broker):

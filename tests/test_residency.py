@@ -107,6 +107,9 @@ def test_budget_is_bytes_or_a_share_of_the_device():
     half = budget_bytes(0.5, "cpu")
     import psutil
     assert abs(half - psutil.virtual_memory().total / 2) <= 1
+    assert budget_bytes(0.25, "cuda:0", 80 << 30) == 20 << 30     # the GPU's size, from its worker's hello
+    assert budget_bytes(0.25, "cuda:0") is None                   # before the hello: not known yet
+    assert budget_bytes(3 * MIB, "cuda:0") == 3 * MIB
 
 
 # ---- end to end ----------------------------------------------------------------------------------

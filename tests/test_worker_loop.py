@@ -17,6 +17,7 @@ import pytest
 import torch
 import zmq
 
+import worker_ext
 from models import MODELS, save
 from tgw.shm.errors import Code
 from tgw.shm.ring import aligned_total
@@ -34,30 +35,35 @@ IDENTITY = b"w0.0"
 _endpoints = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def runners(tmp_path_factory) -> dict[str, ModelRunner]:
-    """"double:1" (y = 2x, any width) and "fails:1" (y = x + 1, raises on a negative x[0, 0])."""
-    d = tmp_path_factory.mktemp("worker_models")
+def load_runners(d, device: torch.device) -> dict[str, ModelRunner]:
+    """"double:1" (y = 2x, any width), "fails:1" (y = x + 1, raises on a negative x[0, 0]) and
+    "gpu_hungry:1" (y = 2x, out of GPU memory past 4 rows: tests/worker_ext.py)."""
     out = {}
-    for name in ("double", "fails"):
+    for name, (saver, decl) in {"double": (save, MODELS["double"][1]), "fails": (save, MODELS["fails"][1]),
+                                "gpu_hungry": (worker_ext.save, worker_ext.IO)}.items():
         path = str(d / f"{name}.pt")
-        save(name, path)
-        io = {k: [IOSpec(**t) for t in MODELS[name][1][k]] for k in ("inputs", "outputs")}
-        runner = ModelRunner(ModelSpec(name=name, version="1", path=path, **io), torch.device("cpu"))
+        saver(name, path)
+        io = {k: [IOSpec(**t) for t in decl[k]] for k in ("inputs", "outputs")}
+        runner = ModelRunner(ModelSpec(name=name, version="1", path=path, **io), device)
         out[runner.key] = runner
     return out
+
+
+@pytest.fixture(scope="module")
+def runners(tmp_path_factory) -> dict[str, ModelRunner]:
+    return load_runners(tmp_path_factory.mktemp("worker_models"), torch.device("cpu"))
 
 
 class Worker:
     """A Server serving in a thread; this side plays the broker: it writes inputs into the input
     arena, sends Batch/Release/Stop on a ROUTER and reads Done messages back."""
 
-    def __init__(self, runners: dict[str, ModelRunner], output_bytes: int):
+    def __init__(self, runners: dict[str, ModelRunner], output_bytes: int, serving: bool = True, **server):
         self.segment = Segment.create(new_name("ring"), IN_BYTES + output_bytes)
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.dealer = self.ctx.socket(zmq.DEALER)
-        self.server = Server(self.dealer, self.segment, IN_BYTES, output_bytes, runners)
+        self.server = Server(self.dealer, self.segment, IN_BYTES, output_bytes, runners, **server)
         self.thread = threading.Thread(target=self._serve, name="tgw-test-worker", daemon=True)
         self.error: BaseException | None = None
         self.returned = False
@@ -67,6 +73,11 @@ class Worker:
         except BaseException:
             self.close()
             raise
+        if serving:
+            self.thread.start()
+
+    def start_serving(self) -> None:
+        """Start serve() (a Worker made with serving=False): what was sent before is all queued."""
         self.thread.start()
 
     def _connect(self, endpoint: str) -> None:
@@ -126,6 +137,8 @@ class Worker:
         try:
             if self.thread.is_alive():
                 self.stop()
+            elif self.thread.ident is None:   # never started: nothing to join
+                pass
         finally:
             self.router.close(linger=0)
             if not self.thread.is_alive():   # a hung thread keeps its socket, the context and the mapping
@@ -137,11 +150,12 @@ class Worker:
 
 @pytest.fixture
 def start(runners):
-    """start(output_bytes=64 KiB) -> a serving Worker; each is stopped and cleaned up at teardown."""
+    """start(output_bytes=64 KiB, with_runners=None, serving=True, **Server arguments) -> a Worker;
+    each is stopped and cleaned up at teardown."""
     workers: list[Worker] = []
 
-    def factory(output_bytes: int = 64 << 10) -> Worker:
-        w = Worker(runners, output_bytes)
+    def factory(output_bytes: int = 64 << 10, with_runners: dict | None = None, **kw) -> Worker:
+        w = Worker(with_runners or runners, output_bytes, **kw)
         workers.append(w)
         return w
 
@@ -323,3 +337,123 @@ def test_stop_ends_serve_after_the_work_before_it(start):
     b = w.batch(x)
     w.stop()
     expect_doubled(w, b, x, block=0)
+
+
+# ---- batches in flight together, out of GPU memory ---------------------------------------------
+
+def test_batches_queued_together_are_launched_before_the_oldest_is_answered(start):
+    """With overlap (a CUDA worker's way: the next batch's copy overlaps this one's compute), a
+    batch waiting is launched before the oldest is answered; answers keep their order. When the
+    arena is full, the batches launched are answered first so the broker can free their blocks."""
+    w = start(ONE_BATCH, serving=False, overlap=True)
+    x1, x2, x3 = full(1.0), full(2.0), full(3.0)
+    b1, b2, b3 = w.batch(x1), w.batch(x2), w.batch(x3)
+    w.start_serving()
+    expect_doubled(w, b1, x1, block=0)        # b2 found the arena full: b1 was answered first
+    w.send(Release(blocks=[0]))
+    expect_doubled(w, b2, x2, block=0)
+    w.send(Release(blocks=[0]))
+    expect_doubled(w, b3, x3, block=0)
+    y1, y2 = rows(2), rows(3, 2, 9.0)
+    w.send(Release(blocks=[0]))
+    w2 = start(serving=False, overlap=True)
+    c1, c2 = w2.batch(y1), w2.batch(y2)
+    w2.start_serving()
+    expect_doubled(w2, c1, y1, block=0)
+    expect_doubled(w2, c2, y2, block=aligned_total([y1.nbytes]))   # both held blocks at once
+
+
+def test_out_of_gpu_memory_runs_the_batch_again_in_halves(start):
+    w = start()
+    x = rows(8, 1)
+    b = w.batch(x, "gpu_hungry", splits=[1] * 8)          # 8 rows: more than the op holds (4)
+    p0 = expect_part(w, b, 0, 4, final=False)
+    p1 = expect_part(w, b, 4, 4, final=True)
+    np.testing.assert_array_equal(np.concatenate([w.outputs(p0)[0], w.outputs(p1)[0]]), 2 * x)
+    assert w.server.progress.gpu_ooms == 1
+
+
+def test_a_request_that_does_not_fit_alone_is_answered_out_of_gpu_memory(start):
+    w = start()
+    x = rows(7, 1)
+    b = w.batch(x, "gpu_hungry", splits=[1, 5, 1])       # the middle request alone is 5 rows
+    p0 = expect_part(w, b, 0, 1, final=False)
+    np.testing.assert_array_equal(w.outputs(p0)[0], 2 * x[:1])
+    err = expect_part(w, b, 1, 1, final=False)
+    assert err.error.code == Code.OUT_OF_GPU_MEMORY.value and err.outputs == []
+    assert err.error.message.startswith("CUDA out of memory. Tried to allocate 5 rows")   # not the traceback
+    p2 = expect_part(w, b, 2, 1, final=True)
+    np.testing.assert_array_equal(w.outputs(p2)[0], 2 * x[6:])
+    assert w.server.progress.gpu_ooms == 3                # 7 rows, then 6 (requests 1-2), then 5 alone
+    y = rows(3, 1)
+    b2 = w.batch(y, "gpu_hungry", splits=[3])              # the worker serves on: one whole answer
+    done = w.recv()
+    assert (done.batch_id, done.first, done.count, done.final) == (b2.batch_id, 0, 0, True)
+    np.testing.assert_array_equal(w.outputs(done)[0], 2 * y)
+    alone = w.batch(rows(6, 1), "gpu_hungry", splits=[6])  # one request: tried again once, then answered
+    expect_error(w, alone, Code.OUT_OF_GPU_MEMORY)
+    assert w.server.progress.gpu_ooms == 5
+
+
+# ---- on a GPU (skipped without CUDA) ------------------------------------------------------------
+
+def needs_cuda(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")(test))
+
+
+@pytest.fixture(scope="module")
+def cuda_runners(tmp_path_factory) -> dict[str, ModelRunner]:
+    return load_runners(tmp_path_factory.mktemp("cuda_models"), torch.device("cuda:0"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("host_memory", ["register", "staging", "pageable"])
+def test_cuda_worker_copies_each_way_and_overlaps_batches(start, cuda_runners, host_memory):
+    w = start(with_runners=cuda_runners, serving=False, device=torch.device("cuda:0"), host_memory=host_memory)
+    assert w.server.io.mode == host_memory or (host_memory == "register" and w.server.io.mode == "staging")
+    xs = [rows(n, 33, float(n)) for n in (1, 5, 3)]        # 132-byte rows: offsets only 64-byte aligned
+    sent = [w.batch(x) for x in xs]
+    w.start_serving()
+    block = 0
+    for b, x in zip(sent, xs):
+        expect_doubled(w, b, x, block=block)
+        block += aligned_total([x.nbytes])
+    b = w.batch(np.array([[-1.0, 0.0]], dtype=np.float32), "fails")   # a model error on the GPU path
+    expect_error(w, b, Code.MODEL_EXECUTION_ERROR)
+
+
+@needs_cuda
+def test_cuda_out_of_memory_is_split_and_the_worker_serves_on(start, tmp_path):
+    """A real CUDA out-of-memory in a TorchScript forward (a RuntimeError there, not
+    OutOfMemoryError): each row takes 30% of the GPU, so 4 rows cannot fit, 2 can."""
+    free, total = torch.cuda.mem_get_info(0)
+    if free < 0.7 * total:
+        pytest.skip(f"the GPU is busy: {free >> 20} MiB free of {total >> 20}")
+
+    class Allocates(torch.nn.Module):
+        def __init__(self, per_row: int):
+            super().__init__()
+            self.per_row = per_row
+
+        def forward(self, x):
+            buf = torch.empty([x.shape[0] * self.per_row], dtype=torch.uint8, device=x.device)
+            return x * 2 + buf[:1].to(x.dtype) * 0
+
+    path = str(tmp_path / "allocates.pt")
+    torch.jit.script(Allocates(int(0.3 * total))).save(path)
+    io = {k: [IOSpec(**t) for t in worker_ext.IO[k]] for k in ("inputs", "outputs")}
+    runner = ModelRunner(ModelSpec(name="allocates", version="1", path=path, **io), torch.device("cuda:0"))
+    w = start(with_runners={runner.key: runner}, device=torch.device("cuda:0"))
+    x = rows(4, 1)
+    b = w.batch(x, "allocates", splits=[1, 1, 1, 1])
+    p0, p1 = expect_part(w, b, 0, 2, final=False), expect_part(w, b, 2, 2, final=True)
+    np.testing.assert_array_equal(np.concatenate([w.outputs(p0)[0], w.outputs(p1)[0]]), 2 * x)
+    alone = w.batch(rows(4, 1), "allocates", splits=[4])
+    done = expect_error(w, alone, Code.OUT_OF_GPU_MEMORY)
+    assert done.error.message.startswith("CUDA out of memory")
+    y = rows(1, 1)
+    served = w.batch(y, "allocates")
+    done = w.recv()
+    assert done.batch_id == served.batch_id
+    np.testing.assert_array_equal(w.outputs(done)[0], 2 * y)
+    assert w.server.progress.gpu_ooms == 3   # the batch, then the request alone twice

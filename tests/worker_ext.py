@@ -4,6 +4,7 @@ registers two custom ops, callable from TorchScript, that stand in for a deploym
     tgw_test::crash_if(Tensor x, float trigger) -> Tensor   aborts the process on a poison input
     tgw_test::leak(Tensor x, int nbytes) -> Tensor          leaks nbytes per call
     tgw_test::wait_gate(Tensor x, str path) -> Tensor       holds a batch until the test opens a gate
+    tgw_test::gpu_memory(Tensor x, int max_rows) -> Tensor  runs out of GPU memory past max_rows rows
 
 The ops must be registered in every process that scripts, loads or runs a model calling them:
 importing this module does that (once per process; a second registration would fail).
@@ -45,6 +46,27 @@ def wait_gate(x: Tensor, path: str) -> Tensor:
     return x.clone()
 
 
+@torch.library.custom_op("tgw_test::gpu_memory", mutates_args=())
+def gpu_memory(x: Tensor, max_rows: int) -> Tensor:
+    """An allocation that fails as CUDA's caching allocator fails (torch.cuda.OutOfMemoryError,
+    its message) when more than max_rows rows come: the out-of-memory path without a GPU."""
+    if x.shape[0] > max_rows:
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {x.shape[0]} rows of "
+                                          f"workspace; the test op holds {max_rows}")
+    return x.clone()
+
+
+class GpuHungry(nn.Module):
+    """x float32 [batch, 1] -> 2x; a batch of more than `max_rows` rows runs out of GPU memory."""
+
+    def __init__(self, max_rows: int = 4):
+        super().__init__()
+        self.max_rows = max_rows
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.tgw_test.gpu_memory(x, self.max_rows) * 2
+
+
 class Gate(nn.Module):
     """x float32 [batch, 1] -> x; x[0, 0] = n > 0 holds the batch until `path.n` exists."""
 
@@ -80,7 +102,7 @@ class Leaky(nn.Module):
 
 IO = {"inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
       "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}
-MODELS = {"crash_on": (CrashOn, IO), "leaky": (Leaky, IO)}
+MODELS = {"crash_on": (CrashOn, IO), "leaky": (Leaky, IO), "gpu_hungry": (GpuHungry, IO)}
 
 
 def save(name: str, path: str) -> None:

@@ -33,6 +33,8 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import BlockTooLarge
 from tgw.shm.wire import Batch, CudaIpc, Done, encode
 
+from .answers import error_done, failed
+from .oom import is_oom
 from .runner import TORCH_DTYPES
 
 
@@ -44,6 +46,11 @@ def device_uuid(device: torch.device) -> str:
         return str(torch.cuda.get_device_properties(device).uuid)
     except Exception:
         return ""
+
+
+def device_memory(device: torch.device) -> int:
+    """The GPU's memory in bytes (0 on the CPU)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def _norm(uuid: str) -> str:
@@ -106,18 +113,15 @@ def run(server, batch: Batch, runner, t0: float) -> Done:
     n = len(batch.cuda_inputs or batch.cuda_outputs)
     splits = batch.splits if len(batch.splits) == n and sum(batch.splits) == batch.rows else None
     if splits is None:
-        return _error(batch, Code.INTERNAL, f"batch has {n} requests' CUDA descriptors but splits {batch.splits}")
+        return error_done(batch, Code.INTERNAL, f"batch has {n} requests' CUDA descriptors but splits {batch.splits}")
     starts = list(itertools.accumulate(splits, initial=0))
     bad: dict[int, TgwError] = {}
     try:
         host, skip = _compute(server, batch, runner, splits, starts, bad)
-    except torch.cuda.OutOfMemoryError as exc:
-        return _error(batch, Code.OUT_OF_GPU_MEMORY, str(exc).splitlines()[0])
-    except TgwError as err:
-        return Done(batch_id=batch.batch_id, error=err.to_body())
-    except Exception as exc:  # a model bug fails this batch, not the worker
-        return _error(batch, Code.MODEL_EXECUTION_ERROR, f"{type(exc).__name__}: {exc}".strip()[:2000],
-                      exception=type(exc).__name__)
+    except Exception as exc:  # a model bug or an out-of-memory fails this batch, not the worker
+        if is_oom(exc):
+            server.progress.gpu_ooms += 1
+        return failed(batch, exc)
     done = _answer(server, batch, runner, host, skip, bad, starts)
     done.compute_us = int((time.perf_counter() - t0) * 1e6)
     return done
@@ -189,7 +193,7 @@ def _answer(server, batch: Batch, runner, host, skip: frozenset, bad: dict, star
         except BlockTooLarge:
             return server._write_parts(batch, host, runner, skip)
         except OutputSpaceTimeout as exc:
-            return _error(batch, Code.OUT_OF_SHM, str(exc), arena="output")
+            return error_done(batch, Code.OUT_OF_SHM, str(exc), arena="output")
         return Done(batch_id=batch.batch_id, outputs=tensors, block=block)
     i = 0
     while True:
@@ -201,13 +205,9 @@ def _answer(server, batch: Batch, runner, host, skip: frozenset, bad: dict, star
                 block, tensors = server._write([t[starts[i]:starts[j]] for t in host], runner, skip)
                 done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
             except (BlockTooLarge, OutputSpaceTimeout) as exc:
-                done = _error(batch, Code.OUT_OF_SHM, f"{type(exc).__name__}: {exc}", arena="output")
+                done = error_done(batch, Code.OUT_OF_SHM, f"{type(exc).__name__}: {exc}", arena="output")
         done.first, done.count, done.final = i, j - i, j == n
         if done.final:
             return done
         server.sock.send(encode(done))
         i = j
-
-
-def _error(batch: Batch, code: Code, message: str, **details) -> Done:
-    return Done(batch_id=batch.batch_id, error=fail(code, message, **details).to_body())

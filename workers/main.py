@@ -20,7 +20,8 @@ from tgw.shm.segment import Segment
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
-from .cuda_ipc import device_uuid
+from .cuda_ipc import device_memory, device_uuid
+from .device_io import HOST_MEMORY
 from .heartbeat import Beacon, Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default="", help="comma-separated cores to pin to")
+    ap.add_argument("--cuda-host-memory", choices=HOST_MEMORY, default="register",
+                    help="how a CUDA worker's ring is page-locked for copies (workers/device_io.py)")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     ap.add_argument("--preload", default="",
                     help="comma-separated modules to import, .py files or .so libraries to load before any model "
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _setup_process(args: argparse.Namespace) -> torch.device:
+    device = torch.device(args.device)
+    if device.type == "cuda":   # first: every later CUDA call (a context, a stream) is on this GPU
+        torch.cuda.set_device(device)
     setproctitle.setproctitle(f"tgw-worker {args.worker_id} {args.device}")  # what ps and top show
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the broker holds our segment: die with it
     if os.getppid() == 1:
@@ -68,9 +74,6 @@ def _setup_process(args: argparse.Namespace) -> torch.device:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     return device
 
 
@@ -130,7 +133,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     try:
         failure = _preload(args)
         sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid(),
-                                     device_uuid=device_uuid(device))))
+                                     device_uuid=device_uuid(device), device_memory=device_memory(device))))
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
@@ -138,7 +141,8 @@ def run_worker(argv: list[str] | None = None) -> int:
         sock.send(encode(answer))
         if isinstance(answer, WorkerFailed):
             return 1
-        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress, observer).serve()
+        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress, observer, device,
+               args.cuda_host_memory).serve()
         return 0
     except Exception:
         death_notice("worker failed")  # the supervisor logs our stderr and restarts us

@@ -1,0 +1,88 @@
+"""The GPU path's parts that run without a GPU: which devices the workers get (CUDA_VISIBLE_DEVICES
+read as CUDA reads it), the ring's page-locking modes in the config, and an out-of-memory in a
+real broker (the test op of tests/worker_ext.py raises what CUDA's allocator raises)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import EXT, base_config, wait_until
+from tgw.broker.config import ConfigError, parse_config
+from tgw.broker.endpoints import StartupError
+from tgw.broker.gpus import plan_devices, visible_count
+from tgw.broker.schema import WorkersDecl
+from tgw.client import Client, OutOfGpuMemoryError
+
+UUIDS = ["GPU-1111aaaa-0000-0000-0000-000000000000", "GPU-2222bbbb-0000-0000-0000-000000000000",
+         "GPU-3333cccc-0000-0000-0000-000000000000"]
+
+
+@pytest.mark.parametrize("env, visible", [
+    (None, 3),                      # unset: every GPU
+    ("", 0),                        # empty: none
+    ("0,2", 2), ("2", 1),
+    ("0,7,1", 1),                   # stops at the first invalid index
+    ("1,1", 1),                     # a repeat is invalid too
+    ("-1", 0),
+    ("GPU-2222bbbb", 1),            # a unique UUID prefix
+    ("2222bbbb-0000-0000-0000-000000000000,0", 2),   # "GPU-" may be left out
+    ("GPU-", 0),                    # matches every GPU: ambiguous
+    ("GPU-9999", 0),
+    (" 1 , 0 ", 2),
+    ("MIG-5e7c4d2a-aaaa-bbbb-cccc-000000000000", 1),
+])
+def test_visible_gpus_follow_cuda_visible_devices(env, visible):
+    assert visible_count(UUIDS, env) == visible
+
+
+def test_auto_devices_one_worker_per_visible_gpu():
+    auto = WorkersDecl(devices="auto")
+    assert plan_devices(auto, UUIDS, None) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert plan_devices(auto, UUIDS, "2,0") == ["cuda:0", "cuda:1"]   # torch's indices in the worker
+    assert plan_devices(auto, UUIDS, "") == ["cpu"]
+    assert plan_devices(auto, [], None) == ["cpu"]
+
+
+def test_an_explicit_gpu_that_is_not_visible_stops_the_start_naming_why():
+    listed = WorkersDecl(devices=["cpu", "cuda:0", "cuda:1"])
+    assert plan_devices(listed, UUIDS, "0,1") == ["cpu", "cuda:0", "cuda:1"]
+    with pytest.raises(StartupError) as err:
+        plan_devices(listed, UUIDS, "2")
+    assert str(err.value) == ("workers.devices.2: cuda:1 is not a GPU this broker can use: 1 visible "
+                              "(CUDA_VISIBLE_DEVICES='2'); cuda:N counts the visible GPUs from 0")
+    with pytest.raises(StartupError, match=r"^workers.devices.1: cuda:0 is not a GPU this broker can use: 0 visible;"):
+        plan_devices(listed, [], None)
+
+
+def test_cuda_host_memory_is_one_of_three(model_files, tmp_path):
+    cfg = {"model_roots": ["/"], **base_config(model_files, "mlp")}
+    for mode in ("register", "staging", "pageable"):
+        cfg["workers"]["cuda_host_memory"] = mode
+        assert parse_config(cfg, str(tmp_path)).workers.cuda_host_memory == mode
+    cfg["workers"]["cuda_host_memory"] = "pinned"
+    with pytest.raises(ConfigError, match="workers.cuda_host_memory"):
+        parse_config(cfg, str(tmp_path))
+
+
+def test_out_of_gpu_memory_answers_that_request_and_the_worker_serves_on(model_files, ext_models, make_broker):
+    """A request too large for the device alone is answered OUT_OF_GPU_MEMORY after one retry on
+    an emptied cache; the breaker counts it as a failure; the same worker (same pid) serves the
+    next request; the heartbeats count every out-of-memory event."""
+    files = {**model_files, **ext_models}
+    b = make_broker(base_config(files, "gpu_hungry", workers={"devices": ["cpu"], "preload": [EXT],
+                                                              "input_arena_mb": 2, "output_arena_mb": 2},
+                                gpu_hungry={"breaker": {"min_requests": 100}}))
+    with Client(b.address) as c:
+        pid = [p["pid"] for p in c.stats()["processes"] if p["role"] == "worker"]
+        with pytest.raises(OutOfGpuMemoryError) as err:
+            c.infer("gpu_hungry", {"x": np.ones((6, 1), np.float32)})
+        assert err.value.message.startswith("CUDA out of memory. Tried to allocate 6 rows")
+        y = c.infer("gpu_hungry", {"x": np.full((3, 1), 2.0, np.float32)})["y"]
+        np.testing.assert_array_equal(y, np.full((3, 1), 4.0, np.float32))
+        stats = c.stats()
+        assert [p["pid"] for p in stats["processes"] if p["role"] == "worker"] == pid
+        breaker = stats["models"]["gpu_hungry"]["breakers"]["1"]
+        assert (breaker["window_requests"], breaker["window_failed"]) == (2, 1)
+        worker = wait_until(lambda: next((w for w in c.status()["workers"] if w.get("gpu_ooms")), None),
+                            30, "a heartbeat counting the out-of-memory events")
+        assert worker["gpu_ooms"] == 2 and worker.get("gpu") is None   # tried, then tried alone; a CPU worker
