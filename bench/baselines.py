@@ -3,13 +3,15 @@
 * In-process floor (`run_floors`): the model file called directly on the load generator's
   inputs in spawned copies, one torch thread each, frozen as tgw's worker does, timing each batch
   size in lockstep. module="served" (bench/format_rows.py), or a declaration whose "format" is
-  export or aoti, loads it with the worker's own `load_in_process` instead.
+  export or aoti, loads it with the worker's own `load_in_process` instead. `device` runs it on a
+  GPU (bench/gpu_bench.py): inputs already there, or with from_host=True copied there and the
+  outputs back per call, synchronized after each call.
 * Transport floor (`EchoServer`): a raw pyzmq ROUTER broker -> DEALER worker echo over ipc://
   (`python -m tgw.bench.baselines broker FRONT BACK | worker BACK`); the worker replies with as
   many bytes as the request's 8-byte header asks for (the model's output size).
 * The seed design (`FlaskServer`): Flask + `torch.jit.load` (not frozen, as the seed did), the
   KServe v2 JSON bodies tgw's HTTP face takes, gunicorn sync workers with one torch thread each,
-  on 127.0.0.1.
+  on 127.0.0.1; a model declared with a "device" (bench/gpu_bench.py) runs there.
 """
 from __future__ import annotations
 
@@ -38,15 +40,16 @@ FLASK_MODELS_ENV = "TGW_BENCH_FLASK_MODELS"
 
 # ---- the in-process floor ----------------------------------------------------------------------
 
-def _load(path: str, how: str, fmt: Optional[str] = None):
+def _load(path: str, how: str, fmt: Optional[str] = None, device: str = "cpu"):
     """(callable, how it was loaded). how="served", or a file that is not TorchScript: exactly
     the program tgw's worker serves (`load_in_process`); otherwise the TorchScript file frozen
     (or not) as `how` says."""
     import torch
     if how == "served" or fmt not in (None, "torchscript"):
         from tgw.workers.formats import load_in_process
-        return load_in_process(fmt or "torchscript", path).call, f"{fmt or 'torchscript'}, as the worker loads it"
-    module = torch.jit.load(path, map_location="cpu").eval()
+        return load_in_process(fmt or "torchscript", path, torch.device(device)).call, \
+            f"{fmt or 'torchscript'}, as the worker loads it"
+    module = torch.jit.load(path, map_location=device).eval()
     if how == "none":
         return module, "as loaded"
     try:
@@ -58,40 +61,65 @@ def _load(path: str, how: str, fmt: Optional[str] = None):
         return module, f"as loaded (freeze failed: {type(exc).__name__})"
 
 
+def _step(module, x: list, device: str, from_host: bool) -> Callable[[], Any]:
+    """One timed call. On a GPU it ends with a synchronize; from_host: the inputs (x, on the host)
+    are copied to the device first and the outputs back after."""
+    import torch
+    if device == "cpu":
+        return lambda: module(*x)
+    dev = torch.device(device)
+    if not from_host:
+        x = [t.to(dev) for t in x]
+
+        def call():
+            module(*x)
+            torch.cuda.synchronize(dev)
+        return call
+
+    def call_from_host():
+        out = module(*[t.to(dev, non_blocking=True) for t in x])
+        for t in out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else [out]:
+            t.to("cpu", non_blocking=True)   # as the worker brings them back
+        torch.cuda.synchronize(dev)
+    return call_from_host
+
+
 def _copy(model: dict[str, Any], how: str, batches: list[int], seconds: float, warmup: float, barrier,
-          results) -> None:
+          results, device: str = "cpu", from_host: bool = False) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops the copies
     import torch
     torch.set_num_threads(1)
-    module, how = _load(model["path"], how, model.get("format"))
+    module, how = _load(model["path"], how, model.get("format"), device)
     out = []
     with torch.inference_mode():
         for b in batches:
-            x = [torch.from_numpy(v) for v in make_inputs(model, b).values()]
+            call = _step(module, [torch.from_numpy(v) for v in make_inputs(model, b).values()], device, from_host)
             barrier.wait()
             # at least 3 calls: TorchScript's profiling executor optimises on the second run
             end, n = time.perf_counter() + warmup, 0
             while n < 3 or time.perf_counter() < end:
-                module(*x)
+                call()
                 n += 1
             barrier.wait()
             lat, t_start = [], time.perf_counter()
             while len(lat) < 5 or time.perf_counter() < t_start + seconds:
                 t0 = time.perf_counter()
-                module(*x)
+                call()
                 lat.append(time.perf_counter() - t0)
             out.append({"batch": b, "lat": lat, "elapsed": time.perf_counter() - t_start})
     results.put({"module": how, "torch": torch.__version__, "runs": out})
 
 
-def measure_floor(model: dict[str, Any], seconds: float, procs: int, module: str = "freeze") -> dict[str, Any]:
-    """One round for one model (a demo declaration: path, inputs, max_batch_size, optionally format)."""
+def measure_floor(model: dict[str, Any], seconds: float, procs: int, module: str = "freeze", device: str = "cpu",
+                  from_host: bool = False) -> dict[str, Any]:
+    """One round for one model (a demo declaration: path, inputs, max_batch_size, optionally format);
+    device/from_host: see _step."""
     import psutil
     top = model["max_batch_size"]
     batches = sorted({1, max(1, top // 4), top})
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(procs, timeout=300), ctx.Queue()
-    args = (model, module, batches, seconds, min(1.0, seconds / 2), barrier, results)
+    args = (model, module, batches, seconds, min(1.0, seconds / 2), barrier, results, device, from_host)
     machine0, child0, t0 = psutil.cpu_times(), cpu_seconds(resource.RUSAGE_CHILDREN), time.monotonic()
     copies = [ctx.Process(target=_copy, args=args, daemon=True) for _ in range(procs)]
     out: list[dict] = []
@@ -120,7 +148,7 @@ def measure_floor(model: dict[str, Any], seconds: float, procs: int, module: str
                                     "mean": float(ms.mean())}})
     busy_cores = max(0.0, (sum(machine1) - sum(machine0) - (machine1.idle - machine0.idle)) / wall)
     return {"path": model["path"], "procs": procs, "threads": 1, "module": out[0]["module"],
-            "torch": out[0]["torch"], "runs": runs,
+            "device": device, "from_host": from_host, "torch": out[0]["torch"], "runs": runs,
             "background_cpu_cores": max(0.0, busy_cores - (child1 - child0) / wall)}
 
 
@@ -253,7 +281,8 @@ def create_app():
     from flask import Flask, jsonify, request
 
     torch.set_num_threads(1)
-    models = {name: (torch.jit.load(d["path"], map_location="cpu").eval(), d["inputs"], d["outputs"])
+    models = {name: (torch.jit.load(d["path"], map_location=d.get("device", "cpu")).eval(), d["inputs"], d["outputs"],
+                     d.get("device", "cpu"))
               for name, d in json.loads(os.environ[FLASK_MODELS_ENV]).items()}
     app = Flask("tgw-bench-flask")
 
@@ -263,12 +292,12 @@ def create_app():
 
     @app.post("/v2/models/<name>/infer")
     def infer(name: str):
-        module, inputs, outputs = models[name]
+        module, inputs, outputs, device = models[name]
         body = {i["name"]: i for i in request.get_json(force=True)["inputs"]}
         with torch.inference_mode():
-            out = module(*[torch.tensor(body[d["name"]]["data"], dtype=getattr(torch, d["dtype"]))
+            out = module(*[torch.tensor(body[d["name"]]["data"], dtype=getattr(torch, d["dtype"]), device=device)
                            .reshape(body[d["name"]]["shape"]) for d in inputs])
-        # the demo models return one tensor or a dict of them
+        # the demo models return one tensor or a dict of them; .tolist() below brings a GPU's back
         out = out if isinstance(out, dict) else {outputs[0]["name"]: out}
         return jsonify({"model_name": name, "outputs": [
             {"name": k, "datatype": v2_datatype(v.dtype), "shape": list(v.shape), "data": v.flatten().tolist()}
@@ -280,7 +309,7 @@ def create_app():
 class FlaskServer(Server):
     def __init__(self, models: dict[str, dict[str, Any]], workers: int, workdir: str):
         """models: name -> {"path": file, "inputs"/"outputs": [{"name", "dtype", ...}], ...} (the demo
-        declarations)."""
+        declarations), optionally "device" (default cpu): where each gunicorn worker runs it."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -288,7 +317,8 @@ class FlaskServer(Server):
                             "-b", f"127.0.0.1:{self.port}", "--timeout", "300", "--graceful-timeout", "5",
                             "--log-level", "warning", "tgw.bench.baselines:create_app()"],
                            os.path.join(workdir, "gunicorn.log"), "gunicorn")
-        decl = {n: {k: m[k] for k in ("path", "inputs", "outputs")} for n, m in models.items()}
+        decl = {n: {k: m[k] for k in ("path", "inputs", "outputs", "device") if k in m} for n, m in models.items()}
+        self.device = ",".join(sorted({m.get("device", "cpu") for m in models.values()}))
         super().__init__([self.master], lambda: self._workers_ready(workers), 120,
                          env={FLASK_MODELS_ENV: json.dumps(decl), "PYTHONUNBUFFERED": "1"})
 
@@ -305,7 +335,7 @@ class FlaskServer(Server):
         import psutil
         procs = [{"role": "gunicorn-master", "pid": self.master.pid, "device": "cpu"}]
         try:
-            procs += [{"role": "gunicorn-worker", "pid": c.pid, "device": "cpu"}
+            procs += [{"role": "gunicorn-worker", "pid": c.pid, "device": self.device}
                       for c in psutil.Process(self.master.pid).children()]
         except psutil.Error:
             pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,3 +122,12 @@ def stop_all() -> None:
     """Stop every Proc still running (by PID)."""
     for p in list(_LIVE.values()):
         p.stop(timeout=5)
+
+
+def finish_run(work: str, keep: bool) -> None:
+    """The end of a benchmark run: every server it started stopped, its work folder kept or removed."""
+    stop_all()
+    if keep:
+        print(f"kept {work}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)

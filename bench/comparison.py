@@ -22,7 +22,7 @@ import numpy as np
 
 from tgw.bench import report
 from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
-from tgw.bench.broker_proc import BrokerProc, stop_all
+from tgw.bench.broker_proc import BrokerProc, finish_run
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target
@@ -291,11 +291,7 @@ def run(a: argparse.Namespace, command: str) -> int:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
         return 130
     finally:
-        stop_all()
-        if a.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        finish_run(work, a.keep)
     settings = {k: getattr(a, k) for k in ("duration", "warmup", "floor_seconds", "floor_module", "tgw_workers",
                                            "flask_workers", "floor_procs", "procs", "systems")}
     settings["http_generator"] = res.get("http_generator", "-")

@@ -1,11 +1,158 @@
 #!/usr/bin/env bash
-# GPU checks for a machine with CUDA: the GPU tests, then the quick benchmark. Prints a summary.
+# GPU checks on a machine with CUDA and no network: the GPU tests, then the GPU bench
+# (bench/gpu_bench.py), one summary at the end. It uses the machine's own Python and CUDA torch
+# (never scripts/setup-venv.sh, which installs the CPU torch): the packages that Python lacks come
+# from .whl/, which `bash scripts/gpu-wheels.sh` fills on a machine with network, and tgw is
+# imported from this checkout through a folder of links, not installed.
+#
+#   bash scripts/gpu-check.sh
+#
+# Environment: PYTHON (default python3), OUT (logs, tests.xml, gpu_bench.json, summary.txt;
+# default /tmp/tgw-gpu-check), TGW_SITE (where wheels and the tgw links go; default
+# /tmp/tgw-site), TGW_BENCH_ARGS (default --quick; e.g. "--quick --device cpu" on a machine with
+# no GPU), TGW_TESTS_TIMEOUT and TGW_BENCH_TIMEOUT (seconds; defaults 210 and 240, so a run ends
+# within 8 minutes). Without a GPU it still runs: the tests skip and the bench says "no CUDA device".
+# Exit status 0 only when the tests and the bench both exited 0 (targets missed are reported only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-venv.sh dev >/dev/null
-.venv/bin/python -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.device_count())"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-.venv/bin/python -m pytest -q -p no:cacheprovider -m gpu tests/ ; tests=$?
-.venv/bin/python bench/compare.py --quick ; bench=$?
-echo "gpu-check: tests exit $tests, bench exit $bench"
-exit $(( tests || bench ))
+ROOT=$PWD
+OUT=${OUT:-/tmp/tgw-gpu-check}
+SITE=${TGW_SITE:-/tmp/tgw-site}
+mkdir -p "$OUT"
+rm -f "$OUT"/{env.log,install.log,tests.log,tests.xml,bench.log,gpu_bench.json,summary.txt}
+export PYTHONUNBUFFERED=1
+PY=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)') || { echo "gpu-check: no ${PYTHON:-python3}" >&2; exit 2; }
+say() { echo "gpu-check: $*" | tee -a "$OUT/install.log"; }
+
+# 1. the packages this Python lacks, from .whl (the machine has no network)
+NEEDED="zmq msgspec lz4.frame orjson setproctitle pydantic annotated_types typing_inspection flask gunicorn"
+imports_ok() { "$PY" -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $NEEDED 2>/dev/null; }
+if imports_ok; then
+    say "every package tgw needs imports already: no wheels installed"
+else
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        say "packages are missing ($NEEDED) and .whl/ holds no wheels: run 'bash scripts/gpu-wheels.sh' on a machine with network first, then bring .whl/ along with the checkout"
+        exit 2
+    fi
+    say "installing $(ls .whl/*.whl | wc -l) wheels from .whl into $SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        >>"$OUT/install.log" 2>&1 || { say "pip install from .whl failed (see $OUT/install.log)"; exit 2; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    # --no-deps: say which requirement of those wheels this machine's packages do not meet
+    "$PY" - "$SITE" <<'EOF' 2>&1 | tee -a "$OUT/install.log"
+import glob, os, sys
+from importlib import metadata
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+for dist in glob.glob(os.path.join(sys.argv[1], "*.dist-info")):
+    d = metadata.Distribution.at(dist)
+    for text in d.requires or []:
+        r = Requirement(text)
+        if r.marker is not None and not r.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = metadata.version(r.name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have is None or (r.specifier and not r.specifier.contains(have, prereleases=True)):
+            print(f"gpu-check: WARNING {d.metadata['Name']} needs {r}, this machine has {have or 'none'}")
+EOF
+    imports_ok || { say "still missing after the install: $("$PY" -c "import ${NEEDED// /, }" 2>&1 | tail -1)"; exit 2; }
+fi
+
+# 2. tgw from this checkout: pyproject.toml maps tgw.X to the folder X
+tgw_here() {
+    "$PY" - "$ROOT" <<'EOF' 2>/dev/null
+import os, sys
+import tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench
+root = os.path.realpath(sys.argv[1])
+sys.exit(0 if all(os.path.realpath(m.__file__).startswith(root + os.sep)
+                  for m in (tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench)) else 1)
+EOF
+}
+if tgw_here && [ "$("$PY" -c 'import tgw; print(list(tgw.__path__)[0])')" != "$SITE/tgw" ]; then
+    say "tgw imports from this checkout already"
+else   # (again, on a second run: the links and the script are remade, which changes nothing)
+    mkdir -p "$SITE/tgw" "$SITE/tgw-bin"   # not $SITE/bin: pip --target --upgrade replaces that one
+    : >"$SITE/tgw/__init__.py"
+    for pkg in broker workers shm client bench; do      # [tool.setuptools] package-dir
+        ln -sfn "$ROOT/$pkg" "$SITE/tgw/$pkg"
+    done
+    printf '#!/bin/sh\nexec "%s" -m tgw.broker "$@"\n' "$PY" >"$SITE/tgw-bin/tgw-broker"   # the console script
+    chmod +x "$SITE/tgw-bin/tgw-broker"
+    case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+    export PATH="$SITE/tgw-bin:$PATH"
+    tgw_here || { say "tgw does not import from $SITE/tgw -> $ROOT: $("$PY" -c 'import tgw.broker, tgw.bench' 2>&1 | tail -1)"; exit 2; }
+    say "tgw imports from $SITE/tgw (links to $ROOT); PYTHONPATH=$PYTHONPATH"
+fi
+
+# 3. what runs here
+"$PY" - <<'EOF' 2>&1 | tee "$OUT/env.log"
+import platform, sys
+import torch
+print(f"python {platform.python_version()} ({sys.executable})")
+print(f"torch {torch.__version__}, built for CUDA {torch.version.cuda}; cuda available {torch.cuda.is_available()}, "
+      f"{torch.cuda.device_count()} device(s)")
+for i in range(torch.cuda.device_count()):
+    print(f"cuda:{i} {torch.cuda.get_device_name(i)}")
+EOF
+[ "${PIPESTATUS[0]}" -eq 0 ] || { say "$PY cannot import torch: this script uses the machine's own (CUDA) torch"; exit 2; }
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT/env.log"
+else
+    echo "nvidia-smi: not on PATH" | tee -a "$OUT/env.log"
+fi
+
+# 4. the GPU tests: the files that mark tests gpu (collecting all of tests/ would import modules
+#    whose packages the GPU run does not carry, e.g. tritonclient for tests/test_http.py)
+mapfile -t files < <(grep -lE "pytest\.mark\.gpu\b" tests/*.py tests/*/*.py 2>/dev/null | sort)
+[ ${#files[@]} -gt 0 ] || files=(tests/)
+echo "gpu-check: pytest -m gpu ${files[*]}"
+timeout -s INT -k 30 "${TGW_TESTS_TIMEOUT:-210}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+    --junitxml="$OUT/tests.xml" "${files[@]}" 2>&1 | tee "$OUT/tests.log"
+tests=${PIPESTATUS[0]}
+
+# 5. the GPU bench
+echo "gpu-check: python -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick}"
+# shellcheck disable=SC2086 # TGW_BENCH_ARGS is a list of arguments
+timeout -k 30 "${TGW_BENCH_TIMEOUT:-240}" "$PY" -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick} \
+    --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log"
+bench=${PIPESTATUS[0]}
+
+# 6. one summary
+"$PY" - "$OUT" "$tests" "$bench" "${files[*]}" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
+import json, os, sys
+import xml.etree.ElementTree as ET
+out, tests, bench, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+why = {124: "timed out", 137: "killed after its time ran out", 5: "no test collected"}
+print("\n==== gpu-check summary ====")
+with open(os.path.join(out, "env.log")) as f:
+    print("\n".join(line for line in f.read().splitlines() if line.startswith(("torch", "cuda:", "python"))))
+try:
+    s = ET.parse(os.path.join(out, "tests.xml")).getroot()
+    s = s if s.tag == "testsuite" else s.find("testsuite")
+    n = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts = (f"{n['tests'] - n['failures'] - n['errors'] - n['skipped']} passed, {n['failures']} failed, "
+              f"{n['errors']} errors, {n['skipped']} skipped")
+except (OSError, ET.ParseError, AttributeError):
+    counts = "no junit report"
+print(f"tests: {counts} (pytest exit {tests}{', ' + why[tests] if tests in why else ''}; {files})")
+try:
+    with open(os.path.join(out, "gpu_bench.json")) as f:
+        r = json.load(f)
+except (OSError, ValueError):
+    r = None
+if r is None:
+    print(f"bench: no JSON written (exit {bench}{', ' + why[bench] if bench in why else ''})")
+elif "skipped" in r:
+    print(f"bench: skipped, {r['skipped']} (exit {bench})")
+else:
+    print(f"bench: exit {bench}, {r['wall_s']:.0f} s")
+    for line in r.get("summary", []) + [f"FAILED {x}" for x in r.get("failed", [])]:
+        print(f"  {line}")
+print(f"logs and JSON: {out}")
+print("gpu-check: " + ("OK" if tests == 0 and bench == 0 else f"FAILED (tests exit {tests}, bench exit {bench})"))
+EOF
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
