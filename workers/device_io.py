@@ -73,10 +73,15 @@ class DeviceIO:
         return True
 
     def close(self) -> None:
+        """Unregister the ring and let go of it, so the segment can be unmapped."""
+        if self.ring is None:
+            return
+        torch.cuda.synchronize(self.device)   # no copy may still read or write the ring
         if self.registered:
-            torch.cuda.synchronize(self.device)   # no copy may still read or write the ring
             torch.cuda.cudart().cudaHostUnregister(self.ring.data_ptr())
             self.registered = False
+        self.slots.clear()
+        self.ring = None
 
     def slot(self) -> Slot:
         """A free slot (its stream idle once its last batch finished); a new one while none is."""
@@ -115,8 +120,8 @@ class DeviceIO:
     def outputs(self, slot: Slot, outs: list[torch.Tensor], offset: int, sizes: list[int]) -> None:
         """Write `outs` (on the device) into the ring at `offset`, laid out as region_offsets(sizes)
         says: one device-to-host copy each, straight into the ring where it is registered (an
-        entry of size 0 is skipped). Nothing is allocated on the device: an out-of-memory cannot
-        strike once outputs are being answered."""
+        entry of size 0 is skipped). `outs` are contiguous (Server._forward made them so): nothing
+        is allocated on the device here, so an out-of-memory cannot strike while answering."""
         rels = region_offsets(sizes)
         staged = slot.staging("out", rels[-1] + sizes[-1]) if self.mode == "staging" and sizes else None
         for t, rel, size in zip(outs, rels, sizes):

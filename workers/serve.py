@@ -185,6 +185,8 @@ class Server:
     def _forward(self, batch: Batch, runner: ModelRunner, slot: Slot | None) -> Done:
         try:
             outs = runner.forward(self._inputs(batch, slot), batch.rows)
+            if slot is not None:   # here, where an out-of-memory is handled, not while answering
+                outs = [t.contiguous() for t in outs]
         except Exception as exc:
             if not is_oom(exc):
                 return failed(batch, exc)
@@ -219,7 +221,8 @@ class Server:
         views = [self._view(t) for t in batch.inputs]
 
         def compute(lo: int, hi: int) -> list[torch.Tensor]:
-            return runner.forward([v[starts[lo]:starts[hi]] for v in views], starts[hi] - starts[lo])
+            outs = runner.forward([v[starts[lo]:starts[hi]] for v in views], starts[hi] - starts[lo])
+            return [t.contiguous() for t in outs]
 
         self._met_oom(first)
         for lo, hi, result in halves(compute, 0, len(starts) - 1, self._met_oom):
