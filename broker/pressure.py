@@ -24,7 +24,7 @@ def host_memory() -> int:
 def memory_fraction(device: str, beat: Heartbeat, device_total: int = 0) -> float:
     if device.startswith("cuda:"):
         gpu = beat.gpu
-        used = max(gpu.memory_used or 0 if gpu else 0, beat.cuda_reserved)
+        used = max((gpu.memory_used or 0) if gpu else 0, beat.cuda_reserved)
         total = (gpu.memory_total if gpu else None) or device_total
         if total:
             return used / total

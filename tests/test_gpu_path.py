@@ -86,3 +86,18 @@ def test_out_of_gpu_memory_answers_that_request_and_the_worker_serves_on(model_f
         worker = wait_until(lambda: next((w for w in c.status()["workers"] if w.get("gpu_ooms")), None),
                             30, "a heartbeat counting the out-of-memory events")
         assert worker["gpu_ooms"] == 2 and worker.get("gpu") is None   # tried, then tried alone; a CPU worker
+
+
+def test_the_memory_trip_reads_a_gpu_workers_heartbeat():
+    """NVML's device figures from the heartbeat; without them the worker's reserved CUDA memory
+    against the device size its hello gave; on the CPU, RSS against the host."""
+    from tgw.broker.pressure import host_memory, memory_fraction
+    from tgw.shm.wire import GpuReading, Heartbeat
+    beat = Heartbeat(worker_id=0, pid=1, sent=0.0, rss=1 << 30, cpu_s=0.0, fds=1, threads=1, batches=0,
+                     cuda_reserved=10 << 30, gpu=GpuReading(memory_used=60 << 30, memory_total=80 << 30))
+    assert memory_fraction("cuda:0", beat, 40 << 30) == 0.75
+    beat.gpu = GpuReading(memory_used=None, memory_total=None)       # NVML without memory figures
+    assert memory_fraction("cuda:0", beat, 40 << 30) == 0.25
+    beat.gpu = None
+    assert memory_fraction("cuda:0", beat, 40 << 30) == 0.25
+    assert memory_fraction("cuda:0", beat) == memory_fraction("cpu", beat) == (1 << 30) / host_memory()

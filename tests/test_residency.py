@@ -112,6 +112,19 @@ def test_budget_is_bytes_or_a_share_of_the_device():
     assert budget_bytes(3 * MIB, "cuda:0") == 3 * MIB
 
 
+def test_a_gpu_workers_budget_comes_from_the_size_its_hello_gives(worker):
+    from types import SimpleNamespace
+
+    from tgw.broker.handshake import Handshake
+    from tgw.shm.wire import PROTOCOL_VERSION, WorkerHello
+    worker.device = "cuda:0"
+    no_models = SimpleNamespace(startup_specs=lambda: [])   # the registry's one call here
+    shake = Handshake(no_models, budget=lambda w: budget_bytes(0.5, w.device, w.device_memory))
+    shake.hello(worker, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=7, device_uuid="GPU-x",
+                                    device_memory=80 << 30))
+    assert (worker.device_memory, worker.budget) == (80 << 30, 40 << 30)
+
+
 # ---- end to end ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
