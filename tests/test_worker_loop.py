@@ -137,8 +137,6 @@ class Worker:
         try:
             if self.thread.is_alive():
                 self.stop()
-            elif self.thread.ident is None:   # never started: nothing to join
-                pass
         finally:
             self.router.close(linger=0)
             if not self.thread.is_alive():   # a hung thread keeps its socket, the context and the mapping

@@ -23,7 +23,6 @@ completed, which is also when the broker is told the batch is done and frees its
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import torch
 
@@ -55,11 +54,8 @@ class DeviceIO:
             raise ValueError(f"cuda_host_memory must be one of {HOST_MEMORY}, got {host_memory!r}")
         self.device, self.mode = device, host_memory
         self.ring = torch.frombuffer(segment_buf, dtype=torch.uint8)   # the whole segment, no copy
-        self.registered = False
-        if host_memory == "register":
-            self.registered = self._register()
-            if not self.registered:
-                self.mode = "staging"
+        if host_memory == "register" and not self._register():
+            self.mode = "staging"
         self.slots: list[Slot] = []
 
     def _register(self) -> bool:
@@ -77,9 +73,8 @@ class DeviceIO:
         if self.ring is None:
             return
         torch.cuda.synchronize(self.device)   # no copy may still read or write the ring
-        if self.registered:
+        if self.mode == "register":
             torch.cuda.cudart().cudaHostUnregister(self.ring.data_ptr())
-            self.registered = False
         self.slots.clear()
         self.ring = None
 
@@ -95,12 +90,6 @@ class DeviceIO:
         s.busy = True
         self.slots.append(s)
         return s
-
-    @contextmanager
-    def on(self, slot: Slot):
-        """Run the block's CUDA work on the slot's stream (the model's kernels included)."""
-        with torch.cuda.stream(slot.stream):
-            yield
 
     def inputs(self, slot: Slot, offsets: list[int], sizes: list[int]) -> list[torch.Tensor]:
         """The ring's bytes [offsets[k], +sizes[k]) on the device, copied as one span (the batch's

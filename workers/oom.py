@@ -34,7 +34,7 @@ Result = Union[list, BaseException]
 
 
 def halves(compute: Callable[[int, int], list], lo: int, hi: int,
-           on_oom: Callable[[BaseException], None]) -> Iterator[tuple[int, int, Result]]:
+           on_oom: Callable[[str], None]) -> Iterator[tuple[int, int, Result]]:
     """Run requests lo..hi-1 (compute(lo, hi) -> outputs) split in halves after an out-of-memory,
     in order: (lo', hi', outputs or the exception that failed them). A request alone that still
     does not fit yields its out-of-memory exception; any other error fails its piece alone."""
@@ -44,7 +44,7 @@ def halves(compute: Callable[[int, int], list], lo: int, hi: int,
             result: Result = compute(a, b)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, this piece's only
             if is_oom(exc):
-                on_oom(exc)
+                on_oom(oom_text(exc))
                 if b - a > 1:
                     yield from halves(compute, a, b, on_oom)
                     continue

@@ -175,7 +175,8 @@ class Server:
         if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
             return cuda_ipc.run(self, batch, runner, item.t0)
         slot = item.slot = self.io.slot() if self.io is not None else None
-        with self.io.on(slot) if slot is not None else nullcontext():
+        # the batch's CUDA work (copies and the model's kernels) on its slot's stream
+        with torch.cuda.stream(slot.stream) if slot is not None else nullcontext():
             try:
                 return self._forward(batch, runner, slot)
             finally:
@@ -237,10 +238,9 @@ class Server:
                 return done
         raise AssertionError("the pieces did not reach the batch's last request")
 
-    def _met_oom(self, exc: BaseException | str) -> None:
+    def _met_oom(self, text: str) -> None:
         self.progress.gpu_ooms += 1
-        log.warning("out of GPU memory (%s); cache emptied, the batch split at request boundaries",
-                    exc if isinstance(exc, str) else oom_text(exc))
+        log.warning("out of GPU memory (%s); cache emptied, the batch split at request boundaries", text)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
