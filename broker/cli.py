@@ -9,7 +9,7 @@ import sys
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
 from . import cli_models
-from .config import ConfigError, load_config
+from tgw.broker.config.load import ConfigError, load_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
 
@@ -24,9 +24,9 @@ def query(args) -> int:
     from tgw.shm.paths import default_address
     from tgw.shm.wire import as_builtins
 
-    from .auth import load_token
+    from tgw.broker.front.auth import load_token
     from .control import Unreachable, ask
-    from .endpoints import StartupError
+    from tgw.broker.config.startup import StartupError
     address = args.address or default_address()
     try:
         token = load_token(args.token_file) if args.token_file else os.environ.get("TGW_TOKEN", "").strip() or None
@@ -62,7 +62,7 @@ def print_snapshot(reply) -> None:
 
 def keygen(args) -> int:
     """Write a CURVE key pair for server.curve_secret_key_file and print how to use it."""
-    from .auth import keygen as write_pair
+    from tgw.broker.front.auth import keygen as write_pair
     try:
         public, secret = write_pair(args.dir, args.name)
     except (OSError, ValueError) as exc:
@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
         for m in cfg.models:
             print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
-        from .arenas import describe
+        from tgw.broker.config.arenas import describe
         print(describe(cfg))
         return
 
-    from .logs import setup
+    from tgw.broker.observe.logs import setup
     setup(args.log_format, args.log_level)
     from .demo import demo_config
     from .main import run_broker
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         sys.exit(str(exc))
     if args.http_port is not None:
-        from .config import with_http_port
+        from tgw.broker.config.load import with_http_port
         try:
             cfg = with_http_port(cfg, args.http_port)
         except ConfigError as exc:

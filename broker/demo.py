@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from .config import Config, ConfigError, parse_config
+from tgw.broker.config.load import Config, ConfigError, parse_config
 
 log = logging.getLogger("tgw.broker")
 

@@ -14,13 +14,13 @@ import time
 
 from tgw.shm.segment import ShmError
 
-from .config import Config
-from .endpoints import StartupError
-from .hangs import HangJudge
-from .pool import WorkerState
+from tgw.broker.config.load import Config
+from tgw.broker.config.startup import StartupError
+from tgw.broker.fleet.hangs import HangJudge
+from tgw.broker.state.pool import WorkerState
 from .server import Broker, Phase
-from .supervisor import Supervisor
-from .systemd import sd_notify
+from tgw.broker.fleet.supervisor import Supervisor
+from tgw.broker.fleet.systemd import sd_notify
 
 log = logging.getLogger("tgw.broker")
 MONITOR_S = 0.05

@@ -18,17 +18,18 @@ import zmq
 from tgw.shm.paths import default_address
 from tgw.shm.segment import ShmError
 
-from . import tracing
-from .auth import load_token
-from .callers import fit_max_clients, raise_fd_limit
-from .config import Config
-from .endpoints import StartupError, backend_address, bind, remove_socket_files, zap_handler
-from .http_face import HttpFace
+from tgw.broker.observe import tracing
+from tgw.broker.front.auth import load_token
+from tgw.broker.front.callers import fit_max_clients, raise_fd_limit
+from tgw.broker.config.load import Config
+from tgw.broker.config.startup import StartupError
+from tgw.broker.front.endpoints import backend_address, bind, remove_socket_files, zap_handler
+from tgw.broker.http.face import HttpFace
 from .lifecycle import Lifecycle
-from .logs import install_slow
-from .operator import Operator
+from tgw.broker.observe.logs import install_slow
+from tgw.broker.models.operator import Operator
 from .server import Broker
-from .supervisor import Supervisor
+from tgw.broker.fleet.supervisor import Supervisor
 
 log = logging.getLogger("tgw.broker")
 

@@ -21,24 +21,25 @@ from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.wire import DecodeError, Done, Heartbeat, Release, Stop, WorkerFailed, WorkerHello, WorkerReady, \
     WorkerSnapshot, encode, from_worker_decoder, model_key
 
-from .admission import Admission
-from .alarm import Alarm
-from .batcher import Batcher
-from .callers import Callers
-from .complaints import Complaints
-from .config import Config
-from .costmodel import CostModel
-from .frontdoor import FrontDoor
-from .handshake import Handshake, death_error
-from .memory import MemoryWatch
-from .metrics import Metrics
-from .placement import Placement
-from .pool import WorkerHandle, WorkerState
-from .registry import Registry
-from .residency import budget_bytes
-from .sockets import Pump
-from .stats import Stats as Counters
-from .unserved import Unserved
+from tgw.broker.sched.admission import Admission
+from tgw.broker.sched.alarm import Alarm
+from tgw.broker.sched.batcher import Batcher
+from tgw.broker.front.callers import Callers
+from tgw.broker.state.complaints import Complaints
+from tgw.broker.config.load import Config
+from tgw.broker.sched.costmodel import CostModel
+from tgw.broker.front.frontdoor import DoorDeps, FrontDoor
+from tgw.broker.fleet.handshake import Handshake, death_error
+from tgw.broker.fleet.memory import MemoryWatch
+from tgw.broker.observe import status
+from tgw.broker.observe.metrics import Metrics
+from tgw.broker.models.placement import Placement
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.models.registry import Registry
+from tgw.broker.models.residency import budget_bytes
+from tgw.broker.front.sockets import Pump
+from tgw.broker.state.stats import Stats as Counters
+from tgw.broker.sched.unserved import Unserved
 
 log = logging.getLogger("tgw.broker")
 
@@ -89,8 +90,22 @@ class Broker:
                zap: zmq.Socket | None = None) -> None:
         self.loop = loop
         self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
-        self.door = FrontDoor(self, loop, front, zap)
+        self.door = FrontDoor(self.door_deps(), loop, front, zap)
         self.back = Pump(loop, back, self.on_worker, after=self.flush)
+
+    def door_deps(self) -> DoorDeps:
+        a = self.admission
+        return DoorDeps(server=self.server, token=self.token, clock=self.clock, complaints=self.complaints,
+                        callers=self.callers, stats=self.stats, roster=self.roster, models=self.registry.models,
+                        admit=a.admit, finished=a.finished, on_finished=a.on_finished, batcher=self.batcher,
+                        schedule=self.schedule, flush=self.flush,
+                        query=lambda msg: status.ANSWERS[type(msg)](self, msg.id), operate=self._operate,
+                        snapshot=lambda msg, answer: self.memory.request(self.roster, msg, self.clock(), answer))
+
+    def _operate(self, ident, msg) -> None:
+        if self.operator is None:
+            return self.door.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
+        self.operator.handle(ident, msg)
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Admission (broker/admission.py) as a pure class under an injected clock: the order of the
+"""Admission (broker/sched/admission.py) as a pure class under an injected clock: the order of the
 scheduler's checks and what each refusal says. A real Config, registry, batcher and callers;
 no processes, no sockets."""
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from conftest import unloaded_model
-from tgw.broker.admission import Admission
-from tgw.broker.batcher import Batcher
-from tgw.broker.breaker import State
-from tgw.broker.callers import Callers
-from tgw.broker.config import parse_config
-from tgw.broker.registry import Registry
-from tgw.broker.stats import Stats
+from tgw.broker.sched.admission import Admission
+from tgw.broker.sched.batcher import Batcher
+from tgw.broker.sched.breaker import State
+from tgw.broker.front.callers import Callers
+from tgw.broker.config.load import parse_config
+from tgw.broker.models.registry import Registry
+from tgw.broker.state.stats import Stats
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, TensorMeta
 

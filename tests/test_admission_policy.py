@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tgw.broker.breaker import Breaker, State
-from tgw.broker.concurrency import WINDOW_S, AdaptiveLimit
-from tgw.broker.costmodel import CostModel
-from tgw.broker.schema import BreakerDecl, TenantDecl
-from tgw.broker.tenants import Tenants, TokenBucket
+from tgw.broker.sched.breaker import Breaker, State
+from tgw.broker.sched.concurrency import WINDOW_S, AdaptiveLimit
+from tgw.broker.sched.costmodel import CostModel
+from tgw.broker.config.schema import BreakerDecl, TenantDecl
+from tgw.broker.sched.tenants import Tenants, TokenBucket
 from tgw.shm.errors import Code, TgwError
 
 

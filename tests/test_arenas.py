@@ -1,4 +1,4 @@
-"""Arena sizing (broker/arenas.py): `workers.input_arena_mb` / `output_arena_mb: auto` (the
+"""Arena sizing (broker/config/arenas.py): `workers.input_arena_mb` / `output_arena_mb: auto` (the
 default) sized from the model declarations at load; explicit sizes kept as given."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from conftest import placeholder_model
-from tgw.broker.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
-from tgw.broker.config import ConfigError, WorkersDecl, parse_config
+from tgw.broker.config.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
+from tgw.broker.config.load import ConfigError, WorkersDecl, parse_config
 from tgw.client import Client
 from tgw.shm.ring import RingAllocator, aligned_total
 from tgw.shm.segment import SHM_DIR, list_segments

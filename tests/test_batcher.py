@@ -1,10 +1,10 @@
-"""Batcher (broker/batcher.py) with an injected clock: FIFO, max_batch_size rows, byte budget,
+"""Batcher (broker/sched/batcher.py) with an injected clock: FIFO, max_batch_size rows, byte budget,
 groups of version and shape, OVERLOADED with requeue at the front, deadlines, model rotation."""
 from __future__ import annotations
 
 import pytest
 
-from tgw.broker.batcher import Batcher, Pending
+from tgw.broker.sched.batcher import Batcher, Pending
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.ring import align_up, aligned_total, region_offsets
 

@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from conftest import base_config
-from tgw.broker.config import parse_config
-from tgw.broker.pool import WorkerHandle, WorkerState
+from tgw.broker.config.load import parse_config
+from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.server import Broker
 from tgw.shm.errors import Code, fail
 from tgw.shm.segment import Segment, new_name

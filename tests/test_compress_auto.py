@@ -12,7 +12,7 @@ import zmq
 
 from conftest import base_config
 from tgw.bench.broker_proc import BrokerProc
-from tgw.broker.outbound import packed
+from tgw.broker.front.outbound import packed
 from tgw.client import Client
 from tgw.client.tensors import decode_outputs, encode
 from tgw.shm.compression import AUTO_MAX_RATIO, AUTO_MIN_BYTES, STRIPE_BYTES, for_address, sample, worth_compressing

@@ -1,4 +1,4 @@
-"""Config validation (broker/config.py): every refusal is a ConfigError naming its key path;
+"""Config validation (broker/config/load.py): every refusal is a ConfigError naming its key path;
 `tgw-broker check-config` runs the same validation."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import unloaded_model
-from tgw.broker.config import Config, ConfigError, file_sha256, load_config, parse_config
+from tgw.broker.config.load import Config, ConfigError, file_sha256, load_config, parse_config
 
 
 

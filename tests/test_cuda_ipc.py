@@ -13,9 +13,10 @@ import zmq
 
 from conftest import base_config
 from models import MODELS, save
-from tgw.broker import cuda_route
-from tgw.broker.batcher import Batcher
-from tgw.broker.pending import Pending
+from tgw.broker.front import cuda_route, peers
+from tgw.broker.state import cuda as gpu_binding
+from tgw.broker.sched.batcher import Batcher
+from tgw.broker.state.pending import Pending
 from tgw.client import cuda as client_cuda
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
@@ -67,8 +68,8 @@ class Header:
 @pytest.mark.parametrize("addr,local", [("localhost:1000:1000:4242", True), (":0:0:7", True), (None, True),
                                         ("127.0.0.1", False), ("::1", False), ("fe80::1:2:3", False)])
 def test_peer_is_local(addr, local):
-    assert cuda_route.peer_is_local(Header(addr)) is local
-    assert cuda_route.peer_is_local(None) is False   # the HTTP face
+    assert peers.is_local(Header(addr)) is local
+    assert peers.is_local(None) is False   # the HTTP face
 
 
 def fake_broker(*devices: str, uuids=()):
@@ -92,14 +93,14 @@ LOCAL = Header("localhost:0:0:1")
 
 def refused(b, msg, frames, header=LOCAL) -> TgwError:
     with pytest.raises(TgwError) as info:
-        cuda_route.inspect(b, msg, frames, header)
+        cuda_route.inspect(b.roster, b.registry.models, msg, frames, header)
     assert info.value.code is Code.INVALID_ARGUMENT
     return info.value
 
 
 def test_no_cuda_passes_untouched():
     frames = [b"x" * 32]
-    assert cuda_route.inspect(fake_broker("cpu"), infer(meta("x")), frames, None) == (None, frames)
+    assert cuda_route.inspect([], {}, infer(meta("x")), frames, None) == (None, frames)
 
 
 def test_refusals():
@@ -125,16 +126,16 @@ def test_refusals():
 
 def test_matching_by_uuid_beats_the_index():
     b = fake_broker("cuda:0", "cuda:1", uuids=["GPU-aaa", "GPU-bbb"])
-    cuda, _ = cuda_route.inspect(b, infer(meta("x", ipc(0, "bbb")), meta("z", ipc(0, "bbb"))), [b"", b""], LOCAL)
+    cuda, _ = cuda_route.inspect(b.roster, b.registry.models, infer(meta("x", ipc(0, "bbb")), meta("z", ipc(0, "bbb"))), [b"", b""], LOCAL)
     p = types.SimpleNamespace(cuda=cuda)
-    assert [cuda_route.fits(w, p) for w in b.roster] == [False, True]   # the client's index 0 is our 1
-    assert cuda_route.fits(b.roster[0], types.SimpleNamespace(cuda=None))
+    assert [gpu_binding.fits(w, p) for w in b.roster] == [False, True]   # the client's index 0 is our 1
+    assert gpu_binding.fits(b.roster[0], types.SimpleNamespace(cuda=None))
 
 
 def pending(b, cuda=None, frames=None, shape_key=()):
     p = Pending(client=b"c", req_id=1, model="m", version="1", rows=2, shape_key=shape_key,
                 tensors=[f.buffer if hasattr(f, "buffer") else f for f in frames], outputs=["y"], deadline=1e9)
-    cuda_route.bind(b, p, cuda)
+    cuda_route.bind(b.registry.models, p, cuda)
     return p
 
 
@@ -142,13 +143,13 @@ def test_bind_orders_descriptors_and_tags_the_shape_key():
     b = fake_broker("cuda:0")
     zx, dx = ipc(offset=0), ipc(offset=32)
     msg = infer(meta("z", zx), meta("x", dx), output_cuda={"y": ipc()})
-    cuda, frames = cuda_route.inspect(b, msg, [b"", b""], LOCAL)
+    cuda, frames = cuda_route.inspect(b.roster, b.registry.models, msg, [b"", b""], LOCAL)
     assert [len(f) for f in frames] == [32, 32] and all(len(f.buffer) == 0 for f in frames)
     p = pending(b, cuda, frames)
     assert p.cuda.inputs == [dx, zx]                  # declared order: x, z
     assert p.nbytes == [0, 0] and p.in_total == 0     # no ring bytes
-    assert p.shape_key == (("cuda", 0, "u-0", "in"),) and cuda_route.dims(p.shape_key) == ()
-    assert cuda_route.dims(((5,), ("cuda", 0, "u", "in"))) == ((5,),)
+    assert p.shape_key == (("cuda", 0, "u-0", "in"),) and gpu_binding.dims(p.shape_key) == ()
+    assert gpu_binding.dims(((5,), ("cuda", 0, "u", "in"))) == ((5,),)
 
 
 def test_batches_never_mix_gpus_or_kinds():
@@ -156,9 +157,9 @@ def test_batches_never_mix_gpus_or_kinds():
     batcher = Batcher(clock=lambda: 0.0)
     batcher.add_model("m", max_batch_size=16, max_queue=16)
     plain = [pending(b, frames=[b"x" * 32, b"z" * 32]) for _ in range(2)]
-    on0 = [pending(b, *(cuda_route.inspect(b, infer(meta("x", ipc()), meta("z", ipc())), [b"", b""],
+    on0 = [pending(b, *(cuda_route.inspect(b.roster, b.registry.models, infer(meta("x", ipc()), meta("z", ipc())), [b"", b""],
                                                    LOCAL))) for _ in range(2)]
-    on1 = pending(b, *(cuda_route.inspect(b, infer(meta("x", ipc(1, "u-1")), meta("z", ipc(1, "u-1"))),
+    on1 = pending(b, *(cuda_route.inspect(b.roster, b.registry.models, infer(meta("x", ipc(1, "u-1")), meta("z", ipc(1, "u-1"))),
                                                   [b"", b""], LOCAL)))
     for p in (plain[0], on0[0], on1, plain[1], on0[1]):
         batcher.push(p)
@@ -167,19 +168,19 @@ def test_batches_never_mix_gpus_or_kinds():
 
 
 def test_stage_puts_descriptors_in_the_batch(tmp_path):
-    from tgw.broker.pool import WorkerHandle
+    from tgw.broker.state.pool import WorkerHandle
     seg = Segment.create(new_name("ring"), 8192)
     try:
         w = WorkerHandle(0, "cuda:0", [], seg, 4096, 4096)
         b = fake_broker("cuda:0")
-        ps = [pending(b, *(cuda_route.inspect(b, infer(meta("x", ipc(offset=k * 64)), meta("z", ipc())),
+        ps = [pending(b, *(cuda_route.inspect(b.roster, b.registry.models, infer(meta("x", ipc(offset=k * 64)), meta("z", ipc())),
                                                       [b"", b""], LOCAL))) for k in range(2)]
         batch = w.stage(1, ps, b.registry.models["m"].inputs)
         assert batch.cuda_inputs == [p.cuda.inputs for p in ps] and batch.cuda_outputs == []
         assert [t.shape for t in batch.inputs] == [[4, 4], [4, 4]] and all(t.nbytes == 0 for t in batch.inputs)
         assert to_worker_decoder.decode(encode(batch)) == batch
         assert w.can_take("m:1", 2, head=ps[0]) is False     # not ready; the device check alone:
-        assert cuda_route.fits(w, ps[0]) and not cuda_route.fits(types.SimpleNamespace(device="cpu"), ps[0])
+        assert gpu_binding.fits(w, ps[0]) and not gpu_binding.fits(types.SimpleNamespace(device="cpu"), ps[0])
     finally:
         seg.close()
         seg.unlink()

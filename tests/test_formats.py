@@ -21,7 +21,7 @@ import torch
 
 from bench.lifecycle import control
 from conftest import readme_block
-from tgw.broker.config import ConfigError, parse_config
+from tgw.broker.config.load import ConfigError, parse_config
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 from tgw.shm.model_format import ModelFormatError, detect

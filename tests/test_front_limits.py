@@ -9,10 +9,10 @@ import pytest
 
 import zmq
 
-from tgw.broker.callers import Callers, fit_max_clients, headroom
-from tgw.broker.complaints import INTERVAL_S, Complaints
-from tgw.broker.limits import check_declared
-from tgw.broker.schema import ServerDecl
+from tgw.broker.front.callers import Callers, fit_max_clients, headroom
+from tgw.broker.state.complaints import INTERVAL_S, Complaints
+from tgw.broker.front.limits import check_declared
+from tgw.broker.config.schema import ServerDecl
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, TensorMeta
 
@@ -122,7 +122,7 @@ def test_a_deeply_nested_header_is_refused_as_malformed_not_a_crash():
     unanswered and with a traceback (found by scripts/fuzz.sh)."""
     import msgspec
 
-    from tgw.broker.frontdoor import Refused, read_request
+    from tgw.broker.front.frontdoor import Refused, read_request
     deep = msgspec.Raw(b"\x81\xa1a" * 1000 + b"\x80")   # {"a": {"a": ... {}}}, 1,000 deep
     # the broker never imports torch and runs at Python's default limit; torch.export and
     # inductor, imported by other tests of this process, raise it

@@ -1,6 +1,6 @@
 """GPU figures in heartbeats: the worker's NVML reader (workers/gpu_readings.py) on this box and
 against a stand-in pynvml module, and the broker's rendering of heartbeats that carry them
-(broker/metrics_gpu.py, status.gpu_status, the `status` printout). The CPU broker's scrape and
+(broker/observe/metrics_gpu.py, status.gpu_status, the `status` printout). The CPU broker's scrape and
 status without them: tests/test_metrics.py; the wire: tests/test_wire.py."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from tgw.broker import cli
-from tgw.broker.metrics_gpu import READINGS, families
-from tgw.broker.status import gpu_status
+from tgw.broker.observe.metrics_gpu import READINGS, families
+from tgw.broker.observe.status import gpu_status
 from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, StatusReply
 from tgw.shm.wire_worker import GpuReading
 from tgw.workers import gpu_readings

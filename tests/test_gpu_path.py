@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import EXT, base_config, wait_until
-from tgw.broker.config import ConfigError, parse_config
-from tgw.broker.endpoints import StartupError
-from tgw.broker.gpus import plan_devices, visible_count
-from tgw.broker.schema import WorkersDecl
+from tgw.broker.config.load import ConfigError, parse_config
+from tgw.broker.config.startup import StartupError
+from tgw.broker.fleet.gpus import plan_devices, visible_count
+from tgw.broker.config.schema import WorkersDecl
 from tgw.client import Client, OutOfGpuMemoryError
 
 UUIDS = ["GPU-1111aaaa-0000-0000-0000-000000000000", "GPU-2222bbbb-0000-0000-0000-000000000000",
@@ -91,7 +91,7 @@ def test_out_of_gpu_memory_answers_that_request_and_the_worker_serves_on(model_f
 def test_the_memory_trip_reads_a_gpu_workers_heartbeat():
     """NVML's device figures from the heartbeat; without them the worker's reserved CUDA memory
     against the device size its hello gave; on the CPU, RSS against the host."""
-    from tgw.broker.pressure import host_memory, memory_fraction
+    from tgw.broker.sched.pressure import host_memory, memory_fraction
     from tgw.shm.wire import GpuReading, Heartbeat
     beat = Heartbeat(worker_id=0, pid=1, sent=0.0, rss=1 << 30, cpu_s=0.0, fds=1, threads=1, batches=0,
                      cuda_reserved=10 << 30, gpu=GpuReading(memory_used=60 << 30, memory_total=80 << 30))

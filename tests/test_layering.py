@@ -30,7 +30,7 @@ CASES = {
     "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
                ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
     "broker": (["tgw.broker", "tgw.broker.main", "tgw.broker.cli", "tgw.broker.server", "tgw.broker.lifecycle",
-                "tgw.broker.admission", "tgw.broker.handshake", "tgw.broker.status", "tgw.broker.endpoints"],
+                "tgw.broker.sched.admission", "tgw.broker.fleet.handshake", "tgw.broker.observe.status", "tgw.broker.front.endpoints"],
                ["tgw.client", "tgw.workers", "torch"]),
     "workers": (["tgw.workers", "tgw.workers.main"],
                 ["tgw.client", "tgw.broker"]),

@@ -13,8 +13,8 @@ import numpy as np
 from conftest import base_config, wait_until
 
 from tgw.broker.control import ask
-from tgw.broker.logs import PER_S, JsonFormatter, SlowRequests
-from tgw.broker.pending import Pending
+from tgw.broker.observe.logs import PER_S, JsonFormatter, SlowRequests
+from tgw.broker.state.pending import Pending
 from tgw.client import Client
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion
 from tgw.workers.tracing import JsonLines

@@ -16,8 +16,8 @@ import pytest
 from conftest import base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from tgw.broker.metrics_gpu import READINGS
-from tgw.broker.stats import Buckets
+from tgw.broker.observe.metrics_gpu import READINGS
+from tgw.broker.state.stats import Buckets
 from tgw.client import Client, TgwError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

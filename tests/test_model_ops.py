@@ -18,7 +18,7 @@ import pytest
 
 from bench.broker_proc import BrokerProc
 from bench.lifecycle import canary, control, model_decl, save_add_model, swap, unload_rss, version_of
-from tgw.broker.config import file_sha256
+from tgw.broker.config.load import file_sha256
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import LoadVersion, SetTraffic, UnloadVersion

@@ -1,4 +1,4 @@
-"""SIGHUP and `tgw-broker reload` (broker/reload.py) end to end: the config file's difference is
+"""SIGHUP and `tgw-broker reload` (broker/models/reload.py) end to end: the config file's difference is
 applied while serving; an invalid file, a failed load or a change that needs a restart
 changes nothing, and the reason is logged and shown by `tgw-broker status`. Also the rule that
 control ops need authentication on a tcp:// listener."""
@@ -16,8 +16,8 @@ import yaml
 
 from bench.broker_proc import BrokerProc
 from bench.lifecycle import control, model_decl, save_add_model, version_of
-from tgw.broker.operator import unauthenticated
-from tgw.broker.schema import ServerDecl
+from tgw.broker.models.operator import unauthenticated
+from tgw.broker.config.schema import ServerDecl
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import Reload

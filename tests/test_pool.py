@@ -1,4 +1,4 @@
-"""WorkerHandle (broker/pool.py) over a real segment: staging copies each input's rows
+"""WorkerHandle (broker/state/pool.py) over a real segment: staging copies each input's rows
 contiguously at 64-byte-aligned regions and describes them in a Batch; finish() frees the
 input block; output_rows() slices each request's rows out of a completion."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from tgw.broker.batcher import Pending
-from tgw.broker.pool import IllegalTransition, WorkerHandle, WorkerState
+from tgw.broker.state.pending import Pending
+from tgw.broker.state.pool import IllegalTransition, WorkerHandle, WorkerState
 from tgw.shm.ring import ALIGN, align_up
 from tgw.shm.segment import Segment, new_name
 from tgw.shm.views import block_view

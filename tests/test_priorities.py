@@ -1,11 +1,11 @@
 """Priority levels, aging, shedding and deadline-aware holding in the pure batcher
-(broker/batcher.py) under an injected clock and a fed cost model: no processes."""
+(broker/sched/batcher.py) under an injected clock and a fed cost model: no processes."""
 from __future__ import annotations
 
 import pytest
 
-from tgw.broker.batcher import Batcher, Pending
-from tgw.broker.costmodel import CostModel
+from tgw.broker.sched.batcher import Batcher, Pending
+from tgw.broker.sched.costmodel import CostModel
 from tgw.shm.errors import Code, TgwError
 
 BIG = 1 << 30

@@ -16,7 +16,7 @@ import pytest
 from conftest import base_config, wait_until
 from tgw.bench.broker_proc import BrokerProc
 from tgw.bench.regions_bench import Caller
-from tgw.broker.regions import peer_of
+from tgw.broker.front.regions import peer_of
 from tgw.client import Client, TgwError
 from tgw.client.regions import Region, Slots, output_bytes_for
 from tgw.client.request import prepare

@@ -1,12 +1,12 @@
-"""Registry.validate (broker/registry.py), pure: every rule a request header must pass, the code
+"""Registry.validate (broker/models/registry.py), pure: every rule a request header must pass, the code
 each refusal carries with its key details, and what an admitted request's Checked holds."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import unloaded_model
-from tgw.broker.config import parse_config
-from tgw.broker.registry import Registry
+from tgw.broker.config.load import parse_config
+from tgw.broker.models.registry import Registry
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import Infer, TensorMeta, nbytes_of
 
@@ -229,10 +229,10 @@ def test_variable_shape_key_in_declared_order(reg):
     assert checked.outputs == ["logits"]
 
 
-# ---- versions over their life (broker/versions.py) ---------------------------------------------
+# ---- versions over their life (broker/state/versions.py) ---------------------------------------------
 
 def test_a_draining_version_is_refused_by_name_and_a_loading_one_is_not_ready_yet(reg):
-    from tgw.broker.versions import VersionState
+    from tgw.broker.state.versions import VersionState
     records = reg.models["fixed"].records
     records["2"].seen = True
     records["2"].state = VersionState.DRAINING
@@ -256,7 +256,7 @@ def test_unnamed_requests_follow_the_weights_and_a_routing_key_sticks(reg):
     entry.records["2"].weight = entry.records["1"].weight = 0
     entry.retraffic()    # unnamed requests always have somewhere to go: the newest ready version
     assert {check(reg, infer()).version for _ in range(10)} == {"2"} and entry.records["2"].weight == 100
-    from tgw.broker.versions import VersionState
+    from tgw.broker.state.versions import VersionState
     for rec in entry.records.values():
         rec.state = VersionState.DRAINING
     entry.retraffic()

@@ -1,4 +1,4 @@
-"""On-demand residency under a memory budget: the eviction rule (broker/residency.py) on real
+"""On-demand residency under a memory budget: the eviction rule (broker/models/residency.py) on real
 worker handles, then end to end: three on-demand models, a budget that fits two, round robin.
 
 The end-to-end figures (loads, evictions, cold-request latency) are printed; the rules are
@@ -13,10 +13,10 @@ import pytest
 
 from bench.broker_proc import BrokerProc
 from bench.lifecycle import model_decl, residency, save_add_model
-from tgw.broker.pool import WorkerHandle, WorkerState
-from tgw.broker.residency import Residency, budget_bytes
-from tgw.broker.schema import VersionDecl
-from tgw.broker.versions import VersionRecord, VersionState
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.models.residency import Residency, budget_bytes
+from tgw.broker.config.schema import VersionDecl
+from tgw.broker.state.versions import VersionRecord, VersionState
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
@@ -115,7 +115,7 @@ def test_budget_is_bytes_or_a_share_of_the_device():
 def test_a_gpu_workers_budget_comes_from_the_size_its_hello_gives(worker):
     from types import SimpleNamespace
 
-    from tgw.broker.handshake import Handshake
+    from tgw.broker.fleet.handshake import Handshake
     from tgw.shm.wire import PROTOCOL_VERSION, WorkerHello
     worker.device = "cuda:0"
     no_models = SimpleNamespace(startup_specs=lambda: [])   # the registry's one call here

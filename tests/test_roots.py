@@ -1,4 +1,4 @@
-"""Model path confinement and file checks (broker/roots.py): every refusal names its cause;
+"""Model path confinement and file checks (broker/config/roots.py): every refusal names its cause;
 confine returns the real path, the file a worker then loads."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import hashlib
 import pytest
 
 from conftest import unloaded_model
-from tgw.broker import config, roots
-from tgw.broker.roots import ModelFileError, PathRefused, check_file, confine, file_sha256
+from tgw.broker import config
+from tgw.broker.config import roots
+from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, confine, file_sha256
 
 
 @pytest.fixture

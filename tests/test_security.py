@@ -1,5 +1,5 @@
 """Who may talk to the broker: the shared token (server.auth_token_file) and CURVE on tcp://
-(server.curve_secret_key_file). broker/auth.py in isolation, then real brokers, real sockets.
+(server.curve_secret_key_file). broker/front/auth.py in isolation, then real brokers, real sockets.
 
 Waits are on observable conditions: a reply, a process exit, or a ZeroMQ monitor event (a
 CURVE handshake that fails is reported as HANDSHAKE_FAILED_*, so "nothing gets through" is
@@ -23,10 +23,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from conftest import base_config
 from tgw.bench.broker_proc import BrokerProc
-from tgw.broker.auth import curve_server, keygen, load_token, token_ok
+from tgw.broker.front.auth import curve_server, keygen, load_token, token_ok
 from tgw.broker.cli import main as cli_main
 from tgw.broker.control import Unreachable, ask
-from tgw.broker.endpoints import StartupError
+from tgw.broker.config.startup import StartupError
 from tgw.client import Client, ConnectError, UnauthenticatedError
 from tgw.client.client import server_public_key
 from tgw.shm.errors import Code, TgwError
@@ -133,7 +133,7 @@ def handshake_outcome(address: str, setup, answers: bool = True) -> tuple[int, b
         ctx.term()
 
 
-# ---- broker/auth.py ------------------------------------------------------------------------
+# ---- broker/front/auth.py ------------------------------------------------------------------------
 
 def test_token_ok():
     assert token_ok(None, None) and token_ok(None, "anything")      # no token configured

@@ -10,15 +10,15 @@ import pytest
 import zmq
 
 from conftest import base_config
-from tgw.broker.batcher import Batcher, Pending
-from tgw.broker.config import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl, parse_config
-from tgw.broker.leaks import LeakJudge
-from tgw.broker.handshake import Handshake
-from tgw.broker.costmodel import CostModel
-from tgw.broker.hangs import HangJudge
-from tgw.broker.pool import Inflight, WorkerHandle
+from tgw.broker.sched.batcher import Batcher, Pending
+from tgw.broker.config.load import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl, parse_config
+from tgw.broker.fleet.leaks import LeakJudge
+from tgw.broker.fleet.handshake import Handshake
+from tgw.broker.sched.costmodel import CostModel
+from tgw.broker.fleet.hangs import HangJudge
+from tgw.broker.state.pool import Inflight, WorkerHandle
 from tgw.broker.server import Broker
-from tgw.broker.supervisor import Supervisor
+from tgw.broker.fleet.supervisor import Supervisor
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
 from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, Infer, TensorMeta

@@ -155,8 +155,8 @@ def test_untraced_broker_echoes_and_loads_no_opentelemetry(make_broker, model_fi
 
 
 def test_tracing_config_is_checked(model_files, monkeypatch):
-    from tgw.broker import schema_ops
-    from tgw.broker.config import ConfigError, parse_config
+    from tgw.broker.config import schema_ops
+    from tgw.broker.config.load import ConfigError, parse_config
 
     def check(tracing: dict) -> str:
         cfg = {**base_config(model_files, "mlp"), "observability": {"tracing": tracing}}

@@ -15,9 +15,9 @@ import zmq
 
 from conftest import base_config, unloaded_model
 from tgw.bench.broker_proc import BrokerProc
-from tgw.broker.config import ConfigError, parse_config
-from tgw.broker.inbound import tensor_bytes, widen, wire_nbytes
-from tgw.broker.registry import Registry
+from tgw.broker.config.load import ConfigError, parse_config
+from tgw.broker.front.inbound import tensor_bytes, widen, wire_nbytes
+from tgw.broker.models.registry import Registry
 from tgw.client import Client, InvalidArgumentError, InvalidInputDtypeError
 from tgw.client.request import prepare
 from tgw.client.tensors import as_array, encode, from_bfloat16_bits, to_bfloat16_bits, to_float16

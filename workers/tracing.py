@@ -129,7 +129,7 @@ class BatchSpans:
 
 
 def processor(decl: dict):
-    """Where the worker's spans go: as the broker's (broker/tracing.py `exporter`)."""
+    """Where the worker's spans go: as the broker's (broker/observe/tracing.py `exporter`)."""
     from opentelemetry.sdk.trace import export
     if decl["exporter"] != "otlp":   # file (appended to, as the broker and the other workers do) or stdout
         out = open(decl["path"], "a", encoding="utf-8") if decl["exporter"] == "file" else sys.stdout  # noqa: SIM115

@@ -1,0 +1,285 @@
+"""The YAML configuration's schema (pydantic): every key, its type, range and default.
+
+Loading, the problem report and file checks live in config.py, which re-exports these.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from tgw.shm.paths import check_ipc_address
+from tgw.shm.wire import DTYPE_SIZES, WIRE_DTYPES
+
+from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
+
+
+class TensorDecl(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    dtype: str
+    shape: list[int] = Field(description="dims without the batch dimension; -1 = variable")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPE_SIZES:
+            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPE_SIZES)}")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, v: list[int]) -> list[int]:
+        if any(d == 0 or d < -1 for d in v):
+            raise ValueError(f"dims must be positive or -1 (variable), got {v}")
+        return v
+
+
+class VersionDecl(Strict):
+    version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
+    path: str
+    sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+    # what the file holds (shm/model_format.py tells it from the file); parse_config fills it in
+    format: Optional[Literal["torchscript", "export", "aoti"]] = None
+    weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
+
+
+class BreakerDecl(Strict):
+    """The circuit breaker of each version of a model (broker/sched/breaker.py): it opens on any trip,
+    sends requests to `fallback` (or answers CIRCUIT_OPEN) for cooldown_s, then lets `probes`
+    requests through half-open and closes when they all succeed."""
+    error_rate: Annotated[float, Field(gt=0, le=1)] = 0.5      # failed share of the window's requests ...
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0   # ... over this sliding window ...
+    min_requests: Annotated[int, Field(ge=1)] = 20             # ... once it holds this many
+    p99_factor: Optional[Annotated[float, Field(ge=1)]] = 3.0  # compute p99 over factor x slo_p99_ms (needs it)
+    memory_fraction: Optional[Annotated[float, Field(gt=0, le=1)]] = None  # a serving worker's memory share
+    cooldown_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    probes: Annotated[int, Field(ge=1, le=1000)] = 3
+    fallback: Optional[Annotated[str, Field(min_length=1)]] = None  # a model with the same inputs and outputs
+
+
+class ModelDecl(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    versions: Annotated[list[VersionDecl], Field(min_length=1)]
+    default_version: Optional[str] = None
+    inputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    outputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_queue: Annotated[int, Field(ge=1)] = 1024
+    timeout_ms: Annotated[int, Field(ge=1)] = 30000
+    warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
+    # scheduling (broker/sched/batcher.py, concurrency.py, breaker.py; README "Scheduling")
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = []
+    max_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 0   # 0: work-conserving, never wait on purpose
+    priority_levels: Annotated[int, Field(ge=1, le=16)] = 3
+    aging_batches: Annotated[float, Field(gt=0)] = 8.0   # waited this many recent batch times: up one level
+    slo_p99_ms: Optional[Annotated[float, Field(gt=0)]] = None
+    adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
+    breaker: Optional[BreakerDecl] = None
+    residency: Literal["always", "on_demand"] = "always"  # on_demand: loaded on first use, LRU-evictable
+    # reduced precisions its float32 inputs may travel in (client wire_dtype=); widened to float32 on arrival
+    wire_dtypes: list[str] = []
+
+    @field_validator("wire_dtypes")
+    @classmethod
+    def _wire_dtypes(cls, v: list[str]) -> list[str]:
+        unknown = [d for d in v if d not in WIRE_DTYPES]
+        if unknown:
+            raise ValueError(f"unknown wire_dtypes {unknown}; one of {', '.join(WIRE_DTYPES)}")
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelDecl":
+        if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
+            raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
+        if self.weighted and self.default_version is not None:
+            raise ValueError("default_version and per-version weight are exclusive: requests that name no version "
+                             "follow the weights")
+        if self.weighted and not any(v.weight for v in self.versions):
+            raise ValueError(f"weights of model {self.name!r} sum to 0: at least one version needs a weight > 0")
+        for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
+            too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
+            if too_big:
+                raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
+        if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):
+            raise ValueError(f"wire_dtypes {self.wire_dtypes}: model {self.name!r} has no float32 input (only "
+                             "float32 inputs travel at a reduced precision)")
+        if self.breaker and self.breaker.fallback == self.name:
+            raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
+        return self
+
+    def signature(self) -> tuple:
+        """What a fallback must share with this model: every input and output, as declared."""
+        return tuple((t.name, t.dtype, tuple(t.shape)) for t in self.inputs), \
+            tuple((t.name, t.dtype, tuple(t.shape)) for t in self.outputs)
+
+    @property
+    def weighted(self) -> bool:
+        return any(v.weight is not None for v in self.versions)
+
+    def weights(self) -> dict[str, int]:
+        """version -> its share of the requests that name no version (a missing weight is 0)."""
+        if self.weighted:
+            return {v.version: v.weight or 0 for v in self.versions}
+        return {self.default: 100}   # all of it, shown as 100 %
+
+    @property
+    def default(self) -> str:
+        """Weighted: the heaviest version (ties: the later declared); else default_version or the last."""
+        if self.weighted:
+            return max(reversed(self.versions), key=lambda v: v.weight or 0).version
+        return self.default_version or self.versions[-1].version
+
+
+Device = Annotated[str, Field(pattern=r"^(cpu|cuda:\d+)$")]
+
+
+class WorkersDecl(Strict):
+    devices: Union[Literal["auto"], Annotated[list[Device], Field(min_length=1)]] = "auto"
+    threads_per_worker: Annotated[int, Field(ge=1, le=256)] = 1
+    pin_cpus: bool = False
+    # MiB per worker, or "auto": sized from the models at load (broker/config/arenas.py has the rule)
+    input_arena_mb: Union[Literal["auto"], int] = "auto"
+    output_arena_mb: Union[Literal["auto"], int] = "auto"
+    start_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    # imported (module name) or torch.ops.load_library-ed (path ending .so) by each worker before
+    # its models load: how a deployment registers the custom ops its models call
+    preload: list[Annotated[str, Field(min_length=1)]] = []
+    # how a CUDA worker page-locks its ring for copies to and from the GPU (workers/device_io.py):
+    # register the ring (no host copy), a pinned staging buffer per batch, or pageable (a baseline)
+    cuda_host_memory: Literal["register", "staging", "pageable"] = "register"
+    # each worker's budget for loaded models: bytes (int) or share of its device's memory (float in (0, 1])
+    max_model_memory: Optional[Union[int, float]] = None
+    # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)
+    _input_bytes: Optional[int] = PrivateAttr(default=None)
+    _output_bytes: Optional[int] = PrivateAttr(default=None)
+
+    @field_validator("input_arena_mb", "output_arena_mb", mode="plain")
+    @classmethod
+    def _arena_mb(cls, v: object) -> Union[str, int]:
+        if v == "auto" or (type(v) is int and 1 <= v <= 65536):
+            return v
+        raise ValueError(f"must be auto (sized from the models) or a whole number of MiB 1..65536, got {v!r}")
+
+    @field_validator("max_model_memory", mode="plain")
+    @classmethod
+    def _model_memory(cls, v: object) -> Union[None, int, float]:
+        if v is None or (type(v) is int and v >= 1 << 20) or (type(v) is float and 0 < v <= 1):
+            return v
+        raise ValueError(f"must be bytes (a whole number >= 1048576) or a share of device memory in (0, 1], got {v!r}")
+
+    def _arena(self, key: str, resolved: Optional[int]) -> int:
+        if resolved is not None:
+            return resolved
+        mb = getattr(self, key)
+        if mb == "auto":
+            raise RuntimeError(f"workers.{key} is auto and not resolved yet: load the config with "
+                               "parse_config (or size it with tgw.broker.config.arenas.resolve)")
+        return mb << 20
+
+    @property
+    def input_bytes(self) -> int:
+        """Each worker's input arena: the most one batch (and so one request) may occupy."""
+        return self._arena("input_arena_mb", self._input_bytes)
+
+    @property
+    def output_bytes(self) -> int:
+        return self._arena("output_arena_mb", self._output_bytes)
+
+
+class ServerDecl(Strict):
+    """The client-facing socket and the limits every caller is held to (checked before any
+    allocation a request would cause; the README's threat model says what each one defends)."""
+    address: Optional[str] = None  # default: $TGW_ADDRESS, ipc://$XDG_RUNTIME_DIR/tgw, /run/tgw, /tmp/tgw-<uid>
+    # decoded tensor bytes of one request (from the declared shapes, before any decompression);
+    # also bounds each frame on the wire (ZMQ_MAXMSGSIZE), so a larger one is never received whole
+    max_request_bytes: Annotated[int, Field(ge=1024)] = 64 << 20
+    max_header_bytes: Annotated[int, Field(ge=256, le=16 << 20)] = 64 << 10
+    max_tensors_per_request: Annotated[int, Field(ge=1, le=4096)] = 64
+    max_dims: Annotated[int, Field(ge=1, le=64)] = 16              # per tensor, batch dim included
+    max_elements: Annotated[int, Field(ge=1)] = 1 << 28            # per tensor
+    max_inflight_per_client: Annotated[int, Field(ge=1)] = 1024    # admitted, not yet answered
+    max_clients: Annotated[int, Field(ge=1)] = 1000                # connected callers
+    client_queue_bytes: Annotated[int, Field(ge=1 << 16)] = 64 << 20   # replies waiting for one slow reader
+    client_queue_messages: Annotated[int, Field(ge=1)] = 1000
+    max_inflight_batches_per_worker: Annotated[int, Field(ge=1, le=8)] = 2
+    socket_dir_mode: Annotated[str, Field(pattern=r"^0?[0-7]{3}$")] = "0750"
+    socket_group: Optional[Annotated[str, Field(min_length=1)]] = None   # may use the front socket
+    auth_token_file: Optional[str] = None         # shared token every native request must carry
+    curve_secret_key_file: Optional[str] = None   # ZeroMQ CURVE key pair (tgw-broker keygen)
+    # shared-memory regions (docs/PROTOCOL.md 5.9): the bytes one client process may register, in all
+    max_region_bytes: Annotated[int, Field(ge=0)] = 1 << 30
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            if not v.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"address must start with ipc:// or tcp://, got {v!r}")
+            check_ipc_address(v)
+        return v
+
+    @field_validator("socket_dir_mode")
+    @classmethod
+    def _private_dir(cls, v: str) -> str:
+        if int(v, 8) & 0o022:
+            raise ValueError(f"socket_dir_mode {v} lets other users replace the socket; "
+                             "group and others may not write (e.g. 0750)")
+        return v
+
+    @model_validator(mode="after")
+    def _tcp_is_encrypted(self) -> "ServerDecl":
+        if self.address and self.address.startswith("tcp://") and not self.curve_secret_key_file:
+            raise ValueError("a tcp:// address needs server.curve_secret_key_file (a ZeroMQ CURVE key "
+                             "pair: `tgw-broker keygen DIR` writes one)")
+        return self
+
+    @property
+    def dir_mode(self) -> int:
+        return int(self.socket_dir_mode, 8)
+
+
+TenantName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+class TenantDecl(Strict):
+    """One caller's quota: a token bucket of `rate` requests/s holding at most `burst`, and at
+    most `max_inflight` requests admitted and not yet answered."""
+    rate: Annotated[float, Field(gt=0)]
+    burst: Annotated[int, Field(ge=1)]
+    max_inflight: Optional[Annotated[int, Field(ge=1)]] = None
+
+
+class Config(Strict):
+    # folders model files must lie in; relative: to the config file's folder; empty: that folder
+    model_roots: list[Annotated[str, Field(min_length=1)]] = []
+    server: ServerDecl = ServerDecl()
+    workers: WorkersDecl = WorkersDecl()
+    supervisor: SupervisorDecl = SupervisorDecl()
+    http: Optional[HttpDecl] = None                # the KServe v2 HTTP face; None: off
+    observability: ObservabilityDecl = ObservabilityDecl()
+    models: Annotated[list[ModelDecl], Field(min_length=1)]
+    tenants: dict[TenantName, TenantDecl] = {}
+    default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
+    require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
+    _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
+
+    @model_validator(mode="after")
+    def _references(self) -> "Config":
+        if self.default_tenant is not None and self.default_tenant not in self.tenants:
+            raise ValueError(f"default_tenant {self.default_tenant!r} is not one of tenants {sorted(self.tenants)}")
+        if self.require_tenant and not self.tenants:
+            raise ValueError("require_tenant needs at least one entry in tenants")
+        names = {m.name: m for m in self.models}
+        for m in self.models:
+            fallback = m.breaker.fallback if m.breaker else None
+            if fallback is None or fallback == m.name:
+                continue
+            if fallback not in names:
+                raise ValueError(f"model {m.name!r}: breaker.fallback {fallback!r} is not a configured model")
+            if names[fallback].signature() != m.signature():
+                raise ValueError(f"model {m.name!r}: breaker.fallback {fallback!r} declares different inputs or "
+                                 "outputs; a fallback must take and return exactly the same tensors")
+        return self
+
+    def model(self, name: str) -> ModelDecl:
+        return next(m for m in self.models if m.name == name)

@@ -1,0 +1,1 @@
+"""The workers' lives: supervisor, handshake, hangs, leaks, snapshots, GPUs."""

@@ -1,0 +1,1 @@
+"""The clients' side: sockets, the door, auth, callers, limits, regions, CUDA routing."""

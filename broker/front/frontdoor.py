@@ -1,0 +1,236 @@
+"""The clients' side of the broker: read each message once, refuse or route it, and answer.
+
+A header that does not decode still gets a well-formed reply: its id and protocol version are
+read leniently where possible, so a newer client learns of the version mismatch rather than of
+a "malformed" header. Every refusal is counted (stats `refused`) and logged at most once per
+kind in a while; replies go through the outbox, which bounds what a slow reader may hold.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, Cancel, DecodeError, ErrorReply, Goodbye, Infer, InferReply, \
+    Metadata, RegisterRegion, Snapshot, SUPPORTED_VERSIONS, UnregisterRegion, encode, envelope_decoder, \
+    request_decoder
+
+from tgw.broker.config.schema import ServerDecl
+from tgw.broker.state.complaints import Complaints
+from tgw.broker.state.pending import Pending
+from tgw.broker.state.stats import Stats
+
+from . import cuda_route
+from .abandon import Abandonment
+from .auth import token_ok
+from .callers import EVENTS, Callers
+from .gatekeeper import Gatekeeper
+from .outbound import reply_tensors
+from .outbox import Outbox
+from .regions import Regions
+from .sockets import Pump
+
+NOTEWORTHY = (Code.INVALID_ARGUMENT, Code.PAYLOAD_TOO_LARGE)  # refusals that suggest a broken or hostile caller
+OPERATOR_OPS = (*CONTROL_OPS, Metadata)   # answered by operator.py
+
+
+class Refused(Exception):
+    """The message cannot be served; `error` answers it under `req_id`; `kind` counts it."""
+
+    def __init__(self, req_id: int, error: TgwError, kind: str):
+        super().__init__(error.message)
+        self.req_id, self.error, self.kind = req_id, error, kind
+
+
+def read_request(frames: list, server: ServerDecl, token: str | None = None):
+    """The decoded header of [identity, header, tensor frames...]; raises Refused.
+
+    Sizes are checked before decoding, so a header cannot make the decoder allocate much; the
+    token (when one is configured) before anything else is looked at."""
+    if len(frames) < 2:
+        raise Refused(0, fail(Code.INVALID_ARGUMENT, "empty message: a header frame is required"), "empty_message")
+    header = frames[1].buffer
+    if len(header) > server.max_header_bytes:
+        raise Refused(0, fail(Code.PAYLOAD_TOO_LARGE, f"header frame of {len(header)} bytes; the limit is "
+                              f"{server.max_header_bytes} (server.max_header_bytes)",
+                              limit=server.max_header_bytes), "header_too_large")
+    if len(frames) - 2 > server.max_tensors_per_request:
+        raise Refused(0, fail(Code.INVALID_ARGUMENT, f"{len(frames) - 2} tensor frames; the limit is "
+                              f"{server.max_tensors_per_request} (server.max_tensors_per_request)",
+                              limit=server.max_tensors_per_request), "too_many_frames")
+    try:
+        msg = request_decoder.decode(header)
+    except DecodeError as exc:
+        raise _malformed(header, exc) from None
+    if msg.v not in SUPPORTED_VERSIONS:
+        raise Refused(msg.id, _version_mismatch(msg.v), "version_mismatch")
+    if not token_ok(token, msg.token):
+        raise Refused(msg.id, fail(Code.UNAUTHENTICATED, "missing or wrong token (the broker is configured with "
+                                   "server.auth_token_file; clients pass token= or TGW_TOKEN)"), "unauthenticated")
+    return msg
+
+
+def _malformed(header, exc: Exception) -> Refused:
+    try:
+        env = envelope_decoder.decode(header)
+    except DecodeError:
+        env = None
+    # `type(...) is int`: a bool is an int to isinstance, but not on the wire
+    req_id = env.id if env is not None and type(env.id) is int else 0
+    if env is not None and type(env.v) is int and env.v not in SUPPORTED_VERSIONS:
+        # a newer client's header may not fit our structs: name the real problem
+        return Refused(req_id, _version_mismatch(env.v), "version_mismatch")
+    return Refused(req_id, fail(Code.INVALID_ARGUMENT, f"malformed request header: {exc}"), "malformed_header")
+
+
+def _version_mismatch(version: int) -> TgwError:
+    return fail(Code.INVALID_ARGUMENT, f"protocol version mismatch: client speaks {version}, broker speaks "
+                f"{PROTOCOL_VERSION} (and serves {', '.join(map(str, SUPPORTED_VERSIONS))})", client_protocol=version,
+                server_protocol=PROTOCOL_VERSION, supported=list(SUPPORTED_VERSIONS))
+
+
+@dataclass(frozen=True)
+class DoorDeps:
+    """What the front door reads and calls of the rest of the broker (the core builds it)."""
+    server: ServerDecl
+    token: str | None
+    clock: Callable[[], float]
+    complaints: Complaints
+    callers: Callers
+    stats: Stats
+    roster: list                                 # the workers (CUDA routing: which GPUs have one)
+    models: dict                                 # the registry's model entries by name
+    admit: Callable[[Any, Infer, list], Pending]  # admission: raises the TgwError that refuses it
+    finished: Callable[[Pending, str | None, float], None]  # a request leaves (admission's accounting)
+    on_finished: list                            # hooks run by `finished` (abandonment keeps its table)
+    batcher: Any                                 # its queues: cancelled and abandoned requests leave them
+    schedule: Callable[[], None]                 # the pump is due
+    flush: Callable[[], None]                    # the end of a drain pass
+    query: Callable[[Any], Any]                  # the read-only answers (status, stats, health, ...)
+    operate: Callable[[Any, Any], None]          # a control op (operator), answered by it
+    snapshot: Callable[[Any, Callable], None]    # a memory snapshot request; raises TgwError
+
+
+class FrontDoor:
+    def __init__(self, deps: DoorDeps, loop, sock, zap=None):
+        self.deps = deps
+        self.complaints, self.callers, self.server, self.token = deps.complaints, deps.callers, deps.server, deps.token
+        self.pump = Pump(loop, sock, self.on_message, after=deps.flush)
+        self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
+        self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
+        self.gate.start()
+        self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
+        self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply)
+        deps.on_finished.append(self.abandon.finished)
+        self.handlers = {Infer: self._infer_frames, RegisterRegion: self._region, UnregisterRegion: self._region}
+        self.answers = {Cancel: self.abandon.handle, Goodbye: self.abandon.handle, Snapshot: self._snapshot}
+        for op in OPERATOR_OPS:
+            self.answers[op] = deps.operate
+
+    def on_message(self, frames: list) -> None:
+        try:
+            self._on_message(frames)
+        except Exception as exc:  # a broker bug: answered as INTERNAL where possible, logged rate-limited
+            self.complaints.note("broker_error", type(exc).__name__, "a client message failed inside the broker",
+                                 exc_info=True)
+            self.error(frames[0].bytes, 0, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"))
+
+    def _on_message(self, frames: list) -> None:
+        ident = frames[0].bytes
+        try:
+            if ident not in self.callers.served and len(frames) > 1:
+                self.abandon.meet(ident, frames[1])
+            self.callers.let_in(ident)
+            msg = read_request(frames, self.server, self.token)
+        except Refused as refused:
+            self.complaints.note("refused", refused.kind, str(refused))
+            return self.error(ident, refused.req_id, refused.error)
+        except TgwError as err:
+            self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
+            return self.error(ident, 0, err)
+        handler = self.handlers.get(type(msg))
+        if handler is not None:
+            handler(ident, msg, frames)
+        else:
+            self.dispatch(ident, msg)
+
+    def _infer_frames(self, ident, msg: Infer, frames: list) -> None:
+        self.infer(ident, msg, frames[2:], frames[1])
+
+    def _region(self, ident, msg, frames: list) -> None:
+        self.regions.handle(ident, msg, frames[1])
+
+    def dispatch(self, ident, msg) -> None:
+        """Answer a decoded request other than infer (`ident`: a socket identity, or the HTTP
+        face's HttpCaller)."""
+        answer = self.answers.get(type(msg))
+        if answer is not None:
+            answer(ident, msg)
+        else:
+            self.reply(ident, self.deps.query(msg))
+
+    def _snapshot(self, ident, msg: Snapshot) -> None:
+        try:
+            self.deps.snapshot(msg, lambda reply: self.reply(ident, reply))
+        except TgwError as err:
+            self.error(ident, msg.id, err)
+
+    def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
+        """`header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
+        try:
+            if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
+                tensor_frames = self.regions.resolve(msg, header, tensor_frames)
+            cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
+                                                     header)  # CUDA tensors by handle
+            p = self.deps.admit(ident, msg, tensor_frames)
+            cuda_route.bind(self.deps.models, p, cuda)
+            self.abandon.track(p)
+            self.deps.schedule()
+        except TgwError as err:
+            if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
+                self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
+            self.error(ident, msg.id, err, msg.model)
+        except Exception as exc:  # a broker bug must still answer, and must not stop the drain
+            self.complaints.note("broker_error", type(exc).__name__, f"request {msg.id} for {msg.model!r} failed "
+                                 "inside the broker", exc_info=True)
+            self.error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), msg.model)
+
+    def tick(self) -> None:
+        self.outbox.settle_all()
+        now = self.deps.clock()
+        self.regions.tick(now)
+        self.abandon.sweep(now)
+
+    # ---- answers -----------------------------------------------------------------------------
+
+    def reply(self, ident, msg, *tensors) -> None:
+        # the outbox copies every frame (an HttpCaller its tensors), so ring views may be released after
+        if type(ident) is bytes:
+            self.outbox.send(ident, [encode(msg), *tensors])
+        else:
+            ident.deliver(msg, tensors)
+
+    def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None,
+              trace: str | None = None) -> None:
+        self.deps.stats.error(model, err.code.value)
+        self.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body(), traceparent=trace))
+
+    def fail(self, p: Pending, err: TgwError) -> None:
+        """Answer an admitted request with an error."""
+        self.deps.finished(p, err.code.value, self.deps.clock())
+        err.details.setdefault("model", p.model)
+        self.error(p.client, p.req_id, err, p.model, p.trace)   # the broker's span by now, as answer's
+
+    def answer(self, p: Pending, views: dict, now: float) -> None:
+        """Answer an admitted request with its rows of the outputs (views into the output arena)."""
+        self.deps.finished(p, None, now)
+        placed = self.regions.write(p, views) if p.output_region is not None else None
+        metas, payload = placed if placed is not None else reply_tensors(p, views)
+        cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
+        # p.trace: the broker's request span when tracing is on (set by finished), else the caller's own
+        self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
+                                        outputs=metas, traceparent=p.trace), *payload)
+
+    def close(self) -> None:
+        self.gate.stop()
+        self.pump.close()

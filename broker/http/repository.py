@@ -1,0 +1,151 @@
+"""The HTTP face's model answers: KServe v2 metadata and readiness, and the repository extension
+(index, load, unload) wired to the operator's lifecycle controls.
+
+Load and unload go through the operator exactly as `tgw-broker models load|unload` do: one at a
+time, answered once done. Like the native control ops they are refused where anyone on the
+network could send them: an HTTP face listening beyond loopback without server.auth_token_file.
+"""
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, UnloadVersion, model_key
+
+from . import kserve
+from tgw.broker.state.pool import WorkerState
+from tgw.broker.models.registry import ModelEntry
+from tgw.broker.observe.status import listed, serving
+from tgw.broker.state.versions import VersionState
+
+if TYPE_CHECKING:
+    from tgw.broker.server import Broker
+
+STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
+LOAD_PARAMS = {"version": str, "path": str, "sha256": str, "weight": int, "format": str,
+               "unload_dependents": bool}   # tritonclient sends it; tgw models have no dependents
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def io(specs) -> list[dict]:
+    return [{"name": t.name, "datatype": kserve.DATATYPE_OF[t.dtype], "shape": [-1, *t.shape]} for t in specs]
+
+
+class Repository:
+    def __init__(self, b: "Broker", ask: Callable[..., Awaitable], read: Callable[..., Awaitable],
+                 host: str = "127.0.0.1"):
+        self.b, self.ask, self.read = b, ask, read
+        self.open_to_network = not loopback(host) and not b.token
+
+    # ---- metadata and readiness --------------------------------------------------------------
+
+    def version_of(self, model: str, version: str | None) -> tuple[ModelEntry, str | None]:
+        entry = self.b.registry.entry(model)   # MODEL_NOT_FOUND
+        if version is not None and version not in entry.records:
+            raise fail(Code.VERSION_NOT_FOUND, f"model {model!r} has no version {version!r}",
+                       model=model, version=version, available=list(entry.records))
+        return entry, version
+
+    def kserve_metadata(self, model: str, version: str | None) -> dict:
+        entry, version = self.version_of(model, version)
+        shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
+        return {"name": entry.name, "versions": [version] if version else entry.routable(),
+                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs), "outputs": io(entry.outputs),
+                "parameters": {"max_batch_size": entry.decl.max_batch_size, "default_version": entry.default,
+                               "residency": entry.decl.residency}}
+
+    def ready(self, model: str, version: str | None) -> bool:
+        """The model (its default version) or that version can be served now."""
+        entry, version = self.version_of(model, version)
+        if not self.b.is_serving():
+            return False
+        if version is None:
+            return serving(self.b, entry)
+        if entry.records[version].state is not VersionState.READY:
+            return False
+        live = [w for w in self.b.roster if w.state is WorkerState.READY]
+        return bool(live) if entry.on_demand else any(model_key(model, version) in w.models for w in live)
+
+    # ---- the repository extension ------------------------------------------------------------
+
+    async def index(self, request: web.Request) -> web.Response:
+        only_ready = (await self.body(request)).get("ready", False) is True
+        rows = []
+        for entry in listed(self.b):
+            for v, rec in entry.records.items():
+                state = STATES[rec.state] if self.ready(entry.name, v) or rec.state is not VersionState.READY \
+                    else "UNAVAILABLE"
+                if not only_ready or state == "READY":
+                    rows.append({"name": entry.name, "version": v, "state": state, "reason": rec.error})
+        return web.Response(body=orjson.dumps(rows), content_type="application/json")
+
+    async def load(self, request: web.Request) -> web.Response:
+        """parameters: version (default: the config's default version), path (default: the
+        config's), sha256, weight (a canary beside what serves; none: a hot swap), format."""
+        self.control_allowed()
+        entry = self.b.registry.entry(request.match_info["model"])
+        params = self.params(await self.body(request))
+        version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
+        if "version" not in params and version in entry.records:
+            return self.done(f"{model_key(entry.name, version)} is already loaded")
+        msg = LoadVersion(v=PROTOCOL_VERSION, model=entry.name, version=version, path=params.get("path"),
+                          sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"))
+        reply, _ = await self.ask(msg)
+        return self.done(reply.message)
+
+    async def unload(self, request: web.Request) -> web.Response:
+        """parameters: version (default: every version of the model)."""
+        self.control_allowed()
+        model = request.match_info["model"]
+        params = self.params(await self.body(request), ("version", "unload_dependents"))
+        reply, _ = await self.ask(UnloadVersion(v=PROTOCOL_VERSION, model=model, version=params.get("version")))
+        return self.done(reply.message)
+
+    def control_allowed(self) -> None:
+        if self.open_to_network:
+            raise fail(Code.UNAUTHENTICATED, "repository load and unload are refused on an HTTP face listening "
+                       "beyond loopback unless server.auth_token_file is configured")
+
+    async def body(self, request: web.Request) -> dict:
+        raw = await self.read(request)
+        if not raw:
+            return {}
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise fail(Code.INVALID_ARGUMENT, f"request body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise fail(Code.INVALID_ARGUMENT, "request body must be a JSON object")
+        return doc
+
+    @staticmethod
+    def params(doc: dict, allowed=("version", "path", "sha256", "weight", "format")) -> dict:
+        params = kserve.mapping(doc.get("parameters"), "parameters")
+        for key, value in params.items():
+            want = LOAD_PARAMS.get(key) if key in allowed else None
+            if want is None and (key == "config" or key.startswith("file:")):
+                raise fail(Code.INVALID_ARGUMENT, f"parameter {key!r}: tgw takes no model config or files over "
+                           "HTTP; it loads files that lie in model_roots (give parameters.path)", parameter=key)
+            if want is None:
+                raise fail(Code.INVALID_ARGUMENT, f"unknown parameter {key!r}: tgw takes {', '.join(allowed)}",
+                           parameter=key)
+            if type(value) is not want:
+                raise fail(Code.INVALID_ARGUMENT, f"parameter {key} must be a {want.__name__}, got {value!r}",
+                           parameter=key)
+        return params
+
+    @staticmethod
+    def done(message: str) -> web.Response:
+        return web.Response(body=orjson.dumps({"message": message}), content_type="application/json")

@@ -1,0 +1,1 @@
+"""The models served: registry, routing, placement, residency, rollout, reload, operator."""

@@ -1,0 +1,171 @@
+"""SIGHUP and `tgw-broker reload`: re-read the config file and apply the difference.
+
+What may change while serving: models added or removed, versions added or removed, weights
+and default_version, a model's timeout_ms and max_queue, model_roots, and
+workers.max_model_memory. Anything else that differs needs a restart, and the reload refuses
+as a whole, naming it. The reload is one transaction: every new version is loaded first
+(beside what serves); if any load fails, what was loaded is taken out again and nothing has
+changed. Then routing flips for every model in one step, and the versions and models left
+out drain and unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload
+
+from tgw.broker.config.load import arenas
+from tgw.broker.config.load import Config, ConfigError, ModelDecl, load_config, with_http_port
+from .registry import ModelEntry
+from .residency import budget_bytes
+from tgw.broker.state.versions import VersionRecord, VersionState
+
+if TYPE_CHECKING:
+    from .rollout import Rollout
+    from tgw.broker.server import Broker
+
+HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
+
+
+def restart_only(old: Config, new: Config) -> list[str]:
+    """The keys whose change a running broker cannot apply."""
+    keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant", "http",
+                        "observability")
+            if getattr(old, k) != getattr(new, k)]
+    if old.workers.model_dump(exclude={"max_model_memory"}) != new.workers.model_dump(exclude={"max_model_memory"}):
+        keys.append("workers")
+    now = {m.name: m for m in new.models}
+    for m in old.models:
+        if m.name in now:
+            keys += [f"models.{m.name}.{k}" for k in ModelDecl.model_fields if k not in HOT_MODEL_KEYS
+                     and getattr(m, k) != getattr(now[m.name], k)]
+            was = {v.version: v for v in m.versions}
+            keys += [f"models.{m.name}.versions.{v.version} (path or sha256: a version's file is fixed; load new "
+                     "weights as a new version)" for v in now[m.name].versions
+                     if v.version in was and (v.path, v.sha256) != (was[v.version].path, was[v.version].sha256)]
+    return keys
+
+
+class Reloader:
+    def __init__(self, b: "Broker", rollout: "Rollout", cfg: Config, path: str | None):
+        self.b, self.rollout, self.cfg, self.path = b, rollout, cfg, path
+        self.outcome: dict = {"path": path} if path else {}
+
+    async def reload(self, msg: Reload) -> ControlReply:
+        try:
+            message, changes = await self._reload()
+        except Exception as exc:
+            why = exc.message if hasattr(exc, "message") else str(exc)
+            self.outcome.update(at_s=self._uptime(), ok=False, message=why)
+            raise
+        self.outcome.update(at_s=self._uptime(), ok=True, message=message)
+        return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message=message, details=changes)
+
+    def _uptime(self) -> float:
+        return round(self.b.clock() - self.b.started_at, 3)   # as status counts uptime_s
+
+    async def _reload(self) -> tuple[str, dict]:
+        if self.path is None:
+            raise fail(Code.INVALID_ARGUMENT, "this broker serves the embedded demo: there is no config file to reload")
+        try:  # hashing model files takes a while: off the loop
+            new = await asyncio.get_running_loop().run_in_executor(None, load_config, self.path)
+        except ConfigError as exc:
+            raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}",
+                       reason="invalid_config") from None
+        if self.cfg._http_port is not None:   # `start --http-port` still holds
+            new = with_http_port(new, self.cfg._http_port)
+        refused = restart_only(self.cfg, new) + self._arena_misfits(new)
+        if refused:
+            raise fail(Code.INVALID_ARGUMENT, "reload refused, nothing changed: these changes need a restart: "
+                       + "; ".join(refused), reason="needs_restart", keys=refused)
+        changes = await self._apply(new)
+        self.cfg = new
+        done = {k: v for k, v in changes.items() if v}
+        return (f"reloaded {self.path}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
+                changes)
+
+    def _arena_misfits(self, new: Config) -> list[str]:
+        """New models must fit the arenas the workers were started with."""
+        old = {m.name for m in self.cfg.models}
+        k, limit = new.server.max_inflight_batches_per_worker, new.server.max_request_bytes
+        w = self.cfg.workers
+        return [f"models.{m.name} (needs {arenas.input_need(m, k, limit)} input / {arenas.output_need(m, k)} output "
+                f"arena bytes; the workers have {w.input_bytes} / {w.output_bytes})"
+                for m in new.models if m.name not in old and
+                (arenas.input_need(m, k, limit) > w.input_bytes or arenas.output_need(m, k) > w.output_bytes)]
+
+    async def _apply(self, new: Config) -> dict:
+        registry, rollout = self.b.registry, self.rollout
+        old_names = {m.name for m in self.cfg.models}
+        added = [m for m in new.models if m.name not in old_names]
+        for m in added:
+            self._declare(m)
+        loaded: list[tuple[ModelEntry, VersionRecord]] = []
+        try:
+            for m in new.models:
+                entry = registry.models[m.name]
+                for v in m.versions:
+                    if v.version not in entry.records:
+                        decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256, v.format)
+                        loaded.append((entry, await rollout.load_beside(entry, decl)))
+        except BaseException:
+            for entry, rec in loaded:
+                await rollout.drop(entry, [rec])
+            for m in added:
+                registry.models.pop(m.name, None)
+            registry.changed()
+            raise
+        retiring = self._flip(new)
+        await asyncio.gather(*(rollout.retire(entry, records) for entry, records in retiring))
+        removed = [m.name for m in self.cfg.models if m.name not in {n.name for n in new.models}]
+        for name in removed:
+            registry.models.pop(name, None)
+        registry.changed()
+        return {"models added": [m.name for m in added], "models removed": removed,
+                "versions loaded": [rec.key for _, rec in loaded],
+                "versions unloaded": [r.key for _, records in retiring for r in records]}
+
+    def _declare(self, m: ModelDecl) -> None:
+        """A new model: routable once its versions are loaded."""
+        b = self.b
+        entry = ModelEntry(m)
+        entry.records.clear()
+        entry.retraffic()
+        b.registry.models[m.name] = entry
+        b.batcher.declare(m)
+        b.stats.model(m.name)
+        b.admission.declare(m)
+        b.registry.changed()
+
+    def _flip(self, new: Config) -> list[tuple[ModelEntry, list[VersionRecord]]]:
+        """One synchronous step: every model's declaration, weights and versions as the file says."""
+        b = self.b
+        keep = {m.name: m for m in new.models}
+        retiring = []
+        for name, entry in b.registry.models.items():
+            m = keep.get(name)
+            if m is None:
+                entry.removed = True
+                retiring.append((entry, list(entry.records.values())))
+                continue
+            entry.decl = m
+            b.batcher.queues[name].max_queue = m.max_queue
+            weights, wanted = m.weights(), {v.version for v in m.versions}
+            for rec in entry.records.values():
+                if rec.version in wanted:
+                    rec.state, rec.seen, rec.weight = VersionState.READY, True, weights.get(rec.version, 0)
+            gone = [r for r in entry.records.values() if r.version not in wanted]
+            for r in gone:
+                r.state, r.weight = VersionState.DRAINING, 0
+            entry.retraffic()
+            if gone:
+                retiring.append((entry, gone))
+        self.rollout.roots = new.model_roots
+        b.model_memory = new.workers.max_model_memory
+        for w in b.roster:
+            w.budget = budget_bytes(b.model_memory, w.device, w.device_memory)
+        b.registry.changed()
+        b.placement.reconcile()
+        return retiring

@@ -1,0 +1,99 @@
+"""On-demand models under each worker's memory budget (workers.max_model_memory).
+
+A version declared `residency: on_demand` is loaded on one worker when a request asks for it
+and no worker has it. A load that does not fit the worker's budget first evicts: the least
+recently used idle on-demand version there (nothing admitted for it and unanswered), then,
+only if none is idle, the least recently used busy one, which takes no new batch on that
+worker and unloads once its batches in flight are done. The load waits for the memory to be
+returned. Always-resident versions count against the budget but are never evicted, so a
+worker exceeds its budget by at most the one model that could not fit beside them.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import psutil
+
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.state.versions import VersionRecord
+
+log = logging.getLogger("tgw.broker")
+
+
+def budget_bytes(max_model_memory: int | float | None, device: str, device_total: int = 0) -> int | None:
+    """workers.max_model_memory as bytes: an int is bytes, a float a fraction of the device's
+    memory: host RAM for cpu, for cuda:N the GPU's as its worker's hello said (None before)."""
+    if max_model_memory is None:
+        return None
+    if isinstance(max_model_memory, float):
+        total = device_total if device.startswith("cuda:") else psutil.virtual_memory().total
+        return int(max_model_memory * total) if total else None
+    return int(max_model_memory)
+
+
+class Residency:
+    def __init__(self, record: Callable[[str], VersionRecord | None], note: Callable[..., None]):
+        self.record = record      # key -> its version record (None: gone)
+        self.note = note          # records a lifecycle event (status, metadata)
+
+    def size(self, w: WorkerHandle, key: str) -> int:
+        rec = self.record(key)
+        return w.sizes.get(key) or (rec.size() if rec is not None else 0)
+
+    def used(self, w: WorkerHandle) -> int:
+        """Bytes its models take, counting those loading and those still unloading."""
+        return sum(self.size(w, k) for k in w.models | w.loading.keys() | w.unloading)
+
+    @staticmethod
+    def where(key: str, roster: Iterable[WorkerHandle]) -> WorkerHandle | None:
+        """A live worker that has, is loading, or was given this version."""
+        for w in roster:
+            if w.state is WorkerState.READY and not w.retiring and key not in w.evicting and \
+                    (key in w.models or key in w.loading or key in w.wanted):
+                return w
+        return None
+
+    def place(self, rec: VersionRecord, roster: list[WorkerHandle]) -> WorkerHandle | None:
+        """Give the version to the live worker with the most budget left; None when no worker
+        is live (a restart will come; the requests wait, bounded by their deadlines)."""
+        live = [w for w in roster if w.state is WorkerState.READY and not w.retiring]
+        if not live:
+            return None
+        w = max(live, key=lambda w: (float("inf") if w.budget is None else w.budget - self.used(w), -len(w.inflight)))
+        w.wanted.add(rec.key)
+        return w
+
+    def room(self, w: WorkerHandle, key: str) -> bool:
+        """Whether `key` may start loading on `w` now; if not, choose what to evict for it."""
+        if w.budget is None:
+            return True
+        over = self.used(w) + self.size(w, key) - w.budget
+        if over <= 0:
+            return True
+        if w.unloading:
+            return False  # memory is on its way back: count again when it is
+        evictable = [k for k in w.models if k != key and k not in w.evicting and k in w.wanted]
+        if not evictable and not w.evicting:
+            return True   # only always-resident models are left: this one may exceed the budget alone
+        freeing = sum(self.size(w, k) for k in w.evicting)
+        # idle first, then least recently used
+        for victim in sorted(evictable, key=lambda k: (self._busy(k), w.used_at.get(k, 0.0))):
+            if freeing >= over:
+                break
+            self.evict(w, victim)
+            freeing += self.size(w, victim)
+        return False
+
+    def _busy(self, key: str) -> bool:
+        rec = self.record(key)
+        return rec is not None and rec.active > 0
+
+    def evict(self, w: WorkerHandle, key: str) -> None:
+        w.wanted.discard(key)
+        w.evicting.add(key)
+        rec = self.record(key)
+        if rec is not None:
+            rec.evictions += 1
+        self.note("evict", key, w, bytes=self.size(w, key), message="least recently used, to make room")
+        log.info("%s: evicting %s to make room", w.name, key)

@@ -1,0 +1,234 @@
+"""Operator changes to the served versions while traffic flows: load (hot swap or canary),
+unload, traffic weights, and the metadata that shows them.
+
+A load adds the version as LOADING (no request may name it), lets placement load it beside
+the others on every worker serving the model, and waits until all are warm. Then routing
+flips in one synchronous step: the new version takes the traffic (swap) or its weight
+(canary). The versions it replaces become DRAINING: what was admitted for them finishes, new
+requests naming them are refused; once none is left they are dropped, placement unloads them
+everywhere, and the answer waits until every worker has freed the memory. A failed load
+removes the new version again and leaves routing as it was.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelLoaded, \
+    ModelMetadata, SetTraffic, UnloadVersion
+
+from .registry import FULL_WEIGHT, ModelEntry
+from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, confine
+from tgw.broker.config.schema import VersionDecl
+from tgw.broker.state.versions import VersionRecord, VersionState
+
+if TYPE_CHECKING:
+    from tgw.broker.server import Broker
+
+FILE_REASONS = {"sha256": "checksum", "format": "format"}   # ModelFileError.field -> the error's reason
+UNLOAD_WAIT_S = 60.0   # bound on waiting for workers to confirm an unload
+
+
+def load_error(key: str, worker: str, msg: ModelLoaded) -> TgwError:
+    """The answer to a load a worker could not do, by what went wrong."""
+    text = f"{key} failed to load on {worker} ({msg.reason}): {msg.error}"
+    if msg.reason == "out_of_memory":
+        return fail(Code.OUT_OF_GPU_MEMORY, text, reason=msg.reason, worker=worker)
+    if msg.reason in ("file", "checksum"):
+        return fail(Code.INVALID_ARGUMENT, text, reason=msg.reason, worker=worker)
+    return fail(Code.MODEL_EXECUTION_ERROR, text, reason=msg.reason or "load", worker=worker)
+
+
+class Rollout:
+    def __init__(self, b: "Broker", model_roots: list[str], load_timeout_s: float, drain_s: float):
+        """`load_timeout_s`: how long every worker may take to load (workers.start_timeout_s);
+        `drain_s`: how long past its model's timeout a retiring version's requests may take
+        (supervisor.shutdown_grace_s) before what is still queued is answered MODEL_NOT_READY."""
+        self.b, self.roots, self.load_timeout_s, self.drain_s = b, model_roots, load_timeout_s, drain_s
+        self.registry, self.placement = b.registry, b.placement
+
+    # ---- metadata ----------------------------------------------------------------------------
+
+    def describe(self, entry: ModelEntry) -> ModelMetadata:
+        return ModelMetadata(name=entry.name, inputs=entry.inputs, outputs=entry.outputs,
+                             max_batch_size=entry.decl.max_batch_size, default_version=entry.default,
+                             residency=entry.decl.residency,
+                             versions=[r.info(self.placement.workers_of(r.key)) for r in entry.records.values()])
+
+    def metadata(self, msg: Metadata) -> MetadataReply:
+        entries = [self.registry.entry(msg.model)] if msg.model is not None else \
+            [m for m in self.registry.models.values() if not m.removed]
+        return MetadataReply(v=PROTOCOL_VERSION, id=msg.id, models=[self.describe(m) for m in entries])
+
+    def reply(self, msg, entry: ModelEntry, message: str, since: int) -> ControlReply:
+        events = [e for e in self.placement.events if e["seq"] > since]
+        return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message=message, model=self.describe(entry),
+                            details={"events": events})
+
+    # ---- load --------------------------------------------------------------------------------
+
+    async def load(self, msg: LoadVersion) -> ControlReply:
+        entry = self.registry.entry(msg.model)
+        since = self.placement.seq
+        decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256, msg.format)
+        if msg.weight is not None and not 0 <= msg.weight <= 1_000_000:
+            raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
+        rec = await self.load_beside(entry, decl)
+        if msg.weight is None:
+            replaced = self.flip(entry, {rec.version: FULL_WEIGHT})
+            await self.retire(entry, replaced)
+            message = f"{rec.key} serves every request that names no version" + (
+                f"; {', '.join(r.version for r in replaced)} drained and unloaded" if replaced else "")
+        else:
+            self.flip(entry, {**{r.version: r.weight for r in entry.records.values()
+                                 if r.state is VersionState.READY}, rec.version: msg.weight})
+            share = entry.traffic.share(rec.version)
+            message = f"{rec.key} loaded with weight {msg.weight} ({share:.1%} of unnamed requests)"
+        return self.reply(msg, entry, message, since)
+
+    async def checked_decl(self, entry: ModelEntry, version: str, path: str | None,
+                           sha256: str | None, fmt: str | None = None) -> VersionDecl:
+        """The version to load, its path confined to model_roots and its file checked, its format
+        included (off the loop: hashing a large file takes a while)."""
+        if version in entry.records:
+            raise fail(Code.INVALID_ARGUMENT, f"model {entry.name!r} already has version {version!r} "
+                       f"({entry.records[version].state.value}); a version's name identifies its outputs, so load "
+                       "new weights under a new version", model=entry.name, version=version, reason="exists")
+        declared = next((v for v in entry.decl.versions if v.version == version), None)
+        if path is None:
+            if declared is None:
+                raise fail(Code.INVALID_ARGUMENT, f"version {version!r} of {entry.name!r} is not in the config: give "
+                           "its path", model=entry.name, version=version, reason="no_path")
+            path, sha256, fmt = declared.path, sha256 or declared.sha256, fmt or declared.format
+        try:
+            decl = VersionDecl(version=version, path=path, sha256=sha256, format=fmt)
+        except ValidationError as exc:  # the schema's rules: version name, sha256 form
+            raise fail(Code.INVALID_ARGUMENT, f"invalid version {version!r}: {exc.errors()[0]['msg']}",
+                       version=version) from None
+        try:
+            real = confine(path, self.roots)
+            fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, real, sha256, fmt)
+        except PathRefused as exc:
+            raise fail(Code.INVALID_ARGUMENT, f"model path refused: {exc}", reason="outside_model_roots",
+                       path=path, model_roots=self.roots) from None
+        except ModelFileError as exc:
+            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
+                       path=path) from None
+        return decl.model_copy(update={"path": real, "format": fmt})
+
+    async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
+        """Load the version on every worker serving the model (one, for an on-demand model) and
+        wait until all have it warm; on any failure take it out again and raise why."""
+        rec = VersionRecord(entry.name, decl, VersionState.LOADING, entry.on_demand)
+        key = rec.key
+        entry.records[decl.version] = rec
+        self.b.admission.breakers.declare(entry.decl, [decl.version], self.b.clock())
+        self.registry.changed()
+        placement = self.placement
+        placement.failures.pop(key, None)
+        placement.watching.add(key)
+        try:
+            if entry.on_demand:
+                placement.residency.place(rec, self.b.roster)
+            placement.reconcile()
+
+            def settled() -> bool:
+                live = placement.live()
+                held = [key in w.models for w in live]
+                return bool(placement.failures.get(key)) or (
+                    bool(live) and (any(held) if entry.on_demand else all(held)))
+
+            warm = await placement.until(settled, self.load_timeout_s)
+            failed = placement.failures.pop(key, None)
+        finally:
+            placement.watching.discard(key)
+        if warm and not failed:
+            return rec
+        await self.drop(entry, [rec])
+        if failed:
+            w, why = failed[0]
+            raise load_error(key, w.name, why)
+        raise fail(Code.MODEL_NOT_READY, f"{key} was not loaded on every worker within {self.load_timeout_s:g} s "
+                   "(workers.start_timeout_s); it was taken out again", model=entry.name, version=decl.version)
+
+    # ---- routing and retiring ----------------------------------------------------------------
+
+    def flip(self, entry: ModelEntry, weights: dict[str, int]) -> list[VersionRecord]:
+        """In one step: the given versions get these weights (and are ready), the other ready
+        versions weight 0; a swap (a single version) drains the versions that had weight.
+        Returns the versions now draining."""
+        swap = len(weights) == 1
+        draining = []
+        for r in entry.records.values():
+            if r.version in weights:
+                r.state, r.seen, r.weight = VersionState.READY, True, weights[r.version]
+            elif r.state is VersionState.READY:
+                if swap and r.weight > 0:
+                    r.state = VersionState.DRAINING
+                    draining.append(r)
+                r.weight = 0
+        entry.retraffic()
+        self.registry.changed()
+        return draining
+
+    async def retire(self, entry: ModelEntry, records: list[VersionRecord]) -> None:
+        """Let what was admitted for these versions finish, then unload them everywhere."""
+        for r in records:
+            r.state, r.weight = VersionState.DRAINING, 0
+        entry.retraffic()
+        self.registry.changed()
+        drain_s = entry.decl.timeout_ms / 1000 + self.drain_s
+        await self.placement.until(lambda: all(r.active <= 0 for r in records), drain_s)
+        self.b.unserved.versions(records, "its version was unloaded before it ran (it outlived the drain)")
+        await self.drop(entry, records)
+
+    async def drop(self, entry: ModelEntry, records: list[VersionRecord]) -> None:
+        """Forget these versions and wait until no worker holds them."""
+        keys = [r.key for r in records]
+        for r in records:
+            entry.forget(r.version)
+            self.b.admission.breakers.forget(entry.name, r.version)
+            for w in self.b.roster:
+                w.wanted.discard(r.key)
+        entry.retraffic()
+        self.registry.changed()
+        self.placement.reconcile()
+        await self.placement.until(lambda: not any(map(self.placement.holds_anywhere, keys)), UNLOAD_WAIT_S)
+
+    # ---- unload and traffic ------------------------------------------------------------------
+
+    async def unload(self, msg: UnloadVersion) -> ControlReply:
+        entry = self.registry.entry(msg.model)
+        since = self.placement.seq
+        if msg.version is not None and msg.version not in entry.records:
+            raise fail(Code.VERSION_NOT_FOUND, f"model {entry.name!r} has no version {msg.version!r}",
+                       model=entry.name, version=msg.version, available=list(entry.records))
+        records = [entry.records[msg.version]] if msg.version is not None else list(entry.records.values())
+        await self.retire(entry, records)   # the newest version left takes unnamed requests if none has weight
+        left = f"; {entry.default} takes unnamed requests" if entry.default else "; no version is loaded"
+        return self.reply(msg, entry, f"{entry.name}: {', '.join(r.version for r in records)} drained and "
+                          f"unloaded{left}", since)
+
+    def traffic(self, msg: SetTraffic) -> ControlReply:
+        entry = self.registry.entry(msg.model)
+        since = self.placement.seq
+        ready = entry.routable()
+        unknown = [v for v in msg.weights if v not in ready]
+        if unknown:
+            raise fail(Code.VERSION_NOT_FOUND, f"model {entry.name!r} has no ready version {unknown}; ready: {ready}",
+                       model=entry.name, version=unknown[0], available=ready)
+        bad = {v: w for v, w in msg.weights.items() if not 0 <= w <= 1_000_000}
+        if bad or sum(msg.weights.values()) <= 0:
+            raise fail(Code.INVALID_ARGUMENT, f"weights must be 0..1000000 and sum to more than 0, got {msg.weights}",
+                       weights=msg.weights)
+        for r in entry.records.values():
+            if r.state is VersionState.READY:
+                r.weight = msg.weights.get(r.version, 0)
+        entry.retraffic()
+        self.registry.changed()
+        self.placement.note("traffic", f"{entry.name}:", message=str(msg.weights))
+        split = ", ".join(f"{v} {entry.traffic.share(v):.1%}" for v in entry.traffic.versions)
+        return self.reply(msg, entry, f"{entry.name}: unnamed requests now go {split}", since)

@@ -1,0 +1,1 @@
+"""What the broker tells: metrics, status, tracing, logs."""

@@ -1,0 +1,97 @@
+"""The broker's log lines: plain text (the default) or one JSON object per line, and the slow
+request log.
+
+`--log-format json` writes each record as {"ts", "level", "logger", "msg", ...} with the
+record's `extra` fields (the structured events carry `event` plus their figures: start,
+worker_ready, model_load, model_unload, worker_died, breaker, slow_request, ...) and the
+exception text as "exc". The format reaches the workers through TGW_LOG_FORMAT, so their lines
+are JSON too.
+
+Slow requests (observability.slow_request_ms): a request slower end to end than the threshold
+is logged with its id, model, version, code, trace id and phase times, at most PER_S lines a
+second; the next line logged says how many were left out.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from tgw.broker.state.pending import Pending
+
+log = logging.getLogger("tgw.broker")
+FORMATS = ("text", "json")
+ENV = "TGW_LOG_FORMAT"      # read by the workers
+SLOW_ENV = "TGW_SLOW_MS"    # the workers log batches computing longer than this
+TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+PER_S = 10                  # slow request lines a second, at most
+# a LogRecord's own attributes: everything else on a record came from `extra`
+RECORD_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts (ISO-8601, UTC), level, logger, msg, the `extra` fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                + f".{int(record.msecs):03d}Z",
+                "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        line.update((k, v) for k, v in vars(record).items() if k not in RECORD_KEYS and k not in line)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exc"] = record.exc_text
+        return json.dumps(line, default=str)
+
+
+def setup(fmt: str = "text", level: str = "INFO") -> None:
+    """Root logging to stderr in `fmt`; the workers spawned from now on log the same way."""
+    fmt = fmt if fmt in FORMATS else "text"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logging.captureWarnings(fmt == "json")   # Python's warnings as lines of the same format
+    os.environ[ENV] = fmt
+
+
+class SlowRequests:
+    """An Admission.on_finished hook: logs requests slower end to end than `threshold_ms`."""
+
+    def __init__(self, threshold_ms: float):
+        self.threshold_s = threshold_ms / 1000.0
+        self.second = 0.0      # the clock second the lines counted in `lines` belong to
+        self.lines = 0
+        self.left_out = 0      # slow requests not logged since the last line
+
+    def __call__(self, p: Pending, code: str | None, now: float) -> None:
+        total = now - p.arrived
+        if total < self.threshold_s:
+            return
+        if now - self.second >= 1.0:
+            self.second, self.lines = now, 0
+        if self.lines >= PER_S:
+            self.left_out += 1
+            return
+        self.lines += 1
+        left_out, self.left_out = self.left_out, 0
+        queue = (p.dispatched or now) - p.arrived
+        fields = {"event": "slow_request", "request_id": p.req_id, "model": p.model, "version": p.version,
+                  "code": code or "OK", "trace_id": p.trace[3:35] if p.trace else None, "rows": p.rows,
+                  "priority": p.priority, "queue_ms": round(queue * 1000, 3),
+                  "compute_ms": round(p.compute_us / 1000, 3), "total_ms": round(total * 1000, 3),
+                  "left_out": left_out}
+        log.warning("slow request %d for %s:%s: %.1f ms (queue %.1f ms, compute %.1f ms), %s%s%s", p.req_id,
+                    p.model, p.version, fields["total_ms"], fields["queue_ms"], fields["compute_ms"], fields["code"],
+                    f", trace {fields['trace_id']}" if p.trace else "",
+                    f" ({left_out} more slow request(s) not logged)" if left_out else "", extra=fields)
+
+
+def install_slow(threshold_ms: float | None, hooks: list) -> None:
+    """Log slow requests (a hook only when a threshold is set); the workers get it too."""
+    if threshold_ms is None:
+        os.environ.pop(SLOW_ENV, None)
+        return
+    hooks.append(SlowRequests(threshold_ms))
+    os.environ[SLOW_ENV] = repr(threshold_ms)

@@ -1,0 +1,144 @@
+"""Prometheus metrics of the broker: what `GET /metrics` and `tgw-broker metrics` serve.
+
+The hot path pays for plain counters only: one hook per request as it leaves (admission's
+on_finished: its outcome by version, its end-to-end and queued seconds into fixed buckets) and
+a bucket per batch (stats.Stats.batch). Everything else is read from the state the broker
+already owns when a scrape comes, by a custom collector on a registry of this broker's own (a
+test process may hold several brokers). The README's table (Operations: Metrics) lists every
+family; metrics_state.py has the workers', versions' and scheduler's, metrics_gpu.py the GPU
+workers' device figures (NVML, as their heartbeats carry them).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from . import metrics_gpu
+
+from . import metrics_state
+from tgw.broker.state.pending import Pending
+from tgw.broker.state.stats import Buckets
+
+if TYPE_CHECKING:
+    from tgw.broker.server import Broker
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
+OK = "OK"                                               # the code label of a request answered with outputs
+
+
+class ModelSeries:
+    """What the on_finished hook keeps for one model."""
+    __slots__ = ("outcomes", "e2e", "queue")
+
+    def __init__(self) -> None:
+        self.outcomes: Counter = Counter()   # (version, code; None: answered with outputs) -> requests
+        self.e2e = Buckets()      # seconds from admission to the answer, requests answered with outputs
+        self.queue = Buckets()    # seconds from admission to the dispatch of their batch, the same requests
+
+
+def histogram(fam: HistogramMetricFamily, labels: list[str], buckets: Buckets) -> None:
+    fam.add_metric(labels, [(floatToGoString(le), n) for le, n in buckets.cumulative()], buckets.sum)
+
+
+class Metrics(Collector):
+    def __init__(self, broker: "Broker"):
+        self.b = broker
+        self.series: dict[str, ModelSeries] = {}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        broker.admission.on_finished.append(self.finished)
+
+    def finished(self, p: Pending, code: str | None, now: float) -> None:
+        """An admitted request leaves (code None: answered with outputs) - on the hot path."""
+        s = self.series.get(p.model)
+        if s is None:
+            s = self.series[p.model] = ModelSeries()
+        s.outcomes[p.version, code] += 1
+        if code is None:
+            s.e2e.observe(now - p.arrived)
+            if p.dispatched:
+                s.queue.observe(p.dispatched - p.arrived)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def collect(self) -> Iterator:
+        b, now = self.b, self.b.clock()
+        yield self._requests()
+        yield from self._latency()
+        yield from self._queues()
+        yield from metrics_state.broker_families(b, now)
+        yield from metrics_state.worker_families(b, now)
+        yield from metrics_state.version_families(b, now)
+        yield from metrics_state.scheduler_families(b)
+        yield from metrics_gpu.families(b.roster)
+
+    def _requests(self) -> CounterMetricFamily:
+        """Every answer to an infer: admitted ones by version and code, as the hook counted them;
+        refusals before admission (no version yet: "") are the errors the stats counted for the
+        model beyond those; errors naming no declared model have model "" too."""
+        fam = CounterMetricFamily("tgw_requests", "Inference requests answered, by model, version and outcome "
+                                  "code (OK: answered with outputs)", labels=["model", "version", "code"])
+        stats = self.b.stats
+        for model in {**stats.models, **self.series}:
+            admitted_errors: Counter = Counter()
+            s = self.series.get(model)
+            for (version, code), n in (s.outcomes.items() if s else ()):
+                fam.add_metric([model, version, code or OK], n)
+                if code is not None:
+                    admitted_errors[code] += n
+            c = stats.models.get(model)
+            for code, n in (c.errors.items() if c else ()):
+                if n > admitted_errors[code]:
+                    fam.add_metric([model, "", code], n - admitted_errors[code])
+        for code, n in stats.unrouted_errors.items():
+            fam.add_metric(["", "", code], n)
+        return fam
+
+    def _latency(self) -> Iterator:
+        e2e = HistogramMetricFamily("tgw_request_duration_seconds", "Seconds from admission to the answer, of "
+                                    "requests answered with outputs", labels=["model"])
+        queued = HistogramMetricFamily("tgw_request_queue_seconds", "Seconds from admission until the request's "
+                                       "batch went to a worker, of requests answered with outputs", labels=["model"])
+        for model, s in self.series.items():
+            histogram(e2e, [model], s.e2e)
+            histogram(queued, [model], s.queue)
+        compute = HistogramMetricFamily("tgw_batch_compute_seconds", "Worker seconds per batch (forward and output "
+                                        "copy), of batches completed without error", labels=["model"])
+        rows = HistogramMetricFamily("tgw_batch_size_rows", "Rows per batch, of batches completed without error",
+                                     labels=["model"])
+        for model, c in self.b.stats.models.items():
+            histogram(compute, [model], c.compute)
+            sizes = Buckets(ROWS)
+            for n_rows, n in c.batch_sizes.items():
+                sizes.observe(n_rows, n)
+            histogram(rows, [model], sizes)
+        yield from (e2e, queued, compute, rows)
+
+    def _queues(self) -> Iterator:
+        b = self.b
+        depth = GaugeMetricFamily("tgw_queue_depth", "Requests waiting in the broker's queue, by priority level "
+                                  "(0 is served first)", labels=["model", "priority"])
+        for model in b.batcher.queues:
+            for level, n in enumerate(b.batcher.queued_by_level(model)):
+                depth.add_metric([model, str(level)], n)
+        inflight = GaugeMetricFamily("tgw_inflight_requests", "Requests admitted and not yet answered (queued or "
+                                     "computing)", labels=["model", "version"])
+        for model, entry in b.registry.models.items():
+            for version, rec in entry.records.items():
+                inflight.add_metric([model, version], rec.active)
+        shed = CounterMetricFamily("tgw_shed", "Requests refused or shed OVERLOADED by the adaptive limit or the "
+                                   "queue bound, by priority", labels=["model", "priority"])
+        fallbacks = CounterMetricFamily("tgw_breaker_fallbacks", "Requests routed to the model's fallback while "
+                                        "its breaker was open", labels=["model"])
+        for model, c in b.stats.models.items():
+            for priority, n in c.shed.items():
+                shed.add_metric([model, str(priority)], n)
+            fallbacks.add_metric([model], c.fallbacks)
+        yield from (depth, inflight, shed, fallbacks)

@@ -1,0 +1,143 @@
+"""The metric families read from the broker's state at scrape time (broker/observe/metrics.py): the
+broker itself, its workers and their rings, the models' versions, breakers and tenants.
+
+Nothing here is on the hot path; the figures come from what `status` and `stats` show
+(status.worker_status, status.serving), so the three never disagree.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tgw.broker.sched.breaker import State as BreakerState
+from tgw.broker.state.pool import WorkerState
+from .status import listed, serving, worker_status
+from tgw.broker.state.versions import VersionState
+
+if TYPE_CHECKING:
+    from tgw.broker.server import Broker
+
+WORKER = ["worker", "device"]   # worker0[cpu], cpu
+
+
+def one_hot(fam: GaugeMetricFamily, labels: list[str], states: Iterable, current) -> None:
+    """A state as a 0/1 gauge per possible value (the `state` label): 1 for the current one."""
+    for s in states:
+        fam.add_metric([*labels, s.value], 1.0 if s is current else 0.0)
+
+
+def broker_families(b: "Broker", now: float) -> Iterator:
+    yield GaugeMetricFamily("tgw_broker_uptime_seconds", "Seconds since the broker started", now - b.started_at)
+    phase = GaugeMetricFamily("tgw_broker_phase", "The broker's phase (1 for the current one): starting, serving, "
+                              "stopping", labels=["phase"])
+    one_hot(phase, [], type(b.phase), b.phase)
+    yield phase
+    yield GaugeMetricFamily("tgw_clients_connected", "Client connections open now", b.callers.connected)
+    seen = b.complaints.as_dict()
+    refused = CounterMetricFamily("tgw_refused", "Input refused before it reached a queue, by kind (malformed "
+                                  "header, limits, authentication, ...)", labels=["kind"])
+    for kind, n in seen.get("refused", {}).items():
+        refused.add_metric([kind], n)
+    dropped = CounterMetricFamily("tgw_replies_dropped", "Replies not delivered (slow reader, caller gone), by "
+                                  "reason", labels=["reason"])
+    for reason, n in seen.get("dropped", {}).items():
+        dropped.add_metric([reason], n)
+    abandoned = CounterMetricFamily("tgw_requests_abandoned", "Queued requests dropped unrun because nobody waits "
+                                    "for them any more (cancelled, client_closed, client_gone)", labels=["reason"])
+    for reason, n in b.door.abandon.counts.items():
+        abandoned.add_metric([reason], n)
+    yield from (refused, dropped, abandoned)
+
+
+def worker_families(b: "Broker", now: float) -> Iterator:
+    def gauge(name: str, doc: str, extra: tuple = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=[*WORKER, *extra])
+
+    state = gauge("tgw_worker_state", "The worker's state (1 for the current one): planned, starting, ready, "
+                  "stopping, dead", ("state",))
+    restarts = CounterMetricFamily("tgw_worker_restarts", "Times the worker was restarted since the broker "
+                                   "started", labels=WORKER)
+    inflight = gauge("tgw_worker_inflight_batches", "Batches handed to the worker and not yet completed")
+    rss = gauge("tgw_worker_rss_bytes", "Resident memory of the worker process, from its last heartbeat")
+    cpu = CounterMetricFamily("tgw_worker_cpu_seconds", "User and system CPU seconds of the worker process, from "
+                              "its last heartbeat (restarts from 0 with a new process)", labels=WORKER)
+    age = gauge("tgw_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat arrived")
+    cuda = gauge("tgw_worker_cuda_bytes", "GPU workers: bytes held by torch's allocator, from the last "
+                 "heartbeat", ("kind",))
+    ring_cap = gauge("tgw_ring_capacity_bytes", "Bytes of each arena of the worker's shared-memory ring", ("arena",))
+    # the broker allocates the input arena (exact now); the worker the output one (its last heartbeat)
+    ring_used = gauge("tgw_ring_used_bytes", "Bytes of the arena in live blocks (input: batches staged and not "
+                      "yet completed, now; output: replies not yet sent, at the worker's last heartbeat)", ("arena",))
+    ring_blocks = gauge("tgw_ring_blocks", "Live blocks in the arena (input: batches staged and not yet completed)",
+                        ("arena",))
+    for w in b.roster:
+        labels = [w.name, w.device]
+        one_hot(state, labels, WorkerState, w.state)
+        seen = worker_status(w, now)
+        restarts.add_metric(labels, seen["restarts"])
+        inflight.add_metric(labels, seen["inflight"])
+        if seen["heartbeat_age_s"] is not None:
+            age.add_metric(labels, seen["heartbeat_age_s"])
+            rss.add_metric(labels, seen["rss"])
+            cpu.add_metric(labels, seen["cpu_s"])
+        for kind in ("allocated", "reserved"):
+            if f"cuda_{kind}" in seen:
+                cuda.add_metric([*labels, kind], seen[f"cuda_{kind}"])
+        ring_cap.add_metric([*labels, "input"], w.input_bytes)
+        ring_cap.add_metric([*labels, "output"], w.output_bytes)
+        ring_used.add_metric([*labels, "input"], w.inputs.used_bytes)
+        if w.beat is not None:
+            ring_used.add_metric([*labels, "output"], w.beat.output_used)
+        ring_blocks.add_metric([*labels, "input"], w.inputs.live_blocks)
+    yield from (state, restarts, inflight, rss, cpu, age, cuda, ring_cap, ring_used, ring_blocks)
+
+
+def version_families(b: "Broker", now: float) -> Iterator:
+    ready = GaugeMetricFamily("tgw_model_ready", "1 while requests that name no version can be served (a ready "
+                              "worker holds the default version)", labels=["model"])
+    for m in listed(b):
+        ready.add_metric([m.name], 1.0 if serving(b, m) else 0.0)
+    labels = ["model", "version"]
+    state = GaugeMetricFamily("tgw_model_version_state", "Each version's state (1 for the current one): loading, "
+                              "ready, draining", labels=[*labels, "state"])
+    weight = GaugeMetricFamily("tgw_model_version_weight", "Each version's share of the requests that name no "
+                               "version (of the model's sum of weights)", labels=labels)
+    loads = CounterMetricFamily("tgw_model_version_loads", "Loads of the version at run time (on demand, "
+                                "`models load`, `reload`), over every worker; start-up loads are not counted",
+                                labels=labels)
+    evictions = CounterMetricFamily("tgw_model_version_evictions", "Evictions of the on-demand version from a "
+                                    "worker", labels=labels)
+    for m in b.registry.models.values():
+        for version, rec in m.records.items():
+            one_hot(state, [m.name, version], VersionState, rec.state)
+            weight.add_metric([m.name, version], rec.weight)
+            loads.add_metric([m.name, version], rec.loads)
+            evictions.add_metric([m.name, version], rec.evictions)
+    breaker = GaugeMetricFamily("tgw_breaker_state", "Each version's circuit breaker (1 for the current state): "
+                                "closed, open, half_open", labels=[*labels, "state"])
+    rejected = CounterMetricFamily("tgw_breaker_rejected", "Requests refused CIRCUIT_OPEN by the version's breaker",
+                                   labels=labels)
+    for (model, version), br in b.admission.breakers.by_key.items():
+        one_hot(breaker, [model, version], BreakerState, br.state)
+        rejected.add_metric([model, version], br.rejected)
+    yield from (ready, state, weight, loads, evictions, breaker, rejected)
+
+
+def scheduler_families(b: "Broker") -> Iterator:
+    limited = CounterMetricFamily("tgw_tenant_rate_limited", "Requests refused RATE_LIMITED by the tenant's quota, "
+                                  "by reason: rate (token bucket) or inflight (its cap)", labels=["tenant", "reason"])
+    admitted = CounterMetricFamily("tgw_tenant_admitted", "Requests admitted against the tenant's quota",
+                                   labels=["tenant"])
+    inflight = GaugeMetricFamily("tgw_tenant_inflight_requests", "The tenant's requests admitted and not yet "
+                                 "answered", labels=["tenant"])
+    for name, t in b.admission.tenants.by_name.items():
+        for reason, n in t.limited.items():
+            limited.add_metric([name, reason], n)
+        admitted.add_metric([name], t.admitted)
+        inflight.add_metric([name], t.inflight)
+    limit = GaugeMetricFamily("tgw_concurrency_limit", "The model's adaptive concurrency limit (requests in the "
+                              "broker), where one is configured", labels=["model"])
+    for model, lim in b.admission.limits.items():
+        limit.add_metric([model], lim.limit)
+    yield from (limited, admitted, inflight, limit)

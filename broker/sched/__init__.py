@@ -1,0 +1,1 @@
+"""Admission and batching: queues, cost model, tenants, concurrency, breakers."""

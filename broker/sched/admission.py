@@ -1,0 +1,246 @@
+"""Admission: the checks a request passes before it may wait in a queue, and the accounting
+when it leaves (finished).
+
+In order: the cheap structural checks (limits, declaration, sizes), the circuit breaker of the
+version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, whether
+the deadline can be met at all (predicted compute of its own rows), the tenant's quota
+(RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, then a place in the queue: the
+model's adaptive concurrency limit and its queue bound shed from the lowest priority first
+(OVERLOADED). Every refusal is a TgwError raised here; the caller answers it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple
+
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.ring import aligned_total
+from tgw.shm.wire import Infer, nbytes_of
+
+from tgw.broker.state.pending import Pending
+
+from .batcher import Batcher
+from .breaker import FAILURES, Breakers
+from tgw.broker.front.callers import Callers
+from .concurrency import AdaptiveLimit
+from tgw.broker.config.load import Config, ModelDecl
+from tgw.broker.front.inbound import tensor_bytes
+from tgw.broker.front.limits import check_declared
+from tgw.broker.models.registry import Checked, ModelEntry, Registry
+from tgw.broker.state.stats import Stats
+from .tenants import Tenants
+from tgw.broker.observe.tracing import check_traceparent
+from tgw.broker.state.versions import VersionRecord, VersionState
+
+
+MEMO_MAX = 1024  # header shapes remembered by _intake
+
+
+class Intake(NamedTuple):
+    """What the shape-fixed checks of a request found (Admission._intake)."""
+    checked: Checked
+    out_nbytes: list[int] | None   # each declared output's bytes for its rows; None: -1 dims
+
+
+class Admission:
+    def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, callers: Callers,
+                 clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
+                 shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
+                 demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
+                 drained: Callable[[VersionRecord], None] = lambda rec: None):
+        self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
+        self.costs = batcher.costs
+        self.callers, self.server = callers, cfg.server
+        self.unavailable = unavailable  # why no worker may serve now ("" while one may)
+        self.shed = shed                # answers a queued request shed to make room for a higher level
+        self.demand = demand            # an on-demand version asked for: load it if no worker has it
+        self.drained = drained          # a draining version's last admitted request has left
+        self.max_request = cfg.server.max_request_bytes
+        self.arena = cfg.workers.input_bytes  # a request that alone overflows it could never be staged
+        self.out_arena = cfg.workers.output_bytes  # nor one whose outputs alone overflow this
+        self.tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
+        self.breakers = Breakers(cfg.models, clock())
+        # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
+        self.pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
+        self.limits: dict[str, AdaptiveLimit] = {}
+        for m in cfg.models:
+            self.declare(m)
+        self.open = True
+        self.on_finished: list[Callable[[Pending, str | None, float], None]] = []  # metrics, traces, slow log
+        self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
+        self._memo_generation = registry.generation
+
+    def declare(self, m: ModelDecl) -> None:
+        """A model's adaptive limit and breakers (a model declared at run time gets them too)."""
+        if m.adaptive_concurrency and m.slo_p99_ms and m.name not in self.limits:
+            self.limits[m.name] = AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * self.pipeline,
+                                                ceiling=m.max_queue, now=self.clock(), levels=m.priority_levels)
+        self.breakers.declare(m, [v.version for v in m.versions], self.clock())
+
+    def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
+        """Queue the request (or raise the TgwError that answers it)."""
+        if not self.open:
+            raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
+        self.callers.check_owed(client)
+        sizes = [len(f) for f in tensor_frames]
+        intake = self._intake(msg, sizes)
+        why = self.unavailable()
+        if why:
+            raise fail(Code.MODEL_NOT_READY, why, reason="crash_loop", model=msg.model)
+        now = self.clock()
+        if self.breakers.by_key:
+            intake = self._route(msg, intake, sizes, now)
+        checked = intake.checked
+        model = checked.model.decl
+        if not 0 <= msg.priority < model.priority_levels:
+            raise fail(Code.INVALID_ARGUMENT, f"priority {msg.priority} is out of range: model {model.name!r} "
+                       f"has levels 0..{model.priority_levels - 1} (0 is served first)",
+                       priority=msg.priority, priority_levels=model.priority_levels)
+        timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
+        deadline = now + timeout_ms / 1000.0
+        record = checked.record
+        if record.on_demand:  # loads it if no worker has it (first: a load outweighs any compute);
+            self.demand(record, timeout_ms / 1000.0)   # refuses what cannot wait for the load
+        # not even a batch of its own could answer in time (the bound spares most requests the prediction)
+        if timeout_ms <= self.costs.bound_ms(model.name, checked.rows) and \
+                deadline - (predicted := self.costs.predict(model.name, checked.rows)) <= now:
+            raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
+                       f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
+                       f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
+        tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use else None
+        if tenant is not None:
+            self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
+        try:
+            p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
+            self._enqueue(p, self.limits.get(model.name))
+        except BaseException:
+            if tenant is not None:
+                self.tenants.unadmit(tenant)
+            raise
+        self.callers.owe(client)
+        record.active += 1
+        self.stats.models[model.name].requests += 1
+        return p
+
+    def _intake(self, msg: Infer, sizes: list[int]) -> "Intake":
+        """The checks fixed by the header's shape fields and the frame sizes - limits, declaration,
+        arena fit - memoised on exactly those (a steady stream of like requests pays a dict
+        lookup), then per request the version: named or picked by the traffic split, and
+        whether it may be served now."""
+        if self._memo_generation != self.registry.generation:  # models or routing changed
+            self._memo.clear()
+            self._memo_generation = self.registry.generation
+        key = (msg.model, None if msg.outputs is None else tuple(msg.outputs), tuple(sizes),
+               *[(t.name, t.dtype, tuple(t.shape), t.compression, t.wire_dtype) for t in msg.inputs])
+        hit = self._memo.get(key)
+        if hit is not None:
+            entry, shape, out_nbytes = hit
+            return Intake(Checked(entry, self.registry.route(entry, msg), shape), out_nbytes)
+        check_declared(msg, self.server)
+        if sum(sizes) > self.max_request:  # compressed frames of incompressible data can outgrow the raw bytes
+            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {sum(sizes)} bytes of tensors; the limit is "
+                       f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
+        entry = self.registry.entry(msg.model)
+        rec = self.registry.route(entry, msg)  # a version problem is reported before a shape problem
+        shape, out_nbytes = self._memo_miss(key, entry, msg, sizes)
+        return Intake(Checked(entry, rec, shape), out_nbytes)
+
+    def _memo_miss(self, key: tuple, entry: ModelEntry, msg: Infer, sizes: list[int]) -> tuple:
+        shape = self.registry.check_shapes(entry, msg, sizes)
+        need = aligned_total([nbytes_of(msg.inputs[i].dtype, msg.inputs[i].shape) for i in shape.order])
+        if need > self.arena:
+            raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
+                       f"arena holds {self.arena} (workers.input_arena_mb)", limit=self.arena)
+        out_nbytes = entry.output_bytes(shape.rows)  # None: sized only after compute
+        out_need = aligned_total(out_nbytes or [])
+        if out_need > self.out_arena:  # never computed: its outputs could never be written
+            raise fail(Code.OUT_OF_SHM, f"request's outputs need {out_need} bytes of shared memory; a worker's "
+                       f"output arena holds {self.out_arena} (workers.output_arena_mb)", model=msg.model,
+                       needed=out_need, limit=self.out_arena, arena="output", config_key="workers.output_arena_mb",
+                       retryable=False)
+        if len(self._memo) >= MEMO_MAX:  # distinct shapes beyond this are rare: start over
+            self._memo.clear()
+        self._memo[key] = (entry, shape, out_nbytes)
+        return shape, out_nbytes
+
+    def _route(self, msg: Infer, intake: "Intake", sizes: list[int], now: float) -> "Intake":
+        """The version asked for, or its model's fallback while its breaker is open."""
+        checked = intake.checked
+        breaker = self.breakers.get(msg.model, checked.version)
+        if breaker is None or breaker.allow(now):
+            return intake
+        fallback = self.breakers.fallback.get(msg.model)
+        if fallback is not None:
+            original = msg.model
+            msg.model, msg.version = fallback, None
+            routed = self._intake(msg, sizes)  # same declaration; its own rows limit and readiness
+            other = self.breakers.get(fallback, routed.checked.version)
+            if other is None or other.allow(now):
+                self.stats.models[original].fallbacks += 1
+                return routed
+            msg.model = original
+        raise fail(Code.CIRCUIT_OPEN, f"circuit breaker of {breaker.name} is {breaker.state.value} "
+                   f"({breaker.reason})" + (f"; fallback {fallback!r} is open too" if fallback else ""),
+                   model=msg.model, version=checked.version,
+                   retry_after_ms=max(1, round(breaker.retry_after_s(now) * 1000)))
+
+    def _pending(self, client: bytes, msg: Infer, intake: "Intake", tensor_frames: list, deadline: float,
+                 now: float, tenant) -> Pending:
+        checked = intake.checked
+        tensors = [tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
+        shape = checked.shape
+        p = Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
+                    rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
+                    deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
+                    priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
+        if msg.traceparent is not None:   # an invalid one is ignored (W3C: a new trace starts)
+            p.trace = check_traceparent(msg.traceparent)
+        p.output_region = msg.output_region   # checked by regions.Regions.resolve
+        return p
+
+    def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
+        """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
+        counters = self.stats.models[p.model]
+        if limit is not None and limit.full(p.priority):
+            shed = self.batcher.shed_for(p)
+            if shed is None:
+                counters.shed[p.priority] += 1
+                raise fail(Code.OVERLOADED, f"model {p.model!r} is at its adaptive concurrency limit for "
+                           f"priority {p.priority} ({limit.inflight} of {int(limit.limit)} requests in the broker, "
+                           f"slo_p99_ms {limit.slo * 1000:g}) and none queued has a lower priority",
+                           reason="adaptive_limit", limit=int(limit.limit), priority=p.priority)
+            self._shed(shed, "adaptive_limit")
+        shed = self.batcher.push(p)
+        if shed is not None:
+            self._shed(shed, "queue_full")
+        if limit is not None:
+            limit.inflight += 1
+
+    def _shed(self, p: Pending, reason: str) -> None:
+        self.stats.models[p.model].shed[p.priority] += 1
+        self.shed(p, fail(Code.OVERLOADED, f"shed from the queue of {p.model!r} to make room for a request of "
+                          "higher priority", reason=reason, priority=p.priority))
+
+    def finished(self, p: Pending, code: str | None, now: float) -> None:
+        """A request leaves: answered with outputs (code None) or with error `code`. The one
+        place its exit is accounted: its caller paid, its tenant, version, limit and breaker."""
+        self.callers.paid(p.client)
+        if p.tenant is not None:
+            p.tenant.inflight -= 1
+        record = p.record
+        if record is not None:
+            record.active -= 1
+            if not record.active and record.state is VersionState.DRAINING:
+                self.drained(record)
+        limit = self.limits.get(p.model)
+        if limit is not None:
+            limit.inflight -= 1
+            if code is None:
+                limit.record(now - p.arrived, now)
+        if p.dispatched and self.breakers.by_key:
+            breaker = self.breakers.get(p.model, p.version)
+            if breaker is not None:
+                breaker.record(code in FAILURES, now - p.dispatched, now)
+        for hook in self.on_finished:
+            hook(p, code, now)
+

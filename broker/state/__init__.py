@@ -1,0 +1,1 @@
+"""Records every wing shares: requests, versions, workers, counters. Imports no wing."""

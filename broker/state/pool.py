@@ -1,0 +1,241 @@
+"""The broker's side of each worker: its ring, its in-flight batches, staging and slicing.
+
+The broker writes the input arena (allocates, copies a batch's rows contiguously per input)
+and reads the output arena (slices each request's rows, then releases the block).
+"""
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
+from tgw.shm.segment import Segment
+from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
+
+from . import cuda
+from .pending import Pending
+
+
+@dataclass
+class Inflight:
+    batch_id: int
+    model: str
+    key: str                     # "name:version"
+    requests: list[Pending]      # not yet answered: a part's requests leave as it arrives
+    block: int
+    rows: int
+    answered: int = 0            # requests answered by parts so far (they come in order)
+
+    @property
+    def suspect(self) -> bool:
+        """A retry after a worker death: it may be what kills workers."""
+        return bool(self.requests) and self.requests[0].alone
+
+
+class WorkerState(str, Enum):
+    PLANNED = "planned"      # ring made, no process yet
+    STARTING = "starting"    # process spawned: handshake, loading and warming up its models
+    READY = "ready"          # serving the versions in `models`
+    STOPPING = "stopping"    # told to stop: finishes what it holds, then exits
+    DEAD = "dead"            # process gone; the supervisor may restart it on a fresh ring
+
+
+_NEXT = {
+    WorkerState.PLANNED: {WorkerState.STARTING},
+    WorkerState.STARTING: {WorkerState.READY, WorkerState.STOPPING, WorkerState.DEAD},
+    WorkerState.READY: {WorkerState.STOPPING, WorkerState.DEAD},
+    WorkerState.STOPPING: {WorkerState.DEAD},
+    WorkerState.DEAD: {WorkerState.STARTING},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A broker bug: a worker moved along an edge its life cycle does not have."""
+
+
+@dataclass
+class WorkerHandle:
+    """One worker's state; `state` changes only through the methods below (see _NEXT)."""
+    worker_id: int
+    device: str
+    cpus: list[int]
+    segment: Segment
+    input_bytes: int
+    output_bytes: int
+    generation: int = 0
+    proc: subprocess.Popen | None = None
+    pid: int = 0
+    models: set[str] = field(default_factory=set)     # "name:version" loaded and warmed up
+    inflight: dict[int, Inflight] = field(default_factory=dict)
+    beat: Heartbeat | None = None     # the last heartbeat of this life ...
+    beat_at: float = 0.0              # ... and when it arrived (or when the life began)
+    restarts: int = 0
+    last_death: str = ""              # why the previous life ended
+    kill_reason: str = ""             # set when the supervisor kills this life
+    benched: str = ""                 # why its models are unavailable on it (crash loop)
+    successor: "WorkerHandle | None" = None   # its replacement, while it is being recycled
+    retiring: bool = False            # the successor serves: this one takes no new batches
+    free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
+    budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
+    device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: state/cuda.py)
+    device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
+
+    def __post_init__(self) -> None:
+        self._state = WorkerState.PLANNED
+        self._use_ring(self.segment)
+
+    @property
+    def state(self) -> WorkerState:
+        return self._state
+
+    def _move(self, to: WorkerState) -> None:
+        if to not in _NEXT[self._state]:
+            raise IllegalTransition(f"{self.name}: {self._state.value} -> {to.value}")
+        self._state = to
+
+    def spawned(self, proc: subprocess.Popen | None, now: float = 0.0) -> None:
+        self._move(WorkerState.STARTING)
+        self.proc, self.pid = proc, proc.pid if proc is not None else 0
+        self.beat, self.beat_at, self.kill_reason = None, now, ""
+
+    def became_ready(self, models: list[str], now: float = 0.0) -> None:
+        self._move(WorkerState.READY)
+        self.models = set(models)
+        self.beat_at = max(self.beat_at, now)  # silence is judged from here on
+
+    def told_to_stop(self) -> None:
+        self._move(WorkerState.STOPPING)
+
+    def exited(self) -> None:
+        self._move(WorkerState.DEAD)
+
+    def renew(self, segment: Segment) -> None:
+        """A dead worker's next life: a fresh ring and identity, nothing loaded, nothing owed."""
+        if self._state is not WorkerState.DEAD:
+            raise IllegalTransition(f"{self.name}: renewed while {self._state.value}")
+        self.generation += 1
+        self.models.clear()
+        self.inflight.clear()
+        self._use_ring(segment)
+
+    def _use_ring(self, segment: Segment) -> None:
+        self.segment = segment
+        self.inputs = RingAllocator(self.input_bytes)
+        self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
+        # runtime loads (placement.py): what its loader thread is doing and what it holds
+        self.loader_ready = False
+        self.loading: dict[str, float] = {}   # key -> when its load was sent
+        self.unloading: set[str] = set()
+        self.evicting: set[str] = set()       # loaded, no longer wanted: no new batches, unloaded once idle
+        self.wanted: set[str] = set()         # on-demand versions placed on it
+        self.sizes: dict[str, int] = {}       # key -> parameter and buffer bytes of what it loaded
+        self.used_at: dict[str, float] = {}   # key -> last batch dispatched (least recently used goes first)
+
+    def take_releases(self) -> list[int]:
+        out, self.releases = self.releases, []
+        return out
+
+    @property
+    def identity(self) -> bytes:
+        return f"w{self.worker_id}.{self.generation}".encode()
+
+    @property
+    def loader_identity(self) -> bytes:
+        """The socket of the worker's loader thread (runtime loads and unloads)."""
+        return self.identity + b"~load"
+
+    def holds(self, key: str) -> bool:
+        """Whether it has a batch of this version in flight."""
+        return any(b.key == key for b in self.inflight.values())
+
+    @property
+    def control_identity(self) -> bytes:
+        """The socket of the worker's heartbeat thread (zmq sockets are one thread's each)."""
+        return self.identity + b"~ctl"
+
+    @property
+    def name(self) -> str:
+        return f"worker{self.worker_id}[{self.device}]"
+
+    def can_take(self, model_key: str, max_inflight: int, suspect: bool = False, head: Pending | None = None) -> bool:
+        """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
+        worker holding nothing else, so if it kills the worker it takes no other request along.
+        A request bound to a GPU (`head`'s CUDA tensors) runs only on a worker on that GPU."""
+        if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
+                (self.evicting and model_key in self.evicting) or \
+                (head is not None and not cuda.fits(self, head)):
+            return False
+        if suspect:
+            return not self.inflight
+        return len(self.inflight) < max_inflight and not any(b.suspect for b in self.inflight.values())
+
+    def stage(self, batch_id: int, requests: list[Pending], inputs: list[IOSpec]) -> Batch | None:
+        """Copy the batch's inputs into the input arena; None while the arena has no room."""
+        sizes = [sum(p.nbytes[k] for p in requests) for k in range(len(inputs))]
+        block = self.inputs.alloc(aligned_total(sizes))
+        if block is None:
+            return None
+        buf = self.segment.buf
+        rows = sum(p.rows for p in requests)
+        tensors = []
+        dims = cuda.dims(requests[0].shape_key)   # without a GPU tag
+        for k, (decl, rel) in enumerate(zip(inputs, region_offsets(sizes))):
+            offset = pos = block + rel
+            for p in requests:            # rows of one input lie contiguous: the worker's view is no gather
+                n = p.nbytes[k]
+                buf[pos:pos + n] = p.tensors[k]
+                pos += n
+            shape = [rows, *dims[k]] if dims else [rows, *decl.shape]
+            tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=shape, offset=offset,
+                                       nbytes=sizes[k]))
+        first = requests[0]
+        self.inflight[batch_id] = Inflight(batch_id, first.model, model_key(first.model, first.version), requests,
+                                           block, rows)
+        traces = [p.trace for p in requests]   # the callers' trace contexts, for the worker's batch span
+        batch = Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
+                      block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
+                      release=self.take_releases(), splits=[p.rows for p in requests],
+                      traces=[t or "" for t in traces] if any(traces) else [])
+        return cuda.attach(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
+
+    def finish(self, done: Done) -> Inflight | None:
+        """Take the batch a completion answers out of flight and release its input block."""
+        batch = self.inflight.pop(done.batch_id, None)
+        if batch is not None:
+            self.inputs.release(batch.block)
+        return batch
+
+    def take_part(self, done: Done) -> tuple[Inflight | None, list[Pending]]:
+        """The batch a completion answers (None: unknown) and the requests it answers, taken out
+        of that batch; the final part (a whole batch's completion is one) takes the batch out of
+        flight too."""
+        batch = self.inflight.get(done.batch_id)
+        if batch is None:
+            return None, []
+        lo = done.first - batch.answered
+        hi = lo + done.count if done.count else len(batch.requests)
+        part = batch.requests[lo:hi]
+        del batch.requests[lo:hi]  # answered now: a later worker death must not retry them
+        batch.answered += len(part)
+        for p in part:
+            p.compute_us = done.compute_us
+        if done.final:
+            self.finish(done)
+        return batch, part
+
+    def output_rows(self, done: Done, batch: Inflight, requests: list[Pending] | None = None):
+        """Yield (request, {output name: memoryview of its rows}) for each request the completion
+        answers: those given (a part's), else every request of the batch."""
+        buf = self.segment.buf
+        requests = batch.requests if requests is None else requests
+        rows = sum(p.rows for p in requests)
+        row = 0
+        for p in requests:
+            views = {}
+            for t in done.outputs:
+                per_row = t.nbytes // rows
+                start = t.offset + row * per_row
+                views[t.name] = (t, buf[start:start + p.rows * per_row])
+            yield p, views
+            row += p.rows

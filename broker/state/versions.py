@@ -1,0 +1,71 @@
+"""One version of a model as the broker tracks it over its life: loading, ready, draining.
+
+The record is what routing, admission and the rollouts share: its state decides whether a
+request may name it, `active` counts the requests admitted for it and not yet answered (a
+draining version is unloaded once that reaches 0), and the load figures feed status,
+metadata and the residency budget.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+
+from tgw.shm.wire import IOSpec, ModelSpec, VersionInfo, model_key
+
+from tgw.broker.config.schema import VersionDecl
+
+
+class VersionState(str, Enum):
+    LOADING = "loading"     # loading at run time: not routable until the rollout flips to it
+    READY = "ready"         # routable (an on-demand version: loadable, resident or not)
+    DRAINING = "draining"   # being unloaded: what was admitted finishes, nothing new is
+
+
+@dataclass(eq=False)
+class VersionRecord:
+    model: str
+    decl: VersionDecl
+    state: VersionState
+    on_demand: bool = False
+    weight: int = 0            # share of the requests that name no version (of the model's sum)
+    seen: bool = False         # some worker has had it loaded: admitted while a worker restarts
+    active: int = 0            # admitted, not yet answered
+    bytes: int = 0             # parameter and buffer bytes, measured at its first load
+    loads: int = 0
+    evictions: int = 0
+    last_load_ms: float = 0.0
+    error: str = ""            # why its last load failed ...
+    failed_at: float = 0.0     # ... and when (an on-demand load is not retried for a while)
+
+    def __post_init__(self) -> None:
+        self.key = model_key(self.model, self.decl.version)
+
+    @property
+    def version(self) -> str:
+        return self.decl.version
+
+    @property
+    def format(self) -> str:
+        """What its file holds (parse_config and rollout.checked_decl read it from the file)."""
+        return self.decl.format or "torchscript"
+
+    def size(self) -> int:
+        """Bytes it takes loaded: measured, else the file's size (weights dominate a TorchScript file)."""
+        if self.bytes:
+            return self.bytes
+        try:
+            return os.path.getsize(self.decl.path)
+        except OSError:
+            return 0
+
+    def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int], max_batch_size: int) -> ModelSpec:
+        return ModelSpec(name=self.model, version=self.version, path=self.decl.path, inputs=inputs,
+                         outputs=outputs, warmup_batch_sizes=list(warmup), sha256=self.decl.sha256,
+                         format=self.format, max_batch_size=max_batch_size)
+
+    def info(self, workers: dict[str, str]) -> VersionInfo:
+        return VersionInfo(version=self.version, path=self.decl.path, state=self.state.value, weight=self.weight,
+                           sha256=self.decl.sha256, workers=workers, bytes=self.size(), loads=self.loads,
+                           evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
+                           format=self.format)
