@@ -28,10 +28,9 @@ from tgw.broker.front.callers import Callers
 from tgw.broker.state.complaints import Complaints
 from tgw.broker.config.load import Config
 from tgw.broker.sched.costmodel import CostModel
-from tgw.broker.front.frontdoor import DoorDeps, FrontDoor
+from tgw.broker.front.frontdoor import FrontDoor
 from tgw.broker.fleet.handshake import Handshake, death_error
 from tgw.broker.fleet.memory import MemoryWatch
-from tgw.broker.observe import status
 from tgw.broker.observe.metrics import Metrics
 from tgw.broker.models.placement import Placement
 from tgw.broker.state.pool import WorkerHandle, WorkerState
@@ -40,6 +39,8 @@ from tgw.broker.models.residency import budget_bytes
 from tgw.broker.front.sockets import Pump
 from tgw.broker.state.stats import Stats as Counters
 from tgw.broker.sched.unserved import Unserved
+
+from . import wiring
 
 log = logging.getLogger("tgw.broker")
 
@@ -90,19 +91,10 @@ class Broker:
                zap: zmq.Socket | None = None) -> None:
         self.loop = loop
         self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
-        self.door = FrontDoor(self.door_deps(), loop, front, zap)
+        self.door = FrontDoor(wiring.door_deps(self), loop, front, zap)
         self.back = Pump(loop, back, self.on_worker, after=self.flush)
 
-    def door_deps(self) -> DoorDeps:
-        a = self.admission
-        return DoorDeps(server=self.server, token=self.token, clock=self.clock, complaints=self.complaints,
-                        callers=self.callers, stats=self.stats, roster=self.roster, models=self.registry.models,
-                        admit=a.admit, finished=a.finished, on_finished=a.on_finished, batcher=self.batcher,
-                        schedule=self.schedule, flush=self.flush,
-                        query=lambda msg: status.ANSWERS[type(msg)](self, msg.id), operate=self._operate,
-                        snapshot=lambda msg, answer: self.memory.request(self.roster, msg, self.clock(), answer))
-
-    def _operate(self, ident, msg) -> None:
+    def operate(self, ident, msg) -> None:
         if self.operator is None:
             return self.door.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
         self.operator.handle(ident, msg)
