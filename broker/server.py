@@ -69,7 +69,8 @@ class Broker:
             self.stats.model(m.name)
         self.roster: list[WorkerHandle] = []              # every worker, in any state
         self.placement = Placement(self.registry, self.roster, self.send, clock)  # which worker holds which version
-        self.unserved = Unserved(self)   # answers for requests no worker will run
+        self.unserved = Unserved(self.batcher, self.roster, lambda p, err: self.door.fail(p, err),
+                                 self.placement.resident)   # answers for requests no worker will run
         self.placement.on_failed = self.unserved.load_failed
         self.model_memory = cfg.workers.max_model_memory
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
@@ -86,6 +87,10 @@ class Broker:
         self.started_at = clock()
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
+        self.worker_handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
+                                WorkerReady: self._on_ready, WorkerFailed: lambda w, m: self.handshake.failed(w, m),
+                                WorkerSnapshot: lambda w, m: self.memory.on_snapshot(w, m, self.clock()),
+                                **{t: self._on_loader for t in self.placement.messages}}
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
                zap: zmq.Socket | None = None) -> None:
@@ -257,25 +262,29 @@ class Broker:
         if worker is None:
             log.warning("message from unknown or replaced worker %r ignored", ident)
             return
-        if isinstance(msg, Done):
-            self._complete(worker, msg)
-        elif isinstance(msg, Heartbeat):
-            worker.beat, worker.beat_at = msg, self.clock()
-            self.memory.on_beat(worker, msg, worker.beat_at)
-            self.admission.breakers.on_beat(worker, msg, worker.beat_at)
-        elif isinstance(msg, WorkerSnapshot):
-            self.memory.on_snapshot(worker, msg, self.clock())
-        elif isinstance(msg, WorkerHello):
-            self.back.send([ident, encode(self.handshake.hello(worker, msg))])
-        elif isinstance(msg, WorkerReady):
-            if self.handshake.ready(worker, msg, self.clock()):
-                self.placement.reconcile()
-                self.schedule()
-        elif isinstance(msg, WorkerFailed):
-            self.handshake.failed(worker, msg)
-        elif type(msg) in self.placement.messages:  # its loader thread: runtime loads and unloads
-            self.placement.messages[type(msg)](worker, msg)
+        handler = self.worker_handlers.get(type(msg))
+        if handler is None:
+            log.warning("message %s from %s has no handler: ignored", type(msg).__name__, worker.name)
+            return
+        handler(worker, msg)
+
+    def _on_beat(self, worker: WorkerHandle, msg: Heartbeat) -> None:
+        worker.beat, worker.beat_at = msg, self.clock()
+        self.memory.on_beat(worker, msg, worker.beat_at)
+        self.admission.breakers.on_beat(worker, msg, worker.beat_at)
+
+    def _on_hello(self, worker: WorkerHandle, msg: WorkerHello) -> None:
+        self.back.send([worker.identity, encode(self.handshake.hello(worker, msg))])
+
+    def _on_ready(self, worker: WorkerHandle, msg: WorkerReady) -> None:
+        if self.handshake.ready(worker, msg, self.clock()):
+            self.placement.reconcile()
             self.schedule()
+
+    def _on_loader(self, worker: WorkerHandle, msg) -> None:
+        """Its loader thread: runtime loads and unloads."""
+        self.placement.messages[type(msg)](worker, msg)
+        self.schedule()
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
         batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
