@@ -12,6 +12,7 @@ from . import cli_models
 from tgw.broker.config.load import ConfigError, load_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def query(args) -> int:
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
     start.add_argument("--config", help="YAML config file")
     start.add_argument("--address", help="override server.address, e.g. ipc:///run/tgw/tgw.sock")
-    start.add_argument("--log-level", default="INFO")
+    start.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     start.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("TGW_LOG_FORMAT") or "text",
                        help="text lines, or one JSON object per line (the workers' too; default: $TGW_LOG_FORMAT, "
                             "else text)")
@@ -156,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("dir", help="directory to write to (created 0700 if missing)")
     kg.add_argument("--name", default="broker", help="file name stem (default: broker)")
     return ap
+
+
+def start_problem(args) -> str | None:
+    """What is wrong with `start`'s flags, in one line (None: nothing), before anything starts."""
+    from tgw.shm.paths import ADDRESS_FORMS, address_problem
+    if args.log_level.upper() not in LOG_LEVELS:
+        return f"--log-level {args.log_level!r}: not one of {', '.join(LOG_LEVELS)}"
+    problem = address_problem(args.address, bind=True) if args.address is not None else None
+    return f"--address {args.address!r}: {problem}; expected {ADDRESS_FORMS}" if problem else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,8 +189,11 @@ def main(argv: list[str] | None = None) -> None:
         print(describe(cfg))
         return
 
+    problem = start_problem(args)
+    if problem:
+        sys.exit(f"tgw-broker start: {problem}")
     from tgw.broker.observe.logs import setup
-    setup(args.log_format, args.log_level)
+    setup(args.log_format, args.log_level.upper())
     from .demo import demo_config
     from .main import run_broker
     try:

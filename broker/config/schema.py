@@ -8,7 +8,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from tgw.shm.paths import check_ipc_address
+from tgw.shm.paths import ADDRESS_FORMS, address_problem
 from tgw.shm.wire import DTYPE_SIZES, WIRE_DTYPES
 
 from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
@@ -212,10 +212,9 @@ class ServerDecl(Strict):
     @field_validator("address")
     @classmethod
     def _address(cls, v: Optional[str]) -> Optional[str]:
-        if v is not None:
-            if not v.startswith(("ipc://", "tcp://")):
-                raise ValueError(f"address must start with ipc:// or tcp://, got {v!r}")
-            check_ipc_address(v)
+        problem = address_problem(v, bind=True) if v is not None else None
+        if problem:
+            raise ValueError(f"address {v!r}: {problem}; expected {ADDRESS_FORMS}")
         return v
 
     @field_validator("socket_dir_mode")
