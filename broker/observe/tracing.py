@@ -1,6 +1,7 @@
 """Trace context on the native face, and OpenTelemetry spans per request (observability.tracing).
 
-A request may carry a W3C `traceparent` (docs/PROTOCOL.md 5.2); a valid one becomes the
+A request may carry a W3C `traceparent` (docs/PROTOCOL.md 5.2; checked at the door by
+front/traceparent.py); a valid one becomes the
 request's `Pending.trace`, travels to the worker in its batch (`Batch.traces`) and comes back
 in the reply. An invalid one is ignored, as W3C says (a new trace starts), and counted in a log
 line at most once every 10 s.
@@ -21,29 +22,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
 
 from tgw.broker.state.pending import Pending
-from tgw.broker.state.complaints import Complaints
 from tgw.broker.config.startup import StartupError
 from tgw.broker.config.schema_ops import TracingDecl
 
 ENV = "TGW_TRACING"    # the workers' setting: the resolved TracingDecl as JSON
-TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
-ignored = Complaints()  # invalid traceparents: counted (ignored.counts), logged at most once per 10 s
-
-
-def check_traceparent(value: str) -> str | None:
-    """`value` when it is a valid W3C traceparent (version 00, non-zero ids), else None."""
-    if TRACEPARENT.fullmatch(value):
-        return value
-    ignored.note("ignored", "traceparent", f"invalid traceparent {value[:64]!r} ignored (W3C: a new trace starts)")
-    return None
-
-
 def resolve(decl: TracingDecl, base_dir: str) -> TracingDecl:
     """The file exporter's path made absolute against `base_dir` (the config file's folder)."""
     if decl.path is None or os.path.isabs(decl.path):

@@ -29,7 +29,7 @@ from tgw.broker.front.limits import check_declared
 from tgw.broker.models.registry import Checked, ModelEntry, Registry
 from tgw.broker.state.stats import Stats
 from .tenants import Tenants
-from tgw.broker.observe.tracing import check_traceparent
+from tgw.broker.front.traceparent import check_traceparent
 from tgw.broker.state.versions import VersionRecord, VersionState
 
 
