@@ -11,10 +11,11 @@ bytes (`Declared` frames), and take no input-arena bytes (their Pending.nbytes a
 """
 from __future__ import annotations
 
+from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import DTYPE_SIZES, Infer, TensorMeta, nbytes_of
 
-from tgw.broker.state.cuda import CudaRequest, norm_uuid, on_device
+from tgw.broker.state.cuda import CudaRequest, on_device
 
 from .peers import is_local
 

@@ -5,6 +5,7 @@ A bound request's shape_key ends in a tag, so it batches only with requests of i
 """
 from __future__ import annotations
 
+from tgw.shm.devices import norm_uuid
 from tgw.shm.wire import Batch, CudaIpc
 
 TAG = "cuda"   # shape_key's last item for a request bound to a GPU: (TAG, index, uuid, "in" | "out")
@@ -21,12 +22,6 @@ class CudaRequest:
     @property
     def tag(self) -> tuple:
         return (TAG, self.device, self.uuid, "in" if self.inputs is not None else "out")
-
-
-def norm_uuid(uuid: str) -> str:
-    """NVML says "GPU-<uuid>", torch "<uuid>": compare them without the prefix, lower case."""
-    uuid = uuid.strip().lower()
-    return uuid[4:] if uuid.startswith("gpu-") else uuid
 
 
 def on_device(w, device: int, uuid: str) -> bool:
