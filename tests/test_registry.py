@@ -232,33 +232,28 @@ def test_variable_shape_key_in_declared_order(reg):
 # ---- versions over their life (broker/state/versions.py) ---------------------------------------------
 
 def test_a_draining_version_is_refused_by_name_and_a_loading_one_is_not_ready_yet(reg):
-    from tgw.broker.state.versions import VersionState
+    from tgw.broker.config.schema import VersionDecl
     records = reg.models["fixed"].records
     records["2"].seen = True
-    records["2"].state = VersionState.DRAINING
+    reg.retire("fixed", [records["2"]])
     err = refused(reg, infer(version="2"))
     assert err.code is Code.VERSION_NOT_FOUND and "being unloaded" in err.message
     assert err.details["available"] == ["1"]
-    records["2"].state = VersionState.LOADING
-    assert refused(reg, infer(version="2")).code is Code.MODEL_NOT_READY
+    reg.add_version("fixed", VersionDecl(version="3", path="f3.pt"))   # loading at run time, not flipped to
+    assert refused(reg, infer(version="3")).code is Code.MODEL_NOT_READY
 
 
 def test_unnamed_requests_follow_the_weights_and_a_routing_key_sticks(reg):
     entry = reg.models["fixed"]
     entry.records["2"].seen = True
-    entry.records["1"].weight, entry.records["2"].weight = 1, 1
-    entry.retraffic()
+    reg.weigh("fixed", {"1": 1, "2": 1})
     picks = [check(reg, infer()).version for _ in range(100)]
     assert picks.count("1") == picks.count("2") == 50
     keyed = {check(reg, infer(routing_key="user-7")).version for _ in range(20)}
     assert len(keyed) == 1
     assert entry.default == "2"   # equal weights: the later version
-    entry.records["2"].weight = entry.records["1"].weight = 0
-    entry.retraffic()    # unnamed requests always have somewhere to go: the newest ready version
+    reg.weigh("fixed", {})    # unnamed requests always have somewhere to go: the newest ready version
     assert {check(reg, infer()).version for _ in range(10)} == {"2"} and entry.records["2"].weight == 100
-    from tgw.broker.state.versions import VersionState
-    for rec in entry.records.values():
-        rec.state = VersionState.DRAINING
-    entry.retraffic()
+    reg.retire("fixed", list(entry.records.values()))
     err = refused(reg, infer())
     assert err.code is Code.MODEL_NOT_READY and err.details["reason"] == "no_version"

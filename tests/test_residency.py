@@ -51,9 +51,9 @@ def records(*names: str, on_demand: bool = True) -> dict[str, VersionRecord]:
 def hold(w: WorkerHandle, recs: dict, key: str, used_at: float, on_demand: bool = True) -> None:
     w.models.add(key)
     w.sizes[key] = recs[key].bytes
-    w.used_at[key] = used_at
+    w.holding.used_at[key] = used_at
     if on_demand:
-        w.wanted.add(key)
+        w.holding.wanted.add(key)
 
 
 def test_room_evicts_the_least_recently_used_idle_model_first(worker):
@@ -65,9 +65,9 @@ def test_room_evicts_the_least_recently_used_idle_model_first(worker):
     hold(worker, recs, "c:1", used_at=3.0)
     recs["a:1"].active = 1                  # busy: requests admitted and unanswered
     assert not res.room(worker, "d:1")      # full: one must go, and the load waits for it
-    assert worker.evicting == {"b:1"}       # the least recently used idle one, not busy "a"
-    assert recs["b:1"].evictions == 1 and "b:1" not in worker.wanted
-    assert not res.room(worker, "d:1") and worker.evicting == {"b:1"}   # no second victim for the same room
+    assert worker.holding.evicting == {"b:1"}       # the least recently used idle one, not busy "a"
+    assert recs["b:1"].evictions == 1 and "b:1" not in worker.holding.wanted
+    assert not res.room(worker, "d:1") and worker.holding.evicting == {"b:1"}   # no second victim for the same room
 
 
 def test_a_busy_model_is_evicted_only_when_none_is_idle(worker):
@@ -77,17 +77,17 @@ def test_a_busy_model_is_evicted_only_when_none_is_idle(worker):
     hold(worker, recs, "a:1", used_at=2.0)
     hold(worker, recs, "b:1", used_at=1.0)
     recs["a:1"].active = recs["b:1"].active = 3
-    assert not res.room(worker, "c:1") and worker.evicting == {"b:1"}
+    assert not res.room(worker, "c:1") and worker.holding.evicting == {"b:1"}
 
 
 def test_memory_on_its_way_back_is_waited_for(worker):
     recs = records("a", "b")
     res = Residency(recs.get, lambda *a, **k: None)
     worker.budget = 15 * MIB
-    worker.unloading.add("a:1")
+    worker.holding.unloading.add("a:1")
     worker.sizes["a:1"] = 10 * MIB
-    assert not res.room(worker, "b:1") and not worker.evicting
-    worker.unloading.clear()
+    assert not res.room(worker, "b:1") and not worker.holding.evicting
+    worker.holding.unloading.clear()
     worker.sizes.clear()
     assert res.room(worker, "b:1")
 
@@ -98,7 +98,7 @@ def test_beside_always_resident_models_one_model_may_exceed_the_budget(worker):
     worker.budget = 15 * MIB
     hold(worker, always, "big:1", used_at=1.0, on_demand=False)
     assert res.room(worker, "x:1")          # nothing evictable: it loads, over by at most itself
-    assert not worker.evicting
+    assert not worker.holding.evicting
 
 
 def test_budget_is_bytes_or_a_share_of_the_device():

@@ -1,1 +1,1 @@
-"""The models served: registry, routing, placement, residency, rollout, reload, operator."""
+"""The models served: registry (entry, checks), routing, placement, residency, rollout, reload, operator."""

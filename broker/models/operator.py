@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, ErrorReply, LoadVersion, Metadata, Reload, \
     SetTraffic, UnloadVersion
 
 from tgw.broker.config.load import Config, ServerDecl
-from .reload import Reloader
-from .rollout import Rollout
-
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+from .reload import ReloadDeps, Reloader
+from .rollout import Rollout, RolloutDeps
 
 log = logging.getLogger("tgw.broker")
 
@@ -31,11 +29,22 @@ def unauthenticated(address: str, server: ServerDecl) -> bool:
     return address.startswith("tcp://") and not server.auth_token_file
 
 
+@dataclass(frozen=True)
+class OperatorDeps:
+    """What the operator reads and calls (filled in by broker/wiring.py)."""
+    rollout: RolloutDeps
+    reload: ReloadDeps
+    reply: Callable[[bytes, object], None]   # the front door's answer to a client
+    serving: Callable[[], bool]              # control ops wait until the broker serves ...
+    phase: Callable[[], str]                 # ... and say what it does instead ("starting", "stopping")
+
+
 class Operator:
-    def __init__(self, b: "Broker", cfg: Config, address: str, config_path: str | None = None):
-        self.b = b
-        self.rollout = Rollout(b, cfg.model_roots, cfg.workers.start_timeout_s, cfg.supervisor.shutdown_grace_s)
-        self.reloader = Reloader(b, self.rollout, cfg, config_path)
+    def __init__(self, d: OperatorDeps, cfg: Config, address: str, config_path: str | None = None):
+        self.d = d
+        self.rollout = Rollout(d.rollout, cfg.model_roots, cfg.workers.start_timeout_s,
+                               cfg.supervisor.shutdown_grace_s)
+        self.reloader = Reloader(d.reload, self.rollout, cfg, config_path)
         self.unauthenticated = unauthenticated(address, cfg.server)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()   # held so they are not collected while they run
@@ -44,10 +53,10 @@ class Operator:
         """A control op or metadata request from a client (the front door decoded it)."""
         try:
             if isinstance(msg, Metadata):
-                return self.b.door.reply(ident, self.rollout.metadata(msg))
-            if not self.b.is_serving():   # loads need live workers; a stop must not wait for a load
-                raise fail(Code.MODEL_NOT_READY, f"the broker is {self.b.phase.value}: control ops wait until "
-                           "it serves", reason=self.b.phase.value)
+                return self.d.reply(ident, self.rollout.metadata(msg))
+            if not self.d.serving():   # loads need live workers; a stop must not wait for a load
+                raise fail(Code.MODEL_NOT_READY, f"the broker is {self.d.phase()}: control ops wait until "
+                           "it serves", reason=self.d.phase())
             if self.unauthenticated:
                 raise fail(Code.UNAUTHENTICATED, "control ops are refused on a tcp:// listener unless "
                            "server.auth_token_file is configured; use the Unix socket, or configure a token",
@@ -57,8 +66,8 @@ class Operator:
         self.spawn(self.run(ident, msg))
 
     def on_sighup(self) -> None:
-        if not self.b.is_serving():
-            log.warning("SIGHUP ignored: the broker is %s (send it again once it serves)", self.b.phase.value)
+        if not self.d.serving():
+            log.warning("SIGHUP ignored: the broker is %s (send it again once it serves)", self.d.phase())
             return
         log.info("SIGHUP: reloading %s", self.reloader.path or "(no config file)")
         self.spawn(self.run(None, Reload(v=PROTOCOL_VERSION)))
@@ -83,7 +92,7 @@ class Operator:
             else:
                 log.info("%s: %s", type(msg).__name__, reply.message)
                 if ident is not None:
-                    self.b.door.reply(ident, reply)
+                    self.d.reply(ident, reply)
 
     async def do(self, msg) -> ControlReply:
         if isinstance(msg, LoadVersion):
@@ -98,4 +107,4 @@ class Operator:
 
     def answer_error(self, ident: bytes, req_id: int, err: TgwError) -> None:
         # not counted as a request error: control ops are not inference
-        self.b.door.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))
+        self.d.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body()))

@@ -22,9 +22,9 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import LoaderHello, LoadModel, ModelLoaded, ModelUnloaded, UnloadModel
 
 from tgw.broker.state.pool import WorkerHandle, WorkerState
-from .registry import Registry
-from .residency import Residency
 from tgw.broker.state.versions import VersionRecord
+from .registry import Registry
+from .residency import Residency, budget_bytes
 
 log = logging.getLogger("tgw.broker")
 EVENTS_KEPT = 50
@@ -33,8 +33,9 @@ LOAD_RETRY_S = 10.0   # after an on-demand load failed, requests are refused thi
 
 class Placement:
     def __init__(self, registry: Registry, roster: list[WorkerHandle], send: Callable[[bytes, object], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, model_memory: int | float | None = None):
         self.registry, self.roster, self.send, self.clock = registry, roster, send, clock
+        self.model_memory = model_memory  # workers.max_model_memory: each worker's budget (a reload may change it)
         self.residency = Residency(registry.record, self.note)
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
         self.failures: dict[str, list[tuple[WorkerHandle, ModelLoaded]]] = {}  # key -> failed loads, for waiters
@@ -60,26 +61,45 @@ class Placement:
 
     def desired(self, w: WorkerHandle) -> set[str]:
         always = {r.key for m in self.registry.models.values() if not m.on_demand for r in m.records.values()}
-        return always | w.wanted
+        return always | w.holding.wanted
 
     def reconcile(self) -> None:
         for w in self.live():
-            if not w.loader_ready:
+            h = w.holding
+            if not h.loader_ready:
                 continue
             want = self.desired(w)
-            for key in want - w.models - w.loading.keys() - w.unloading:
+            for key in want - w.models - h.loading.keys() - h.unloading:
                 rec = self.registry.record(key)
                 if rec is not None and (not rec.on_demand or self.residency.room(w, key)):
-                    w.loading[key] = self.clock()
+                    h.loading[key] = self.clock()
                     self.send(w.loader_identity, LoadModel(spec=self.registry.models[rec.model].spec(rec)))
-            w.evicting |= w.models - want
-            for key in list(w.evicting):
+            h.evicting |= w.models - want
+            for key in list(h.evicting):
                 if not w.holds(key):
-                    w.evicting.discard(key)
+                    h.evicting.discard(key)
                     w.models.discard(key)
-                    w.unloading.add(key)
+                    h.unloading.add(key)
                     self.send(w.loader_identity, UnloadModel(key=key))
         self.wake()
+
+    def place(self, rec: VersionRecord) -> WorkerHandle | None:
+        """An on-demand version loading at run time: on the live worker with the most room."""
+        return self.residency.place(rec, self.roster)
+
+    def unwant(self, keys: list[str]) -> None:
+        """Versions forgotten: no worker is to load them on demand any more."""
+        for w in self.roster:
+            w.holding.wanted.difference_update(keys)
+
+    def budget(self, w: WorkerHandle) -> int | None:
+        """Bytes its models may take, once its hello told its device's memory."""
+        return budget_bytes(self.model_memory, w.device, w.device_memory)
+
+    def set_model_memory(self, model_memory: int | float | None) -> None:
+        self.model_memory = model_memory
+        for w in self.roster:
+            w.budget = self.budget(w)
 
     def demand(self, rec: VersionRecord, wait_s: float) -> None:
         """An on-demand version was asked for: have it loaded if no live worker has it. Refuses
@@ -97,7 +117,7 @@ class Placement:
             self.reconcile()
         if rec.key in w.models or not rec.last_load_ms:
             return
-        left = rec.last_load_ms / 1000 - (self.clock() - w.loading.get(rec.key, self.clock()))
+        left = rec.last_load_ms / 1000 - (self.clock() - w.holding.loading.get(rec.key, self.clock()))
         if left > wait_s:
             raise fail(Code.MODEL_NOT_READY, f"{rec.key} loads on demand and is not loaded; its load takes about "
                        f"{rec.last_load_ms:.0f} ms, more than this request's {wait_s * 1000:.0f} ms timeout allows: "
@@ -106,22 +126,22 @@ class Placement:
 
     def resident(self, rec: VersionRecord) -> bool:
         """A live worker has it loaded and takes batches of it."""
-        return any(rec.key in w.models and rec.key not in w.evicting for w in self.live())
+        return any(rec.key in w.models and rec.key not in w.holding.evicting for w in self.live())
 
     def holds_anywhere(self, key: str) -> bool:
-        return any(key in w.models or key in w.loading or key in w.unloading for w in self.roster)
+        return any(key in w.models or key in w.holding.loading or key in w.holding.unloading for w in self.roster)
 
     # ---- worker messages ---------------------------------------------------------------------
 
     def on_loader_hello(self, w: WorkerHandle, msg: LoaderHello) -> None:
-        w.loader_ready = True
+        w.holding.loader_ready = True
         self.reconcile()
 
     def on_loaded(self, w: WorkerHandle, msg: ModelLoaded) -> None:
-        started = w.loading.pop(msg.key, None)
+        started = w.holding.loading.pop(msg.key, None)
         rec = self.registry.record(msg.key)
         if msg.error is not None:
-            w.wanted.discard(msg.key)
+            w.holding.wanted.discard(msg.key)
             log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error,
                       extra={"event": "model_load_failed", "worker": w.name, "key": msg.key, "reason": msg.reason,
                              "error": msg.error})
@@ -135,7 +155,7 @@ class Placement:
         else:
             w.models.add(msg.key)
             w.sizes[msg.key] = msg.bytes
-            w.used_at[msg.key] = self.clock()
+            w.holding.used_at[msg.key] = self.clock()
             if rec is not None:
                 rec.bytes, rec.loads, rec.last_load_ms, rec.error = msg.bytes, rec.loads + 1, msg.load_ms, ""
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
@@ -154,8 +174,7 @@ class Placement:
         rec = self.registry.record(key)
         if rec is None:
             return
-        self.registry.models[rec.model].forget(rec.version)
-        self.registry.changed()
+        self.registry.forget(rec.model, [rec.version])
         log.error("%s dropped: %s could not load it again after a restart", key, w.name,
                   extra={"event": "model_dropped", "worker": w.name, "key": key})
         self.note("load_failed", key, w, reason="restart", message=error[:300])
@@ -163,9 +182,9 @@ class Placement:
         self.reconcile()
 
     def on_unloaded(self, w: WorkerHandle, msg: ModelUnloaded) -> None:
-        w.unloading.discard(msg.key)
+        w.holding.unloading.discard(msg.key)
         freed = w.sizes.pop(msg.key, 0)
-        w.used_at.pop(msg.key, None)
+        w.holding.used_at.pop(msg.key, None)
         self.note("unload", msg.key, w, bytes=freed, rss_before=msg.rss_before, rss_after=msg.rss_after)
         log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20,
                  extra={"event": "model_unload", "worker": w.name, "key": msg.key, "bytes": freed,
@@ -177,8 +196,9 @@ class Placement:
         """Worker name -> what it is doing with this version (only those that have anything to do with it)."""
         out = {}
         for w in self.roster:
-            state = ("unloading" if key in w.unloading else "evicting" if key in w.evicting else
-                     "loaded" if key in w.models else "loading" if key in w.loading else "")
+            h = w.holding
+            state = ("unloading" if key in h.unloading else "evicting" if key in h.evicting else
+                     "loaded" if key in w.models else "loading" if key in h.loading else "")
             if state:
                 out[w.name] = state
         return out

@@ -1,136 +1,36 @@
-"""The models the broker serves and the validation of request headers against them.
+"""The models the broker serves: the one owner of the models and their versions' records.
 
-Pure bookkeeping and checks, no I/O: a request that leaves `validate` is known to match its
-model's declared inputs exactly, so workers never see malformed tensors.
+Every write of a model or of a version's state, weight or place in its model goes through a
+method here, which guards the version's edge (state/versions.py _NEXT), checks the whole
+write before it makes any of it (a refused write changes nothing), rebuilds the model's
+traffic split and bumps `generation`, so what is memoised on the models (admission's header
+checks) is dropped by keying on it. The checks of requests live in checks.py. Not routing, so
+not here: a record's load figures (placement's), `active` (admission's), and `seen` as a
+worker's ready message marks it (the handshake's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Iterable
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, ModelInfo, ModelSpec, nbytes_of, split_model_key
+from tgw.shm.wire import Infer, ModelSpec, split_model_key
 
 from tgw.broker.config.load import Config, ModelDecl
-from tgw.broker.front.inbound import wire_nbytes
-from .routing import Traffic
-from tgw.broker.state.versions import VersionRecord, VersionState
+from tgw.broker.config.schema import VersionDecl
+from tgw.broker.state.versions import IllegalVersionTransition, VersionRecord, VersionState
+from . import checks
+from .checks import Checked, Shape
+from .entry import FULL_WEIGHT, ModelEntry
 
-
-FULL_WEIGHT = 100   # a version that takes every unnamed request shows weight 100 (100 %)
-
-
-class ModelEntry:
-    """One declared model: its declaration, its versions' records and the traffic split."""
-
-    def __init__(self, decl: ModelDecl):
-        self.decl = decl
-        self.inputs = [_io(t) for t in decl.inputs]
-        self.outputs = [_io(t) for t in decl.outputs]
-        self.input_index = {t.name: i for i, t in enumerate(decl.inputs)}
-        self.output_names = frozenset(t.name for t in decl.outputs)
-        self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
-        self.on_demand = decl.residency == "on_demand"
-        self.removed = False     # dropped from the config: refused, kept until its queue drains
-        self.records: dict[str, VersionRecord] = {}
-        weights = decl.weights()
-        for v in decl.versions:
-            self.records[v.version] = VersionRecord(decl.name, v, VersionState.READY, self.on_demand,
-                                                    weight=weights.get(v.version, 0))
-        self.traffic = Traffic({})
-        self.retraffic()
-
-    @property
-    def name(self) -> str:
-        return self.decl.name
-
-    @property
-    def default(self) -> str | None:
-        """The version with the greatest weight (ties: the later one); None while none has weight."""
-        best = None
-        for rec in self.records.values():
-            if rec.weight > 0 and rec.state is VersionState.READY and (best is None or rec.weight >= best.weight):
-                best = rec
-        return best.version if best else None
-
-    def routable(self) -> list[str]:
-        return [v for v, r in self.records.items() if r.state is VersionState.READY]
-
-    def forget(self, version: str) -> None:
-        self.records.pop(version, None)
-        self.retraffic()
-
-    def retraffic(self) -> None:
-        """Rebuild the split from the READY versions' weights (in version order); if none of
-        them keeps a weight, the newest takes the requests that name no version."""
-        ready = [r for r in self.records.values() if r.state is VersionState.READY]
-        if ready and not any(r.weight for r in ready):
-            ready[-1].weight = FULL_WEIGHT
-        self.traffic = Traffic({v: r.weight for v, r in self.records.items() if r.state is VersionState.READY})
-
-    def output_bytes(self, rows: int) -> list[int] | None:
-        """Bytes of each declared output (the worker writes them all) for `rows` rows; None when
-        some output dim is -1, so the size is known only after compute."""
-        if any(d == -1 for t in self.outputs for d in t.shape):
-            return None
-        return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
-
-    def spec(self, rec: VersionRecord) -> ModelSpec:
-        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size)
-
-    def info(self, ready: bool) -> ModelInfo:
-        return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
-                         max_batch_size=self.decl.max_batch_size, inputs=self.inputs, outputs=self.outputs,
-                         ready=ready, wire_dtypes=list(self.decl.wire_dtypes))
-
-
-@dataclass(slots=True)
-class Shape:
-    """What the shape checks learned about one request (the same for every version)."""
-    order: list[int]        # order[k] = index in the request of declared input k
-    rows: int
-    shape_key: tuple        # non-batch dims of every input, for batching variable shapes
-    outputs: list[str]
-
-
-@dataclass(slots=True)
-class Checked:
-    """What validation learned about one request."""
-    model: ModelEntry
-    record: VersionRecord
-    shape: Shape
-
-    @property
-    def version(self) -> str:
-        return self.record.version
-
-    @property
-    def rows(self) -> int:
-        return self.shape.rows
-
-    @property
-    def order(self) -> list[int]:
-        return self.shape.order
-
-    @property
-    def shape_key(self) -> tuple:
-        return self.shape.shape_key
-
-    @property
-    def outputs(self) -> list[str]:
-        return self.shape.outputs
-
-
-def _io(t) -> IOSpec:
-    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape))
+__all__ = ["FULL_WEIGHT", "Checked", "IllegalVersionTransition", "ModelEntry", "Registry", "Shape"]
 
 
 class Registry:
     def __init__(self, cfg: Config):
         self.models: dict[str, ModelEntry] = {m.name: ModelEntry(m) for m in cfg.models}
-        self.generation = 0    # bumped on every change of models or routing: memos keyed on them go
+        self.generation = 0    # bumped by every write below: memos keyed on it go
 
-    def changed(self) -> None:
-        self.generation += 1
+    # ---- reads -------------------------------------------------------------------------------
 
     def startup_specs(self) -> list[ModelSpec]:
         """What a starting worker loads: every version of an always-resident model that is loading,
@@ -144,11 +44,6 @@ class Registry:
         m = self.models.get(name)
         return m.records.get(version) if m is not None else None
 
-    def validate(self, req: Infer, frame_sizes: list[int]) -> Checked:
-        entry = self.entry(req.model)
-        rec = self.route(entry, req)
-        return Checked(entry, rec, self.check_shapes(entry, req, frame_sizes))
-
     def entry(self, name: str) -> ModelEntry:
         model = self.models.get(name)
         if model is None or model.removed:
@@ -156,106 +51,135 @@ class Registry:
                        available=sorted(n for n, m in self.models.items() if not m.removed))
         return model
 
-    @staticmethod
-    def route(model: ModelEntry, req: Infer) -> VersionRecord:
-        """The version the request names, or the traffic split's pick; refused unless it may be
-        served (ready, and loaded once since start unless it loads on demand)."""
-        if req.version is None:
-            version = model.traffic.pick(req.routing_key)
-            if version is None:
-                raise fail(Code.MODEL_NOT_READY, f"model {model.name!r} has no version loaded", model=model.name,
-                           reason="no_version")
+    def validate(self, req: Infer, frame_sizes: list[int]) -> Checked:
+        entry = self.entry(req.model)
+        rec = self.route(entry, req)
+        return Checked(entry, rec, self.check_shapes(entry, req, frame_sizes))
+
+    route = staticmethod(checks.route)
+    check_shapes = staticmethod(checks.check_shapes)
+
+    # ---- writes: models ----------------------------------------------------------------------
+
+    def declare(self, decl: ModelDecl) -> ModelEntry:
+        """A model new at run time (a reload): no versions until they are added and flipped to."""
+        if decl.name in self.models:
+            raise IllegalVersionTransition(f"model {decl.name!r} is declared already")
+        entry = self.models[decl.name] = ModelEntry(decl, versions=False)
+        self._changed()
+        return entry
+
+    def redeclare(self, decl: ModelDecl) -> None:
+        """A served model's new declaration (a reload checked that only hot keys differ)."""
+        self._model(decl.name).decl = decl
+        self._changed()
+
+    def remove(self, name: str) -> list[VersionRecord]:
+        """Dropped from the config: refused from now on, kept until its versions are retired and
+        it is forgotten. Returns its versions."""
+        entry = self._model(name)
+        entry.removed = True
+        self._changed()
+        return list(entry.records.values())
+
+    def forget(self, name: str, versions: Iterable[str] | None = None) -> None:
+        """Take these versions (any state; None: the whole model) out. What is gone already
+        (dropped meanwhile by a worker's failed reload) is no error."""
+        entry = self.models.get(name)
+        if entry is None:
+            return
+        if versions is None:
+            del self.models[name]
         else:
-            version = req.version
-        rec = model.records.get(version)
-        if rec is None or rec.state is VersionState.DRAINING:
-            why = " (it is being unloaded)" if rec is not None else ""
-            raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}{why}",
-                       model=req.model, version=version, available=model.routable())
-        if rec.state is VersionState.LOADING or not (rec.seen or rec.on_demand):
-            raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
-                       model=req.model, version=version)
-        if req.timeout_ms is not None and req.timeout_ms < 0:  # the client refuses it too (one rule)
-            raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}",
-                       timeout_ms=req.timeout_ms)
+            for v in versions:
+                entry.records.pop(v, None)
+        self._changed(entry)
+
+    # ---- writes: versions --------------------------------------------------------------------
+
+    def add_version(self, name: str, decl: VersionDecl) -> VersionRecord:
+        """A version loading at run time: LOADING, so no request may name it until a flip."""
+        entry = self._model(name)
+        if decl.version in entry.records:
+            raise IllegalVersionTransition(f"{name}:{decl.version} exists already "
+                                           f"({entry.records[decl.version].state.value})")
+        rec = entry.records[decl.version] = VersionRecord(name, decl, VersionState.LOADING, entry.on_demand)
+        self._changed(entry)
         return rec
 
-    def check_shapes(self, model: ModelEntry, req: Infer, frame_sizes: list[int]) -> Shape:
-        order, rows, shape_key = self._check_inputs(model, req, frame_sizes)
-        return Shape(order, rows, shape_key, self._check_outputs(model, req.outputs))
+    def flip(self, name: str, weights: dict[str, int], drain: Iterable[str] | None = None) -> list[VersionRecord]:
+        """In one step: the named versions (loading or ready) become ready with these weights,
+        the other ready ones weight 0, and the versions in `drain` drain (those already
+        draining stay so). `drain` None: a swap (a single version named) drains the ready
+        versions that had weight, anything else drains none. Returns the versions it drained."""
+        entry = self._model(name)
+        recs = entry.records
+        for v in weights:   # all checked first: a refused flip changes nothing
+            if v not in recs:
+                raise IllegalVersionTransition(f"flip of {name}: it has no version {v!r} (versions: {list(recs)})")
+            if recs[v].state is not VersionState.READY:
+                recs[v].check(VersionState.READY)
+        if drain is None:
+            swap = len(weights) == 1
+            drain = [v for v, r in recs.items() if swap and r.state is VersionState.READY and r.weight > 0]
+        drained = [recs[v] for v in self._to_drain(entry, [v for v in drain if v not in weights])]
+        for v, w in weights.items():
+            recs[v].ready(w)
+        for r in recs.values():
+            if r.version not in weights and r.state is VersionState.READY:
+                r.weight = 0
+        for r in drained:
+            r.drain()
+        self._changed(entry)
+        return drained
 
-    def _check_inputs(self, model: ModelEntry, req: Infer, frame_sizes: list[int]):
-        if len(frame_sizes) != len(req.inputs):
-            raise fail(Code.INVALID_ARGUMENT, f"header lists {len(req.inputs)} tensors but "
-                       f"{len(frame_sizes)} tensor frames followed it")
-        names = [t.name for t in req.inputs]
-        expected = [t.name for t in model.inputs]
-        if sorted(names) != sorted(expected):
-            raise fail(Code.INVALID_ARGUMENT, f"model {model.name!r} takes inputs {expected}, got {names}",
-                       expected=expected, got=names)
-        order = [names.index(n) for n in expected]
-        rows, shape_key = None, []
-        max_rows = model.decl.max_batch_size
-        for k, decl in enumerate(model.inputs):
-            meta = req.inputs[order[k]]
-            if meta.dtype != decl.dtype:
-                raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} must be {decl.dtype}, got {meta.dtype}",
-                           input=decl.name, expected=decl.dtype, got=meta.dtype)
-            shape = meta.shape
-            if len(shape) != len(decl.shape) + 1 or not _dims_match(shape[1:], decl.shape):
-                raise fail(Code.INVALID_INPUT_SHAPE, f"input {decl.name!r} must have shape "
-                           f"[batch, {', '.join(map(str, decl.shape))}] (-1 = any), got {shape}",
-                           input=decl.name, expected=[-1, *decl.shape], got=shape)
-            if rows is None:
-                rows = shape[0]
-            if shape[0] != rows:
-                raise fail(Code.INVALID_INPUT_SHAPE, f"inputs disagree on the batch dimension: "
-                           f"{decl.name!r} has {shape[0]} rows, others {rows}", input=decl.name)
-            if not 1 <= rows <= max_rows:
-                raise fail(Code.INVALID_INPUT_SHAPE, f"batch dimension of {decl.name!r} is {rows}; model "
-                           f"{model.name!r} takes 1..{max_rows} rows per request",
-                           input=decl.name, max_batch_size=max_rows)
-            if meta.compression is not None and meta.compression not in COMPRESSIONS:
-                raise fail(Code.INVALID_ARGUMENT, f"unknown compression {meta.compression!r} on "
-                           f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
-            if meta.wire_dtype is not None:
-                _check_wire_dtype(model, decl, meta.wire_dtype)
-            want = wire_nbytes(meta)
-            got = frame_sizes[order[k]]
-            if meta.compression is None and got != want:
-                what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
-                raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
-                           f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
-            if model.variable:
-                shape_key.append(tuple(shape[1:]))
-        return order, rows, tuple(shape_key)
+    def retire(self, name: str, records: Iterable[VersionRecord]) -> list[VersionRecord]:
+        """Drain these versions: what was admitted for them finishes, nothing new is. Those
+        draining already stay so, those forgotten meanwhile are left out. Returns the records."""
+        entry = self._model(name)
+        records = list(records)
+        for r in records:
+            if r.model != name:
+                raise IllegalVersionTransition(f"retire of {name}: {r.key} is another model's version")
+        mine = [r.version for r in records if entry.records.get(r.version) is r]
+        for v in self._to_drain(entry, mine):
+            entry.records[v].drain()
+        self._changed(entry)
+        return records
+
+    def weigh(self, name: str, weights: dict[str, int]) -> None:
+        """The traffic split: each ready version the weight given, 0 if none is."""
+        entry = self._model(name)
+        ready = entry.routable()
+        wrong = [v for v in weights if v not in ready]
+        if wrong:
+            raise IllegalVersionTransition(f"weights for {name}: {wrong} not ready (ready: {ready})")
+        for v in ready:
+            entry.records[v].weight = weights.get(v, 0)
+        self._changed(entry)
+
+    # ---- inside ------------------------------------------------------------------------------
+
+    def _model(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise IllegalVersionTransition(f"no model {name!r} is declared")
+        return entry
 
     @staticmethod
-    def _check_outputs(model: ModelEntry, wanted: list[str] | None) -> list[str]:
-        if wanted is None:
-            return [t.name for t in model.outputs]
-        unknown = [n for n in wanted if n not in model.output_names]
-        if unknown or len(set(wanted)) != len(wanted):
-            raise fail(Code.INVALID_ARGUMENT, f"requested outputs {wanted}; model {model.name!r} has "
-                       f"{sorted(model.output_names)} (each at most once)")
-        return list(wanted)
+    def _to_drain(entry: ModelEntry, versions: Iterable[str]) -> list[str]:
+        """The versions to drain now, each edge checked before any is taken."""
+        out = []
+        for v in versions:
+            r = entry.records.get(v)
+            if r is None:
+                raise IllegalVersionTransition(f"{entry.name} has no version {v!r} to drain")
+            if r.state is not VersionState.DRAINING:
+                r.check(VersionState.DRAINING)
+                out.append(v)
+        return out
 
-
-def _check_wire_dtype(model: ModelEntry, decl: IOSpec, wire_dtype: str) -> None:
-    """A float32 input sent at a reduced precision: one tgw knows, that the model's config allows."""
-    allowed = model.decl.wire_dtypes
-    if wire_dtype not in WIRE_DTYPES:
-        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r}: unknown wire_dtype {wire_dtype!r}; "
-                   f"one of {list(WIRE_DTYPES)}", input=decl.name, wire_dtype=wire_dtype)
-    if decl.dtype != "float32":
-        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} is {decl.dtype}: only float32 inputs may be "
-                   f"sent at a reduced wire_dtype ({wire_dtype})", input=decl.name, wire_dtype=wire_dtype)
-    if wire_dtype not in allowed:
-        raise fail(Code.INVALID_INPUT_DTYPE, f"model {model.name!r} does not take input {decl.name!r} as "
-                   f"{wire_dtype}: its config allows {list(allowed) or 'no reduced precision'} "
-                   f"(models[].wire_dtypes)", input=decl.name, wire_dtype=wire_dtype, allowed=list(allowed),
-                   config_key="models[].wire_dtypes")
-
-
-def _dims_match(got: list[int], declared: list[int]) -> bool:
-    return all(g >= 0 and (d == -1 or g == d) for g, d in zip(got, declared))
+    def _changed(self, entry: ModelEntry | None = None) -> None:
+        if entry is not None:
+            entry.retraffic()
+        self.generation += 1

@@ -11,20 +11,18 @@ out drain and unload. The outcome, good or bad, is logged and kept for `tgw-brok
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload
 
 from tgw.broker.config.load import arenas
 from tgw.broker.config.load import Config, ConfigError, ModelDecl, load_config, with_http_port
-from .registry import ModelEntry
-from .residency import budget_bytes
-from tgw.broker.state.versions import VersionRecord, VersionState
-
-if TYPE_CHECKING:
-    from .rollout import Rollout
-    from tgw.broker.server import Broker
+from tgw.broker.state.versions import VersionRecord
+from .placement import Placement
+from .registry import ModelEntry, Registry
+from .rollout import Rollout
 
 HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
 
@@ -48,9 +46,19 @@ def restart_only(old: Config, new: Config) -> list[str]:
     return keys
 
 
+@dataclass(frozen=True)
+class ReloadDeps:
+    """What a reload reads and calls besides the rollout (filled in by broker/wiring.py)."""
+    registry: Registry
+    placement: Placement             # reconciles, and holds the workers' model budget
+    uptime: Callable[[], float]      # seconds since the broker started, as status counts uptime_s
+    declare: Callable[[ModelDecl], None]         # a new model's queue, counters and limits
+    set_max_queue: Callable[[str, int], None]    # a served model's queue bound (models[].max_queue)
+
+
 class Reloader:
-    def __init__(self, b: "Broker", rollout: "Rollout", cfg: Config, path: str | None):
-        self.b, self.rollout, self.cfg, self.path = b, rollout, cfg, path
+    def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None):
+        self.d, self.rollout, self.cfg, self.path = d, rollout, cfg, path
         self.outcome: dict = {"path": path} if path else {}
 
     async def reload(self, msg: Reload) -> ControlReply:
@@ -64,7 +72,7 @@ class Reloader:
         return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message=message, details=changes)
 
     def _uptime(self) -> float:
-        return round(self.b.clock() - self.b.started_at, 3)   # as status counts uptime_s
+        return round(self.d.uptime(), 3)
 
     async def _reload(self) -> tuple[str, dict]:
         if self.path is None:
@@ -97,7 +105,7 @@ class Reloader:
                 (arenas.input_need(m, k, limit) > w.input_bytes or arenas.output_need(m, k) > w.output_bytes)]
 
     async def _apply(self, new: Config) -> dict:
-        registry, rollout = self.b.registry, self.rollout
+        registry, rollout = self.d.registry, self.rollout
         old_names = {m.name for m in self.cfg.models}
         added = [m for m in new.models if m.name not in old_names]
         for m in added:
@@ -114,58 +122,41 @@ class Reloader:
             for entry, rec in loaded:
                 await rollout.drop(entry, [rec])
             for m in added:
-                registry.models.pop(m.name, None)
-            registry.changed()
+                registry.forget(m.name)
             raise
         retiring = self._flip(new)
         await asyncio.gather(*(rollout.retire(entry, records) for entry, records in retiring))
         removed = [m.name for m in self.cfg.models if m.name not in {n.name for n in new.models}]
         for name in removed:
-            registry.models.pop(name, None)
-        registry.changed()
+            registry.forget(name)
         return {"models added": [m.name for m in added], "models removed": removed,
                 "versions loaded": [rec.key for _, rec in loaded],
                 "versions unloaded": [r.key for _, records in retiring for r in records]}
 
     def _declare(self, m: ModelDecl) -> None:
         """A new model: routable once its versions are loaded."""
-        b = self.b
-        entry = ModelEntry(m)
-        entry.records.clear()
-        entry.retraffic()
-        b.registry.models[m.name] = entry
-        b.batcher.declare(m)
-        b.stats.model(m.name)
-        b.admission.declare(m)
-        b.registry.changed()
+        self.d.registry.declare(m)
+        self.d.declare(m)
 
     def _flip(self, new: Config) -> list[tuple[ModelEntry, list[VersionRecord]]]:
         """One synchronous step: every model's declaration, weights and versions as the file says."""
-        b = self.b
+        registry = self.d.registry
         keep = {m.name: m for m in new.models}
         retiring = []
-        for name, entry in b.registry.models.items():
+        for name, entry in list(registry.models.items()):
             m = keep.get(name)
             if m is None:
-                entry.removed = True
-                retiring.append((entry, list(entry.records.values())))
+                retiring.append((entry, registry.remove(name)))
                 continue
-            entry.decl = m
-            b.batcher.queues[name].max_queue = m.max_queue
+            registry.redeclare(m)
+            self.d.set_max_queue(name, m.max_queue)
             weights, wanted = m.weights(), {v.version for v in m.versions}
-            for rec in entry.records.values():
-                if rec.version in wanted:
-                    rec.state, rec.seen, rec.weight = VersionState.READY, True, weights.get(rec.version, 0)
-            gone = [r for r in entry.records.values() if r.version not in wanted]
-            for r in gone:
-                r.state, r.weight = VersionState.DRAINING, 0
-            entry.retraffic()
+            # a version a worker's failed restart dropped meanwhile is no longer there to flip
+            gone = registry.flip(name, {v: weights.get(v, 0) for v in entry.records if v in wanted},
+                                 drain=[v for v in entry.records if v not in wanted])
             if gone:
                 retiring.append((entry, gone))
         self.rollout.roots = new.model_roots
-        b.model_memory = new.workers.max_model_memory
-        for w in b.roster:
-            w.budget = budget_bytes(b.model_memory, w.device, w.device_memory)
-        b.registry.changed()
-        b.placement.reconcile()
+        self.d.placement.set_model_memory(new.workers.max_model_memory)
+        self.d.placement.reconcile()
         return retiring

@@ -43,14 +43,15 @@ class Residency:
 
     def used(self, w: WorkerHandle) -> int:
         """Bytes its models take, counting those loading and those still unloading."""
-        return sum(self.size(w, k) for k in w.models | w.loading.keys() | w.unloading)
+        return sum(self.size(w, k) for k in w.models | w.holding.loading.keys() | w.holding.unloading)
 
     @staticmethod
     def where(key: str, roster: Iterable[WorkerHandle]) -> WorkerHandle | None:
         """A live worker that has, is loading, or was given this version."""
         for w in roster:
-            if w.state is WorkerState.READY and not w.retiring and key not in w.evicting and \
-                    (key in w.models or key in w.loading or key in w.wanted):
+            h = w.holding
+            if w.state is WorkerState.READY and not w.retiring and key not in h.evicting and \
+                    (key in w.models or key in h.loading or key in h.wanted):
                 return w
         return None
 
@@ -61,7 +62,7 @@ class Residency:
         if not live:
             return None
         w = max(live, key=lambda w: (float("inf") if w.budget is None else w.budget - self.used(w), -len(w.inflight)))
-        w.wanted.add(rec.key)
+        w.holding.wanted.add(rec.key)
         return w
 
     def room(self, w: WorkerHandle, key: str) -> bool:
@@ -71,14 +72,15 @@ class Residency:
         over = self.used(w) + self.size(w, key) - w.budget
         if over <= 0:
             return True
-        if w.unloading:
+        h = w.holding
+        if h.unloading:
             return False  # memory is on its way back: count again when it is
-        evictable = [k for k in w.models if k != key and k not in w.evicting and k in w.wanted]
-        if not evictable and not w.evicting:
+        evictable = [k for k in w.models if k != key and k not in h.evicting and k in h.wanted]
+        if not evictable and not h.evicting:
             return True   # only always-resident models are left: this one may exceed the budget alone
-        freeing = sum(self.size(w, k) for k in w.evicting)
+        freeing = sum(self.size(w, k) for k in h.evicting)
         # idle first, then least recently used
-        for victim in sorted(evictable, key=lambda k: (self._busy(k), w.used_at.get(k, 0.0))):
+        for victim in sorted(evictable, key=lambda k: (self._busy(k), h.used_at.get(k, 0.0))):
             if freeing >= over:
                 break
             self.evict(w, victim)
@@ -90,8 +92,8 @@ class Residency:
         return rec is not None and rec.active > 0
 
     def evict(self, w: WorkerHandle, key: str) -> None:
-        w.wanted.discard(key)
-        w.evicting.add(key)
+        w.holding.wanted.discard(key)
+        w.holding.evicting.add(key)
         rec = self.record(key)
         if rec is not None:
             rec.evictions += 1

@@ -12,7 +12,8 @@ removes the new version again and leaves routing as it was.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable
 
 from pydantic import ValidationError
 
@@ -20,13 +21,11 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelLoaded, \
     ModelMetadata, SetTraffic, UnloadVersion
 
-from .registry import FULL_WEIGHT, ModelEntry
 from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, confine
-from tgw.broker.config.schema import VersionDecl
+from tgw.broker.config.schema import ModelDecl, VersionDecl
 from tgw.broker.state.versions import VersionRecord, VersionState
-
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+from .placement import Placement
+from .registry import FULL_WEIGHT, ModelEntry, Registry
 
 FILE_REASONS = {"sha256": "checksum", "format": "format"}   # ModelFileError.field -> the error's reason
 UNLOAD_WAIT_S = 60.0   # bound on waiting for workers to confirm an unload
@@ -42,13 +41,24 @@ def load_error(key: str, worker: str, msg: ModelLoaded) -> TgwError:
     return fail(Code.MODEL_EXECUTION_ERROR, text, reason=msg.reason or "load", worker=worker)
 
 
+@dataclass(frozen=True)
+class RolloutDeps:
+    """What a rollout reads and calls (filled in by broker/wiring.py)."""
+    registry: Registry      # writes versions: add, flip, retire, weigh, forget
+    placement: Placement    # loads and unloads them on workers, and waits for that
+    clock: Callable[[], float]
+    declare_breakers: Callable[[ModelDecl, list[str], float], None]   # admission's, for a new version
+    forget_breakers: Callable[[str, str], None]                       # (model, version) gone
+    unserved: Callable[[list[VersionRecord], str], None]   # answers what a drain left queued for these
+
+
 class Rollout:
-    def __init__(self, b: "Broker", model_roots: list[str], load_timeout_s: float, drain_s: float):
+    def __init__(self, d: RolloutDeps, model_roots: list[str], load_timeout_s: float, drain_s: float):
         """`load_timeout_s`: how long every worker may take to load (workers.start_timeout_s);
         `drain_s`: how long past its model's timeout a retiring version's requests may take
         (supervisor.shutdown_grace_s) before what is still queued is answered MODEL_NOT_READY."""
-        self.b, self.roots, self.load_timeout_s, self.drain_s = b, model_roots, load_timeout_s, drain_s
-        self.registry, self.placement = b.registry, b.placement
+        self.d, self.roots, self.load_timeout_s, self.drain_s = d, model_roots, load_timeout_s, drain_s
+        self.registry, self.placement = d.registry, d.placement
 
     # ---- metadata ----------------------------------------------------------------------------
 
@@ -77,14 +87,14 @@ class Rollout:
         if msg.weight is not None and not 0 <= msg.weight <= 1_000_000:
             raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
         rec = await self.load_beside(entry, decl)
-        if msg.weight is None:
-            replaced = self.flip(entry, {rec.version: FULL_WEIGHT})
+        if msg.weight is None:   # a swap: the versions that had weight drain
+            replaced = self.registry.flip(entry.name, {rec.version: FULL_WEIGHT})
             await self.retire(entry, replaced)
             message = f"{rec.key} serves every request that names no version" + (
                 f"; {', '.join(r.version for r in replaced)} drained and unloaded" if replaced else "")
         else:
-            self.flip(entry, {**{r.version: r.weight for r in entry.records.values()
-                                 if r.state is VersionState.READY}, rec.version: msg.weight})
+            self.registry.flip(entry.name, {**{r.version: r.weight for r in entry.records.values()
+                                               if r.state is VersionState.READY}, rec.version: msg.weight})
             share = entry.traffic.share(rec.version)
             message = f"{rec.key} loaded with weight {msg.weight} ({share:.1%} of unnamed requests)"
         return self.reply(msg, entry, message, since)
@@ -122,17 +132,15 @@ class Rollout:
     async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
         """Load the version on every worker serving the model (one, for an on-demand model) and
         wait until all have it warm; on any failure take it out again and raise why."""
-        rec = VersionRecord(entry.name, decl, VersionState.LOADING, entry.on_demand)
+        rec = self.registry.add_version(entry.name, decl)
         key = rec.key
-        entry.records[decl.version] = rec
-        self.b.admission.breakers.declare(entry.decl, [decl.version], self.b.clock())
-        self.registry.changed()
+        self.d.declare_breakers(entry.decl, [decl.version], self.d.clock())
         placement = self.placement
         placement.failures.pop(key, None)
         placement.watching.add(key)
         try:
             if entry.on_demand:
-                placement.residency.place(rec, self.b.roster)
+                placement.place(rec)
             placement.reconcile()
 
             def settled() -> bool:
@@ -154,47 +162,23 @@ class Rollout:
         raise fail(Code.MODEL_NOT_READY, f"{key} was not loaded on every worker within {self.load_timeout_s:g} s "
                    "(workers.start_timeout_s); it was taken out again", model=entry.name, version=decl.version)
 
-    # ---- routing and retiring ----------------------------------------------------------------
-
-    def flip(self, entry: ModelEntry, weights: dict[str, int]) -> list[VersionRecord]:
-        """In one step: the given versions get these weights (and are ready), the other ready
-        versions weight 0; a swap (a single version) drains the versions that had weight.
-        Returns the versions now draining."""
-        swap = len(weights) == 1
-        draining = []
-        for r in entry.records.values():
-            if r.version in weights:
-                r.state, r.seen, r.weight = VersionState.READY, True, weights[r.version]
-            elif r.state is VersionState.READY:
-                if swap and r.weight > 0:
-                    r.state = VersionState.DRAINING
-                    draining.append(r)
-                r.weight = 0
-        entry.retraffic()
-        self.registry.changed()
-        return draining
+    # ---- retiring ----------------------------------------------------------------------------
 
     async def retire(self, entry: ModelEntry, records: list[VersionRecord]) -> None:
         """Let what was admitted for these versions finish, then unload them everywhere."""
-        for r in records:
-            r.state, r.weight = VersionState.DRAINING, 0
-        entry.retraffic()
-        self.registry.changed()
+        self.registry.retire(entry.name, records)
         drain_s = entry.decl.timeout_ms / 1000 + self.drain_s
         await self.placement.until(lambda: all(r.active <= 0 for r in records), drain_s)
-        self.b.unserved.versions(records, "its version was unloaded before it ran (it outlived the drain)")
+        self.d.unserved(records, "its version was unloaded before it ran (it outlived the drain)")
         await self.drop(entry, records)
 
     async def drop(self, entry: ModelEntry, records: list[VersionRecord]) -> None:
         """Forget these versions and wait until no worker holds them."""
         keys = [r.key for r in records]
+        self.registry.forget(entry.name, [r.version for r in records])
         for r in records:
-            entry.forget(r.version)
-            self.b.admission.breakers.forget(entry.name, r.version)
-            for w in self.b.roster:
-                w.wanted.discard(r.key)
-        entry.retraffic()
-        self.registry.changed()
+            self.d.forget_breakers(entry.name, r.version)
+        self.placement.unwant(keys)
         self.placement.reconcile()
         await self.placement.until(lambda: not any(map(self.placement.holds_anywhere, keys)), UNLOAD_WAIT_S)
 
@@ -224,11 +208,7 @@ class Rollout:
         if bad or sum(msg.weights.values()) <= 0:
             raise fail(Code.INVALID_ARGUMENT, f"weights must be 0..1000000 and sum to more than 0, got {msg.weights}",
                        weights=msg.weights)
-        for r in entry.records.values():
-            if r.state is VersionState.READY:
-                r.weight = msg.weights.get(r.version, 0)
-        entry.retraffic()
-        self.registry.changed()
+        self.registry.weigh(entry.name, msg.weights)
         self.placement.note("traffic", f"{entry.name}:", message=str(msg.weights))
         split = ", ".join(f"{v} {entry.traffic.share(v):.1%}" for v in entry.traffic.versions)
         return self.reply(msg, entry, f"{entry.name}: unnamed requests now go {split}", since)

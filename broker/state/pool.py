@@ -55,6 +55,18 @@ class IllegalTransition(RuntimeError):
 
 
 @dataclass
+class Holding:
+    """What one life of a worker is doing with run-time versions: placement's and residency's
+    (models/), which alone write it; the core only stamps `used_at` as it dispatches."""
+    loader_ready: bool = False                                  # its loader thread said hello
+    loading: dict[str, float] = field(default_factory=dict)     # key -> when its load was sent
+    unloading: set[str] = field(default_factory=set)
+    evicting: set[str] = field(default_factory=set)   # loaded, no longer wanted: no new batches, unloaded once idle
+    wanted: set[str] = field(default_factory=set)     # on-demand versions placed on it
+    used_at: dict[str, float] = field(default_factory=dict)  # key -> last batch dispatched (LRU goes first)
+
+
+@dataclass
 class WorkerHandle:
     """One worker's state; `state` changes only through the methods below (see _NEXT)."""
     worker_id: int
@@ -123,14 +135,8 @@ class WorkerHandle:
         self.segment = segment
         self.inputs = RingAllocator(self.input_bytes)
         self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
-        # runtime loads (placement.py): what its loader thread is doing and what it holds
-        self.loader_ready = False
-        self.loading: dict[str, float] = {}   # key -> when its load was sent
-        self.unloading: set[str] = set()
-        self.evicting: set[str] = set()       # loaded, no longer wanted: no new batches, unloaded once idle
-        self.wanted: set[str] = set()         # on-demand versions placed on it
+        self.holding = Holding()              # run-time loads and unloads (models/placement.py)
         self.sizes: dict[str, int] = {}       # key -> parameter and buffer bytes of what it loaded
-        self.used_at: dict[str, float] = {}   # key -> last batch dispatched (least recently used goes first)
 
     def take_releases(self) -> list[int]:
         out, self.releases = self.releases, []
@@ -163,7 +169,7 @@ class WorkerHandle:
         worker holding nothing else, so if it kills the worker it takes no other request along.
         A request bound to a GPU (`head`'s CUDA tensors) runs only on a worker on that GPU."""
         if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
-                (self.evicting and model_key in self.evicting) or \
+                (self.holding.evicting and model_key in self.holding.evicting) or \
                 (head is not None and not cuda.fits(self, head)):
             return False
         if suspect:

@@ -3,17 +3,19 @@
 The record is what routing, admission and the rollouts share: its state decides whether a
 request may name it, `active` counts the requests admitted for it and not yet answered (a
 draining version is unloaded once that reaches 0), and the load figures feed status,
-metadata and the residency budget.
+metadata and the residency budget. Its state moves only along _NEXT, through `ready` and
+`drain`, which only the models' registry (models/registry.py) calls.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from enum import Enum
 
 from tgw.shm.wire import IOSpec, ModelSpec, VersionInfo, model_key
 
 from tgw.broker.config.schema import VersionDecl
+from .pool import IllegalTransition
 
 
 class VersionState(str, Enum):
@@ -22,11 +24,24 @@ class VersionState(str, Enum):
     DRAINING = "draining"   # being unloaded: what was admitted finishes, nothing new is
 
 
+_NEXT = {
+    # LOADING -> DRAINING: a loading version unloaded before routing ever saw it drains harmlessly
+    VersionState.LOADING: {VersionState.READY, VersionState.DRAINING},
+    VersionState.READY: {VersionState.DRAINING},
+    VersionState.DRAINING: set(),   # the end: the registry forgets it once drained
+}
+
+
+class IllegalVersionTransition(IllegalTransition):
+    """A broker bug: a version (or model) written along an edge its life cycle does not have."""
+
+
 @dataclass(eq=False)
 class VersionRecord:
+    """`state` (the third argument: where its life starts) changes only through ready/drain."""
     model: str
     decl: VersionDecl
-    state: VersionState
+    initial: InitVar[VersionState]
     on_demand: bool = False
     weight: int = 0            # share of the requests that name no version (of the model's sum)
     seen: bool = False         # some worker has had it loaded: admitted while a worker restarts
@@ -38,8 +53,29 @@ class VersionRecord:
     error: str = ""            # why its last load failed ...
     failed_at: float = 0.0     # ... and when (an on-demand load is not retried for a while)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, initial: VersionState) -> None:
+        self._state = initial
         self.key = model_key(self.model, self.decl.version)
+
+    @property
+    def state(self) -> VersionState:
+        return self._state
+
+    def check(self, to: VersionState) -> None:
+        """Raise unless `to` is an edge from here (the registry checks a whole write first)."""
+        if to not in _NEXT[self._state]:
+            raise IllegalVersionTransition(f"{self.key}: {self._state.value} -> {to.value}")
+
+    def ready(self, weight: int) -> None:
+        """Routable with this weight (ready already: only the weight changes)."""
+        if self._state is not VersionState.READY:
+            self.check(VersionState.READY)
+            self._state = VersionState.READY
+        self.seen, self.weight = True, weight
+
+    def drain(self) -> None:
+        self.check(VersionState.DRAINING)
+        self._state, self.weight = VersionState.DRAINING, 0
 
     @property
     def version(self) -> str:

@@ -1,0 +1,159 @@
+"""The checks of a request's header against its model: the version it may be served by, and
+its tensors against the declared inputs.
+
+Pure checks, no I/O: a request that passes them is known to match its model's declared inputs
+exactly, so workers never see malformed tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec
+
+from tgw.broker.front.inbound import wire_nbytes
+from tgw.broker.state.versions import VersionRecord, VersionState
+from .entry import ModelEntry
+
+
+@dataclass(slots=True)
+class Shape:
+    """What the shape checks learned about one request (the same for every version)."""
+    order: list[int]        # order[k] = index in the request of declared input k
+    rows: int
+    shape_key: tuple        # non-batch dims of every input, for batching variable shapes
+    outputs: list[str]
+
+
+@dataclass(slots=True)
+class Checked:
+    """What validation learned about one request."""
+    model: ModelEntry
+    record: VersionRecord
+    shape: Shape
+
+    @property
+    def version(self) -> str:
+        return self.record.version
+
+    @property
+    def rows(self) -> int:
+        return self.shape.rows
+
+    @property
+    def order(self) -> list[int]:
+        return self.shape.order
+
+    @property
+    def shape_key(self) -> tuple:
+        return self.shape.shape_key
+
+    @property
+    def outputs(self) -> list[str]:
+        return self.shape.outputs
+
+
+def route(model: ModelEntry, req: Infer) -> VersionRecord:
+    """The version the request names, or the traffic split's pick; refused unless it may be
+    served (ready, and loaded once since start unless it loads on demand)."""
+    if req.version is None:
+        version = model.traffic.pick(req.routing_key)
+        if version is None:
+            raise fail(Code.MODEL_NOT_READY, f"model {model.name!r} has no version loaded", model=model.name,
+                       reason="no_version")
+    else:
+        version = req.version
+    rec = model.records.get(version)
+    if rec is None or rec.state is VersionState.DRAINING:
+        why = " (it is being unloaded)" if rec is not None else ""
+        raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}{why}",
+                   model=req.model, version=version, available=model.routable())
+    if rec.state is VersionState.LOADING or not (rec.seen or rec.on_demand):
+        raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
+                   model=req.model, version=version)
+    if req.timeout_ms is not None and req.timeout_ms < 0:  # the client refuses it too (one rule)
+        raise fail(Code.INVALID_ARGUMENT, f"timeout_ms must be >= 0, got {req.timeout_ms}",
+                   timeout_ms=req.timeout_ms)
+    return rec
+
+
+def check_shapes(model: ModelEntry, req: Infer, frame_sizes: list[int]) -> Shape:
+    order, rows, shape_key = _check_inputs(model, req, frame_sizes)
+    return Shape(order, rows, shape_key, _check_outputs(model, req.outputs))
+
+
+def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
+    if len(frame_sizes) != len(req.inputs):
+        raise fail(Code.INVALID_ARGUMENT, f"header lists {len(req.inputs)} tensors but "
+                   f"{len(frame_sizes)} tensor frames followed it")
+    names = [t.name for t in req.inputs]
+    expected = [t.name for t in model.inputs]
+    if sorted(names) != sorted(expected):
+        raise fail(Code.INVALID_ARGUMENT, f"model {model.name!r} takes inputs {expected}, got {names}",
+                   expected=expected, got=names)
+    order = [names.index(n) for n in expected]
+    rows, shape_key = None, []
+    max_rows = model.decl.max_batch_size
+    for k, decl in enumerate(model.inputs):
+        meta = req.inputs[order[k]]
+        if meta.dtype != decl.dtype:
+            raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} must be {decl.dtype}, got {meta.dtype}",
+                       input=decl.name, expected=decl.dtype, got=meta.dtype)
+        shape = meta.shape
+        if len(shape) != len(decl.shape) + 1 or not _dims_match(shape[1:], decl.shape):
+            raise fail(Code.INVALID_INPUT_SHAPE, f"input {decl.name!r} must have shape "
+                       f"[batch, {', '.join(map(str, decl.shape))}] (-1 = any), got {shape}",
+                       input=decl.name, expected=[-1, *decl.shape], got=shape)
+        if rows is None:
+            rows = shape[0]
+        if shape[0] != rows:
+            raise fail(Code.INVALID_INPUT_SHAPE, f"inputs disagree on the batch dimension: "
+                       f"{decl.name!r} has {shape[0]} rows, others {rows}", input=decl.name)
+        if not 1 <= rows <= max_rows:
+            raise fail(Code.INVALID_INPUT_SHAPE, f"batch dimension of {decl.name!r} is {rows}; model "
+                       f"{model.name!r} takes 1..{max_rows} rows per request",
+                       input=decl.name, max_batch_size=max_rows)
+        if meta.compression is not None and meta.compression not in COMPRESSIONS:
+            raise fail(Code.INVALID_ARGUMENT, f"unknown compression {meta.compression!r} on "
+                       f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
+        if meta.wire_dtype is not None:
+            _check_wire_dtype(model, decl, meta.wire_dtype)
+        want = wire_nbytes(meta)
+        got = frame_sizes[order[k]]
+        if meta.compression is None and got != want:
+            what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
+            raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
+                       f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
+        if model.variable:
+            shape_key.append(tuple(shape[1:]))
+    return order, rows, tuple(shape_key)
+
+
+def _check_outputs(model: ModelEntry, wanted: list[str] | None) -> list[str]:
+    if wanted is None:
+        return [t.name for t in model.outputs]
+    unknown = [n for n in wanted if n not in model.output_names]
+    if unknown or len(set(wanted)) != len(wanted):
+        raise fail(Code.INVALID_ARGUMENT, f"requested outputs {wanted}; model {model.name!r} has "
+                   f"{sorted(model.output_names)} (each at most once)")
+    return list(wanted)
+
+
+def _check_wire_dtype(model: ModelEntry, decl: IOSpec, wire_dtype: str) -> None:
+    """A float32 input sent at a reduced precision: one tgw knows, that the model's config allows."""
+    allowed = model.decl.wire_dtypes
+    if wire_dtype not in WIRE_DTYPES:
+        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r}: unknown wire_dtype {wire_dtype!r}; "
+                   f"one of {list(WIRE_DTYPES)}", input=decl.name, wire_dtype=wire_dtype)
+    if decl.dtype != "float32":
+        raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} is {decl.dtype}: only float32 inputs may be "
+                   f"sent at a reduced wire_dtype ({wire_dtype})", input=decl.name, wire_dtype=wire_dtype)
+    if wire_dtype not in allowed:
+        raise fail(Code.INVALID_INPUT_DTYPE, f"model {model.name!r} does not take input {decl.name!r} as "
+                   f"{wire_dtype}: its config allows {list(allowed) or 'no reduced precision'} "
+                   f"(models[].wire_dtypes)", input=decl.name, wire_dtype=wire_dtype, allowed=list(allowed),
+                   config_key="models[].wire_dtypes")
+
+
+def _dims_match(got: list[int], declared: list[int]) -> bool:
+    return all(g >= 0 and (d == -1 or g == d) for g, d in zip(got, declared))

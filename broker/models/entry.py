@@ -1,0 +1,81 @@
+"""One declared model as the broker serves it: its declaration, its versions' records, the split.
+
+Read by everything that serves; written only by the registry (registry.py), which rebuilds
+the traffic split after each write.
+"""
+from __future__ import annotations
+
+from tgw.shm.wire import IOSpec, ModelInfo, ModelSpec, nbytes_of
+
+from tgw.broker.config.load import ModelDecl
+from tgw.broker.state.versions import VersionRecord, VersionState
+from .routing import Traffic
+
+FULL_WEIGHT = 100   # a version that takes every unnamed request shows weight 100 (100 %)
+
+
+class ModelEntry:
+    """One declared model: its declaration, its versions' records and the traffic split."""
+
+    def __init__(self, decl: ModelDecl, versions: bool = True):
+        """`versions`: its declared versions start ready (the config at start); else it has none
+        until the registry adds them (a model a reload declares loads them first)."""
+        self.decl = decl
+        self.inputs = [_io(t) for t in decl.inputs]
+        self.outputs = [_io(t) for t in decl.outputs]
+        self.input_index = {t.name: i for i, t in enumerate(decl.inputs)}
+        self.output_names = frozenset(t.name for t in decl.outputs)
+        self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
+        self.on_demand = decl.residency == "on_demand"
+        self.removed = False     # dropped from the config: refused, kept until its queue drains
+        self.records: dict[str, VersionRecord] = {}
+        weights = decl.weights()
+        for v in decl.versions if versions else ():
+            self.records[v.version] = VersionRecord(decl.name, v, VersionState.READY, self.on_demand,
+                                                    weight=weights.get(v.version, 0))
+        self.traffic = Traffic({})
+        self.retraffic()
+
+    @property
+    def name(self) -> str:
+        return self.decl.name
+
+    @property
+    def default(self) -> str | None:
+        """The version with the greatest weight (ties: the later one); None while none has weight."""
+        best = None
+        for rec in self.records.values():
+            if rec.weight > 0 and rec.state is VersionState.READY and (best is None or rec.weight >= best.weight):
+                best = rec
+        return best.version if best else None
+
+    def routable(self) -> list[str]:
+        return [v for v, r in self.records.items() if r.state is VersionState.READY]
+
+    def retraffic(self) -> None:
+        """Rebuild the split from the READY versions' weights (in version order); if none of
+        them keeps a weight, the newest takes the requests that name no version. The
+        registry's, after each of its writes."""
+        ready = [r for r in self.records.values() if r.state is VersionState.READY]
+        if ready and not any(r.weight for r in ready):
+            ready[-1].weight = FULL_WEIGHT
+        self.traffic = Traffic({v: r.weight for v, r in self.records.items() if r.state is VersionState.READY})
+
+    def output_bytes(self, rows: int) -> list[int] | None:
+        """Bytes of each declared output (the worker writes them all) for `rows` rows; None when
+        some output dim is -1, so the size is known only after compute."""
+        if any(d == -1 for t in self.outputs for d in t.shape):
+            return None
+        return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
+
+    def spec(self, rec: VersionRecord) -> ModelSpec:
+        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size)
+
+    def info(self, ready: bool) -> ModelInfo:
+        return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
+                         max_batch_size=self.decl.max_batch_size, inputs=self.inputs, outputs=self.outputs,
+                         ready=ready, wire_dtypes=list(self.decl.wire_dtypes))
+
+
+def _io(t) -> IOSpec:
+    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape))
