@@ -40,8 +40,9 @@ MAX_REGIONS_PER_PROCESS = 64
 SEALS_NEEDED = fcntl.F_SEAL_SHRINK
 
 
-class RegionFrame:
-    """A region slice as admission reads a tensor frame: `.buffer`, and len() in bytes."""
+class SliceFrame:
+    """Bytes that are no ZeroMQ frame, as admission reads a tensor frame: `.buffer`, and len() in
+    bytes. Region slices here; the HTTP face's tensors too (http/kserve.py), so one shape serves both."""
     __slots__ = ("buffer",)
 
     def __init__(self, buffer: memoryview):
@@ -160,7 +161,7 @@ class Regions:
                 continue        # admission names the bad dtype
             n = nbytes_of(t.dtype, t.shape)
             self._in_bounds(region, t.offset, n, f"input {t.name!r}")
-            out[i] = RegionFrame(region.view[t.offset:t.offset + n])
+            out[i] = SliceFrame(region.view[t.offset:t.offset + n])
             self.counts["inputs"] += 1
         s = msg.output_region
         if s is not None:

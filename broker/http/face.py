@@ -12,24 +12,24 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import ErrorReply, InferReply
+from tgw.shm.wire import ErrorReply, Infer, InferReply
+
+from tgw.broker.config.schema_ops import HttpDecl
+from tgw.broker.models.registry import ModelEntry
+from tgw.broker.observe import status
+from tgw.broker.observe.status import BrokerView
 
 from . import kserve
-
-from tgw.broker.observe import status
 from .kserve import HEADER_LENGTH
 from .repository import Repository
-from tgw.broker.config.schema_ops import HttpDecl
-
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
@@ -61,12 +61,25 @@ def json_response(doc, status_code: int = 200) -> web.Response:
     return web.Response(status=status_code, body=orjson.dumps(doc), content_type="application/json")
 
 
+@dataclass(frozen=True)
+class FaceDeps:
+    """What the HTTP face reads and calls of the rest of the broker (the core builds it:
+    wiring.face_deps, once the front door is attached)."""
+    token: str | None
+    view: BrokerView                            # health, readiness, the repository index, /metrics
+    entry: Callable[[str], ModelEntry]          # the registry's model by name; raises MODEL_NOT_FOUND
+    dispatch: Callable[[Any, Any], None]        # the front door: a decoded request other than infer
+    infer: Callable[[Any, Infer, list], None]   # the front door: an inference request (it answers refusals)
+    count_error: Callable[[str, str], None]     # stats.error(model, code): refusals before the door, counted
+    note: Callable[..., None]                   # complaints.note: a broker bug, logged rate-limited
+
+
 class HttpFace:
-    def __init__(self, b: "Broker", decl: HttpDecl):
-        self.b, self.decl = b, decl
+    def __init__(self, deps: FaceDeps, decl: HttpDecl):
+        self.deps, self.decl = deps, decl
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
-        self.repository = Repository(b, self.ask, self.body, decl.host)
+        self.repository = Repository(deps.view, deps.entry, self.ask, self.body, decl.host, deps.token)
         self.runner: web.AppRunner | None = None
         self.address = ""            # http://host:port once listening
 
@@ -119,19 +132,20 @@ class HttpFace:
         answering every refusal in one JSON shape."""
         async def guarded(request: web.Request) -> web.Response:
             try:
-                if self.b.token and not open_path:
+                if self.deps.token and not open_path:
                     self.check_token(request.headers.get("Authorization", ""))
                 return await handler(request)
             except TgwError as err:
                 return error_response(err)
             except Exception as exc:  # a broker bug: answered, logged with its stack, serving goes on
-                self.b.complaints.note("broker_error", type(exc).__name__, f"HTTP {request.method} {request.path} "
-                                       "failed inside the broker", exc_info=True)
+                self.deps.note("broker_error", type(exc).__name__, f"HTTP {request.method} {request.path} "
+                               "failed inside the broker", exc_info=True)
                 return error_response(fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"))
         return guarded
 
     def check_token(self, given: str) -> None:
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), self.b.token.encode())):
+        token = self.deps.token
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), token.encode())):
             raise fail(Code.UNAUTHENTICATED, "missing or wrong token: send \"Authorization: Bearer TOKEN\" "
                        "(the broker is configured with server.auth_token_file)")
 
@@ -142,7 +156,7 @@ class HttpFace:
     async def ask(self, msg, caller: HttpCaller | None = None):
         """Send a message through the front door as a caller would; its answer."""
         caller = caller or HttpCaller(asyncio.get_running_loop())
-        self.b.door.dispatch(caller, msg)
+        self.deps.dispatch(caller, msg)
         reply, frames = await caller.future
         if isinstance(reply, ErrorReply):
             raise error_from_body(reply.error)
@@ -153,7 +167,7 @@ class HttpFace:
     async def infer(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
         if self.inflight >= self.decl.max_inflight:   # bodies being read count: they hold memory
-            self.b.stats.error(model, Code.OVERLOADED.value)
+            self.deps.count_error(model, Code.OVERLOADED.value)
             raise fail(Code.OVERLOADED, f"{self.inflight} HTTP requests in flight (http.max_inflight)",
                        reason="http_inflight", limit=self.decl.max_inflight)
         self.inflight += 1
@@ -161,10 +175,10 @@ class HttpFace:
             try:
                 decoded = await self.decode(request, model)
             except TgwError as err:   # counted as the native door counts its refusals
-                self.b.stats.error(model, err.code.value)
+                self.deps.count_error(model, err.code.value)
                 raise
             caller = HttpCaller(asyncio.get_running_loop())
-            self.b.door.infer(caller, decoded.infer, decoded.frames)   # answers refusals itself
+            self.deps.infer(caller, decoded.infer, decoded.frames)   # answers refusals itself
             reply, frames = await caller.future
         finally:
             self.inflight -= 1
@@ -202,7 +216,7 @@ class HttpFace:
                     limit=self.decl.max_body_bytes)
 
     async def decode(self, request: web.Request, model: str) -> kserve.Decoded:
-        self.b.registry.entry(model)   # an unknown model is named before anything in the body
+        self.deps.entry(model)   # an unknown model is named before anything in the body
         headers = request.headers
         decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model,
                                 request.match_info.get("version"), next(self.ids))
@@ -232,7 +246,7 @@ class HttpFace:
         return json_response({"live": True})
 
     async def ready(self, request: web.Request) -> web.Response:
-        health = status.health(self.b)
+        health = status.health(self.deps.view)
         return json_response({"ready": health.ready, "models": health.models}, 200 if health.ready else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -248,10 +262,10 @@ class HttpFace:
         return json_response({"ready": ready}, 200 if ready else 400)
 
     async def model_config(self, request: web.Request) -> web.Response:
-        entry = self.b.registry.entry(request.match_info["model"])
+        entry = self.deps.entry(request.match_info["model"])
         return json_response(entry.decl.model_dump(mode="json"))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text, content_type = self.b.metrics.render()
+        text, content_type = self.deps.view.scrape()
         return web.Response(body=text, headers={"Content-Type": content_type})
 

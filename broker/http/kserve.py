@@ -20,6 +20,8 @@ import orjson
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, InferReply, TensorMeta
 
+from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for a ZeroMQ frame
+
 HEADER_LENGTH = "Inference-Header-Content-Length"
 DATATYPES = {"BOOL": "bool", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
              "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -35,20 +37,9 @@ UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence bat
              "classification": "classification outputs"}
 
 
-class Frame:
-    """A tensor's bytes as admission reads a ZeroMQ frame: `.buffer`, and len() in bytes."""
-    __slots__ = ("buffer",)
-
-    def __init__(self, buffer: memoryview):
-        self.buffer = buffer
-
-    def __len__(self) -> int:
-        return self.buffer.nbytes
-
-
 class Decoded(NamedTuple):
     infer: Infer
-    frames: list[Frame]
+    frames: list[SliceFrame]
     request_id: str | None          # the body's "id", echoed in the reply
     binary: frozenset[str] | bool   # outputs to send as raw bytes (True: all of them)
 
@@ -103,7 +94,7 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
     else:
         frames, end = [], n
         for size in head.sizes:
-            frames.append(Frame(view[end:end + size]))
+            frames.append(SliceFrame(view[end:end + size]))
             end += size
         if end > len(body):
             raise bad(f"the inputs' binary_data_size ({end - n} bytes in all) does not fit the {len(body) - n} bytes "
@@ -116,7 +107,7 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
     return Decoded(msg, frames, head.request_id, head.binary)
 
 
-def parse_header(view: memoryview, n: int) -> tuple[Header, list[Frame], int]:
+def parse_header(view: memoryview, n: int) -> tuple[Header, list[SliceFrame], int]:
     """The header, the inputs' frames and where the last binary input ends."""
     try:
         doc = orjson.loads(view[:n])
@@ -145,7 +136,7 @@ def parse_header(view: memoryview, n: int) -> tuple[Header, list[Frame], int]:
     return head, frames, end
 
 
-def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, Frame, int | None]:
+def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, SliceFrame, int | None]:
     """An input's meta and bytes, and its binary_data_size (None: JSON data)."""
     if not isinstance(spec, dict):
         raise bad(f"inputs[{i}] must be an object")
@@ -166,10 +157,11 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
         if type(size) is not int or size < 0 or offset + size > body.nbytes:
             raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
                       "left in the body", input=name)
-        return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(body[offset:offset + size]), size
+        return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(body[offset:offset + size]), size
     if "data" not in spec:
         raise bad(f"input {name!r} has neither \"data\" nor parameters.binary_data_size", input=name)
-    return TensorMeta(name=name, dtype=dtype, shape=shape), Frame(json_tensor(spec["data"], dtype, shape, name)), None
+    data = json_tensor(spec["data"], dtype, shape, name)
+    return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
 def datatype(value: Any, name: str) -> str:

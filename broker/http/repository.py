@@ -8,7 +8,7 @@ network could send them: an HTTP face listening beyond loopback without server.a
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import orjson
 from aiohttp import web
@@ -16,14 +16,12 @@ from aiohttp import web
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, UnloadVersion, model_key
 
-from . import kserve
-from tgw.broker.state.pool import WorkerState
 from tgw.broker.models.registry import ModelEntry
-from tgw.broker.observe.status import listed, serving
+from tgw.broker.observe.status import BrokerView, listed, serving
+from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+from . import kserve
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "sha256": str, "weight": int, "format": str,
@@ -44,15 +42,17 @@ def io(specs) -> list[dict]:
 
 
 class Repository:
-    def __init__(self, b: "Broker", ask: Callable[..., Awaitable], read: Callable[..., Awaitable],
-                 host: str = "127.0.0.1"):
-        self.b, self.ask, self.read = b, ask, read
-        self.open_to_network = not loopback(host) and not b.token
+    def __init__(self, view: BrokerView, entry: Callable[[str], ModelEntry], ask: Callable[..., Awaitable],
+                 read: Callable[..., Awaitable], host: str = "127.0.0.1", token: str | None = None):
+        """`entry`: the registry's model by name (raises MODEL_NOT_FOUND); `ask`: a message through
+        the front door, answered; `read`: a request's body."""
+        self.view, self.entry, self.ask, self.read = view, entry, ask, read
+        self.open_to_network = not loopback(host) and not token
 
     # ---- metadata and readiness --------------------------------------------------------------
 
     def version_of(self, model: str, version: str | None) -> tuple[ModelEntry, str | None]:
-        entry = self.b.registry.entry(model)   # MODEL_NOT_FOUND
+        entry = self.entry(model)   # MODEL_NOT_FOUND
         if version is not None and version not in entry.records:
             raise fail(Code.VERSION_NOT_FOUND, f"model {model!r} has no version {version!r}",
                        model=model, version=version, available=list(entry.records))
@@ -62,20 +62,21 @@ class Repository:
         entry, version = self.version_of(model, version)
         shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
         return {"name": entry.name, "versions": [version] if version else entry.routable(),
-                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs), "outputs": io(entry.outputs),
+                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs),
+                "outputs": io(entry.outputs),
                 "parameters": {"max_batch_size": entry.decl.max_batch_size, "default_version": entry.default,
                                "residency": entry.decl.residency}}
 
     def ready(self, model: str, version: str | None) -> bool:
         """The model (its default version) or that version can be served now."""
         entry, version = self.version_of(model, version)
-        if not self.b.is_serving():
+        if not self.view.is_serving():
             return False
         if version is None:
-            return serving(self.b, entry)
+            return serving(self.view, entry)
         if entry.records[version].state is not VersionState.READY:
             return False
-        live = [w for w in self.b.roster if w.state is WorkerState.READY]
+        live = [w for w in self.view.roster if w.state is WorkerState.READY]
         return bool(live) if entry.on_demand else any(model_key(model, version) in w.models for w in live)
 
     # ---- the repository extension ------------------------------------------------------------
@@ -83,7 +84,7 @@ class Repository:
     async def index(self, request: web.Request) -> web.Response:
         only_ready = (await self.body(request)).get("ready", False) is True
         rows = []
-        for entry in listed(self.b):
+        for entry in listed(self.view):
             for v, rec in entry.records.items():
                 state = STATES[rec.state] if self.ready(entry.name, v) or rec.state is not VersionState.READY \
                     else "UNAVAILABLE"
@@ -95,7 +96,7 @@ class Repository:
         """parameters: version (default: the config's default version), path (default: the
         config's), sha256, weight (a canary beside what serves; none: a hot swap), format."""
         self.control_allowed()
-        entry = self.b.registry.entry(request.match_info["model"])
+        entry = self.entry(request.match_info["model"])
         params = self.params(await self.body(request))
         version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
         if "version" not in params and version in entry.records:

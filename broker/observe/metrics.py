@@ -11,21 +11,18 @@ workers' device figures (NVML, as their heartbeats carry them).
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from . import metrics_gpu
-
-from . import metrics_state
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.stats import Buckets
 
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+from . import metrics_gpu, metrics_state
+from .status import BrokerView
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
 OK = "OK"                                               # the code label of a request answered with outputs
@@ -46,12 +43,13 @@ def histogram(fam: HistogramMetricFamily, labels: list[str], buckets: Buckets) -
 
 
 class Metrics(Collector):
-    def __init__(self, broker: "Broker"):
-        self.b = broker
+    def __init__(self, view: BrokerView, on_finished: list):
+        """`on_finished`: admission's hooks on each request's end; this one counts outcomes."""
+        self.view = view
         self.series: dict[str, ModelSeries] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        broker.admission.on_finished.append(self.finished)
+        on_finished.append(self.finished)
 
     def finished(self, p: Pending, code: str | None, now: float) -> None:
         """An admitted request leaves (code None: answered with outputs) - on the hot path."""
@@ -69,15 +67,16 @@ class Metrics(Collector):
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     def collect(self) -> Iterator:
-        b, now = self.b, self.b.clock()
+        view = self.view
+        now = view.clock()
         yield self._requests()
         yield from self._latency()
         yield from self._queues()
-        yield from metrics_state.broker_families(b, now)
-        yield from metrics_state.worker_families(b, now)
-        yield from metrics_state.version_families(b, now)
-        yield from metrics_state.scheduler_families(b)
-        yield from metrics_gpu.families(b.roster)
+        yield from metrics_state.broker_families(view, now)
+        yield from metrics_state.worker_families(view, now)
+        yield from metrics_state.version_families(view, now)
+        yield from metrics_state.scheduler_families(view)
+        yield from metrics_gpu.families(view.roster)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;
@@ -85,7 +84,7 @@ class Metrics(Collector):
         model beyond those; errors naming no declared model have model "" too."""
         fam = CounterMetricFamily("tgw_requests", "Inference requests answered, by model, version and outcome "
                                   "code (OK: answered with outputs)", labels=["model", "version", "code"])
-        stats = self.b.stats
+        stats = self.view.stats
         for model in {**stats.models, **self.series}:
             admitted_errors: Counter = Counter()
             s = self.series.get(model)
@@ -113,7 +112,7 @@ class Metrics(Collector):
                                         "copy), of batches completed without error", labels=["model"])
         rows = HistogramMetricFamily("tgw_batch_size_rows", "Rows per batch, of batches completed without error",
                                      labels=["model"])
-        for model, c in self.b.stats.models.items():
+        for model, c in self.view.stats.models.items():
             histogram(compute, [model], c.compute)
             sizes = Buckets(ROWS)
             for n_rows, n in c.batch_sizes.items():
@@ -122,22 +121,22 @@ class Metrics(Collector):
         yield from (e2e, queued, compute, rows)
 
     def _queues(self) -> Iterator:
-        b = self.b
+        view = self.view
         depth = GaugeMetricFamily("tgw_queue_depth", "Requests waiting in the broker's queue, by priority level "
                                   "(0 is served first)", labels=["model", "priority"])
-        for model in b.batcher.queues:
-            for level, n in enumerate(b.batcher.queued_by_level(model)):
+        for model in view.batcher.queues:
+            for level, n in enumerate(view.batcher.queued_by_level(model)):
                 depth.add_metric([model, str(level)], n)
         inflight = GaugeMetricFamily("tgw_inflight_requests", "Requests admitted and not yet answered (queued or "
                                      "computing)", labels=["model", "version"])
-        for model, entry in b.registry.models.items():
+        for model, entry in view.models.items():
             for version, rec in entry.records.items():
                 inflight.add_metric([model, version], rec.active)
         shed = CounterMetricFamily("tgw_shed", "Requests refused or shed OVERLOADED by the adaptive limit or the "
                                    "queue bound, by priority", labels=["model", "priority"])
         fallbacks = CounterMetricFamily("tgw_breaker_fallbacks", "Requests routed to the model's fallback while "
                                         "its breaker was open", labels=["model"])
-        for model, c in b.stats.models.items():
+        for model, c in view.stats.models.items():
             for priority, n in c.shed.items():
                 shed.add_metric([model, str(priority)], n)
             fallbacks.add_metric([model], c.fallbacks)

@@ -6,17 +6,15 @@ Nothing here is on the hot path; the figures come from what `status` and `stats`
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tgw.broker.sched.breaker import State as BreakerState
 from tgw.broker.state.pool import WorkerState
-from .status import listed, serving, worker_status
 from tgw.broker.state.versions import VersionState
 
-if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+from .status import BrokerView, listed, serving, worker_status
 
 WORKER = ["worker", "device"]   # worker0[cpu], cpu
 
@@ -27,14 +25,16 @@ def one_hot(fam: GaugeMetricFamily, labels: list[str], states: Iterable, current
         fam.add_metric([*labels, s.value], 1.0 if s is current else 0.0)
 
 
-def broker_families(b: "Broker", now: float) -> Iterator:
-    yield GaugeMetricFamily("tgw_broker_uptime_seconds", "Seconds since the broker started", now - b.started_at)
+def broker_families(view: BrokerView, now: float) -> Iterator:
+    yield GaugeMetricFamily("tgw_broker_uptime_seconds", "Seconds since the broker started", now - view.started_at)
     phase = GaugeMetricFamily("tgw_broker_phase", "The broker's phase (1 for the current one): starting, serving, "
                               "stopping", labels=["phase"])
-    one_hot(phase, [], type(b.phase), b.phase)
+    current = view.phase()   # values, not the core's Phase enum: a wing never imports the core
+    for value in view.phases:
+        phase.add_metric([value], 1.0 if value == current else 0.0)
     yield phase
-    yield GaugeMetricFamily("tgw_clients_connected", "Client connections open now", b.callers.connected)
-    seen = b.complaints.as_dict()
+    yield GaugeMetricFamily("tgw_clients_connected", "Client connections open now", view.callers.connected)
+    seen = view.complaints.as_dict()
     refused = CounterMetricFamily("tgw_refused", "Input refused before it reached a queue, by kind (malformed "
                                   "header, limits, authentication, ...)", labels=["kind"])
     for kind, n in seen.get("refused", {}).items():
@@ -45,12 +45,12 @@ def broker_families(b: "Broker", now: float) -> Iterator:
         dropped.add_metric([reason], n)
     abandoned = CounterMetricFamily("tgw_requests_abandoned", "Queued requests dropped unrun because nobody waits "
                                     "for them any more (cancelled, client_closed, client_gone)", labels=["reason"])
-    for reason, n in b.door.abandon.counts.items():
+    for reason, n in view.abandoned().items():
         abandoned.add_metric([reason], n)
     yield from (refused, dropped, abandoned)
 
 
-def worker_families(b: "Broker", now: float) -> Iterator:
+def worker_families(view: BrokerView, now: float) -> Iterator:
     def gauge(name: str, doc: str, extra: tuple = ()) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=[*WORKER, *extra])
 
@@ -71,7 +71,7 @@ def worker_families(b: "Broker", now: float) -> Iterator:
                       "yet completed, now; output: replies not yet sent, at the worker's last heartbeat)", ("arena",))
     ring_blocks = gauge("tgw_ring_blocks", "Live blocks in the arena (input: batches staged and not yet completed)",
                         ("arena",))
-    for w in b.roster:
+    for w in view.roster:
         labels = [w.name, w.device]
         one_hot(state, labels, WorkerState, w.state)
         seen = worker_status(w, now)
@@ -93,11 +93,11 @@ def worker_families(b: "Broker", now: float) -> Iterator:
     yield from (state, restarts, inflight, rss, cpu, age, cuda, ring_cap, ring_used, ring_blocks)
 
 
-def version_families(b: "Broker", now: float) -> Iterator:
+def version_families(view: BrokerView, now: float) -> Iterator:
     ready = GaugeMetricFamily("tgw_model_ready", "1 while requests that name no version can be served (a ready "
                               "worker holds the default version)", labels=["model"])
-    for m in listed(b):
-        ready.add_metric([m.name], 1.0 if serving(b, m) else 0.0)
+    for m in listed(view):
+        ready.add_metric([m.name], 1.0 if serving(view, m) else 0.0)
     labels = ["model", "version"]
     state = GaugeMetricFamily("tgw_model_version_state", "Each version's state (1 for the current one): loading, "
                               "ready, draining", labels=[*labels, "state"])
@@ -108,7 +108,7 @@ def version_families(b: "Broker", now: float) -> Iterator:
                                 labels=labels)
     evictions = CounterMetricFamily("tgw_model_version_evictions", "Evictions of the on-demand version from a "
                                     "worker", labels=labels)
-    for m in b.registry.models.values():
+    for m in view.models.values():
         for version, rec in m.records.items():
             one_hot(state, [m.name, version], VersionState, rec.state)
             weight.add_metric([m.name, version], rec.weight)
@@ -118,26 +118,26 @@ def version_families(b: "Broker", now: float) -> Iterator:
                                 "closed, open, half_open", labels=[*labels, "state"])
     rejected = CounterMetricFamily("tgw_breaker_rejected", "Requests refused CIRCUIT_OPEN by the version's breaker",
                                    labels=labels)
-    for (model, version), br in b.admission.breakers.by_key.items():
+    for (model, version), br in view.breakers.by_key.items():
         one_hot(breaker, [model, version], BreakerState, br.state)
         rejected.add_metric([model, version], br.rejected)
     yield from (ready, state, weight, loads, evictions, breaker, rejected)
 
 
-def scheduler_families(b: "Broker") -> Iterator:
+def scheduler_families(view: BrokerView) -> Iterator:
     limited = CounterMetricFamily("tgw_tenant_rate_limited", "Requests refused RATE_LIMITED by the tenant's quota, "
                                   "by reason: rate (token bucket) or inflight (its cap)", labels=["tenant", "reason"])
     admitted = CounterMetricFamily("tgw_tenant_admitted", "Requests admitted against the tenant's quota",
                                    labels=["tenant"])
     inflight = GaugeMetricFamily("tgw_tenant_inflight_requests", "The tenant's requests admitted and not yet "
                                  "answered", labels=["tenant"])
-    for name, t in b.admission.tenants.by_name.items():
+    for name, t in view.tenants.by_name.items():
         for reason, n in t.limited.items():
             limited.add_metric([name, reason], n)
         admitted.add_metric([name], t.admitted)
         inflight.add_metric([name], t.inflight)
     limit = GaugeMetricFamily("tgw_concurrency_limit", "The model's adaptive concurrency limit (requests in the "
                               "broker), where one is configured", labels=["model"])
-    for model, lim in b.admission.limits.items():
+    for model, lim in view.limits.items():
         limit.add_metric([model], lim.limit)
     yield from (limited, admitted, inflight, limit)

@@ -1,12 +1,14 @@
 """Read-only answers about the broker: hello, models, health, stats, status, metrics.
 
-Built from the state the broker owns (registry, worker roster, queues, counters); nothing here
-changes it.
+Built from the state the broker owns (registry, worker roster, queues, counters), as a
+BrokerView hands it over; nothing here changes it.
 """
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Scrape, \
     ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
@@ -15,86 +17,125 @@ from tgw.broker.state.pool import WorkerState
 from tgw.broker.models.registry import ModelEntry
 
 if TYPE_CHECKING:
-    from tgw.broker.server import Broker
+    from tgw.broker.front.callers import Callers
+    from tgw.broker.sched.batcher import Batcher
+    from tgw.broker.sched.breaker import Breakers
+    from tgw.broker.sched.costmodel import CostModel
+    from tgw.broker.sched.tenants import Tenants
+    from tgw.broker.state.complaints import Complaints
+    from tgw.broker.state.stats import Stats as Counters
 
 SERVER_NAME = "tgw/0.1.0"
 
 
-def hello(b: "Broker", req_id: int) -> HelloReply:
-    return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=b.admission.max_request)
+@dataclass(frozen=True)
+class BrokerView:
+    """What the read-only answers read of the broker: this module's, /metrics' (metrics*.py) and
+    the HTTP face's health and repository. The core fills it in (wiring.observe_view). What is
+    attached or replaced after construction (the front door, the operator, the HTTP face, the
+    phase) is read through callables, at call time."""
+    clock: Callable[[], float]
+    started_at: float
+    phase: Callable[[], str]            # the phase's value: "starting", "serving" or "stopping"
+    phases: tuple[str, ...]             # every phase's value, in order (tgw_broker_phase's one-hot)
+    is_serving: Callable[[], bool]
+    roster: list                        # every worker (pool.WorkerHandle), in any state
+    models: dict[str, ModelEntry]       # the registry's entries by name, removed ones too
+    stats: "Counters"
+    batcher: "Batcher"                  # queued requests, by model and priority
+    costs: "CostModel"
+    complaints: "Complaints"            # refusals and dropped replies, counted
+    callers: "Callers"                  # client connections
+    max_request: int                    # server.max_request_bytes, as admission enforces it
+    limits: dict                        # admission's adaptive concurrency limits, by model
+    breakers: "Breakers"
+    tenants: "Tenants"
+    workers_of: Callable[[str], dict]   # placement: what each worker holds of a version
+    events: deque                       # placement's recent lifecycle events
+    snapshots: Callable[[], list]       # the memory snapshots written lately
+    reload: Callable[[], dict]          # the last reload's outcome ({} without an operator)
+    http_address: Callable[[], str]     # the HTTP face's address ("" without one)
+    abandoned: Callable[[], dict]       # the front door's abandoned requests by reason ({} before it exists)
+    regions: Callable[[], dict]         # the front door's shared-memory regions ({} before it exists)
+    scrape: Callable[[], tuple[bytes, str]]   # the /metrics exposition and its content type
 
 
-def serving(b: "Broker", m: ModelEntry) -> bool:
+def hello(view: BrokerView, req_id: int) -> HelloReply:
+    return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=view.max_request)
+
+
+def serving(view: BrokerView, m: ModelEntry) -> bool:
     """Requests that name no version can be served now: a live, ready worker has the default
     version loaded (an on-demand model: a live worker could load it)."""
     version = m.default
     if version is None:
         return False
-    live = [w for w in b.roster if w.state is WorkerState.READY]
+    live = [w for w in view.roster if w.state is WorkerState.READY]
     key = model_key(m.name, version)
     return bool(live) if m.on_demand else any(key in w.models for w in live)
 
 
-def listed(b: "Broker") -> list[ModelEntry]:
-    return [m for m in b.registry.models.values() if not m.removed]
+def listed(view: BrokerView) -> list[ModelEntry]:
+    return [m for m in view.models.values() if not m.removed]
 
 
-def models(b: "Broker", req_id: int) -> ModelsReply:
-    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[m.info(serving(b, m)) for m in listed(b)])
+def models(view: BrokerView, req_id: int) -> ModelsReply:
+    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[m.info(serving(view, m)) for m in listed(view)])
 
 
-def health(b: "Broker", req_id: int = 0) -> HealthReply:
-    ready_models = {m.name: serving(b, m) for m in listed(b)}
-    return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=b.is_serving() and all(ready_models.values()),
-                       models=ready_models, workers={w.name: w.state.value for w in b.roster})
+def health(view: BrokerView, req_id: int = 0) -> HealthReply:
+    ready_models = {m.name: serving(view, m) for m in listed(view)}
+    return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=view.is_serving() and all(ready_models.values()),
+                       models=ready_models, workers={w.name: w.state.value for w in view.roster})
 
 
-def stats(b: "Broker", req_id: int) -> StatsReply:
-    models, now, adm = {}, b.clock(), b.admission
-    for name, counters in b.stats.models.items():
-        limit = adm.limits.get(name)
-        models[name] = {**counters.as_dict(), "queued": b.batcher.queued(name),
-                        "queued_by_priority": b.batcher.queued_by_level(name), "cost_model": b.costs.as_dict(name),
+def stats(view: BrokerView, req_id: int) -> StatsReply:
+    models, now = {}, view.clock()
+    for name, counters in view.stats.models.items():
+        limit = view.limits.get(name)
+        models[name] = {**counters.as_dict(), "queued": view.batcher.queued(name),
+                        "queued_by_priority": view.batcher.queued_by_level(name),
+                        "cost_model": view.costs.as_dict(name),
                         "concurrency": limit.as_dict() if limit is not None else None,
-                        "breakers": adm.breakers.as_dict(name, now), "versions": versions(b, name)}
-    seen = b.complaints.as_dict()
-    return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(b),
-                      tenants=adm.tenants.as_dict(),
-                      errors=dict(b.stats.unrouted_errors), refused=seen.get("refused", {}),
-                      dropped=seen.get("dropped", {}), abandoned=_abandoned(b),
-                      clients={"connected": b.callers.connected, "max_clients": b.callers.max_clients,
-                               "denied": b.callers.denied, "owed": sum(b.callers.owed.values())},
-                      regions=_regions(b))
+                        "breakers": view.breakers.as_dict(name, now), "versions": versions(view, name)}
+    seen = view.complaints.as_dict()
+    return StatsReply(v=PROTOCOL_VERSION, id=req_id, models=models, processes=processes(view),
+                      tenants=view.tenants.as_dict(),
+                      errors=dict(view.stats.unrouted_errors), refused=seen.get("refused", {}),
+                      dropped=seen.get("dropped", {}), abandoned=view.abandoned(),
+                      clients={"connected": view.callers.connected, "max_clients": view.callers.max_clients,
+                               "denied": view.callers.denied, "owed": sum(view.callers.owed.values())},
+                      regions=view.regions())
 
 
-def versions(b: "Broker", model: str) -> dict:
+def versions(view: BrokerView, model: str) -> dict:
     """Each version as metadata shows it (state, weight, loads, evictions, what each worker
     holds), and its requests admitted and not yet answered."""
-    entry = b.registry.models.get(model)
-    return {v: {**as_builtins(r.info(b.placement.workers_of(r.key))), "active": r.active}
-            for v, r in entry.records.items()} if entry else {}
+    entry = view.models.get(model)
+    return {name: {**as_builtins(r.info(view.workers_of(r.key))), "active": r.active}
+            for name, r in entry.records.items()} if entry else {}
 
 
-def processes(b: "Broker") -> list[dict]:
+def processes(view: BrokerView) -> list[dict]:
     return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
         {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state.value, "inflight": len(w.inflight)}
-        for w in b.roster]
+        for w in view.roster]
 
 
-def status(b: "Broker", req_id: int) -> StatusReply:
-    now = b.clock()
+def status(view: BrokerView, req_id: int) -> StatusReply:
+    now = view.clock()
     models = {}
-    for m in listed(b):
-        c = b.stats.models[m.name]
-        models[m.name] = {"default_version": m.default, "versions": {v: r.state.value for v, r in m.records.items()},
-                          "weights": {v: r.weight for v, r in m.records.items() if r.weight},
-                          "residency": m.decl.residency, "ready": serving(b, m), "queued": b.batcher.queued(m.name),
+    for m in listed(view):
+        c = view.stats.models[m.name]
+        models[m.name] = {"default_version": m.default, "versions": {n: r.state.value for n, r in m.records.items()},
+                          "weights": {n: r.weight for n, r in m.records.items() if r.weight},
+                          "residency": m.decl.residency, "ready": serving(view, m),
+                          "queued": view.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors)}
-    return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=b.phase.value, uptime_s=round(now - b.started_at, 3),
-                       workers=[worker_status(w, now) for w in b.roster], models=models,
-                       snapshots=list(b.memory.snapshots.recent),
-                       reload=dict(b.operator.reloader.outcome) if b.operator else {},
-                       events=list(b.placement.events), http=b.http.address if b.http else "")
+    return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
+                       workers=[worker_status(w, now) for w in view.roster], models=models,
+                       snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
+                       http=view.http_address())
 
 
 def worker_status(w, now: float) -> dict:
@@ -124,20 +165,10 @@ def gpu_status(w) -> dict:
     return {"gpu": as_builtins(beat.gpu) if beat.gpu is not None else None, "gpu_ooms": beat.gpu_ooms}
 
 
-def scrape(b: "Broker", req_id: int) -> ScrapeReply:
+def scrape(view: BrokerView, req_id: int) -> ScrapeReply:
     """What GET /metrics serves (broker/observe/metrics.py), for `tgw-broker metrics`."""
-    return ScrapeReply(v=PROTOCOL_VERSION, id=req_id, text=b.metrics.render()[0].decode())
+    return ScrapeReply(v=PROTOCOL_VERSION, id=req_id, text=view.scrape()[0].decode())
 
 
-# the read-only ops, by request type: each answers (broker, request id)
+# the read-only ops, by request type: each answers (view, request id)
 ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status, Scrape: scrape}
-
-
-def _abandoned(b: "Broker") -> dict:
-    door = getattr(b, "door", None)   # None until the broker is attached to its sockets
-    return dict(door.abandon.counts) if door is not None else {}
-
-
-def _regions(b: "Broker") -> dict:
-    door = getattr(b, "door", None)   # None until the broker is attached to its sockets
-    return door.regions.as_dict() if door is not None else {}
