@@ -10,11 +10,10 @@ import itertools
 import os
 
 import zmq
-import zmq.auth
-from zmq.utils import z85
 
+from tgw.shm import keys
 from tgw.shm.errors import error_from_body
-from tgw.shm.paths import ipc_path
+from tgw.shm.paths import ADDRESS_FORMS, address_problem, ipc_path
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Hello, encode, reply_decoder
 
 _ids = itertools.count(1)
@@ -25,27 +24,20 @@ class Unreachable(ConnectionError):
 
 
 def server_public_key(value: str) -> bytes:
-    """The broker's CURVE public key from its z85 text (40 characters) or its `.key` file.
-    The client library has the same rule; the broker may not import it (DESIGN.md layering)."""
-    if os.path.isfile(value):
-        try:
-            return zmq.auth.load_certificate(value)[0]
-        except (OSError, ValueError) as exc:
-            raise Unreachable(f"cannot read the server key file {value}: {exc}") from None
-    value = value.strip()
-    if len(value) == 40:
-        try:
-            z85.decode(value)
-            return value.encode()
-        except (ValueError, KeyError, IndexError):
-            pass
-    raise Unreachable(f"server key {value[:60]!r} is neither a 40-character z85 CURVE public key nor an "
-                      "existing certificate file (the broker's .key file from `tgw-broker keygen`)")
+    """The broker's CURVE public key from its z85 text or its `.key` file (tgw.shm.keys: the
+    client library has the same rule; the broker may not import it, DESIGN.md layering)."""
+    try:
+        return keys.server_public_key(value)
+    except keys.BadServerKey as exc:
+        raise Unreachable(str(exc)) from None
 
 
 def ask(address: str, msg, timeout_s: float = 5.0, *, token: str | None = None, server_key: str | None = None):
     """Send `msg` (its id and token are set here) and return the reply; raises Unreachable or the
     TgwError. `server_key`: the broker's CURVE public key (z85 text or its .key file)."""
+    problem = address_problem(address)
+    if problem:
+        raise Unreachable(f"bad broker address {address!r}: {problem}; expected {ADDRESS_FORMS}")
     path = ipc_path(address)
     if path is not None and not os.path.exists(path):
         raise Unreachable(f"no tgw broker at {address}: {path} does not exist")

@@ -30,8 +30,10 @@ from tgw.shm.errors import (
 )
 
 from .aio import AsyncClient
-from .client import Client, ConnectError, InferResult
+from .client import Client
+from .results import InferResult
 from .retry import RetryPolicy
+from .settings import ConnectError
 from .stream import StreamResult
 
 __all__ = [

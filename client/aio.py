@@ -4,36 +4,28 @@ connection, each awaited by its own caller.
     async with AsyncClient() as c:
         y = (await c.infer("mlp", {"x": x}, timeout=1.0))["y"]
 
-One DEALER socket read by the event loop (its FD is edge-triggered: drained until empty, and
-drained once more after each send, which may consume the edge), replies matched to waiting
-futures by request id. Cancelling the task that awaits `infer` (or its timeout passing)
-sends the broker a `cancel`, coalesced per loop turn, so a request still queued never runs.
-A lost connection fails every waiting call with UnavailableError (client/connection.py).
+The connection, its replies matched to waiting futures and its cancels are client/async_link.py.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 from typing import Any
 
 import zmq
 
-from tgw.shm.errors import Code, TgwError, error_from_body, fail
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.paths import ipc_path
-from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, Goodbye, Health, Hello, ListModels, Metadata, \
-    Stats, Status, as_builtins, encode
+from tgw.shm.wire import PROTOCOL_VERSION, Health, Hello, ListModels, Metadata, Stats, Status, as_builtins
 
-from .client import (CONNECT_TIMEOUT_S, GOODBYE_LINGER_MS, NO_TIMEOUT_WAIT_S, REPLY_GRACE_S, ConnectError, InferResult,
-                     health_dict, model_dict, read_reply, settings, stats_dict, status_dict)
-from .connection import LIVENESS_S, Link
+from .async_link import AsyncLink
+from .connection import LIVENESS_S
 from .request import Call, prepare
+from .results import InferResult, health_dict, model_dict, stats_dict, status_dict
 from .retry import REREGISTER, Attempts, RetryPolicy
-from .tensors import ZERO_COPY_MIN
-
-log = logging.getLogger("tgw.client")
-NOBLOCK, SNDMORE, POLLIN, EVENTS = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.POLLIN), int(zmq.EVENTS)
+from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
+from .transport import check_size, reply_wait, say_goodbye
 
 
 class AsyncClient:
@@ -45,14 +37,9 @@ class AsyncClient:
         self.connect_timeout, self.liveness, self.retry = connect_timeout, liveness, retry
         self.address, self.token, self.tenant, self._server_key, self._curve = settings(address, token, server_key)
         self._ctx = zmq.Context()
-        self._link: Link | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._link: AsyncLink | None = None
         self._ids = itertools.count(1)
-        self._cancels: list[int] = []
-        self._drain_scheduled = False
         self._connecting: asyncio.Future | None = None
-        self._up = asyncio.Event()
         self._regions: list = []
         self._closed = False
         self.server: str | None = None
@@ -69,7 +56,7 @@ class AsyncClient:
     @property
     def inflight(self) -> int:
         """Requests sent and not yet answered."""
-        return len(self._pending)
+        return len(self._link.pending) if self._link is not None else 0
 
     # ---- connection --------------------------------------------------------------------------
 
@@ -91,15 +78,12 @@ class AsyncClient:
         path = ipc_path(self.address)
         if path is not None and not os.path.exists(path):
             raise ConnectError(f"no tgw broker at {self.address}: {path} does not exist")
-        self._loop = asyncio.get_running_loop()
-        link = self._link = Link(self._ctx, self.address, self.liveness, self._curve, self._server_key, unbounded=True)
-        self._loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain)
-        self._loop.add_reader(link.monitor.getsockopt(zmq.FD), self._on_monitor)
-        self._on_monitor()
+        link = self._link = AsyncLink(self._ctx, self.address, self.liveness, self._curve, self._server_key,
+                                      token=self.token, ids=self._ids, on_late=self._late_reply)
         try:
-            await asyncio.wait_for(self._up.wait(), self.connect_timeout)
-            reply, _ = await self._request(Hello(v=PROTOCOL_VERSION, id=next(self._ids), client="tgw.client/py-async",
-                                                 token=self.token), [], self.connect_timeout)
+            await asyncio.wait_for(link.up.wait(), self.connect_timeout)
+            reply, _ = await link.request(Hello(v=PROTOCOL_VERSION, id=next(self._ids), client="tgw.client/py-async",
+                                                token=self.token), [], self.connect_timeout)
         except BaseException as exc:
             self._detach()
             if isinstance(exc, TgwError) and exc.code not in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE) or \
@@ -114,8 +98,6 @@ class AsyncClient:
         """Stop reading the socket and close it."""
         link, self._link = self._link, None
         if link is not None:
-            self._loop.remove_reader(link.sock.getsockopt(zmq.FD))
-            self._loop.remove_reader(link.monitor.getsockopt(zmq.FD))
             link.close(linger_ms)
 
     async def close(self) -> None:
@@ -128,33 +110,15 @@ class AsyncClient:
             await region.aclose()
         link = self._link
         if link is not None:
-            link.events()
-            self._fail_all(lambda rid: fail(Code.UNAVAILABLE, "the client was closed", source="client",
-                                            request_id=rid))
-            if link.up:
-                try:
-                    link.sock.send(encode(Goodbye(v=PROTOCOL_VERSION, token=self.token)), NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-            self._detach(GOODBYE_LINGER_MS if link.up else 0)
+            link.fail_all(lambda rid: fail(Code.UNAVAILABLE, "the client was closed", source="client",
+                                           request_id=rid))
+            self._detach(say_goodbye(link.link, self.token))
         self._ctx.term()
 
-    def _on_monitor(self) -> None:
-        link = self._link
-        if link is None:
-            return
-        if link.events():
-            self._fail_all(link.lost_error)
-        if link.up:
-            self._up.set()
-        else:
-            self._up.clear()
-
-    def _fail_all(self, error) -> None:
-        pending, self._pending = self._pending, {}
-        for rid, fut in pending.items():
-            if not fut.done():
-                fut.set_exception(error(rid))
+    def _late_reply(self, req_id: int) -> None:
+        """A reply nobody waits for: what the regions kept for that call may be reused."""
+        for region in self._regions:
+            region.late_reply(req_id)
 
     # ---- calls -------------------------------------------------------------------------------
 
@@ -226,103 +190,8 @@ class AsyncClient:
         if self._link is None:
             await self.connect()
         msg.id, msg.token = next(self._ids), self.token
-        return (await self._request(msg, [], timeout or self.connect_timeout))[0]
+        return (await self._link.request(msg, [], timeout or self.connect_timeout))[0]
 
     async def _infer(self, call: Call):
-        if max(call.declared, call.sent) > self.max_request_bytes:
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {max(call.declared, call.sent)} bytes of tensors; "
-                       f"the broker's limit is {self.max_request_bytes} (server.max_request_bytes)",
-                       limit=self.max_request_bytes)
-        wait = NO_TIMEOUT_WAIT_S if call.timeout is None else call.timeout + REPLY_GRACE_S
-        return await self._request(call.msg, call.frames, wait, call.sent)
-
-    async def _request(self, msg, frames: list, wait_s: float, nbytes: int | None = None):
-        """Send `msg` and its frames, await the reply: (reply, tensor frames), or the error raised."""
-        loop, rid = self._loop, msg.id
-        deadline = loop.time() + wait_s
-        await self._send(msg, frames, deadline, nbytes)
-        fut = self._pending[rid] = loop.create_future()
-        timer = loop.call_at(deadline, self._expire, rid, wait_s)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._abandon(rid)
-            raise
-        except TgwError as err:
-            if err.code is Code.DEADLINE_EXCEEDED and err.details.get("source") == "client":
-                self._abandon(rid)
-            raise
-        finally:
-            timer.cancel()
-            self._pending.pop(rid, None)
-
-    async def _send(self, msg, frames: list, deadline: float, nbytes: int | None) -> None:
-        """Send once the connection is up, waiting for it at most min(liveness, the deadline)."""
-        copy = (sum(len(f) for f in frames) if nbytes is None else nbytes) < ZERO_COPY_MIN
-        send, header = self._link.sock.send, encode(msg)
-        for _ in range(2):
-            try:
-                if frames:
-                    send(header, SNDMORE | NOBLOCK, copy=copy)
-                    for f in frames[:-1]:
-                        send(f, SNDMORE, copy=copy)
-                    send(frames[-1], 0, copy=copy)
-                else:
-                    send(header, NOBLOCK, copy=copy)
-                self._kick()
-                return
-            except zmq.Again:
-                waited = max(0.0, min(deadline - self._loop.time(), self.liveness or 1e9))
-                try:
-                    await asyncio.wait_for(self._up.wait(), waited)
-                except asyncio.TimeoutError:
-                    raise self._link.down_error(waited) from None
-
-    def _expire(self, rid: int, wait_s: float) -> None:
-        fut = self._pending.get(rid)
-        if fut is not None and not fut.done():
-            fut.set_exception(fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
-                                   request_id=rid, source="client"))
-
-    def _abandon(self, rid: int) -> None:
-        """Tell the broker, with the others of this loop turn, that nobody waits for `rid`."""
-        if not self._cancels and not self._closed:
-            self._loop.call_soon(self._send_cancels)
-        self._cancels.append(rid)
-
-    def _send_cancels(self) -> None:
-        ids, self._cancels = self._cancels, []
-        if ids and not self._closed:
-            try:
-                self._link.sock.send(encode(Cancel(v=PROTOCOL_VERSION, id=next(self._ids), ids=ids,
-                                                   token=self.token)), NOBLOCK)
-                self._kick()
-            except zmq.ZMQError:   # no connection: the broker that had them is gone anyway
-                pass
-
-    def _kick(self) -> None:
-        if not self._drain_scheduled:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
-
-    def _drain(self) -> None:
-        self._drain_scheduled = False
-        if self._link is None:
-            return
-        sock = self._link.sock
-        pending = self._pending
-        while sock.getsockopt(EVENTS) & POLLIN:
-            try:
-                reply, parts = read_reply(sock)
-            except TgwError as err:
-                log.warning("tgw AsyncClient: %s", err)
-                continue
-            fut = pending.pop(reply.id, None)
-            if fut is None or fut.done():   # a cancel's answer, or a late reply to a call that gave up
-                for region in self._regions:
-                    region.late_reply(reply.id)
-                continue
-            if isinstance(reply, ErrorReply):
-                fut.set_exception(error_from_body(reply.error))
-            else:
-                fut.set_result((reply, parts))
+        check_size(call.declared, call.sent, self.max_request_bytes)
+        return await self._link.request(call.msg, call.frames, reply_wait(call.timeout), call.sent)

@@ -15,79 +15,22 @@ import itertools
 import os
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import zmq
-import zmq.auth
-from zmq.utils import z85
 
 from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.paths import default_address, ipc_path
-from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, Goodbye, Health, Hello, ListModels, Metadata, \
-    Stats, Status, as_builtins, encode, reply_decoder
+from tgw.shm.paths import ipc_path
+from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Health, Hello, ListModels, Metadata, Stats, Status, \
+    as_builtins, encode
 
 from .connection import LIVENESS_S, Link
 from .request import Call, prepare
+from .results import InferResult, health_dict, model_dict, stats_dict, status_dict
 from .retry import REREGISTER, Attempts, RetryPolicy
-from .tensors import ZERO_COPY_MIN
-
-CONNECT_TIMEOUT_S = 5.0
-GOODBYE_LINGER_MS = 100  # how long close() lets the goodbye go out
-# plain ints: pyzmq's enum flags cost an enum operation per use, and its send_multipart,
-# recv_multipart and Socket.poll helpers several (Python-level option lookups, a Poller per
-# call), which is most of what this client spends per call besides the socket itself
-SNDMORE, POLLIN, ENOTSUP = int(zmq.SNDMORE), int(zmq.POLLIN), int(zmq.ENOTSUP)
-NOBLOCK, EVENTS = int(zmq.NOBLOCK), int(zmq.EVENTS)
-REPLY_GRACE_S = 0.1  # past the timeout, for the broker's own DEADLINE_EXCEEDED (its sweep runs every 50 ms)
-NO_TIMEOUT_WAIT_S = 600.0  # a request without timeout still stops waiting for a vanished broker
-
-
-class InferResult(NamedTuple):
-    """Client.infer_with_meta's answer."""
-    outputs: dict[str, Any]     # as infer returns them
-    model: str                  # the model that ran: a breaker's fallback while the one asked for is open
-    version: str                # the version that ran: the traffic split's pick when none was named
-    traceparent: str | None     # the broker's request span (tracing on), else the one sent, if any
-
-
-class ConnectError(ConnectionError):
-    """No tgw broker answered at the address (or the address or server key is unusable)."""
-
-
-def server_public_key(value: str | bytes) -> bytes:
-    """A broker's CURVE public key from its z85 text (40 characters) or its `.key` certificate file."""
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    if os.path.isfile(text):
-        try:
-            return zmq.auth.load_certificate(text)[0]
-        except (OSError, ValueError) as exc:
-            raise ConnectError(f"cannot read the server key file {text}: {exc}") from None
-    text = text.strip()
-    if len(text) == 40:
-        try:
-            z85.decode(text)
-            return text.encode()
-        except (ValueError, KeyError, IndexError):
-            pass
-    raise ConnectError(f"server key {text[:60]!r} is neither a 40-character z85 CURVE public key nor an "
-                       "existing certificate file (the broker's .key file from `tgw-broker keygen`)")
-
-
-def settings(address: str | None, token: str | None, server_key: str | bytes | None) -> tuple:
-    """(address, token, tenant, server key, the client's CURVE key pair) from the arguments and
-    the environment ($TGW_ADDRESS by way of default_address, $TGW_TOKEN, $TGW_TENANT,
-    $TGW_SERVER_KEY); raises ConnectError for a tcp:// address without a server key."""
-    address = address or default_address()
-    token = token if token is not None else (os.environ.get("TGW_TOKEN", "").strip() or None)
-    tenant = os.environ.get("TGW_TENANT", "").strip() or None  # infer(tenant=) overrides it
-    if server_key is None:
-        server_key = os.environ.get("TGW_SERVER_KEY") or None
-    key = server_public_key(server_key) if server_key else None
-    if address.startswith("tcp://") and key is None:
-        raise ConnectError(f"{address}: a tcp:// broker only speaks CURVE; pass server_key= or set "
-                           "TGW_SERVER_KEY to the broker's public key (its .key file or the z85 text)")
-    curve = zmq.curve_keypair() if key else None  # ephemeral: any key pair will do
-    return address, token, tenant, key, curve
+from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
+from .transport import ENOTSUP, EVENTS, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
+from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/overload_load.py
 
 
 class Client:
@@ -135,13 +78,7 @@ class Client:
             region.close()
         with self._lock:
             for link in self._links:
-                link.events()
-                if link.up:  # best effort: a broker that is gone needs no goodbye
-                    try:
-                        link.sock.send(encode(Goodbye(v=PROTOCOL_VERSION, token=self.token)), NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
-                link.close(GOODBYE_LINGER_MS if link.up else 0)
+                link.close(say_goodbye(link, self.token))
             self._links.clear()
         self._ctx.term()
 
@@ -244,9 +181,8 @@ class Client:
         return self._call(msg, [], timeout or self.connect_timeout)[0]
 
     def _infer(self, call: Call):
-        self._check_size(call.declared, call.sent)
-        wait = NO_TIMEOUT_WAIT_S if call.timeout is None else call.timeout + REPLY_GRACE_S
-        return self._call(call.msg, call.frames, wait, nbytes=call.sent)
+        check_size(call.declared, call.sent, self.max_request_bytes)
+        return self._call(call.msg, call.frames, reply_wait(call.timeout), nbytes=call.sent)
 
     def new_link(self, unbounded: bool = False) -> Link:
         """A connected socket with its monitor, the handshake done (a stream has one of its own)."""
@@ -292,31 +228,14 @@ class Client:
             link = self._local.link = self.new_link()
         return link
 
-    def _check_size(self, declared: int, sent: int) -> None:
-        """The broker's size rule, applied before sending (`declared`: the tensors' raw bytes, `sent`:
-        the bytes of their frames): a frame over it would not be read at all (the broker drops such
-        a connection unread), so the caller would only see a timeout."""
-        if max(declared, sent) > self.max_request_bytes:
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request carries {max(declared, sent)} bytes of tensors; the "
-                       f"broker's limit is {self.max_request_bytes} (server.max_request_bytes)",
-                       limit=self.max_request_bytes)
-
     def send(self, link: Link, msg, frames: list, wait_s: float, nbytes: int | None = None) -> None:
         """Send msg and its tensor frames (`nbytes` in all, when the caller knows) once the
         connection is up, waiting for it at most min(liveness, wait_s)."""
-        copy = (sum(len(f) for f in frames) if nbytes is None else nbytes) < ZERO_COPY_MIN
-        send, header = link.sock.send, encode(msg)
+        header = encode(msg)
         link.events()
         for _ in range(2):
-            try:  # one multipart message: SNDMORE on every part but the last; the first part
-                if frames:  # fails alone (nothing queued) while no connection is up
-                    send(header, SNDMORE | NOBLOCK, copy=copy)
-                    for f in frames[:-1]:
-                        send(f, SNDMORE, copy=copy)
-                    send(frames[-1], 0, copy=copy)
-                else:
-                    send(header, NOBLOCK, copy=copy)
-                return
+            try:
+                return send_request(link.sock, header, frames, nbytes)
             except zmq.Again:
                 waited = min(wait_s, self.liveness or wait_s)
                 if not link.wait_up(waited):
@@ -351,38 +270,3 @@ class Client:
                 raise error_from_body(reply.error)
             return reply, parts
 
-
-def read_reply(sock: zmq.Socket):
-    """One reply waiting on `sock`: its decoded header and its tensor frames."""
-    # pyzmq sets each frame's `more` as it receives it (recv_multipart asks the socket again)
-    frame = sock.recv(copy=False)
-    parts = [frame]
-    while frame.more:
-        frame = sock.recv(copy=False)
-        parts.append(frame)
-    try:
-        return reply_decoder.decode(parts[0].buffer), parts[1:]
-    except DecodeError as exc:
-        raise fail(Code.INTERNAL, f"undecodable reply from broker: {exc}") from None
-
-
-def model_dict(m) -> dict:
-    io = lambda ts: [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in ts]  # noqa: E731
-    return {"name": m.name, "versions": list(m.versions), "default_version": m.default_version,
-            "max_batch_size": m.max_batch_size, "inputs": io(m.inputs), "outputs": io(m.outputs),
-            "ready": m.ready, "wire_dtypes": list(m.wire_dtypes)}
-
-
-def health_dict(r) -> dict:
-    return {"live": r.live, "ready": r.ready, "models": dict(r.models), "workers": dict(r.workers)}
-
-
-def stats_dict(r) -> dict:
-    return {"models": r.models, "processes": r.processes, "errors": r.errors, "refused": r.refused,
-            "dropped": r.dropped, "clients": r.clients, "tenants": r.tenants, "abandoned": r.abandoned,
-            "regions": r.regions}
-
-
-def status_dict(r) -> dict:
-    return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
-            "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http}

@@ -49,7 +49,11 @@ class Link:
         self.monitor = sock.get_monitor_socket(UP | DOWN)
         self.up = False
         self.losses = 0          # disconnects seen: a call made before one cannot be answered
-        sock.connect(address)
+        try:
+            sock.connect(address)
+        except BaseException:    # an open socket would keep its context's term() waiting forever
+            self.close()
+            raise
 
     def events(self) -> bool:
         """Apply the monitor's queued events; True when a disconnect was among them."""

@@ -34,15 +34,11 @@ import threading
 from typing import Callable
 
 from tgw.shm.errors import Code, fail
+from tgw.shm.ring import align_up   # the broker's and the workers' 64-byte alignment
 from tgw.shm.wire import PROTOCOL_VERSION, RegionSlice, RegisterRegion, UnregisterRegion, nbytes_of
 
 THRESHOLD = 64 * 1024        # inputs this large go into the region; smaller ones cost less as frames
-ALIGN = 64
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def align_up(n: int) -> int:
-    return (n + ALIGN - 1) & -ALIGN
 
 
 def output_bytes_for(sizes) -> int:

@@ -31,8 +31,7 @@ from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
 from .request import Call, prepare
-
-POLLIN, EVENTS = int(zmq.POLLIN), int(zmq.EVENTS)
+from .transport import EVENTS, POLLIN, check_size, read_reply, reply_wait
 
 
 class StreamResult(NamedTuple):
@@ -87,7 +86,7 @@ class Stream:
         c = self.client
         call = prepare(c.next_id(), self.model, inputs, token=c.token, default_tenant=c.tenant, address=c.address,
                        **{**self.options, **overrides})
-        c._check_size(call.declared, call.sent)
+        check_size(call.declared, call.sent, c.max_request_bytes)
         try:
             c.send(self._link, call.msg, call.frames, self._wait(call), call.sent)
         except BaseException:
@@ -128,13 +127,11 @@ class Stream:
             self.client.drop_link(self._link)
 
     def _wait(self, call: Call) -> float:
-        from .client import NO_TIMEOUT_WAIT_S, REPLY_GRACE_S
-        return NO_TIMEOUT_WAIT_S if call.timeout is None else call.timeout + REPLY_GRACE_S
+        return reply_wait(call.timeout)
 
     def _receive(self, block: bool, timeout: float | None = None) -> None:
         """Take the replies waiting (at least one when `block`, within `timeout` or, by default, the
         longest wait of the outstanding requests); a lost connection fails every outstanding one."""
-        from .client import read_reply
         if self._closed:
             return
         link, sock = self._link, self._link.sock

@@ -28,7 +28,7 @@ from tgw.broker.cli import main as cli_main
 from tgw.broker.control import Unreachable, ask
 from tgw.broker.config.startup import StartupError
 from tgw.client import Client, ConnectError, UnauthenticatedError
-from tgw.client.client import server_public_key
+from tgw.client.settings import server_public_key
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import (PROTOCOL_VERSION, ErrorReply, Health, HealthReply, Hello, Infer, ListModels, Snapshot,
                           Stats, Status, TensorMeta, encode, reply_decoder, request_decoder)

@@ -1,0 +1,156 @@
+"""AsyncClient's connection on the event loop: one DEALER socket, its replies matched to the
+futures waiting for them by request id.
+
+The socket's FD is edge-triggered: it is drained until empty, and drained once more after each
+send, which may consume the edge. A request nobody waits for any more (its task cancelled, its
+timeout passed) is cancelled at the broker, the cancels of one loop turn in one message, so a
+request still queued never runs. A lost connection fails every waiting call with
+UnavailableError (client/connection.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Iterator
+
+import zmq
+
+from tgw.shm.errors import Code, TgwError, error_from_body, fail
+from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, encode
+
+from .connection import Link
+from .transport import EVENTS, NOBLOCK, POLLIN, read_reply, send_request
+
+log = logging.getLogger("tgw.client")
+
+
+class AsyncLink:
+    def __init__(self, ctx: zmq.Context, address: str, liveness: float | None, curve, server_key, *,
+                 token: str | None, ids: Iterator[int], on_late: Callable[[int], None]):
+        """`ids`: the client's request ids (a cancel takes one); `on_late(request_id)`: a reply came
+        that nobody waits for."""
+        self.address, self.liveness, self.token, self._ids, self._on_late = address, liveness, token, ids, on_late
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, asyncio.Future] = {}   # request id -> the caller's future
+        self.up = asyncio.Event()                       # the connection's handshake is done
+        self.closed = False
+        self._cancels: list[int] = []
+        self._drain_scheduled = False
+        link = self.link = Link(ctx, address, liveness, curve, server_key, unbounded=True)
+        try:
+            self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain)
+            self.loop.add_reader(link.monitor.getsockopt(zmq.FD), self._on_monitor)
+        except BaseException:
+            self.close()
+            raise
+        self._on_monitor()
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Stop reading the socket and close it (`linger_ms`: for a last goodbye)."""
+        if self.closed:
+            return
+        self.closed = True
+        link = self.link
+        if not link.sock.closed:
+            self.loop.remove_reader(link.sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(link.monitor.getsockopt(zmq.FD))
+        link.close(linger_ms)
+
+    def fail_all(self, error: Callable[[int], BaseException]) -> None:
+        """Fail every waiting call with `error(request_id)`."""
+        pending, self.pending = self.pending, {}
+        for rid, fut in pending.items():
+            if not fut.done():
+                fut.set_exception(error(rid))
+
+    async def request(self, msg, frames: list, wait_s: float, nbytes: int | None = None):
+        """Send `msg` and its frames, await the reply: (reply, tensor frames), or the error raised."""
+        loop, rid = self.loop, msg.id
+        deadline = loop.time() + wait_s
+        await self._send(msg, frames, deadline, nbytes)
+        fut = self.pending[rid] = loop.create_future()
+        timer = loop.call_at(deadline, self._expire, rid, wait_s)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._abandon(rid)
+            raise
+        except TgwError as err:
+            if err.code is Code.DEADLINE_EXCEEDED and err.details.get("source") == "client":
+                self._abandon(rid)
+            raise
+        finally:
+            timer.cancel()
+            self.pending.pop(rid, None)
+
+    async def _send(self, msg, frames: list, deadline: float, nbytes: int | None) -> None:
+        """Send once the connection is up, waiting for it at most min(liveness, the deadline)."""
+        header = encode(msg)
+        for _ in range(2):
+            try:
+                send_request(self.link.sock, header, frames, nbytes)
+                self._kick()
+                return
+            except zmq.Again:
+                waited = max(0.0, min(deadline - self.loop.time(), self.liveness or 1e9))
+                try:
+                    await asyncio.wait_for(self.up.wait(), waited)
+                except asyncio.TimeoutError:
+                    raise self.link.down_error(waited) from None
+
+    def _on_monitor(self) -> None:
+        if self.closed:
+            return
+        if self.link.events():
+            self.fail_all(self.link.lost_error)
+        if self.link.up:
+            self.up.set()
+        else:
+            self.up.clear()
+
+    def _expire(self, rid: int, wait_s: float) -> None:
+        fut = self.pending.get(rid)
+        if fut is not None and not fut.done():
+            fut.set_exception(fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
+                                   request_id=rid, source="client"))
+
+    def _abandon(self, rid: int) -> None:
+        """Tell the broker, with the others of this loop turn, that nobody waits for `rid`."""
+        if not self._cancels and not self.closed:
+            self.loop.call_soon(self._send_cancels)
+        self._cancels.append(rid)
+
+    def _send_cancels(self) -> None:
+        ids, self._cancels = self._cancels, []
+        if ids and not self.closed:
+            try:
+                self.link.sock.send(encode(Cancel(v=PROTOCOL_VERSION, id=next(self._ids), ids=ids,
+                                                  token=self.token)), NOBLOCK)
+                self._kick()
+            except zmq.ZMQError:   # no connection: the broker that had them is gone anyway
+                pass
+
+    def _kick(self) -> None:
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        if self.closed:
+            return
+        sock, pending = self.link.sock, self.pending
+        while sock.getsockopt(EVENTS) & POLLIN:
+            try:
+                reply, parts = read_reply(sock)
+            except TgwError as err:
+                log.warning("tgw AsyncClient: %s", err)
+                continue
+            fut = pending.pop(reply.id, None)
+            if fut is None or fut.done():   # a cancel's answer, or a late reply to a call that gave up
+                self._on_late(reply.id)
+                continue
+            if isinstance(reply, ErrorReply):
+                fut.set_exception(error_from_body(reply.error))
+            else:
+                fut.set_result((reply, parts))
