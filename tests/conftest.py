@@ -94,10 +94,24 @@ def kill_broker(b) -> None:
 
 
 def readme_block(marker: str) -> str:
-    """The code block after `<!-- MARKER -->` in the README."""
-    with open(os.path.join(HERE, "..", "README.md")) as f:
-        text = f.read()
-    block = text.split(f"<!-- {marker} -->\n", 1)[1]
+    """The code block right after `<!-- MARKER -->` in README.md or one of docs/*.md. The marker
+    must occur exactly once over all of them (a test runs one block, so two would leave one
+    untested), and be followed by a fenced code block."""
+    import glob
+    root = os.path.join(HERE, "..")
+    tag = f"<!-- {marker} -->\n"
+    found = []
+    for path in [os.path.join(root, "README.md"), *sorted(glob.glob(os.path.join(root, "docs", "*.md")))]:
+        with open(path) as f:
+            text = f.read()
+        found += [(os.path.relpath(path, root), text)] * text.count(tag)
+    if len(found) != 1:
+        where = ", ".join(p for p, _ in found) or "none of README.md, docs/*.md"
+        raise AssertionError(f"marker <!-- {marker} --> must occur exactly once; found {len(found)} ({where})")
+    path, text = found[0]
+    block = text.split(tag, 1)[1]
+    if not block.startswith("```"):
+        raise AssertionError(f"{path}: <!-- {marker} --> is not followed by a fenced code block")
     return block.split("\n", 1)[1].split("\n```\n", 1)[0]
 
 

@@ -1,6 +1,6 @@
-"""Prometheus metrics (broker/metrics*.py): the bucket class, and a real broker scraped with
+"""Prometheus metrics (broker/observe/metrics*.py): the bucket class, and a real broker scraped with
 `tgw-broker metrics` after known traffic - exact counts, no GPU figures on a CPU box, the
-dashboard's and the README's metric names against what a scrape exposes. The GPU families from
+dashboard's and docs/OPERATIONS.md's metric names against what a scrape exposes. The GPU families from
 heartbeats: tests/test_gpu_metrics.py."""
 from __future__ import annotations
 
@@ -174,10 +174,12 @@ def test_dashboard_names_only_exposed_metrics(scraped):
     assert used and used <= exposable(scraped.fams), sorted(used - exposable(scraped.fams))
 
 
-def test_readme_lists_exactly_the_exposed_families(scraped):
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    section = readme.split("### Metrics", 1)[1].split("\n### ", 1)[0]
+def test_operations_doc_lists_exactly_the_exposed_families(scraped):
+    """docs/OPERATIONS.md's metric table (its "## Metrics" section) names every family once."""
+    with open(os.path.join(ROOT, "docs", "OPERATIONS.md")) as f:
+        doc = f.read()
+    assert doc.count("\n## Metrics\n") == 1, "docs/OPERATIONS.md has no (or two) '## Metrics' sections"
+    section = doc.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(tgw_[a-z0-9_]+)`", section, re.M)
     exposed = {f.name + ("_total" if f.type == "counter" else "") for f in scraped.fams.values()}
     assert len(listed) == len(set(listed)) and set(listed) == exposed
