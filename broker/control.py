@@ -25,7 +25,7 @@ class Unreachable(ConnectionError):
 
 def server_public_key(value: str) -> bytes:
     """The broker's CURVE public key from its z85 text or its `.key` file (tgw.shm.keys: the
-    client library has the same rule; the broker may not import it, DESIGN.md layering)."""
+    client library has the same rule; the broker may not import it, docs/ARCHITECTURE.md, "Dependency rule")."""
     try:
         return keys.server_public_key(value)
     except keys.BadServerKey as exc:

@@ -94,7 +94,7 @@ class Client:
 
         `timeout` is in seconds (the model's configured timeout when None; 0 = already expired;
         negative is INVALID_ARGUMENT, as the broker rules); `compress`: True lz4-compresses every
-        tensor both ways, "auto" only those large and compressible enough (README: Compression);
+        tensor both ways, "auto" only those large and compressible enough (docs/CLIENT.md, compression);
         `priority` 0 is served first (the model's levels: 0..priority_levels-1); `tenant` names
         whose quota the request counts against (default: $TGW_TENANT, else the broker's default
         tenant); `routing_key`, with no version named, keeps the requests that share it on one

@@ -1,4 +1,4 @@
-"""The one table of error codes (DESIGN.md section 3) and the exception that carries them.
+"""The one table of error codes (docs/ARCHITECTURE.md, "The wire contract") and the exception that carries them.
 
 Errors cross process boundaries as data ({code, message, details, retryable}): one way in
 (`fail`), one way onto the wire (`TgwError.to_body`), one way back (`error_from_body`).
@@ -86,7 +86,7 @@ class TgwError(Exception):
         return f"{self.code.value}: {self.message}"
 
     def to_body(self) -> ErrorBody:
-        """The error as data, to cross a socket (DESIGN.md section 3)."""
+        """The error as data, to cross a socket (docs/ARCHITECTURE.md, "The wire contract")."""
         return ErrorBody(code=self.code.value, message=self.message, retryable=self.retryable,
                          details=self.details)
 

@@ -88,5 +88,5 @@ def _listing(found: dict[str, list[str]]) -> str:
 def _what_else(names: list[str]) -> str:
     if any(n.endswith("/data.pkl") for n in names):
         return ("a torch.save checkpoint (pickled tensors or a pickled module), not a servable program: export it "
-                "with torch.export.save, aoti_compile_and_package or torch.jit.save (README: Models)")
+                "with torch.export.save, aoti_compile_and_package or torch.jit.save (docs/MODELS.md)")
     return "a zip archive holding no TorchScript code, exported program or AOTInductor model"

@@ -1,6 +1,6 @@
 """Ring allocator for one arena of a worker's segment.
 
-Writer allocates, reader releases (DESIGN.md section 4): the allocator's state lives only in
+Writer allocates, reader releases (docs/ARCHITECTURE.md, "The shared-memory ring"): the allocator's state lives only in
 the writer's process; the reader's releases reach it as messages on the socket, so no
 cross-process lock or flag lives in shared memory. Blocks are 64-byte aligned, allocated
 in ring order, released in any order; space is reclaimed from the oldest block forward.

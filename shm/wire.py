@@ -1,4 +1,4 @@
-"""The wire contract: every message on every socket, declared once (DESIGN.md section 3).
+"""The wire contract: every message on every socket, declared once (docs/ARCHITECTURE.md, "The wire contract"; docs/PROTOCOL.md).
 
 MessagePack, structs encoded as maps with field names, a tag field `op` naming the message.
 A message is a multipart ZeroMQ message: [header][tensor bytes 0][tensor bytes 1]... where

@@ -1,4 +1,4 @@
-"""The dependency rule of DESIGN.md section 2, checked in fresh interpreters, and the module
+"""The dependency rule of docs/ARCHITECTURE.md ("Dependency rule"), checked in fresh interpreters, and the module
 size budget: 300 lines for every product module."""
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ class HttpFace:
                        "(the broker is configured with server.auth_token_file)")
 
     async def nowhere(self, request: web.Request) -> web.Response:
-        return json_response({"error": f"no such endpoint: {request.method} {request.path} (README: HTTP lists them)",
+        return json_response({"error": f"no such endpoint: {request.method} {request.path} (docs/HTTP.md lists them)",
                               "code": "NOT_FOUND"}, 404)
 
     async def ask(self, msg, caller: HttpCaller | None = None):
