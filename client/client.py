@@ -103,7 +103,7 @@ class Client:
         span (infer_with_meta returns the one that comes back); `region` (from `self.region()`)
         carries large tensors through shared memory instead of the socket; `retry` overrides the
         client's retry policy. Further options (`wire_dtype`, `cuda_out`) are described in the
-        README's client section."""
+        client guide, docs/CLIENT.md."""
         tries = Attempts(retry if retry is not None else self.retry, timeout, region)
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,

@@ -1,6 +1,6 @@
 """Each worker's shared-memory arenas, sized from the model declarations (`*_arena_mb: auto`).
 
-The rule (README "Configuration", configs/example.yaml):
+The rule (docs/CONFIGURATION.md, configs/example.yaml):
 
 * A model's batch bound is one block of `max_batch_size` rows: one 64-byte aligned region per
   declared tensor, as the broker stages inputs and the worker writes outputs (ring.aligned_total).

@@ -67,7 +67,7 @@ class ModelDecl(Strict):
     max_queue: Annotated[int, Field(ge=1)] = 1024
     timeout_ms: Annotated[int, Field(ge=1)] = 30000
     warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
-    # scheduling (broker/sched/batcher.py, concurrency.py, breaker.py; README "Scheduling")
+    # scheduling (broker/sched/batcher.py, concurrency.py, breaker.py; docs/ARCHITECTURE.md "Scheduling")
     preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = []
     max_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 0   # 0: work-conserving, never wait on purpose
     priority_levels: Annotated[int, Field(ge=1, le=16)] = 3
@@ -188,7 +188,7 @@ class WorkersDecl(Strict):
 
 class ServerDecl(Strict):
     """The client-facing socket and the limits every caller is held to (checked before any
-    allocation a request would cause; the README's threat model says what each one defends)."""
+    allocation a request would cause; docs/SECURITY.md's threat model says what each one defends)."""
     address: Optional[str] = None  # default: $TGW_ADDRESS, ipc://$XDG_RUNTIME_DIR/tgw, /run/tgw, /tmp/tgw-<uid>
     # decoded tensor bytes of one request (from the declared shapes, before any decompression);
     # also bounds each frame on the wire (ZMQ_MAXMSGSIZE), so a larger one is never received whole

@@ -4,7 +4,7 @@ The hot path pays for plain counters only: one hook per request as it leaves (ad
 on_finished: its outcome by version, its end-to-end and queued seconds into fixed buckets) and
 a bucket per batch (stats.Stats.batch). Everything else is read from the state the broker
 already owns when a scrape comes, by a custom collector on a registry of this broker's own (a
-test process may hold several brokers). The README's table (Operations: Metrics) lists every
+test process may hold several brokers). The table in docs/OPERATIONS.md (Metrics) lists every
 family; metrics_state.py has the workers', versions' and scheduler's, metrics_gpu.py the GPU
 workers' device figures (NVML, as their heartbeats carry them).
 """
