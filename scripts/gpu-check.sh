@@ -6,22 +6,87 @@
 # imported from this checkout through a folder of links, not installed.
 #
 #   bash scripts/gpu-check.sh
+#   bash scripts/gpu-check.sh --summary   # the summary of the run in $OUT again, running nothing
 #
 # Environment: PYTHON (default python3), OUT (logs, tests.xml, gpu_bench.json, summary.txt;
 # default /tmp/tgw-gpu-check), TGW_SITE (where wheels and the tgw links go; default
 # /tmp/tgw-site), TGW_BENCH_ARGS (default --quick; e.g. "--quick --device cpu" on a machine with
 # no GPU), TGW_TESTS_TIMEOUT and TGW_BENCH_TIMEOUT (seconds; defaults 210 and 240, so a run ends
-# within 8 minutes). Without a GPU it still runs: the tests skip and the bench says "no CUDA device".
-# Exit status 0 only when the tests and the bench both exited 0 (targets missed are reported only).
+# within 8 minutes). Without a GPU it still runs (the tests skip, the bench says "no CUDA device"),
+# and ends FAILED: "no GPU test passed". Exit status 0 only when the tests and the bench both
+# exited 0 and at least one GPU test passed; targets missed are reported only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/tgw-gpu-check}
 SITE=${TGW_SITE:-/tmp/tgw-site}
 mkdir -p "$OUT"
-rm -f "$OUT"/{env.log,install.log,tests.log,tests.xml,bench.log,gpu_bench.json,summary.txt}
 export PYTHONUNBUFFERED=1
 PY=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)') || { echo "gpu-check: no ${PYTHON:-python3}" >&2; exit 2; }
+
+# 6. one summary, and the verdict: OK only when the tests and the bench exited 0 and a GPU test
+#    passed. Run last, or alone with --summary on the files a run left in $OUT (exits.txt: its
+#    steps' exit statuses and the test files).
+summary() {
+    local tests bench files
+    tests=$(sed -n 's/^tests=//p' "$OUT/exits.txt" 2>/dev/null); tests=${tests:-2}
+    bench=$(sed -n 's/^bench=//p' "$OUT/exits.txt" 2>/dev/null); bench=${bench:-2}
+    files=$(sed -n 's/^files=//p' "$OUT/exits.txt" 2>/dev/null)
+    "$PY" - "$OUT" "$tests" "$bench" "$files" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
+import collections, json, os, sys
+import xml.etree.ElementTree as ET
+out, tests, bench, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+why = {124: "timed out", 137: "killed after its time ran out", 5: "no test collected"}
+print("\n==== gpu-check summary ====")
+try:
+    with open(os.path.join(out, "env.log")) as f:
+        print("\n".join(line for line in f.read().splitlines() if line.startswith(("torch", "cuda:", "python"))))
+except OSError:
+    print("no env.log")
+passed, skips = None, collections.Counter()
+try:
+    s = ET.parse(os.path.join(out, "tests.xml")).getroot()
+    s = s if s.tag == "testsuite" else s.find("testsuite")
+    n = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    skips.update(x.get("message", "?") for x in s.iter("skipped"))
+    counts = f"{passed} passed, {n['failures']} failed, {n['errors']} errors, {n['skipped']} skipped"
+except (OSError, ET.ParseError, AttributeError):
+    counts = "no junit report"
+print(f"tests: {counts} (pytest exit {tests}{', ' + why[tests] if tests in why else ''}; {files})")
+try:
+    with open(os.path.join(out, "gpu_bench.json")) as f:
+        r = json.load(f)
+except (OSError, ValueError):
+    r = None
+if r is None:
+    print(f"bench: no JSON written (exit {bench}{', ' + why[bench] if bench in why else ''})")
+elif "skipped" in r:
+    print(f"bench: skipped, {r['skipped']} (exit {bench})")
+else:
+    print(f"bench: exit {bench}, {r['wall_s']:.0f} s")
+    for line in r.get("summary", []) + [f"FAILED {x}" for x in r.get("failed", [])]:
+        print(f"  {line}")
+print(f"logs and JSON: {out}")
+failed = [f"tests exit {tests}"] if tests else []
+if passed is None:
+    failed.append("no junit report")
+elif passed == 0:   # every GPU test skipped (no CUDA here), or none ran: nothing was checked on a GPU
+    reasons = "; ".join(f"{k} x{v}" if v > 1 else k for k, v in skips.most_common(3)) or "none ran"
+    print(f"gpu-check: no GPU test passed ({reasons})")
+    failed.append("no GPU test passed")
+if bench:
+    failed.append(f"bench exit {bench}")
+print("gpu-check: " + ("OK" if not failed else f"FAILED ({', '.join(failed)})"))
+sys.exit(1 if failed else 0)
+EOF
+    return "${PIPESTATUS[0]}"
+}
+if [ "${1:-}" = "--summary" ]; then
+    summary
+    exit
+fi
+rm -f "$OUT"/{env.log,install.log,tests.log,tests.xml,bench.log,gpu_bench.json,summary.txt,exits.txt}
 say() { echo "gpu-check: $*" | tee -a "$OUT/install.log"; }
 
 # 1. the packages this Python lacks, from .whl (the machine has no network)
@@ -113,6 +178,7 @@ echo "gpu-check: pytest -m gpu ${files[*]}"
 timeout -s INT -k 30 "${TGW_TESTS_TIMEOUT:-210}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
     --junitxml="$OUT/tests.xml" "${files[@]}" 2>&1 | tee "$OUT/tests.log"
 tests=${PIPESTATUS[0]}
+printf 'tests=%s\nfiles=%s\n' "$tests" "${files[*]}" >"$OUT/exits.txt"
 
 # 5. the GPU bench
 echo "gpu-check: python -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick}"
@@ -120,39 +186,6 @@ echo "gpu-check: python -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick}"
 timeout -k 30 "${TGW_BENCH_TIMEOUT:-240}" "$PY" -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick} \
     --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
+echo "bench=$bench" >>"$OUT/exits.txt"
 
-# 6. one summary
-"$PY" - "$OUT" "$tests" "$bench" "${files[*]}" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
-import json, os, sys
-import xml.etree.ElementTree as ET
-out, tests, bench, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-why = {124: "timed out", 137: "killed after its time ran out", 5: "no test collected"}
-print("\n==== gpu-check summary ====")
-with open(os.path.join(out, "env.log")) as f:
-    print("\n".join(line for line in f.read().splitlines() if line.startswith(("torch", "cuda:", "python"))))
-try:
-    s = ET.parse(os.path.join(out, "tests.xml")).getroot()
-    s = s if s.tag == "testsuite" else s.find("testsuite")
-    n = {k: int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    counts = (f"{n['tests'] - n['failures'] - n['errors'] - n['skipped']} passed, {n['failures']} failed, "
-              f"{n['errors']} errors, {n['skipped']} skipped")
-except (OSError, ET.ParseError, AttributeError):
-    counts = "no junit report"
-print(f"tests: {counts} (pytest exit {tests}{', ' + why[tests] if tests in why else ''}; {files})")
-try:
-    with open(os.path.join(out, "gpu_bench.json")) as f:
-        r = json.load(f)
-except (OSError, ValueError):
-    r = None
-if r is None:
-    print(f"bench: no JSON written (exit {bench}{', ' + why[bench] if bench in why else ''})")
-elif "skipped" in r:
-    print(f"bench: skipped, {r['skipped']} (exit {bench})")
-else:
-    print(f"bench: exit {bench}, {r['wall_s']:.0f} s")
-    for line in r.get("summary", []) + [f"FAILED {x}" for x in r.get("failed", [])]:
-        print(f"  {line}")
-print(f"logs and JSON: {out}")
-print("gpu-check: " + ("OK" if tests == 0 and bench == 0 else f"FAILED (tests exit {tests}, bench exit {bench})"))
-EOF
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+summary   # step 6, defined above

@@ -25,6 +25,7 @@ from tgw.shm.segment import Segment, new_name
 from tgw.shm.views import block_view
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, Done, IOSpec, ModelSpec, Release, Stop,
                           WorkerHello, encode, from_worker_decoder)
+from tgw.workers.device_io import DeviceIO
 from tgw.workers.runner import ModelRunner
 from tgw.workers.serve import Server
 
@@ -393,6 +394,24 @@ def test_a_request_that_does_not_fit_alone_is_answered_out_of_gpu_memory(start):
     assert w.server.progress.gpu_ooms == 5
 
 
+def test_host_memory_is_the_mode_in_effect(runners, monkeypatch):
+    """What a hello can carry: "" on the CPU; on a GPU the mode in use, staging once the ring's
+    registration failed (device_io.py falls back). The registration is stood in for: no GPU here."""
+    monkeypatch.setattr(DeviceIO, "_register", lambda io: False)
+    segment = Segment.create(new_name("ring"), IN_BYTES + ONE_BATCH)
+    try:
+        assert Server(None, segment, IN_BYTES, ONE_BATCH, runners).host_memory == ""
+        gpu = Server(None, segment, IN_BYTES, ONE_BATCH, runners, device=torch.device("cuda", 0))
+        assert (gpu.io.mode, gpu.host_memory) == ("staging", "staging")
+        del gpu
+    finally:
+        try:
+            segment.close()
+        except BufferError:   # the stand-in's ring still views the mapping; it goes with the process
+            pass
+        segment.unlink()
+
+
 # ---- on a GPU (skipped without CUDA) ------------------------------------------------------------
 
 def needs_cuda(test):
@@ -409,6 +428,7 @@ def cuda_runners(tmp_path_factory) -> dict[str, ModelRunner]:
 def test_cuda_worker_copies_each_way_and_overlaps_batches(start, cuda_runners, host_memory):
     w = start(with_runners=cuda_runners, serving=False, device=torch.device("cuda:0"), host_memory=host_memory)
     assert w.server.io.mode == host_memory or (host_memory == "register" and w.server.io.mode == "staging")
+    assert w.server.host_memory == w.server.io.mode
     xs = [rows(n, 33, float(n)) for n in (1, 5, 3)]        # 132-byte rows: offsets only 64-byte aligned
     sent = [w.batch(x) for x in xs]
     w.start_serving()

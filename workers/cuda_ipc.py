@@ -31,26 +31,13 @@ import torch
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import BlockTooLarge
-from tgw.shm.wire import Batch, CudaIpc, Done, encode
+from tgw.shm.wire import Batch, CudaIpc, Done
 
 from .answers import error_done, failed
+from .device_identity import device_memory, device_uuid  # noqa: F401 - workers/main.py imports them from here
 from .oom import is_oom
+from .output_blocks import OutputSpaceTimeout
 from .runner import TORCH_DTYPES
-
-
-def device_uuid(device: torch.device) -> str:
-    """The GPU's UUID as torch prints it ("" on the CPU or when the driver does not say)."""
-    if device.type != "cuda":
-        return ""
-    try:
-        return str(torch.cuda.get_device_properties(device).uuid)
-    except Exception:
-        return ""
-
-
-def device_memory(device: torch.device) -> int:
-    """The GPU's memory in bytes (0 on the CPU)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
 
 
 def _norm(uuid: str) -> str:
@@ -107,9 +94,10 @@ def over(storage: torch.UntypedStorage, dtype: torch.dtype, shape: list[int], of
 
 
 def run(server, batch: Batch, runner, t0: float) -> Done:
-    """Serve a batch carrying CUDA descriptors, once Server._run has checked its deadline and
-    found its model's `runner`. Every storage it opens is dropped before it returns, so before
-    the completion is sent."""
+    """Serve a batch carrying CUDA descriptors, once the serving loop (serve.Server) has checked
+    its deadline and found its model's `runner`; `server` lends its progress, device_uuid, view()
+    (an input in the ring) and blocks (the output arena). Every storage it opens is dropped
+    before it returns, so before the completion is sent."""
     n = len(batch.cuda_inputs or batch.cuda_outputs)
     splits = batch.splits if len(batch.splits) == n and sum(batch.splits) == batch.rows else None
     if splits is None:
@@ -122,7 +110,7 @@ def run(server, batch: Batch, runner, t0: float) -> Done:
         if is_oom(exc):
             server.progress.gpu_ooms += 1
         return failed(batch, exc)
-    done = _answer(server, batch, runner, host, skip, bad, starts)
+    done = _answer_requests(server.blocks, batch, runner, host, skip, bad, starts)
     done.compute_us = int((time.perf_counter() - t0) * 1e6)
     return done
 
@@ -131,9 +119,7 @@ def _compute(server, batch: Batch, runner, splits: list[int], starts: list[int],
     """Open, forward, write the callers' buffers; (the outputs for the arena, the indices of
     those every answered request took in its CUDA buffer). Opened storages die with this frame."""
     device, n = runner.device, len(splits)
-    own = getattr(server, "device_uuid", None)
-    if own is None:
-        own = server.device_uuid = device_uuid(device)
+    own = server.device_uuid
     opened: list[list[torch.Tensor]] = [[] for _ in range(n)]
     buffers: list[dict[str, tuple]] = [{} for _ in range(n)]
     for r in range(n):
@@ -157,7 +143,7 @@ def _compute(server, batch: Batch, runner, splits: list[int], starts: list[int],
                      for r in range(n)]
             inputs.append(parts[0] if n == 1 else torch.cat(parts))
     else:
-        inputs = [server._view(t) for t in batch.inputs]
+        inputs = [server.view(t) for t in batch.inputs]
     del opened
     outs = runner.forward(inputs, batch.rows)
     del inputs
@@ -182,19 +168,13 @@ def _compute(server, batch: Batch, runner, splits: list[int], starts: list[int],
     return runner.to_host(outs, skip), skip
 
 
-def _answer(server, batch: Batch, runner, host, skip: frozenset, bad: dict, starts: list[int]) -> Done:
-    """The completion: whole when every request was served, else in parts at request boundaries,
-    each failed request a part of its own; parts but the last are sent here."""
-    from .serve import OutputSpaceTimeout
+def _answer_requests(blocks, batch: Batch, runner, host, skip: frozenset, bad: dict, starts: list[int]) -> Done:
+    """The completion in `blocks` (output_blocks.OutputBlocks): whole when every request was
+    served, else in parts at request boundaries, each failed request a part of its own; parts
+    but the last are sent here."""
     n = len(starts) - 1
     if not bad:
-        try:
-            block, tensors = server._write(host, runner, skip)
-        except BlockTooLarge:
-            return server._write_parts(batch, host, runner, skip)
-        except OutputSpaceTimeout as exc:
-            return error_done(batch, Code.OUT_OF_SHM, str(exc), arena="output")
-        return Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+        return blocks.answer(batch, host, runner, skip)
     i = 0
     while True:
         if i in bad:
@@ -202,12 +182,11 @@ def _answer(server, batch: Batch, runner, host, skip: frozenset, bad: dict, star
         else:
             j = next((r for r in range(i, n) if r in bad), n)
             try:
-                block, tensors = server._write([t[starts[i]:starts[j]] for t in host], runner, skip)
+                block, tensors = blocks.write([t[starts[i]:starts[j]] for t in host], runner, skip)
                 done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
             except (BlockTooLarge, OutputSpaceTimeout) as exc:
                 done = error_done(batch, Code.OUT_OF_SHM, f"{type(exc).__name__}: {exc}", arena="output")
         done.first, done.count, done.final = i, j - i, j == n
-        if done.final:
+        if blocks.emit(done, None) is not None:
             return done
-        server.sock.send(encode(done))
         i = j

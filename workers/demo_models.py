@@ -28,7 +28,9 @@ Exporting your own model (`save_model` below does exactly this):
 The config then declares the file as usual; `format:` is optional (tgw reads it from the file)
 and, when given, must match. The batch Dim's range must cover 1..max_batch_size and the
 warm-up sizes, and every dim the config declares -1 must be a Dim in the program: tgw checks
-both when the model loads and refuses it, naming the dim, otherwise.
+both when the model loads and refuses it, naming the dim, otherwise. One exception: torch may
+still compile an AOTInductor package to take no fewer than 2 rows (it specialises sizes 0 and
+1); the worker then pads smaller batches up to the package's minimum and drops the padding.
 """
 from __future__ import annotations
 
@@ -160,9 +162,10 @@ def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: t
                 # 2.13 on the CPU, compiled straight from torch.export.export the batch range
                 # narrowed to >= 2, and a conv's backend choice for the example batch became
                 # guards (the demo resnet's package, from 4 example rows, took only 2..15 rows);
-                # both measured. tgw refuses such a package at load, as batches of 1 row are
-                # common. Compiled this way the range stays 1..max and the package still runs
-                # ATen's conv (outputs as eager's at 1, 2, 16 and 32 rows).
+                # both measured. tgw refuses a range short of max_batch_size at load (one that
+                # starts at 2 it serves, padding a batch of 1). Compiled this way the range stays
+                # 1..max and the package still runs ATen's conv (outputs as eager's at 1, 2, 16
+                # and 32 rows); some graphs (a reduction over a row, x.sum(dim=1)) still start at 2.
                 saved = io.BytesIO()
                 torch.export.save(ep, saved)
                 saved.seek(0)

@@ -133,9 +133,17 @@ def storage_bytes(module: torch.nn.Module) -> int:
 
 
 AOTI_INPUT_CHECK = re.compile(r"input_handles\[(\d+)\]: (.*?) at (\d+)")
+# a batch below the package's range: torch specialises sizes 0 and 1, so a Dim(min=1) may compile to >= 2
+AOTI_BATCH_TOO_SMALL = re.compile(r"too small at 0, expected it to be >= (\d+)")
 
 
 def aoti_input_problem(exc: BaseException) -> Optional[tuple[int, int, str]]:
     """(input index, tensor dim, what it said) when `exc` is an AOTInductor input check's refusal."""
     m = AOTI_INPUT_CHECK.search(str(exc))
     return (int(m.group(1)), int(m.group(3)), str(exc).strip().splitlines()[0]) if m else None
+
+
+def aoti_smallest_batch(exc: BaseException) -> Optional[int]:
+    """The smallest batch an AOTInductor package takes, when `exc` is its refusal of a smaller one."""
+    m = AOTI_BATCH_TOO_SMALL.search(str(exc))
+    return int(m.group(1)) if m else None

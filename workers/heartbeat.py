@@ -18,36 +18,15 @@ import zmq
 
 from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot, encode, to_worker_decoder
 
-from .cuda_ipc import device_uuid
+from .device_identity import device_uuid
 from .gpu_readings import GpuReader
+from .progress import Progress  # the worker's start-up imports it from here too
 from .sidethread import SideThread
 
 log = logging.getLogger("tgw.worker")
 CTL_SUFFIX = b"~ctl"
 TRACE_FRAMES = 4      # frames kept per traced allocation once a snapshot is asked for
 _SKIP = [tracemalloc.Filter(False, tracemalloc.__file__)]  # the snapshots' own bookkeeping
-
-
-class Progress:
-    """What the serving loop is doing: written by it, read by the beacon.
-
-    Single attribute writes are atomic under the GIL. start() writes batch_since before batch_id
-    and readers read batch_id first, so a new id is never paired with an older time."""
-
-    def __init__(self):
-        self.batches = 0                  # batches completed since start
-        self.batch_id: int | None = None  # the batch computing now, if any
-        self.batch_since = 0.0            # CLOCK_MONOTONIC when it started
-        self.outputs = None               # the output arena's allocator (its in_use is read)
-        self.gpu_ooms = 0                 # CUDA out-of-memory errors met, those recovered by splitting too
-
-    def start(self, batch_id: int) -> None:
-        self.batch_since = time.monotonic()
-        self.batch_id = batch_id
-
-    def end(self) -> None:
-        self.batch_id = None
-        self.batches += 1
 
 
 class Beacon(SideThread):

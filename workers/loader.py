@@ -48,6 +48,8 @@ class Loader(SideThread):
                  runners: dict[str, ModelRunner], device: torch.device):
         super().__init__(ctx, endpoint, identity + LOAD_SUFFIX, "tgw-loader")
         self.worker_id, self.runners, self.device = worker_id, runners, device
+        # the broker's messages to the loader, each type to the handler that makes its reply
+        self.handlers = {LoadModel: lambda msg: self.load(msg.spec), UnloadModel: lambda msg: self.unload(msg.key)}
 
     def _run(self) -> None:
         poller = self.poller()
@@ -66,14 +68,11 @@ class Loader(SideThread):
         except DecodeError as exc:  # a bad message must not end the loader
             log.warning("undecodable loader message ignored: %s", exc)
             return
-        if isinstance(msg, LoadModel):
-            reply = self.load(msg.spec)
-        elif isinstance(msg, UnloadModel):
-            reply = self.unload(msg.key)
-        else:
+        handler = self.handlers.get(type(msg))
+        if handler is None:
             log.warning("loader socket got %s: ignored", type(msg).__name__)
             return
-        self.sock.send(encode(reply))
+        self.sock.send(encode(handler(msg)))
 
     def load(self, spec: ModelSpec) -> ModelLoaded:
         """Load, warm up and publish one model; a repeated load answers at once."""

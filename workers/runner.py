@@ -3,6 +3,7 @@ against the declaration, warm up, run a batch, map results to declared outputs."
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 import torch
@@ -13,6 +14,7 @@ from tgw.shm.wire import IOSpec, ModelSpec, model_key
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
 from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
+log = logging.getLogger("tgw.worker")
 TORCH_DTYPES = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
     "int32": torch.int32, "int64": torch.int64, "uint16": torch.uint16, "uint32": torch.uint32,
@@ -41,6 +43,7 @@ class ModelRunner:
             raise self._refused("; ".join(problems))
         self.module, self.nbytes = self.program.call, self.program.nbytes
         self.outputs = spec.outputs
+        self.min_batch = 1   # the program's smallest batch (an AOTInductor package's, found at warm-up)
 
     @property
     def key(self) -> str:
@@ -51,12 +54,18 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Run each warm-up batch size once; also proves the outputs match the declaration. An
-        AOTInductor package also runs at the batch and -1 dims' edges (shape_checks.aoti_edges)."""
+        AOTInductor package also runs at the batch and -1 dims' edges (shape_checks.aoti_edges),
+        which finds its smallest batch: smaller ones are padded up to it."""
         if self.program.fmt == "aoti":
             try:
-                aoti_edges(self.spec, lambda rows, change: self._checked(self._call(self.examples(rows, change)), rows))
+                self.min_batch = aoti_edges(
+                    self.spec, lambda rows, change: self._checked(self._call(self.examples(rows, change)), rows))
             except FormatMismatch as exc:
                 raise self._refused(str(exc)) from None
+            if self.min_batch > 1:
+                log.info("model %s version %s: the AOTInductor package takes batches of %d rows or more; smaller "
+                         "batches are padded to %d rows, the padding dropped from the outputs",
+                         self.spec.name, self.spec.version, self.min_batch, self.min_batch)
             return
         for rows in self.spec.warmup_batch_sizes or [1]:
             self.run(self.examples(rows), rows)
@@ -81,6 +90,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
         check_request_dims(self.spec, self.program, inputs)
+        short = rows < self.min_batch
+        if short:   # run at the program's smallest batch; the padding rows are dropped below
+            inputs = padded(inputs, self.min_batch)
         try:
             result = self._call(inputs)
         except RuntimeError as exc:   # an AOTInductor input check: the request's shape, not the model
@@ -88,7 +100,9 @@ class ModelRunner:
             if problem is None or problem[1] == 0:
                 raise
             raise out_of_range(f"input {self.spec.inputs[problem[0]].name!r}: {problem[2]}") from None
-        return self._checked(result, rows)
+        if not short:
+            return self._checked(result, rows)
+        return [t[:rows] for t in self._checked(result, self.min_batch)]
 
     def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():
@@ -147,6 +161,13 @@ def _load_verified(spec: ModelSpec, device: torch.device) -> Program:
             return load_in_process(fmt, copy, device)
     finally:
         os.close(fd)
+
+
+def padded(inputs: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """`inputs` grown to `rows` rows by repeating their last row (zeros when they have none): a
+    real row, so the model's own input checks pass it as they passed the row itself."""
+    return [torch.cat([x, x[-1:].expand(rows - len(x), *x.shape[1:])]) if len(x) else
+            x.new_zeros((rows, *x.shape[1:])) for x in inputs]
 
 
 def _check(decl: IOSpec, t: torch.Tensor, rows: int) -> None:

@@ -5,7 +5,8 @@ An exported program states what it accepts (its inputs' dims and range constrain
 are compared with the declaration and every mismatch is refused by name before the model
 serves. An AOTInductor package states nothing readable but checks each call against the
 ranges it was compiled with, so it is run at the edges (1 and max_batch_size rows, each -1
-dim at two sizes) and a refusal there is told in the config's terms.
+dim at two sizes) and a refusal there is told in the config's terms. Its smallest batch may be
+above 1 (torch specialises sizes 0 and 1): the worker then pads smaller batches up to it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import IOSpec, ModelSpec
 
-from .formats import Dim, FormatMismatch, Program, aoti_input_problem
+from .formats import Dim, FormatMismatch, Program, aoti_input_problem, aoti_smallest_batch
 
 VARIABLE_SIZE = 8          # a -1 dim's size in warm-up batches, where the program allows it
 
@@ -99,12 +100,16 @@ def check_request_dims(spec: ModelSpec, program: Program, inputs: list[torch.Ten
                 raise out_of_range(f"{dim_name(t, k)} is {x.shape[k]}; the model allows {_span(dims[k])}")
 
 
-def aoti_edges(spec: ModelSpec, run: Callable[[list[int], Optional[tuple[int, int, int]]], None]) -> None:
-    """Run the AOTInductor program at 1 and max_batch_size rows and each warm-up size, then with
-    each -1 dim one larger; FormatMismatch naming the dim it refused. `run(rows, (input, dim,
-    size) or None)` forwards one batch of example inputs."""
-    probes = [(rows, None) for rows in sorted({1, spec.max_batch_size or 1, *spec.warmup_batch_sizes})]
-    probes += [(1, (i, k, VARIABLE_SIZE + 1)) for i, t in enumerate(spec.inputs)
+def aoti_edges(spec: ModelSpec, run: Callable[[int, Optional[tuple[int, int, int]]], None]) -> int:
+    """Find the smallest batch the AOTInductor program takes, then run it at that, at
+    max_batch_size rows and at each warm-up size (those below the smallest raised to it), then
+    with each -1 dim one larger; FormatMismatch naming the dim it refused. `run(rows, (input,
+    dim, size) or None)` forwards one batch of example inputs. Returns the smallest batch: 1,
+    unless torch specialised sizes 0 and 1 when compiling (then smaller batches are padded)."""
+    smallest = _smallest_batch(spec, run)
+    sizes = {max(rows, smallest) for rows in (1, spec.max_batch_size or 1, *spec.warmup_batch_sizes)}
+    probes = [(rows, None) for rows in sorted(sizes - {smallest})]
+    probes += [(smallest, (i, k, VARIABLE_SIZE + 1)) for i, t in enumerate(spec.inputs)
                for k, want in enumerate(t.shape, start=1) if want == -1]
     for rows, change in probes:
         try:
@@ -114,6 +119,29 @@ def aoti_edges(spec: ModelSpec, run: Callable[[list[int], Optional[tuple[int, in
             if problem is None:
                 raise
             raise FormatMismatch(_aoti_words(spec, rows, change, *problem)) from None
+    return smallest
+
+
+def _smallest_batch(spec: ModelSpec, run: Callable[[int, None], None]) -> int:
+    """A batch of 1 row, else of the least the package says it takes, till one runs."""
+    rows, top = 1, spec.max_batch_size or 1
+    while True:
+        try:
+            run(rows, None)
+            return rows
+        except RuntimeError as exc:
+            problem = aoti_input_problem(exc)
+            if problem is None:
+                raise
+            least = aoti_smallest_batch(exc)
+            if least is None or least <= rows:
+                raise FormatMismatch(_aoti_words(spec, rows, None, *problem)) from None
+        if least > top:
+            name = dim_name(spec.inputs[problem[0]], 0) if problem[0] < len(spec.inputs) else "the batch dim"
+            raise FormatMismatch(f"{name}: the AOTInductor package takes batches of {least} rows or more "
+                                 f"({problem[2]}), more than max_batch_size {top}: compile it with a batch Dim "
+                                 f"whose min is at most {top}, or raise max_batch_size")
+        rows = least
 
 
 def _aoti_words(spec: ModelSpec, rows: int, change, i: int, k: int, said: str) -> str:
