@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import zmq
 
-from tgw.bench.broker_proc import Proc
+from tgw.broker.child import Proc
 from tgw.bench.loadgen import cpu_seconds
 from tgw.bench.targets import make_inputs, v2_datatype
 

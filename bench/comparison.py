@@ -22,7 +22,7 @@ import numpy as np
 
 from tgw.bench import report
 from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
-from tgw.bench.broker_proc import BrokerProc, finish_run
+from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target

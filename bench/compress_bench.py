@@ -33,7 +33,7 @@ from tgw.client.tensors import decode_outputs, encode, from_bfloat16_bits, to_bf
 from tgw.shm.compression import for_address
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Infer, encode as encode_msg, reply_decoder
 
-from .broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 
 ELEMENTS = 1 << 20            # float32: 4 MiB
 MiB = 1 << 20

@@ -24,7 +24,7 @@ import tempfile
 from typing import Any, Optional
 
 from tgw.bench.baselines import run_floors
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.selfhosted import parser as make_parser, subset

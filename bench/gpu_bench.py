@@ -30,7 +30,7 @@ import numpy as np
 
 from tgw.bench import report, selfhosted
 from tgw.bench.baselines import measure_floor
-from tgw.bench.broker_proc import BrokerProc, finish_run
+from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.comparison import Scenario, Servers, demo_models, tgw_config
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure

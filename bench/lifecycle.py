@@ -11,7 +11,7 @@
   evictions in order, loads, the worker's model bytes against its budget, cold-request latency.
 
 `tgw-bench lifecycle` (lifecycle_run.py) runs them on a broker of its own;
-tests/test_model_ops.py runs them at a smaller size and checks their rules.
+tests/process/test_model_ops.py runs them at a smaller size and checks their rules.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 from tgw.shm.wire import LoadVersion, SetTraffic
 
 from . import lifecycle as lc
-from .broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 
 MIB = 1 << 20
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from tgw.bench import report
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.comparison import demo_models, tgw_config
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure

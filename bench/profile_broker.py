@@ -37,7 +37,7 @@ from typing import Any, Optional
 import psutil
 
 from tgw.bench import comparison
-from tgw.bench.broker_proc import BrokerProc, Proc, stop_all
+from tgw.broker.child import BrokerProc, Proc, stop_all
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import loadgen_drive, measure
 from tgw.bench.targets import TgwTarget, find_model, make_inputs, v2_body, v2_target

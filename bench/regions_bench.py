@@ -7,7 +7,7 @@ would save: it still needs a batch's rows in one block).
 
     .venv/bin/python -m tgw.bench.regions_bench [--duration 10] [--concurrency 16] [--workers 1]
 
-`Caller` (one DEALER per thread, region= on infer) is also what tests/test_regions.py drives.
+`Caller` (one DEALER per thread, region= on infer) is also what tests/process/test_regions.py drives.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import numpy as np
 import psutil
 import zmq
 
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.comparison import demo_models
 from tgw.client.regions import Region, output_bytes_for
 from tgw.client.request import prepare

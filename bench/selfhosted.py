@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Callable, Iterator, Optional
 
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.comparison import demo_models, tgw_config
 
 

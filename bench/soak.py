@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import psutil
 
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench import selfhosted
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure

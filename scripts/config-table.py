@@ -10,7 +10,7 @@ loses its row.
     python scripts/config-table.py           # rewrite the table between its markers
     python scripts/config-table.py --check   # exit 1 if the committed table is not what the schema gives
 
-tests/test_docs.py runs the same comparison.
+tests/unit/test_docs.py runs the same comparison.
 """
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ else
 fi
 
 # 4. the GPU tests: the files that mark tests gpu (collecting all of tests/ would import modules
-#    whose packages the GPU run does not carry, e.g. tritonclient for tests/test_http.py)
+#    whose packages the GPU run does not carry, e.g. tritonclient for tests/process/test_http.py)
 mapfile -t files < <(grep -lE "pytest\.mark\.gpu\b" tests/*.py tests/*/*.py 2>/dev/null | sort)
 [ ${#files[@]} -gt 0 ] || files=(tests/)
 echo "gpu-check: pytest -m gpu ${files[*]}"

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # The GPU image already has (its package list, /work/.library/device/KINDS.md): numpy, torch,
 # uvloop, msgpack, psutil, nvidia-ml-py, pyyaml, aiohttp (and its dependencies),
 # prometheus-client, pytest, pytest-timeout, hypothesis, matplotlib, werkzeug, jinja2, click,
-# markupsafe, packaging, typing-extensions. tests/test_gpu_scripts.py checks that this list and
+# markupsafe, packaging, typing-extensions. tests/unit/test_gpu_scripts.py checks that this list and
 # that one cover every import the GPU run needs, and each wheel's own requirements.
 # typing-extensions is carried although the image has one: pydantic 2.14 needs >= 4.16, newer
 # than an image's may be (a newer one shadows it harmlessly; scripts/gpu-check.sh reports any

@@ -92,7 +92,7 @@ class TgwError(Exception):
 
 
 # One subclass per code, written out so they can be found by grep and IDEs;
-# tests/test_wire.py checks they match the table one to one.
+# tests/unit/test_wire.py checks they match the table one to one.
 
 
 class InvalidArgumentError(TgwError):

@@ -1,7 +1,7 @@
 """The broker's CURVE public key as a caller names it: the one rule, shared by the client
 library and the `tgw-broker` verbs (broker/control.py), which may not import each other.
 
-zmq is imported inside the function: tgw.shm loads no zmq at import (tests/test_layering.py).
+zmq is imported inside the function: tgw.shm loads no zmq at import (tests/unit/test_layering.py).
 """
 from __future__ import annotations
 

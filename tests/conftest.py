@@ -19,7 +19,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.client import Client, TgwError
 from tgw.shm.segment import list_segments
 
@@ -276,3 +276,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("fault scenarios: requests and their outcomes")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+LAYERS = ("unit", "inproc", "process", "faults", "gpu")   # tests/<layer>/: the marker of the same name
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its layer's marker (`-m unit`, `-m "not process"`), from its folder."""
+    for item in items:
+        parts = os.path.relpath(str(item.fspath), HERE).split(os.sep)
+        if parts[0] in LAYERS:
+            item.add_marker(parts[0])

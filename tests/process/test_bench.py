@@ -20,7 +20,7 @@ import pytest
 
 from tgw.bench import cli, comparison, report
 from tgw.bench.baselines import EchoServer, floor_row, run_floors
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
 from tgw.bench.measure import loadgen_drive, measure, parse_wrk, stats_diff, wrk_lua
 from tgw.bench.targets import HEADER_LENGTH, CallError, HttpTarget, ZmqEchoTarget, make_inputs, v2_body

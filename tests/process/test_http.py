@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import base_config, in_flight, readme_block, wait_until
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.client import Client
 
 CURL = shutil.which("curl")

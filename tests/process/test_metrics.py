@@ -1,7 +1,7 @@
 """Prometheus metrics (broker/observe/metrics*.py): the bucket class, and a real broker scraped with
 `tgw-broker metrics` after known traffic - exact counts, no GPU figures on a CPU box, the
 dashboard's and docs/OPERATIONS.md's metric names against what a scrape exposes. The GPU families from
-heartbeats: tests/test_gpu_metrics.py."""
+heartbeats: tests/unit/test_gpu_metrics.py."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ from tgw.broker.observe.metrics_gpu import READINGS
 from tgw.broker.state.stats import Buckets
 from tgw.client import Client, TgwError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROWS = [1, 2, 3, 4, 5, 1, 7, 8, 2, 1]          # the mlp requests answered with outputs
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
@@ -75,7 +75,7 @@ def scraped(model_files, tmp_path_factory):
     import shutil
     import tempfile
 
-    from tgw.bench.broker_proc import BrokerProc
+    from tgw.broker.child import BrokerProc
     cfg = base_config(model_files, "mlp", "fails", mlp={"breaker": {}})
     cfg["tenants"] = {"slow": {"rate": 0.001, "burst": 1}}       # one request, then RATE_LIMITED
     d = tempfile.mkdtemp(prefix="tgwx-", dir="/tmp")

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from bench.lifecycle import canary, control, model_decl, save_add_model, swap, unload_rss, version_of
 from tgw.broker.config.load import file_sha256
 from tgw.client import Client

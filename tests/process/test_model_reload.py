@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from bench.lifecycle import control, model_decl, save_add_model, version_of
 from tgw.broker.models.operator import unauthenticated
 from tgw.broker.config.schema import ServerDecl

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import base_config, wait_until
-from tgw.bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from tgw.bench.regions_bench import Caller
 from tgw.broker.front.regions import peer_of
 from tgw.client import Client, TgwError

@@ -11,7 +11,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from bench.broker_proc import BrokerProc
+from tgw.broker.child import BrokerProc
 from bench.lifecycle import model_decl, residency, save_add_model
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.models.residency import Residency, budget_bytes

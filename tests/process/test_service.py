@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "install-service.sh"
 UNIT = REPO / "scripts" / "systemd" / "tgw-broker.service"
 PYTHON = sys.executable

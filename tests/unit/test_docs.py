@@ -9,8 +9,8 @@
 * every code-block marker occurs once and is run by a test; README lists every document; every
   relative link and anchor resolves.
 
-The other doc tests: tests/test_client_readme.py, tests/test_http.py (examples),
-tests/test_formats.py (the export recipe), tests/test_metrics.py (the metric table).
+The other doc tests: tests/process/test_client_readme.py, tests/process/test_http.py (examples),
+tests/process/test_formats.py (the export recipe), tests/process/test_metrics.py (the metric table).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import pytest
 import yaml
 from conftest import base_config, readme_block, unloaded_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 EXAMPLE = os.path.join(ROOT, "configs", "example.yaml")
 

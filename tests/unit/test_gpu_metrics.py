@@ -1,7 +1,7 @@
 """GPU figures in heartbeats: the worker's NVML reader (workers/gpu_readings.py) on this box and
 against a stand-in pynvml module, and the broker's rendering of heartbeats that carry them
 (broker/observe/metrics_gpu.py, status.gpu_status, the `status` printout). The CPU broker's scrape and
-status without them: tests/test_metrics.py; the wire: tests/test_wire.py."""
+status without them: tests/process/test_metrics.py; the wire: tests/unit/test_wire.py."""
 from __future__ import annotations
 
 import logging

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", "client": "tgw.client"}
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it
 WINGS = ["config", "state", "front", "models", "sched", "fleet", "observe", "http"]

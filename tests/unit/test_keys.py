@@ -1,7 +1,7 @@
 """Rules kept in one place: the CURVE server-key parser (tgw.shm.keys) that the client and the
 `tgw-broker` verbs share, the GPU UUID normaliser (tgw.shm.devices), and the 64-byte alignment
 the client's regions take from tgw.shm.ring. (No import circle and the size budget, client/
-included: tests/test_import_graph.py and tests/test_layering.py.)"""
+included: tests/unit/test_import_graph.py and tests/unit/test_layering.py.)"""
 from __future__ import annotations
 
 import json

@@ -5,7 +5,7 @@ saved, loaded back, compiled with mkldnn and nnpack off), this two-output model 
 batch of 1: torch specialises sizes 0 and 1, so the package takes 2..32 rows. The worker finds
 that minimum at load, pads smaller batches up to it and drops the padding rows from every
 output; a package that cannot serve max_batch_size, or whose minimum lies above it, is still
-refused. Loaded by the worker's loader thread and served by its loop (tests/test_worker_loader.py's
+refused. Loaded by the worker's loader thread and served by its loop (tests/inproc/test_worker_loader.py's
 and test_worker_loop.py's harnesses). Compiling takes tens of seconds: once per module.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@
 which then stops what it started, in order), its output in a log file; `stop()` sends SIGTERM,
 and SIGKILL only if it is still alive after a grace period. An atexit hook stops any Proc still
 running. `BrokerProc` (`python -m tgw.broker start` on a private ipc socket in a work folder) is
-shared by tests/conftest.py and the comparison's tgw rows.
+shared by the tests (tests/conftest.py) and the benchmarks.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from importlib import metadata
 import pytest
 from packaging.requirements import Requirement
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECK, WHEELS = (os.path.join(ROOT, "scripts", name) for name in ("gpu-check.sh", "gpu-wheels.sh"))
 
 # The GPU image's Python packages (/work/.library/device/KINDS.md, "Python packages already there",
@@ -186,7 +186,7 @@ def test_gpu_check_is_not_ok_where_every_gpu_test_skipped(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the GPU tests run")
-    assert gpu_tests(tmp_path, ROOT, "tests/test_worker_loop.py") == 0   # pytest itself is content with skips
+    assert gpu_tests(tmp_path, ROOT, "tests/inproc/test_worker_loop.py") == 0   # pytest itself is content with skips
     r = check_summary(tmp_path, 0)
     lines = r.stdout.strip().splitlines()
     assert r.returncode != 0, r.stdout
