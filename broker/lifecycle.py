@@ -2,9 +2,12 @@
 drain and stop.
 
 The only place that moves the broker between phases and connects the supervisor (processes,
-rings, restarts) with the serving core (routing, queues): the supervisor reaps a dead worker,
-the broker takes back its requests, the supervisor schedules its restart, the broker routes to
-the new process once spawned.
+rings, restarts; it alone changes the roster both read) with the serving core (routing,
+queues): the supervisor reaps a dead worker, the broker takes back its requests, the
+supervisor schedules its restart, the broker routes to the new process once spawned.
+
+Start-up waits on events, not on an interval: a worker's ready or failed handshake, a worker
+process's exit (its pidfd, fleet/exits.py), a stop signal, or the start timeout.
 """
 from __future__ import annotations
 
@@ -16,14 +19,15 @@ from tgw.shm.segment import ShmError
 
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
+from tgw.broker.fleet.exits import ExitWatch
 from tgw.broker.fleet.hangs import HangJudge
-from tgw.broker.state.pool import WorkerState
-from .server import Broker, Phase
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.fleet.systemd import sd_notify
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+from .server import Broker, Phase
 
 log = logging.getLogger("tgw.broker")
-MONITOR_S = 0.05
+MONITOR_S = 0.05  # serving: deadlines, hangs, restarts due (start-up waits on events instead)
 WATCHDOG_S = 1.0  # systemd's WatchdogSec is tens of seconds: one ping a second is plenty
 
 
@@ -36,12 +40,35 @@ class Lifecycle:
         self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: drain, then stop
         self.force_event = asyncio.Event()   # a second one: stop now
         self._last_ping = 0.0
+        self.changed = asyncio.Event()       # a worker became ready, failed, or exited: look again
+        self.exits: ExitWatch | None = None  # made on the loop, in run
+        broker.handshake.on_ready = self._on_ready
+        broker.handshake.on_failed = lambda w: self.changed.set()
 
     def on_stop_signal(self) -> None:
         if self.stop_event.is_set():
             log.warning("second stop signal: not waiting for the drain")
             self.force_event.set()
         self.stop_event.set()
+        self.changed.set()
+
+    def _on_ready(self, w: WorkerHandle) -> None:
+        self.supervisor.ready(w)
+        self.changed.set()
+
+    def _on_exit(self) -> None:
+        """A worker process exited: its last messages first (a load failure names the cause
+        better than its exit code), while its route stands; then reap it now."""
+        back = getattr(self.broker, "back", None)
+        if back is not None:
+            back.drain()
+        self._step()
+
+    def _enrol(self, w: WorkerHandle) -> None:
+        """A new life of `w` was spawned: route to it, and wake on its exit."""
+        self.broker.add_worker(w)
+        if self.exits is not None:
+            self.exits.add(w.proc)
 
     def on_snapshot_signal(self) -> None:
         log.info("SIGUSR1: memory snapshot of every live worker")
@@ -49,10 +76,11 @@ class Lifecycle:
 
     async def run(self, address: str) -> None:
         """Start, serve until stop_event, drain; the caller stops workers and closes sockets."""
+        self.exits = ExitWatch(asyncio.get_running_loop(), self._on_exit)
         monitor = asyncio.create_task(self._monitor())
         try:
             for w in self.supervisor.spawn_all():
-                self.broker.add_worker(w)
+                self._enrol(w)
             if not await self._wait_ready():
                 log.info("stopped during start-up")
                 return
@@ -68,38 +96,55 @@ class Lifecycle:
             await self._drain()
         finally:
             monitor.cancel()
+            self.exits.close()
 
     def shutdown(self) -> None:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
         self.broker.begin_stop()
-        for w in self.broker.roster:
+        for w in self.supervisor.workers:
             self.broker.stop_worker(w)
         self.supervisor.stop()
 
     async def _wait_ready(self) -> bool:
         """True once every worker is ready; False if asked to stop first; raises on failure."""
         deadline = time.monotonic() + self.start_timeout_s
-        while not self.supervisor.all_ready():
-            if self.broker.handshake.failure:
-                raise StartupError(self.broker.handshake.failure)
-            dead = self.supervisor.first_dead()
-            if dead is not None:
-                raise StartupError(f"{dead.name} exited with code {dead.proc.returncode} during start-up "
-                                   "(its error is printed above)")
-            if time.monotonic() > deadline:
-                raise StartupError(f"workers not ready after {self.start_timeout_s:.0f}s")
+        while True:
+            self.changed.clear()   # nothing sets it before the wait below: one loop thread
+            if self.supervisor.all_ready():
+                return True
+            failure = self._startup_failure()
+            if failure is not None:
+                raise StartupError(failure)
             if self.stop_event.is_set():
                 return False
-            await asyncio.sleep(MONITOR_S)
-        return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StartupError(f"workers not ready after {self.start_timeout_s:.0f}s")
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _startup_failure(self) -> str | None:
+        if self.broker.handshake.failure:
+            return self.broker.handshake.failure
+        dead = self.supervisor.first_dead()
+        if dead is None:
+            return None
+        code = dead.proc.returncode   # in last_death already unless a signal or the supervisor ended it
+        told = "" if dead.last_death == f"exited with code {code}" else f"exit code {code}; "
+        return f"{dead.name} (pid {dead.pid}) {dead.last_death} during start-up ({told}its error is printed above)"
 
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_S)
-            try:
-                self.watch(time.monotonic())
-            except Exception:  # e.g. no room in /dev/shm for a new ring: watching must go on
-                log.exception("supervision step failed; trying again on the next look")
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            self.watch(time.monotonic())
+        except Exception:  # e.g. no room in /dev/shm for a new ring: watching must go on
+            log.exception("supervision step failed; trying again on the next look")
 
     def watch(self, now: float) -> None:
         """One look: deadlines, hung workers (killed), dead workers (restarted once serving),
@@ -109,17 +154,16 @@ class Lifecycle:
             self.supervisor.kill(w, reason)
         serving = self.broker.is_serving()
         for w in self.supervisor.reap():
-            if w.retiring:
-                self.broker.drop_worker(w)
-                self.supervisor.forget(w)
-                continue
             self.broker.remove_worker(w)
-            if serving:  # a death during start-up fails the start instead (see _wait_ready)
+            self.changed.set()
+            if w.retiring:   # gone for good: off the roster, ring unlinked
+                self.supervisor.forget(w)
+            elif serving:    # a death during start-up fails the start instead (see _wait_ready)
                 self.supervisor.schedule_restart(w)
         if serving:
             self._recycle()
         for w in self.supervisor.due_restarts():
-            self.broker.add_worker(w)
+            self._enrol(w)
         if self.broker.phase is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")
@@ -131,10 +175,10 @@ class Lifecycle:
             w = self.broker.memory.to_recycle.pop()
             if w.successor is None and not w.retiring:
                 try:
-                    self.broker.add_worker(self.supervisor.spawn_successor(w))
+                    self._enrol(self.supervisor.spawn_successor(w))
                 except ShmError as exc:  # the leaking worker keeps serving; its snapshot is written
                     log.error("cannot recycle %s: %s", w.name, exc)
-        for w in list(self.broker.roster):
+        for w in list(self.supervisor.workers):
             if w.successor is not None and w.successor.state is WorkerState.READY:
                 w.retiring = True
             if w.retiring and not w.inflight:

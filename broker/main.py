@@ -25,8 +25,9 @@ from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.front.endpoints import backend_address, bind, remove_socket_files, zap_handler
 from tgw.broker.http.face import HttpFace
+from . import wiring
 from .lifecycle import Lifecycle
-from tgw.broker.observe.logs import install_slow
+from tgw.broker.observe.logs import format_in_use, install_slow
 from tgw.broker.models.operator import Operator
 from .server import Broker
 from tgw.broker.fleet.supervisor import Supervisor
@@ -40,16 +41,19 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
                            "`tgw-broker keygen DIR` writes one)")
     token = load_token(cfg.server.auth_token_file) if cfg.server.auth_token_file else None
     fd_limit = raise_fd_limit()
-    supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address))
+    base_dir = os.path.dirname(config_path) if config_path else os.getcwd()   # relative paths' root
+    obs = cfg.observability   # the workers log and trace as the broker does: told in their WorkerStart
+    supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address), log_format=format_in_use(),
+                            slow_ms=obs.slow_request_ms, tracing=tracing.for_workers(obs.tracing, base_dir))
     max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
-    broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices))
+    broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices),
+                    roster=supervisor.workers)   # one roster: the supervisor's
     lifecycle = Lifecycle(broker, supervisor, cfg)
-    broker.operator = Operator(broker, cfg, address, config_path)
+    broker.operator = Operator(wiring.operator_deps(broker), cfg, address, config_path)
     loop = asyncio.get_running_loop()
-    # observability: hooks on each request's end only for what is configured; workers told by env
-    install_slow(cfg.observability.slow_request_ms, broker.admission.on_finished)
-    tracer = tracing.install(cfg.observability.tracing, broker.admission.on_finished, loop,
-                             os.path.dirname(config_path) if config_path else os.getcwd())
+    # observability: hooks on each request's end only for what is configured
+    install_slow(obs.slow_request_ms, broker.admission.on_finished)
+    tracer = tracing.install(obs.tracing, broker.admission.on_finished, loop, base_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
@@ -64,7 +68,7 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         made.append(supervisor.endpoint)
         broker.attach(loop, front, back, zap)
         if cfg.http is not None:
-            broker.http = HttpFace(broker, cfg.http)
+            broker.http = HttpFace(wiring.face_deps(broker), cfg.http)
         try:
             if broker.http is not None:
                 await broker.http.start()

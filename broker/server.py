@@ -2,10 +2,10 @@
 
 Everything here runs as plain callbacks on one uvloop loop: decode once, admit, queue, and
 let one pump per loop turn form batches for workers with room (so a burst drained from the
-socket becomes one batch, not many). It owns the worker roster and routing, the phase and the
-batch sequence; queues live in batcher, checks in admission, the clients' side in frontdoor,
-the worker handshake in handshake, versions on workers in placement, the answers no worker
-gives in unserved, read-only answers in status.
+socket becomes one batch, not many). It owns routing to workers (the roster it reads is the
+supervisor's), the phase and the batch sequence; queues live in batcher, checks in admission,
+the clients' side in frontdoor, the worker handshake in handshake, versions on workers in
+placement, the answers no worker gives in unserved, read-only answers in status.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ from tgw.broker.observe.metrics import Metrics
 from tgw.broker.models.placement import Placement
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.models.registry import Registry
-from tgw.broker.models.residency import budget_bytes
 from tgw.broker.front.sockets import Pump
 from tgw.broker.state.stats import Stats as Counters
 from tgw.broker.sched.unserved import Unserved
@@ -56,7 +55,7 @@ class Broker:
     http = None       # http_face.HttpFace when configured (main.py attaches it)
 
     def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
-                 token: str | None = None, workers: int = 1):
+                 token: str | None = None, workers: int = 1, roster: list[WorkerHandle] | None = None):
         self.clock, self.server, self.token = clock, cfg.server, token
         self.complaints = Complaints(clock)
         self.callers = Callers(cfg.server, max_clients or cfg.server.max_clients, clock)
@@ -67,24 +66,28 @@ class Broker:
         for m in cfg.models:
             self.batcher.declare(m)
             self.stats.model(m.name)
-        self.roster: list[WorkerHandle] = []              # every worker, in any state
-        self.placement = Placement(self.registry, self.roster, self.send, clock)  # which worker holds which version
+        # every worker, in any state: the supervisor's list, which it alone changes (main.py);
+        # a broker made without one (the test rigs) enrols workers itself, in add_worker
+        self.roster: list[WorkerHandle] = [] if roster is None else roster
+        self._enrols = roster is None
+        self.placement = Placement(self.registry, self.roster, self.send, clock,  # which worker holds which version
+                                   cfg.workers.max_model_memory)
         self.unserved = Unserved(self.batcher, self.roster, lambda p, err: self.door.fail(p, err),
                                  self.placement.resident)   # answers for requests no worker will run
         self.placement.on_failed = self.unserved.load_failed
-        self.model_memory = cfg.workers.max_model_memory
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
                                    self.unserved.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
-        self.metrics = Metrics(self)     # /metrics and `tgw-broker metrics`: hooks admission
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,
-                                   lambda w: budget_bytes(self.model_memory, w.device, w.device_memory))
+                                   self.placement.budget)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
         self.phase = Phase.STARTING
         self.started_at = clock()
+        self.view = wiring.observe_view(self)   # what status, /metrics and the HTTP face read
+        self.metrics = Metrics(self.view, self.admission.on_finished)   # hooks admission
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
         self.worker_handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
@@ -108,7 +111,7 @@ class Broker:
 
     def add_worker(self, w: WorkerHandle) -> None:
         """Route messages from (a new life of) this worker, and of its heartbeat thread, to it."""
-        if w not in self.roster:
+        if self._enrols and w not in self.roster:
             self.roster.append(w)
         self.routes[w.identity] = self.routes[w.control_identity] = self.routes[w.loader_identity] = w
 
@@ -159,11 +162,6 @@ class Broker:
         if w.state in (WorkerState.STARTING, WorkerState.READY):
             w.told_to_stop()
             self.back.send([w.identity, encode(Stop())])
-
-    def drop_worker(self, w: WorkerHandle) -> None:
-        """A retired worker is gone for good."""
-        self.remove_worker(w)
-        self.roster.remove(w)
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -246,7 +244,7 @@ class Broker:
             return False
         self.back.send([worker.identity, encode(msg)])
         worker.free_at = done_by
-        worker.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)
+        worker.holding.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)
         return True
 
     # ---- worker side -------------------------------------------------------------------------
@@ -310,6 +308,6 @@ class Broker:
                                        for b in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
-        if worker.evicting:  # a version it no longer holds may have finished its last batch
+        if worker.holding.evicting:  # a version it no longer holds may have finished its last batch
             self.placement.reconcile()
         self.schedule()

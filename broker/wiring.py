@@ -1,13 +1,19 @@
 """The narrow records the core hands each wing: built here from the Broker, so no wing sees it.
 
 Each wing declares the record of what it reads and calls (front.frontdoor.DoorDeps, ...); the
-functions here fill them in (`b`: the server.Broker; not imported, as server imports this). Attributes the core may replace later (the operator, the HTTP
-face) are read through lambdas, at call time.
+functions here fill them in (`b`: the server.Broker; not imported, as server imports this).
+Attributes the core may replace later (the operator, the HTTP face) are read through lambdas, at
+call time.
 """
 from __future__ import annotations
 
 from tgw.broker.front.frontdoor import DoorDeps
+from tgw.broker.http.face import FaceDeps
+from tgw.broker.models.operator import OperatorDeps
+from tgw.broker.models.reload import ReloadDeps
+from tgw.broker.models.rollout import RolloutDeps
 from tgw.broker.observe import status
+from tgw.broker.observe.status import BrokerView
 
 
 def door_deps(b) -> DoorDeps:
@@ -15,5 +21,59 @@ def door_deps(b) -> DoorDeps:
     return DoorDeps(server=b.server, token=b.token, clock=b.clock, complaints=b.complaints, callers=b.callers,
                     stats=b.stats, roster=b.roster, models=b.registry.models, admit=a.admit, finished=a.finished,
                     on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
-                    query=lambda msg: status.ANSWERS[type(msg)](b, msg.id), operate=b.operate,
+                    query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
                     snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer))
+
+
+def observe_view(b) -> BrokerView:
+    """The read-only answers' view (status, /metrics, the HTTP face's health); built once the
+    phase and start time are set. The door, operator and HTTP face come later: read at call time."""
+    a, p = b.admission, b.placement
+    return BrokerView(clock=b.clock, started_at=b.started_at, phase=lambda: b.phase.value,
+                      phases=tuple(ph.value for ph in type(b.phase)), is_serving=b.is_serving, roster=b.roster,
+                      models=b.registry.models, stats=b.stats, batcher=b.batcher, costs=b.costs,
+                      complaints=b.complaints, callers=b.callers, max_request=a.max_request, limits=a.limits,
+                      breakers=a.breakers, tenants=a.tenants, workers_of=p.workers_of, events=p.events,
+                      snapshots=lambda: b.memory.snapshots.recent,
+                      reload=lambda: dict(b.operator.reloader.outcome) if b.operator else {},
+                      http_address=lambda: b.http.address if b.http else "",
+                      abandoned=_door(b, lambda door: dict(door.abandon.counts)),
+                      regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render())
+
+
+def _door(b, read):
+    """`read` of the front door; {} until the broker is attached to its sockets (no door yet)."""
+    return lambda: read(b.door) if getattr(b, "door", None) is not None else {}
+
+
+def face_deps(b) -> FaceDeps:
+    """The HTTP face's record: after attach, as the front door's methods are bound here."""
+    return FaceDeps(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
+                    infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note)
+
+
+def rollout_deps(b) -> RolloutDeps:
+    breakers = b.admission.breakers
+    return RolloutDeps(registry=b.registry, placement=b.placement, clock=b.clock,
+                       declare_breakers=breakers.declare, forget_breakers=breakers.forget,
+                       unserved=b.unserved.versions)
+
+
+def reload_deps(b) -> ReloadDeps:
+    def declare(m) -> None:   # what the Broker does for each configured model at start, and admission
+        b.batcher.declare(m)
+        b.stats.model(m.name)
+        b.admission.declare(m)
+
+    def set_max_queue(name: str, n: int) -> None:
+        b.batcher.queues[name].max_queue = n
+
+    return ReloadDeps(registry=b.registry, placement=b.placement, uptime=lambda: b.clock() - b.started_at,
+                      declare=declare, set_max_queue=set_max_queue)
+
+
+def operator_deps(b) -> OperatorDeps:
+    """Built before the broker is attached to its sockets: the door is read at call time."""
+    return OperatorDeps(rollout=rollout_deps(b), reload=reload_deps(b),
+                        reply=lambda ident, msg: b.door.reply(ident, msg), serving=b.is_serving,
+                        phase=lambda: b.phase.value)

@@ -37,6 +37,7 @@ class WorkerHello(Struct, tag_field="op", tag="w_hello"):
     pid: int
     device_uuid: str = ""           # a GPU worker's device UUID (CUDA tensors by IPC handle go to it)
     device_memory: int = 0          # a GPU worker's device memory, bytes (workers.max_model_memory shares)
+    host_memory: str = ""           # how its ring is page-locked in effect: register, staging, pageable; "" on the CPU
 
 
 class LoadModels(Struct, tag_field="op", tag="w_load"):

@@ -1,8 +1,11 @@
 """Start, stop, crash and restart: nothing lost, nothing left in /dev/shm."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -10,6 +13,7 @@ import psutil
 import pytest
 
 from conftest import base_config, in_flight, kill_broker, wait_until
+from tgw.broker.fleet.exits import ExitWatch
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 from tgw.shm.paths import ipc_path
@@ -75,6 +79,22 @@ def test_worker_failing_to_load_fails_startup(model_files, make_broker):
     out = b.output()
     assert "wrongdtype" in out and "float64" in out, out
     assert list_segments(b.proc.pid) == []
+
+
+def test_worker_dying_while_starting_fails_startup_naming_it_and_its_exit_code(model_files, make_broker, tmp_path):
+    """The start waits on the workers' exits as on their hellos: the death is named at once,
+    not after workers.start_timeout_s."""
+    dies = tmp_path / "tgw_dies_at_import.py"
+    dies.write_text("import os\nos._exit(3)\n")
+    cfg = base_config(model_files, "mlp", workers={"devices": ["cpu"], "input_arena_mb": 8, "output_arena_mb": 4,
+                                                   "start_timeout_s": 600, "preload": [str(dies)]})
+    b = make_broker(cfg, start=False)
+    b.start(wait=False)
+    assert b.proc.wait(120) == 1
+    out = b.output()
+    assert "start-up failed: worker0[cpu] (pid " in out, out
+    assert "exited with code 3 during start-up (its error is printed above)" in out, out
+    assert "not ready after" not in out and list_segments(b.proc.pid) == []
 
 
 def test_worker_killed_is_restarted_and_work_is_not_lost(model_files, make_broker):
@@ -196,7 +216,7 @@ def test_health_follows_the_workers(model_files, make_broker):
 
 
 def test_tcp_address_without_curve_keys_is_refused(model_files, make_broker):
-    """tcp:// only with CURVE (tests/test_security.py serves it); --address cannot get around it."""
+    """tcp:// only with CURVE (tests/process/test_security.py serves it); --address cannot get around it."""
     b = make_broker(base_config(model_files, "mlp"), start=False)
     b.address = "tcp://127.0.0.1:9"
     b.start(wait=False)
@@ -218,3 +238,20 @@ def test_timeout_is_kept_while_computing_and_late_reply_is_discarded(model_files
         wait_until(lambda: observer.stats()["models"]["spin"]["replies"] == 2, 60, "the late reply to be sent")
         # the late answer waits on this thread's socket now, and is not taken for this request
         assert c.infer("mlp", {"x": X})["y"].shape == (1, 10)
+
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfds here: the monitor's look sees exits")
+def test_exit_watch_wakes_the_loop_when_a_process_exits():
+    """What the start-up waits on besides the hellos: a pidfd per worker on the loop's selector."""
+    async def main():
+        exited = asyncio.Event()
+        watch = ExitWatch(asyncio.get_running_loop(), exited.set)
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(4)"])
+        watch.add(proc)
+        assert not watch.polling
+        await asyncio.wait_for(exited.wait(), 60)
+        watch.close()
+        return proc.wait(5)
+
+    assert asyncio.run(main()) == 4

@@ -1,11 +1,11 @@
-"""Entry of a worker process: `python -m tgw.workers --worker-id N --device cpu ...`.
+"""Entry of a worker process: `python -m tgw.workers START`, START the WorkerStart the supervisor
+passes as JSON (tgw/shm/wire_start.py: device, ring, endpoint, threads, logging, tracing, ...).
 
 run_worker only wires things: title, signals, parent death, handshake, loop, death notice.
 The supervisor (in the broker) spawns it, owns its segment and restarts it.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
 import os
@@ -17,18 +17,21 @@ import torch
 import zmq
 
 from tgw.shm.segment import Segment
+from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
 from .cuda_ipc import device_memory, device_uuid
-from .device_io import HOST_MEMORY
 from .heartbeat import Beacon, Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
 from .serve import Server
-from .tracing import death_notice, observer_from_env, setup_logging
+from .tracing import Observer, death_notice, setup_logging
 
 PR_SET_PDEATHSIG = 1
+# workers/tracing.py decides JSON lines by this variable of the worker's own environment; the
+# broker no longer sets it on itself, so the worker puts its WorkerStart.log_format there
+LOG_FORMAT_ENV = "TGW_LOG_FORMAT"
 
 
 def _prctl(option: int, arg) -> None:
@@ -38,38 +41,29 @@ def _prctl(option: int, arg) -> None:
         pass
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="tgw-worker")
-    ap.add_argument("--worker-id", type=int, required=True)
-    ap.add_argument("--identity", required=True)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--segment", required=True)
-    ap.add_argument("--input-bytes", type=int, required=True)
-    ap.add_argument("--output-bytes", type=int, required=True)
-    ap.add_argument("--endpoint", required=True)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cpus", default="", help="comma-separated cores to pin to")
-    ap.add_argument("--cuda-host-memory", choices=HOST_MEMORY, default="register",
-                    help="how a CUDA worker's ring is page-locked for copies (workers/device_io.py)")
-    ap.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
-    ap.add_argument("--preload", default="",
-                    help="comma-separated modules to import, .py files or .so libraries to load before any model "
-                         "(they register the custom ops models call)")
-    return ap.parse_args(argv)
+USAGE = "usage: python -m tgw.workers START (START: a WorkerStart as JSON, tgw/shm/wire_start.py)"
 
 
-def _setup_process(args: argparse.Namespace) -> torch.device:
-    device = torch.device(args.device)
+def parse_start(argv: list[str] | None = None) -> WorkerStart:
+    """The one argument, decoded; BadStart (naming the field) for anything else."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        raise BadStart(USAGE)
+    return decode_start(argv[0])
+
+
+def _setup_process(start: WorkerStart) -> torch.device:
+    device = torch.device(start.device)
     if device.type == "cuda":   # first: every later CUDA call (a context, a stream) is on this GPU
         torch.cuda.set_device(device)
-    setproctitle.setproctitle(f"tgw-worker {args.worker_id} {args.device}")  # what ps and top show
+    setproctitle.setproctitle(f"tgw-worker {start.worker_id} {start.device}")  # what ps and top show
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the broker holds our segment: die with it
     if os.getppid() == 1:
         sys.exit("tgw worker: parent already gone")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the broker, which stops us in order
-    if args.cpus:
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    torch.set_num_threads(args.threads)
+    if start.cpus:
+        os.sched_setaffinity(0, set(start.cpus))
+    torch.set_num_threads(start.threads)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
@@ -77,11 +71,12 @@ def _setup_process(args: argparse.Namespace) -> torch.device:
     return device
 
 
-def preload(entries: str) -> None:
-    """Import each module (a name, or a .py file by path) or load each .so with torch.ops.load_library.
+def preload(entries: str | list[str]) -> None:
+    """Import each module (a name, or a .py file by path) or load each .so with torch.ops.load_library;
+    `entries` a list, or one string of them comma-separated.
 
     Raises RuntimeError naming the entry that failed."""
-    for entry in filter(None, (e.strip() for e in entries.split(","))):
+    for entry in filter(None, (e.strip() for e in (entries.split(",") if isinstance(entries, str) else entries))):
         try:
             if entry.endswith(".so"):
                 torch.ops.load_library(entry)
@@ -113,36 +108,46 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
 
 
 def run_worker(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        start = parse_start(argv)
+    except BadStart as exc:   # the supervisor logs our stderr: the field at fault is named there
+        print(f"tgw worker: {exc}", file=sys.stderr)
+        return 2
+    os.environ[LOG_FORMAT_ENV] = start.log_format   # this process only (see LOG_FORMAT_ENV)
     setup_logging()
-    device = _setup_process(args)
-    observer = observer_from_env()   # what the broker asked for: spans, slow and failed batch lines
+    device = _setup_process(start)
+    # what the broker asked for: spans, slow and failed batch lines (None: nothing per batch)
+    observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None
+    identity = start.identity.encode()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, args.identity.encode())
+    sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(args.endpoint)
-    segment = Segment.attach(args.segment)
+    sock.connect(start.endpoint)
+    segment = Segment.attach(start.segment)
     progress = Progress()
     # beats from here on: a worker stuck importing or loading models is seen as hung
-    beacon = Beacon(ctx, args.endpoint, args.identity.encode(), args.worker_id, progress, args.heartbeat_s, device)
+    beacon = Beacon(ctx, start.endpoint, identity, start.worker_id, progress, start.heartbeat_s, device)
     beacon.start()
     runners: dict[str, ModelRunner] = {}  # one dict: the loader adds and removes, the serving loop reads
-    loader = Loader(ctx, args.endpoint, args.identity.encode(), args.worker_id, runners, device)
+    loader = Loader(ctx, start.endpoint, identity, start.worker_id, runners, device)
     loader.start()  # before the hello: serving loads by the time the broker knows this worker
     try:
-        failure = _preload(args)
-        sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=args.worker_id, pid=os.getpid(),
-                                     device_uuid=device_uuid(device), device_memory=device_memory(device))))
+        failure = _preload(start)
+        # made before the hello, which reports its ring's page-locking as it is in effect
+        server = Server(sock, segment, start.input_bytes, start.output_bytes, runners, progress, observer, device,
+                        start.host_memory)
+        sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=start.worker_id, pid=os.getpid(),
+                                     device_uuid=device_uuid(device), device_memory=device_memory(device),
+                                     host_memory=server.host_memory)))
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
-        answer = failure or _load(msg, device, args.worker_id, runners)
+        answer = failure or _load(msg, device, start.worker_id, runners)
         sock.send(encode(answer))
         if isinstance(answer, WorkerFailed):
             return 1
-        Server(sock, segment, args.input_bytes, args.output_bytes, runners, progress, observer, device,
-               args.cuda_host_memory).serve()
+        server.serve()
         return 0
     except Exception:
         death_notice("worker failed")  # the supervisor logs our stderr and restarts us
@@ -161,13 +166,13 @@ def run_worker(argv: list[str] | None = None) -> int:
             pass  # a view is still alive; the mapping goes with the process
 
 
-def _preload(args: argparse.Namespace) -> WorkerFailed | None:
+def _preload(start: WorkerStart) -> WorkerFailed | None:
     """Run the preloads; a failure answers the load message, as a model that fails to load does."""
     try:
-        preload(args.preload)
+        preload(start.preload)
     except RuntimeError as exc:
         death_notice(f"preload failed: {exc}")
-        return WorkerFailed(worker_id=args.worker_id, model="<preload>", error=str(exc)[:MAX_ERROR_CHARS])
+        return WorkerFailed(worker_id=start.worker_id, model="<preload>", error=str(exc)[:MAX_ERROR_CHARS])
     return None
 
 

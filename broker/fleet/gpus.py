@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Optional
 
+from tgw.shm.devices import norm_uuid
+
 from tgw.broker.config.startup import StartupError
 from tgw.broker.config.schema import WorkersDecl
 
@@ -52,9 +54,9 @@ def visible_count(uuids: list[str], env: Optional[str]) -> int:
             found = uuids[int(entry)] if int(entry) < len(uuids) else None
         elif entry.upper().startswith("MIG-"):
             found = entry            # a MIG instance: NVML's GPU list does not name them
-        else:
-            wanted = entry if entry.upper().startswith("GPU-") else f"GPU-{entry}"
-            hits = [u for u in uuids if u.lower().startswith(wanted.lower())]
+        else:   # a GPU UUID, "GPU-" optional, any case: a unique prefix of one (shm/devices.py)
+            wanted = norm_uuid(entry)
+            hits = [u for u in uuids if norm_uuid(u).startswith(wanted)]
             found = hits[0] if len(hits) == 1 else None
         if found is None or found in seen:
             break

@@ -32,9 +32,13 @@ class Handshake:
         self.serving = serving            # once serving, a restarted worker's failed load ...
         self.lost_version = lost_version  # ... drops that version instead (placement.forget_failed)
         self.budget = budget              # a worker's model budget, once its hello gave its device's size
+        # the lifecycle's: start-up waits on these (and on the processes' exits), no interval
+        self.on_ready: Callable[[WorkerHandle], None] = lambda w: None
+        self.on_failed: Callable[[WorkerHandle], None] = lambda w: None
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
         w.pid, w.device_uuid, w.device_memory = msg.pid, msg.device_uuid, msg.device_memory
+        w.host_memory = msg.host_memory   # its ring's page-locking in effect (status shows it)
         if self.budget is not None:
             w.budget = self.budget(w)
         return LoadModels(models=self.registry.startup_specs())
@@ -53,6 +57,7 @@ class Handshake:
                 rec.bytes = rec.bytes or msg.sizes.get(key, 0)
         log.info("%s ready with %s", w.name, ", ".join(msg.models),
                  extra={"event": "worker_ready", "worker": w.name, "pid": w.pid, "models": msg.models})
+        self.on_ready(w)
         return True
 
     def failed(self, w: WorkerHandle, msg: WorkerFailed) -> None:
@@ -63,6 +68,7 @@ class Handshake:
             self.lost_version(w, msg.model, msg.error)   # else every restart would fail the same way
         else:
             self.failure = self.failure or reason
+        self.on_failed(w)
 
     @staticmethod
     def lost(w: WorkerHandle, retry: bool) -> tuple[list[Pending], list[Pending]]:

@@ -1,7 +1,9 @@
 """Supervisor (inside the broker process): plans, spawns, watches, restarts and stops workers.
 
 It creates and alone unlinks each worker's segment; at start it sweeps segments whose creator
-is dead and checks /dev/shm has room for every ring.
+is dead and checks /dev/shm has room for every ring. Its `workers` is the one roster: it alone
+adds and removes workers there; the broker's serving core reads the same list (Broker.roster).
+Each worker starts from one WorkerStart (tgw/shm/wire_start.py), its only argument.
 """
 from __future__ import annotations
 
@@ -11,17 +13,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
+from typing import Any, Callable
 
 from tgw.shm import segment as shm_segment
 from tgw.shm.segment import Segment, ShmError
+from tgw.shm.wire_start import WorkerStart, encode_start
 
 from tgw.broker.config.load import SupervisorDecl, WorkersDecl
-from .gpus import plan_devices
 from tgw.broker.state.pool import WorkerHandle, WorkerState
+from .gpus import plan_devices
+from .restarts import Restarts
 
 log = logging.getLogger("tgw.supervisor")
-RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 def exit_reason(returncode: int) -> str:
@@ -42,13 +45,16 @@ def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
 
 
 class Supervisor:
-    def __init__(self, decl: WorkersDecl, watch: SupervisorDecl, endpoint: str):
-        self.decl, self.watch, self.endpoint = decl, watch, endpoint
+    def __init__(self, decl: WorkersDecl, watch: SupervisorDecl, endpoint: str, *, log_format: str = "text",
+                 slow_ms: float | None = None, tracing: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """`log_format`, `slow_ms`, `tracing`: what the workers log and trace (their WorkerStart)."""
+        self.decl, self.watch, self.endpoint, self.clock = decl, watch, endpoint, clock
+        self.observe = {"log_format": log_format, "slow_ms": slow_ms, "tracing": tracing}
         self.devices = plan_devices(decl)           # one worker each (NVML is asked once, here)
-        self.workers: list[WorkerHandle] = []
-        self._restarts: dict[int, int] = {}         # consecutive restarts, for the backoff
-        self._restart_at: dict[int, float] = {}
-        self._deaths: dict[int, deque] = {}         # recent death times, for the crash-loop guard
+        self.workers: list[WorkerHandle] = []       # the roster: changed in place only (the broker holds it)
+        self.restarts = Restarts(watch.crash_loop)  # backoff and the crash-loop guard
+        self._restart_at: dict[int, float] = {}     # worker id -> when its next life starts
 
     def prepare(self) -> list[str]:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
@@ -84,20 +90,23 @@ class Supervisor:
     def forget(self, w: WorkerHandle) -> None:
         """A retired worker has exited: its ring goes, and it is not restarted."""
         self.workers.remove(w)
-        self._restarts.pop(w.worker_id, None)
-        self._deaths.pop(w.worker_id, None)
+        self.restarts.forget(w.worker_id)
         w.segment.close()
         w.segment.unlink()
         log.info("%s retired", w.name)
 
+    def start_for(self, w: WorkerHandle) -> WorkerStart:
+        """What (this life of) `w` is told at its start."""
+        return WorkerStart(worker_id=w.worker_id, identity=w.identity.decode(), segment=w.segment.name,
+                           input_bytes=w.input_bytes, output_bytes=w.output_bytes, endpoint=self.endpoint,
+                           device=w.device, threads=self.decl.threads_per_worker, cpus=list(w.cpus),
+                           heartbeat_s=self.watch.heartbeat_s, preload=list(self.decl.preload),
+                           host_memory=self.decl.cuda_host_memory, **self.observe)
+
     def spawn(self, w: WorkerHandle) -> None:
-        cmd = [sys.executable, "-m", "tgw.workers", "--worker-id", str(w.worker_id),
-               "--identity", w.identity.decode(), "--device", w.device, "--segment", w.segment.name,
-               "--input-bytes", str(w.input_bytes), "--output-bytes", str(w.output_bytes),
-               "--endpoint", self.endpoint, "--threads", str(self.decl.threads_per_worker),
-               "--cpus", ",".join(map(str, w.cpus)), "--heartbeat-s", str(self.watch.heartbeat_s),
-               "--preload", ",".join(self.decl.preload), "--cuda-host-memory", self.decl.cuda_host_memory]
-        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), time.monotonic())
+        cmd = [sys.executable, "-m", "tgw.workers", encode_start(self.start_for(w))]
+        self.restarts.spawned(w.worker_id)
+        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), self.clock())
         log.info("spawned %s pid %d", w.name, w.pid, extra={"event": "worker_spawned", "worker": w.name,
                                                              "pid": w.pid})
 
@@ -115,14 +124,18 @@ class Supervisor:
         w.kill_reason = reason
         w.proc.kill()
 
+    def ready(self, w: WorkerHandle) -> None:
+        """The handshake made `w` ready (its life's uptime is judged from here; see restarts.py)."""
+        self.restarts.ready(w.worker_id, self.clock())
+
     def reap(self) -> list[WorkerHandle]:
         """Workers whose process has exited since the last look (now DEAD). A worker that
-        reached READY has its backoff forgiven and is no longer benched (a successful start);
-        its deaths still count for the crash-loop guard until they leave the window."""
+        reached READY is no longer benched (a successful start); whether its death counts for
+        the crash-loop guard depends on how long it served (restarts.py)."""
         out = []
         for w in self.workers:
-            if w.state is WorkerState.READY and (self._restarts.get(w.worker_id) or w.benched):
-                self._restarts[w.worker_id] = 0
+            if w.state is WorkerState.READY:
+                self.restarts.ready(w.worker_id, self.clock())   # no-op once the handshake said so
                 w.benched = ""
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
                 w.last_death = w.kill_reason or exit_reason(w.proc.returncode)
@@ -138,26 +151,23 @@ class Supervisor:
         w.segment.close()
         w.segment.unlink()
         w.renew(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
-        now, loop = time.monotonic(), self.watch.crash_loop
-        deaths = self._deaths.setdefault(w.worker_id, deque())
-        deaths.append(now)
-        while deaths and deaths[0] < now - loop.window_s:
-            deaths.popleft()
-        n = self._restarts.get(w.worker_id, 0)
-        self._restarts[w.worker_id] = n + 1
+        now, loop = self.clock(), self.watch.crash_loop
+        delay, looping = self.restarts.died(w.worker_id, now)
         w.restarts += 1
-        delay = RESTART_BACKOFF_S[min(n, len(RESTART_BACKOFF_S) - 1)]
-        if len(deaths) >= loop.deaths:
-            w.benched = (f"crash loop: {w.name} died {len(deaths)} times in {loop.window_s:g} s "
-                         f"(last: {w.last_death}); next start in {loop.backoff_s:g} s")
-            log.error("%s", w.benched, extra={"event": "crash_loop", "worker": w.name, "deaths": len(deaths),
-                                              "backoff_s": loop.backoff_s})
-            delay = max(delay, loop.backoff_s)
+        if looping:
+            w.benched = (f"crash loop: {w.name} died {looping} times in {loop.window_s:g} s "
+                         f"(last: {w.last_death}), each before it served; next start in {delay:g} s")
+            log.error("%s", w.benched, extra={"event": "crash_loop", "worker": w.name, "deaths": looping,
+                                              "backoff_s": delay})
         self._restart_at[w.worker_id] = now + delay
+
+    def restart_at(self, w: WorkerHandle) -> float | None:
+        """When a dead worker's next life is due (the supervisor's clock), None if none is."""
+        return self._restart_at.get(w.worker_id)
 
     def due_restarts(self) -> list[WorkerHandle]:
         """Spawn the dead workers whose backoff has run out; returns them."""
-        now = time.monotonic()
+        now = self.clock()
         due = [w for w in self.workers if w.state is WorkerState.DEAD and self._restart_at.get(w.worker_id, now + 1) <= now]
         for w in due:
             del self._restart_at[w.worker_id]

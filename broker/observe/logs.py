@@ -4,8 +4,8 @@ request log.
 `--log-format json` writes each record as {"ts", "level", "logger", "msg", ...} with the
 record's `extra` fields (the structured events carry `event` plus their figures: start,
 worker_ready, model_load, model_unload, worker_died, breaker, slow_request, ...) and the
-exception text as "exc". The format reaches the workers through TGW_LOG_FORMAT, so their lines
-are JSON too.
+exception text as "exc". The supervisor tells the workers the format in use (`format_in_use`,
+their WorkerStart), so their lines are JSON too.
 
 Slow requests (observability.slow_request_ms): a request slower end to end than the threshold
 is logged with its id, model, version, code, trace id and phase times, at most PER_S lines a
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 
@@ -23,8 +22,6 @@ from tgw.broker.state.pending import Pending
 
 log = logging.getLogger("tgw.broker")
 FORMATS = ("text", "json")
-ENV = "TGW_LOG_FORMAT"      # read by the workers
-SLOW_ENV = "TGW_SLOW_MS"    # the workers log batches computing longer than this
 TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PER_S = 10                  # slow request lines a second, at most
 # a LogRecord's own attributes: everything else on a record came from `extra`
@@ -53,7 +50,11 @@ def setup(fmt: str = "text", level: str = "INFO") -> None:
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(fmt == "json")   # Python's warnings as lines of the same format
-    os.environ[ENV] = fmt
+
+
+def format_in_use() -> str:
+    """"json" when the root logger writes JSON lines (setup), else "text": what the workers get."""
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers) else "text"
 
 
 class SlowRequests:
@@ -89,9 +90,7 @@ class SlowRequests:
 
 
 def install_slow(threshold_ms: float | None, hooks: list) -> None:
-    """Log slow requests (a hook only when a threshold is set); the workers get it too."""
-    if threshold_ms is None:
-        os.environ.pop(SLOW_ENV, None)
-        return
-    hooks.append(SlowRequests(threshold_ms))
-    os.environ[SLOW_ENV] = repr(threshold_ms)
+    """Log slow requests (a hook only when a threshold is set); the workers get the threshold in
+    their WorkerStart, for slow batches."""
+    if threshold_ms is not None:
+        hooks.append(SlowRequests(threshold_ms))

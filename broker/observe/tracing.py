@@ -12,15 +12,14 @@ hook), a `tgw.request` span - a child of the caller's span when it sent one - wi
 worker measured it, ending when the broker took the completion) and `reply` (until the answer
 was handed to the socket). They are built afterwards with explicit times: the broker's
 time.monotonic clock plus one offset to the epoch. The reply then carries the `tgw.request`
-span's own traceparent. Workers get the setting in TGW_TRACING and add a `tgw.batch` span per
-batch, linked to each request's trace context (workers/tracing.py).
+span's own traceparent. Workers get the setting in their WorkerStart (`for_workers`) and add a
+`tgw.batch` span per batch, linked to each request's trace context (workers/tracing.py).
 
 Zero cost when off: opentelemetry is imported only by Tracer, made only when tracing is on, and
 nothing is hooked.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -30,7 +29,6 @@ from tgw.broker.state.pending import Pending
 from tgw.broker.config.startup import StartupError
 from tgw.broker.config.schema_ops import TracingDecl
 
-ENV = "TGW_TRACING"    # the workers' setting: the resolved TracingDecl as JSON
 def resolve(decl: TracingDecl, base_dir: str) -> TracingDecl:
     """The file exporter's path made absolute against `base_dir` (the config file's folder)."""
     if decl.path is None or os.path.isabs(decl.path):
@@ -124,10 +122,14 @@ class Tracer:
         self.provider.shutdown()
 
 
+def for_workers(decl: TracingDecl | None, base_dir: str) -> dict | None:
+    """The workers' setting (WorkerStart.tracing): the resolved TracingDecl as a dict, None when off."""
+    return None if decl is None else resolve(decl, base_dir).model_dump()
+
+
 def install(decl: TracingDecl | None, hooks: list, loop: Any, base_dir: str) -> Tracer | None:
-    """Tracing on: a Tracer hooked on each request's end, and the workers told (TGW_TRACING)."""
+    """Tracing on: a Tracer hooked on each request's end (the workers learn it from for_workers)."""
     if decl is None:
-        os.environ.pop(ENV, None)
         return None
     decl = resolve(decl, base_dir)
     try:
@@ -135,5 +137,4 @@ def install(decl: TracingDecl | None, hooks: list, loop: Any, base_dir: str) -> 
     except (OSError, ImportError) as exc:
         raise StartupError(f"observability.tracing ({decl.exporter}): {exc}") from None
     hooks.append(tracer)
-    os.environ[ENV] = json.dumps(decl.model_dump())
     return tracer
