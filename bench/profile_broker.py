@@ -64,7 +64,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
 # first, names its area (samples whose innermost frame is the event loop itself are counted apart)
 AREAS = (
     ("reply: answer, outbox, send", ("FrontDoor.answer", "FrontDoor.reply", "FrontDoor.error", "Outbox.send")),
-    ("completion: decode Done, rows", ("Broker.on_worker",)),
+    ("completion: decode Done, rows", ("WorkerMessages.on_message",)),
     ("batching: pump, next_batch, stage, send", ("Broker.pump", "Broker.schedule")),
     ("intake: read, validate, admit, queue", ("FrontDoor.on_message",)),
     ("drain loop + recv_multipart", ("Pump.drain",)),

@@ -4,8 +4,9 @@ Everything here runs as plain callbacks on one uvloop loop: decode once, admit, 
 let one pump per loop turn form batches for workers with room (so a burst drained from the
 socket becomes one batch, not many). It owns routing to workers (the roster it reads is the
 supervisor's), the phase and the batch sequence; queues live in batcher, checks in admission,
-the clients' side in frontdoor, the worker handshake in handshake, versions on workers in
-placement, the answers no worker gives in unserved, read-only answers in status.
+the clients' side in frontdoor, what workers send in worker_messages, the worker handshake in
+handshake, versions on workers in placement, the answers no worker gives in unserved,
+read-only answers in status.
 """
 from __future__ import annotations
 
@@ -17,29 +18,29 @@ from typing import Callable
 
 import zmq
 
-from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.wire import DecodeError, Done, Heartbeat, Release, Stop, WorkerFailed, WorkerHello, WorkerReady, \
-    WorkerSnapshot, encode, from_worker_decoder, model_key
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import Release, Stop, encode, model_key
 
+from tgw.broker.config.load import Config
+from tgw.broker.fleet.handshake import Handshake, death_error
+from tgw.broker.fleet.memory import MemoryWatch
+from tgw.broker.front.callers import Callers
+from tgw.broker.front.frontdoor import FrontDoor
+from tgw.broker.front.sockets import Pump
+from tgw.broker.models.placement import Placement
+from tgw.broker.models.registry import Registry
+from tgw.broker.observe.metrics import Metrics
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.alarm import Alarm
 from tgw.broker.sched.batcher import Batcher
-from tgw.broker.front.callers import Callers
-from tgw.broker.state.complaints import Complaints
-from tgw.broker.config.load import Config
 from tgw.broker.sched.costmodel import CostModel
-from tgw.broker.front.frontdoor import FrontDoor
-from tgw.broker.fleet.handshake import Handshake, death_error
-from tgw.broker.fleet.memory import MemoryWatch
-from tgw.broker.observe.metrics import Metrics
-from tgw.broker.models.placement import Placement
-from tgw.broker.state.pool import WorkerHandle, WorkerState
-from tgw.broker.models.registry import Registry
-from tgw.broker.front.sockets import Pump
-from tgw.broker.state.stats import Stats as Counters
 from tgw.broker.sched.unserved import Unserved
+from tgw.broker.state.complaints import Complaints
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.state.stats import Stats as Counters
 
 from . import wiring
+from .worker_messages import WorkerMessages
 
 log = logging.getLogger("tgw.broker")
 
@@ -90,17 +91,14 @@ class Broker:
         self.metrics = Metrics(self.view, self.admission.on_finished)   # hooks admission
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
-        self.worker_handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
-                                WorkerReady: self._on_ready, WorkerFailed: lambda w, m: self.handshake.failed(w, m),
-                                WorkerSnapshot: lambda w, m: self.memory.on_snapshot(w, m, self.clock()),
-                                **{t: self._on_loader for t in self.placement.messages}}
+        self.workers_side = WorkerMessages(self)   # what workers send, by one table
 
     def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
                zap: zmq.Socket | None = None) -> None:
         self.loop = loop
         self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
         self.door = FrontDoor(wiring.door_deps(self), loop, front, zap)
-        self.back = Pump(loop, back, self.on_worker, after=self.flush)
+        self.back = Pump(loop, back, self.workers_side.on_message, after=self.flush)
 
     def operate(self, ident, msg) -> None:
         if self.operator is None:
@@ -248,66 +246,3 @@ class Broker:
         return True
 
     # ---- worker side -------------------------------------------------------------------------
-
-    def on_worker(self, frames: list) -> None:
-        ident = frames[0].bytes
-        try:
-            msg = from_worker_decoder.decode(frames[1].buffer)
-        except (DecodeError, IndexError) as exc:
-            log.error("undecodable message from worker %r: %s", ident, exc)
-            return
-        worker = self.routes.get(ident)
-        if worker is None:
-            log.warning("message from unknown or replaced worker %r ignored", ident)
-            return
-        handler = self.worker_handlers.get(type(msg))
-        if handler is None:
-            log.warning("message %s from %s has no handler: ignored", type(msg).__name__, worker.name)
-            return
-        handler(worker, msg)
-
-    def _on_beat(self, worker: WorkerHandle, msg: Heartbeat) -> None:
-        worker.beat, worker.beat_at = msg, self.clock()
-        self.memory.on_beat(worker, msg, worker.beat_at)
-        self.admission.breakers.on_beat(worker, msg, worker.beat_at)
-
-    def _on_hello(self, worker: WorkerHandle, msg: WorkerHello) -> None:
-        self.back.send([worker.identity, encode(self.handshake.hello(worker, msg))])
-
-    def _on_ready(self, worker: WorkerHandle, msg: WorkerReady) -> None:
-        if self.handshake.ready(worker, msg, self.clock()):
-            self.placement.reconcile()
-            self.schedule()
-
-    def _on_loader(self, worker: WorkerHandle, msg) -> None:
-        """Its loader thread: runtime loads and unloads."""
-        self.placement.messages[type(msg)](worker, msg)
-        self.schedule()
-
-    def _complete(self, worker: WorkerHandle, done: Done) -> None:
-        batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
-        if batch is None:
-            log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
-            return
-        now = self.clock()
-        if done.error is not None:
-            for p in part:  # each its own exception: details are filled in per request
-                self.door.fail(p, error_from_body(done.error))
-        else:
-            counters = self.stats.models[batch.model]
-            for p, views in worker.output_rows(done, batch, part):
-                self.door.answer(p, views, now)
-                counters.replies += 1
-            # safe right after the replies: each send copied its frames out of the ring
-            worker.releases.append(done.block)
-        if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
-            self.stats.batch(batch.model, batch.rows, done.compute_us)
-            self.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
-        if done.final:  # what the worker holds now starts computing now
-            worker.free_at = now + sum(self.costs.predict(b.model, b.rows, worker.worker_id)
-                                       for b in worker.inflight.values())
-        for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
-            self.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
-        if worker.holding.evicting:  # a version it no longer holds may have finished its last batch
-            self.placement.reconcile()
-        self.schedule()

@@ -118,7 +118,8 @@ def versions(view: BrokerView, model: str) -> dict:
 
 def processes(view: BrokerView) -> list[dict]:
     return [{"role": "broker", "pid": os.getpid(), "device": ""}] + [
-        {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state.value, "inflight": len(w.inflight)}
+        {"role": "worker", "pid": w.pid, "device": w.device, "state": w.state.value, "inflight": len(w.inflight),
+         "host_memory": w.host_memory}
         for w in view.roster]
 
 
@@ -142,7 +143,8 @@ def worker_status(w, now: float) -> dict:
     out = {"name": w.name, "pid": w.pid, "device": w.device, "state": w.state.value, "models": sorted(w.models),
            "inflight": len(w.inflight), "restarts": w.restarts, "last_death": w.last_death, "benched": w.benched,
            "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None,
-           "model_bytes": sum(w.sizes.get(k, 0) for k in w.models), "budget": w.budget}
+           "model_bytes": sum(w.sizes.get(k, 0) for k in w.models), "budget": w.budget,
+           "host_memory": w.host_memory}
     if w.beat is not None:
         beat = w.beat
         out.update(rss=beat.rss, cpu_s=round(beat.cpu_s, 3), fds=beat.fds, threads=beat.threads,

@@ -91,6 +91,7 @@ class WorkerHandle:
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
     budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
     device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: state/cuda.py)
+    host_memory: str = ""             # its ring's page-locking in effect on a GPU (hello): register/staging/pageable
     device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
 
     def __post_init__(self) -> None:

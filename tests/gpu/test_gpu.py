@@ -19,7 +19,9 @@ def test_cuda_worker_matches_cpu_reference(model_files, make_broker, host_memory
     x = np.random.default_rng(3).standard_normal((8, 256), dtype=np.float32)
     ref = torch.jit.load(model_files["mlp"][0])(torch.from_numpy(x)).detach().numpy()
     with Client(b.address) as c:
-        assert c.stats()["processes"][1]["device"] == "cuda:0"
+        worker = c.stats()["processes"][1]
+        assert worker["device"] == "cuda:0"
+        assert worker["host_memory"] == host_memory   # the mode in effect: no silent fall-back to staging
         y = c.infer("mlp", {"x": x})["y"]
         out = c.infer("mixed", {"a": np.ones((2, 4), np.float16), "b": np.zeros((2, 3), bool),
                                 "c": np.arange(10, dtype=np.int64).reshape(2, 5)})

@@ -24,7 +24,7 @@ from tgw.workers.main import preload
 
 WAIT_S = 10.0
 IDENTITY = b"w3.0"
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: worker_ext.py
 _endpoints = itertools.count()
 
 

@@ -1,0 +1,89 @@
+"""What workers send the broker, on the back socket: one handler per message type.
+
+Completions answer their requests (and feed the stats and the cost model); heartbeats feed the
+memory watch and the breakers; the handshake's messages go to fleet/handshake.py, the loader
+thread's to models/placement.py. Part of the core: it works on the Broker itself.
+"""
+from __future__ import annotations
+
+import logging
+
+from tgw.shm.errors import Code, error_from_body, fail
+from tgw.shm.wire import DecodeError, Done, Heartbeat, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot, \
+    encode, from_worker_decoder
+
+from tgw.broker.state.pool import WorkerHandle
+
+log = logging.getLogger("tgw.broker")
+
+
+class WorkerMessages:
+    def __init__(self, b):   # b: the server.Broker (not imported: server imports this module)
+        self.b = b
+        self.handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
+                         WorkerReady: self._on_ready, WorkerFailed: lambda w, m: b.handshake.failed(w, m),
+                         WorkerSnapshot: lambda w, m: b.memory.on_snapshot(w, m, b.clock()),
+                         **{t: self._on_loader for t in b.placement.messages}}
+
+    def on_message(self, frames: list) -> None:
+        ident = frames[0].bytes
+        try:
+            msg = from_worker_decoder.decode(frames[1].buffer)
+        except (DecodeError, IndexError) as exc:
+            log.error("undecodable message from worker %r: %s", ident, exc)
+            return
+        worker = self.b.routes.get(ident)
+        if worker is None:
+            log.warning("message from unknown or replaced worker %r ignored", ident)
+            return
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            log.warning("message %s from %s has no handler: ignored", type(msg).__name__, worker.name)
+            return
+        handler(worker, msg)
+
+    def _on_beat(self, worker: WorkerHandle, msg: Heartbeat) -> None:
+        worker.beat, worker.beat_at = msg, self.b.clock()
+        self.b.memory.on_beat(worker, msg, worker.beat_at)
+        self.b.admission.breakers.on_beat(worker, msg, worker.beat_at)
+
+    def _on_hello(self, worker: WorkerHandle, msg: WorkerHello) -> None:
+        self.b.back.send([worker.identity, encode(self.b.handshake.hello(worker, msg))])
+
+    def _on_ready(self, worker: WorkerHandle, msg: WorkerReady) -> None:
+        if self.b.handshake.ready(worker, msg, self.b.clock()):
+            self.b.placement.reconcile()
+            self.b.schedule()
+
+    def _on_loader(self, worker: WorkerHandle, msg) -> None:
+        """Its loader thread: runtime loads and unloads."""
+        self.b.placement.messages[type(msg)](worker, msg)
+        self.b.schedule()
+
+    def _complete(self, worker: WorkerHandle, done: Done) -> None:
+        batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
+        if batch is None:
+            log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
+            return
+        now = self.b.clock()
+        if done.error is not None:
+            for p in part:  # each its own exception: details are filled in per request
+                self.b.door.fail(p, error_from_body(done.error))
+        else:
+            counters = self.b.stats.models[batch.model]
+            for p, views in worker.output_rows(done, batch, part):
+                self.b.door.answer(p, views, now)
+                counters.replies += 1
+            # safe right after the replies: each send copied its frames out of the ring
+            worker.releases.append(done.block)
+        if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
+            self.b.stats.batch(batch.model, batch.rows, done.compute_us)
+            self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
+        if done.final:  # what the worker holds now starts computing now
+            worker.free_at = now + sum(self.b.costs.predict(b.model, b.rows, worker.worker_id)
+                                       for b in worker.inflight.values())
+        for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
+            self.b.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
+        if worker.holding.evicting:  # a version it no longer holds may have finished its last batch
+            self.b.placement.reconcile()
+        self.b.schedule()
