@@ -1,4 +1,4 @@
-"""A broker of its own for the long-running checks (bench/fuzz.py, bench/soak.py): the demo
+"""A broker of its own for the long-running checks (tests/tools/fuzz.py, tests/tools/soak.py): the demo
 models built at run time in a private work folder (`python -m tgw.workers.demo_models`, nothing
 is downloaded), the comparison's tgw config, a BrokerProc stopped by PID and the folder removed
 however the run ends."""

@@ -1,6 +1,6 @@
 """Fuzz the broker's front door: every message gets exactly one well-formed reply and the broker
 keeps serving. Bounded: 150 examples by default, 2000 with TGW_SLOW=1; the fuzz tool's short
-mode (bench/fuzz.py, its own broker) sends 3,000 frames, 20,000 with TGW_SLOW=1."""
+mode (tests/tools/fuzz.py, its own broker) sends 3,000 frames, 20,000 with TGW_SLOW=1."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tgw.bench import fuzz
+from tools import fuzz
 from tgw.client import Client
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, reply_decoder
 

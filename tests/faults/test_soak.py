@@ -1,9 +1,9 @@
-"""The soak tool's short mode (bench/soak.py, its own broker with two workers): capacity, then an
+"""The soak tool's short mode (tests/tools/soak.py, its own broker with two workers): capacity, then an
 open loop at 70% of it for a few seconds. No request may fail and no process may die; the
 figures (RSS, fds, threads before and after, latency) are printed (-s), never asserted."""
 from __future__ import annotations
 
-from tgw.bench import soak
+from tools import soak
 
 
 def test_soak_short_run_fails_nothing_and_loses_no_process():

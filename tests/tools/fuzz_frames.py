@@ -1,4 +1,4 @@
-"""The fuzzer's hostile frames (bench/fuzz.py sends them), one maker per category: random bytes,
+"""The fuzzer's hostile frames (tests/tools/fuzz.py sends them), one maker per category: random bytes,
 broken MessagePack, valid requests with one field or frame wrong, and well-formed requests off
 the beaten path. Hostile.make() returns (category, sub-category, frames, the id the broker would
 echo or None); the report counts by category, so keep a maker's category name stable."""

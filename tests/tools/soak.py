@@ -1,7 +1,7 @@
 """tgw soak: hours of steady load on a broker of its own, and what its processes look like after.
 
-    python -m tgw.bench.soak --minutes 60        # scripts/soak.sh --minutes 60
-    python -m tgw.bench.soak --seconds 30        # the short mode
+    python -m tools.soak --minutes 60        # scripts/soak.sh --minutes 60
+    python -m tools.soak --seconds 30        # the short mode
 
 Starts a broker (BrokerProc; --workers CPU workers) serving the demo models, built at run time
 by `python -m tgw.workers.demo_models` (nothing is downloaded). Then, with bench/loadgen.py's
@@ -70,7 +70,7 @@ def process_table(before: list[dict], after: list[dict], peaks: dict[int, Option
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = selfhosted.parser("python -m tgw.bench.soak", __doc__)
+    ap = selfhosted.parser("python -m tools.soak", __doc__)
     length = ap.add_mutually_exclusive_group(required=True)
     length.add_argument("--minutes", type=float, help="soak duration in minutes")
     length.add_argument("--seconds", type=float, help="soak duration in seconds (short mode)")

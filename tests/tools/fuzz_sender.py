@@ -1,4 +1,4 @@
-"""The fuzzer's sender threads (bench/fuzz.py starts them): one DEALER socket each, a hostile
+"""The fuzzer's sender threads (tests/tools/fuzz.py starts them): one DEALER socket each, a hostile
 frame then a `health` sentinel to tell which replies are the frame's, and every --check-every
 frames a valid request checked against the model run in this process. Counts go to Tallies."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from tgw.bench.fuzz_frames import MODELS, Hostile, enc
+from .fuzz_frames import MODELS, Hostile, enc
 from tgw.shm.wire import PROTOCOL_VERSION, DecodeError, ErrorReply, InferReply, reply_decoder
 
 SENTINEL_WAIT_S = 10.0        # a sentinel's reply: past this the socket counts as broken and is replaced

@@ -1,6 +1,6 @@
 """tgw fuzz: hostile frames at a broker of its own, with checked valid requests in between.
 
-    python -m tgw.bench.fuzz [--count 100000] [--threads 4] [--check-every 50] [--seed 1]
+    python -m tools.fuzz [--count 100000] [--threads 4] [--check-every 50] [--seed 1]
     scripts/fuzz.sh [--count N]
 
 Starts a broker (BrokerProc, one CPU worker) serving two of the demo models, built at run time
@@ -44,8 +44,8 @@ import numpy as np
 import zmq
 
 from tgw.bench import selfhosted
-from tgw.bench.fuzz_frames import MAX_REQUEST_BYTES, MODELS, Hostile, enc
-from tgw.bench.fuzz_sender import VALID_WAIT_S, Reference, Sender, Tallies
+from .fuzz_frames import MAX_REQUEST_BYTES, MODELS, Hostile, enc
+from .fuzz_sender import VALID_WAIT_S, Reference, Sender, Tallies
 from tgw.bench.selfhosted import demo_broker
 from tgw.shm.wire import PROTOCOL_VERSION
 
@@ -132,7 +132,7 @@ def report(t: Tallies, n: int, elapsed: float, threads: int) -> list[str]:
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = selfhosted.parser("python -m tgw.bench.fuzz", __doc__)
+    ap = selfhosted.parser("python -m tools.fuzz", __doc__)
     ap.add_argument("--count", type=int, default=100_000, help="hostile frames in all (default 100000)")
     ap.add_argument("--threads", type=int, default=4, help="sender threads, one DEALER socket each (default 4)")
     ap.add_argument("--check-every", type=int, default=50, help="a checked valid request every N frames per thread")
