@@ -53,8 +53,7 @@ class Handshake:
         for key in msg.models:
             rec = self.registry.record(key)
             if rec is not None:
-                rec.seen = True
-                rec.bytes = rec.bytes or msg.sizes.get(key, 0)
+                rec.served_by(msg.sizes.get(key, 0))
         log.info("%s ready with %s", w.name, ", ".join(msg.models),
                  extra={"event": "worker_ready", "worker": w.name, "pid": w.pid, "models": msg.models})
         self.on_ready(w)

@@ -147,7 +147,7 @@ class Placement:
                              "error": msg.error})
             self.note("load_failed", msg.key, w, reason=msg.reason, message=msg.error[:300])
             if rec is not None:
-                rec.error, rec.failed_at = f"{msg.reason}: {msg.error}", self.clock()
+                rec.load_failed(f"{msg.reason}: {msg.error}", self.clock())
             if msg.key in self.watching:
                 self.failures.setdefault(msg.key, []).append((w, msg))
             else:
@@ -157,7 +157,7 @@ class Placement:
             w.sizes[msg.key] = msg.bytes
             w.holding.used_at[msg.key] = self.clock()
             if rec is not None:
-                rec.bytes, rec.loads, rec.last_load_ms, rec.error = msg.bytes, rec.loads + 1, msg.load_ms, ""
+                rec.loaded(msg.bytes, msg.load_ms)
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
                       rss_after=msg.rss_after)
             log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,

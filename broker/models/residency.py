@@ -96,6 +96,6 @@ class Residency:
         w.holding.evicting.add(key)
         rec = self.record(key)
         if rec is not None:
-            rec.evictions += 1
+            rec.evicted()
         self.note("evict", key, w, bytes=self.size(w, key), message="least recently used, to make room")
         log.info("%s: evicting %s to make room", w.name, key)

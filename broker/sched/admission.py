@@ -30,7 +30,7 @@ from tgw.broker.models.registry import Checked, ModelEntry, Registry
 from tgw.broker.state.stats import Stats
 from .tenants import Tenants
 from tgw.broker.front.traceparent import check_traceparent
-from tgw.broker.state.versions import VersionRecord, VersionState
+from tgw.broker.state.versions import VersionRecord
 
 
 MEMO_MAX = 1024  # header shapes remembered by _intake
@@ -118,7 +118,7 @@ class Admission:
                 self.tenants.unadmit(tenant)
             raise
         self.callers.owe(client)
-        record.active += 1
+        record.admitted()
         self.stats.models[model.name].requests += 1
         return p
 
@@ -229,8 +229,7 @@ class Admission:
             p.tenant.inflight -= 1
         record = p.record
         if record is not None:
-            record.active -= 1
-            if not record.active and record.state is VersionState.DRAINING:
+            if record.left():
                 self.drained(record)
         limit = self.limits.get(p.model)
         if limit is not None:

@@ -77,6 +77,32 @@ class VersionRecord:
         self.check(VersionState.DRAINING)
         self._state, self.weight = VersionState.DRAINING, 0
 
+    # the figures below change only through these methods, each called by the one owner named
+    def admitted(self) -> None:
+        """A request for it was admitted (admission)."""
+        self.active += 1
+
+    def left(self) -> bool:
+        """An admitted request left (admission): whether that ended its drain."""
+        self.active -= 1
+        return not self.active and self._state is VersionState.DRAINING
+
+    def served_by(self, nbytes: int) -> None:
+        """A worker reported it loaded at start-up (the handshake): admitted while workers restart."""
+        self.seen, self.bytes = True, self.bytes or nbytes
+
+    def loaded(self, nbytes: int, load_ms: float) -> None:
+        """A runtime load finished (placement)."""
+        self.bytes, self.loads, self.last_load_ms, self.error = nbytes, self.loads + 1, load_ms, ""
+
+    def load_failed(self, why: str, at: float) -> None:
+        """A runtime load failed (placement): not retried on demand for a while."""
+        self.error, self.failed_at = why, at
+
+    def evicted(self) -> None:
+        """Unloaded to make room (residency)."""
+        self.evictions += 1
+
     @property
     def version(self) -> str:
         return self.decl.version
