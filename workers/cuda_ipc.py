@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import BlockTooLarge
 from tgw.shm.wire import Batch, CudaIpc, Done
@@ -40,11 +41,6 @@ from .output_blocks import OutputSpaceTimeout
 from .runner import TORCH_DTYPES
 
 
-def _norm(uuid: str) -> str:
-    uuid = uuid.strip().lower()
-    return uuid[4:] if uuid.startswith("gpu-") else uuid
-
-
 def _bad(message: str, reason: str = "cuda_bad_handle", **details) -> TgwError:
     return fail(Code.INVALID_ARGUMENT, message, reason=reason, **details)
 
@@ -54,7 +50,7 @@ def open_storage(d: CudaIpc, device: torch.device, own_uuid: str = "") -> torch.
     if device.type != "cuda":
         raise _bad(f"a CUDA tensor of cuda:{d.device} reached a worker on {device}", "cuda_wrong_device")
     if d.device_uuid and own_uuid:
-        if _norm(d.device_uuid) != _norm(own_uuid):
+        if norm_uuid(d.device_uuid) != norm_uuid(own_uuid):
             raise _bad(f"a CUDA tensor of GPU {d.device_uuid} reached the worker on {device} ({own_uuid})",
                        "cuda_wrong_device")
     elif d.device != device.index:
