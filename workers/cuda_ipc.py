@@ -35,7 +35,6 @@ from tgw.shm.ring import BlockTooLarge
 from tgw.shm.wire import Batch, CudaIpc, Done
 
 from .answers import error_done, failed
-from .device_identity import device_memory, device_uuid  # noqa: F401 - workers/main.py imports them from here
 from .oom import is_oom
 from .output_blocks import OutputSpaceTimeout
 from .runner import TORCH_DTYPES

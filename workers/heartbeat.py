@@ -20,7 +20,7 @@ from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot,
 
 from .device_identity import device_uuid
 from .gpu_readings import GpuReader
-from .progress import Progress  # the worker's start-up imports it from here too
+from .progress import Progress
 from .sidethread import SideThread
 
 log = logging.getLogger("tgw.worker")

@@ -21,8 +21,9 @@ from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
-from .cuda_ipc import device_memory, device_uuid
-from .heartbeat import Beacon, Progress
+from .device_identity import device_memory, device_uuid
+from .heartbeat import Beacon
+from .progress import Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
 from .serve import Server

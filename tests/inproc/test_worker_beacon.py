@@ -19,7 +19,8 @@ import zmq
 import worker_ext
 from conftest import wait_until
 from tgw.shm.wire import Heartbeat, SnapshotRequest, WorkerSnapshot, encode, from_worker_decoder
-from tgw.workers.heartbeat import CTL_SUFFIX, Beacon, Progress
+from tgw.workers.heartbeat import CTL_SUFFIX, Beacon
+from tgw.workers.progress import Progress
 from tgw.workers.main import preload
 
 WAIT_S = 10.0
