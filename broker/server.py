@@ -73,11 +73,12 @@ class Broker:
         self._enrols = roster is None
         self.placement = Placement(self.registry, self.roster, self.send, clock,  # which worker holds which version
                                    cfg.workers.max_model_memory)
-        self.unserved = Unserved(self.batcher, self.roster, lambda p, err: self.door.fail(p, err),
+        answer_error = lambda p, err: self.door.fail(p, err)   # noqa: E731 - the door is made in attach
+        self.unserved = Unserved(self.batcher, self.roster, answer_error,
                                  self.placement.resident)   # answers for requests no worker will run
         self.placement.on_failed = self.unserved.load_failed
         self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unserved.unavailable, shed=lambda p, err: self.door.fail(p, err), workers=workers,
+                                   self.unserved.unavailable, shed=answer_error, workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,
                                    self.placement.budget)

@@ -21,7 +21,7 @@ class WorkerMessages:
     def __init__(self, b):   # b: the server.Broker (not imported: server imports this module)
         self.b = b
         self.handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
-                         WorkerReady: self._on_ready, WorkerFailed: lambda w, m: b.handshake.failed(w, m),
+                         WorkerReady: self._on_ready, WorkerFailed: b.handshake.failed,
                          WorkerSnapshot: lambda w, m: b.memory.on_snapshot(w, m, b.clock()),
                          **{t: self._on_loader for t in b.placement.messages}}
 
@@ -80,8 +80,8 @@ class WorkerMessages:
             self.b.stats.batch(batch.model, batch.rows, done.compute_us)
             self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         if done.final:  # what the worker holds now starts computing now
-            worker.free_at = now + sum(self.b.costs.predict(b.model, b.rows, worker.worker_id)
-                                       for b in worker.inflight.values())
+            worker.free_at = now + sum(self.b.costs.predict(staged.model, staged.rows, worker.worker_id)
+                                       for staged in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.b.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         if worker.holding.evicting:  # a version it no longer holds may have finished its last batch

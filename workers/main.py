@@ -30,9 +30,6 @@ from .serve import Server
 from .tracing import Observer, death_notice, setup_logging
 
 PR_SET_PDEATHSIG = 1
-# workers/tracing.py decides JSON lines by this variable of the worker's own environment; the
-# broker no longer sets it on itself, so the worker puts its WorkerStart.log_format there
-LOG_FORMAT_ENV = "TGW_LOG_FORMAT"
 
 
 def _prctl(option: int, arg) -> None:
@@ -114,8 +111,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     except BadStart as exc:   # the supervisor logs our stderr: the field at fault is named there
         print(f"tgw worker: {exc}", file=sys.stderr)
         return 2
-    os.environ[LOG_FORMAT_ENV] = start.log_format   # this process only (see LOG_FORMAT_ENV)
-    setup_logging()
+    setup_logging(start.log_format)
     device = _setup_process(start)
     # what the broker asked for: spans, slow and failed batch lines (None: nothing per batch)
     observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None

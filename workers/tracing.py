@@ -1,14 +1,14 @@
-"""The worker's observability, as the broker sets it in the environment of the workers it spawns.
+"""The worker's observability, as its start-up (shm/wire_start.WorkerStart) sets it.
 
-* TGW_LOG_FORMAT=json: log lines (and the death notice's traceback) as JSON objects, one a line.
-* TGW_TRACING (the broker's observability.tracing as JSON): a `tgw.batch` span per batch, linked
+* log_format "json": log lines (and the death notice's traceback) as JSON objects, one a line.
+* tracing (the broker's observability.tracing, resolved): a `tgw.batch` span per batch, linked
   to the trace context of each request in it (Batch.traces), exported the same way as the
   broker's spans. Kept when one of its requests' contexts is sampled; with none, by sample_ratio.
-* TGW_SLOW_MS (observability.slow_request_ms): a batch computing longer than that is logged,
+* slow_ms (observability.slow_request_ms): a batch computing longer than that is logged,
   and so is a failed batch (with tracing or a threshold set), naming its requests' trace ids;
   at most one line of each kind every INTERVAL_S, the next one saying how many were left out.
 
-Nothing is imported from opentelemetry unless TGW_TRACING is set.
+Nothing is imported from opentelemetry unless tracing is set.
 """
 from __future__ import annotations
 
@@ -37,13 +37,14 @@ class JsonLines(logging.Formatter):
                            "msg": record.getMessage(), **extra, **({"exc": exc} if exc else {})}, default=str)
 
 
-def json_logs() -> bool:
-    return os.environ.get("TGW_LOG_FORMAT") == "json"
+_json_lines = False   # set once, by setup_logging, at the worker's start
 
 
-def setup_logging() -> None:
+def setup_logging(log_format: str) -> None:
     """JSON lines on stderr when the broker logs JSON; else Python's default (warnings, bare)."""
-    if json_logs():
+    global _json_lines
+    _json_lines = log_format == "json"
+    if _json_lines:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonLines())
         logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
@@ -52,7 +53,7 @@ def setup_logging() -> None:
 
 def death_notice(what: str) -> None:
     """The traceback of what stops the worker (the supervisor logs its death after it)."""
-    if json_logs():
+    if _json_lines:
         log.error("%s", what, exc_info=True, extra={"event": "worker_error"})
     else:
         traceback.print_exc()
@@ -143,11 +144,3 @@ def processor(decl: dict):
 
 def one_line(span) -> str:
     return span.to_json(indent=None) + "\n"
-
-
-def observer_from_env() -> Observer | None:
-    """The Observer the broker asked for, or None (nothing to do per batch)."""
-    tracing, slow = os.environ.get("TGW_TRACING"), os.environ.get("TGW_SLOW_MS")
-    if not tracing and not slow:
-        return None
-    return Observer(json.loads(tracing) if tracing else None, float(slow) if slow else None)

@@ -61,12 +61,12 @@ class Abandonment:
 
     # ---- the three ways a request is abandoned -------------------------------------------------
 
-    def handle(self, ident, msg: Cancel | Goodbye) -> None:
-        if isinstance(msg, Goodbye):
-            self.drop_caller({ident}, "client_closed")
-            self.processes.pop(ident, None)
-            return
-        cancelled = running = 0
+    def goodbye(self, ident, msg: Goodbye) -> None:
+        self.drop_caller({ident}, "client_closed")
+        self.processes.pop(ident, None)
+
+    def cancel(self, ident, msg: Cancel) -> None:
+        running = 0
         queued = []
         for req_id in msg.ids[:MAX_CANCEL_IDS]:
             p = self.inflight.get((ident, req_id))
@@ -77,8 +77,7 @@ class Abandonment:
             else:
                 running += 1
         self._drop(queued, "cancelled")
-        cancelled = len(queued)
-        self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=cancelled, running=running))
+        self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=len(queued), running=running))
 
     def drop_caller(self, idents: set, reason: str) -> int:
         """Take every queued request of these callers out, unrun; how many."""

@@ -123,7 +123,7 @@ class FrontDoor:
         self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply)
         deps.on_finished.append(self.abandon.finished)
         self.handlers = {Infer: self._infer_frames, RegisterRegion: self._region, UnregisterRegion: self._region}
-        self.answers = {Cancel: self.abandon.handle, Goodbye: self.abandon.handle, Snapshot: self._snapshot}
+        self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
             self.answers[op] = deps.operate
 
