@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 import msgspec
 
 # the contract's other parts, re-exported: import every message from here
-from .wire_base import (COMPRESSIONS, DTYPE_SIZES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, WIRE_DTYPES,  # noqa: F401
+from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSION, SUPPORTED_VERSIONS, WIRE_DTYPES,  # noqa: F401
                         CudaIpc, ErrorBody, IOSpec, Struct, TensorMeta, as_builtins, model_key, nbytes_of,
                         split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401

@@ -19,7 +19,11 @@ DTYPE_SIZES: dict[str, int] = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8,
     "uint16": 2, "uint32": 4, "uint64": 8,   # torch carries these (few ops take them: models cast first)
     "float16": 2, "float32": 4, "float64": 8,
+    "bfloat16": 2,   # numpy holds it as ml_dtypes.bfloat16 (client side); torch.bfloat16 in workers
 }
+# ... and the variable-length one: each element a byte string (shm/bytes_tensor.py has its layout)
+BYTES = "bytes"
+DTYPES = (*DTYPE_SIZES, BYTES)
 COMPRESSIONS = ("lz4",)
 # reduced wire precisions of a float32 tensor (TensorMeta.wire_dtype), with their bytes per element
 WIRE_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2}
@@ -82,6 +86,7 @@ def split_model_key(key: str) -> tuple[str, str]:
 
 
 def nbytes_of(dtype: str, shape: list[int]) -> int:
+    """Bytes of a fixed-size dtype's tensor (KeyError for `bytes`: its size is its frame's)."""
     n = DTYPE_SIZES[dtype]
     for dim in shape:
         n *= dim

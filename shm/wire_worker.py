@@ -18,7 +18,9 @@ class ModelSpec(Struct):
     outputs: list[IOSpec]
     warmup_batch_sizes: list[int] = []
     sha256: Optional[str] = None   # checked by the worker on the very bytes it loads
-    format: str = "torchscript"    # torchscript, export, aoti: checked again on those bytes
+    format: str = "torchscript"    # torchscript, export, aoti: checked again on those bytes; stage: `handler`
+    handler: str = ""              # a stage's class: "/abs/file.py:Class" or "module:Class"
+    device: str = ""               # a stage's declared device kind: cpu or cuda
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
 
 
@@ -29,6 +31,8 @@ class BlockTensor(Struct):
     shape: list[int]
     offset: int
     nbytes: int
+    # a `bytes` output's rows: where each begins, relative to `offset`, and the end (rows + 1)
+    cuts: list[int] = []
 
 
 class WorkerHello(Struct, tag_field="op", tag="w_hello"):
@@ -118,6 +122,9 @@ class Done(Struct, tag_field="op", tag="w_done"):
     first: int = 0
     count: int = 0
     final: bool = True
+    # requests (by index in the batch, as `first`) a stage failed on their own: each answered
+    # with its error, the others with their rows (which the outputs still carry)
+    failed: dict[int, ErrorBody] = {}
 
 
 class Release(Struct, tag_field="op", tag="w_release"):

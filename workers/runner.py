@@ -19,7 +19,7 @@ TORCH_DTYPES = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
     "int32": torch.int32, "int64": torch.int64, "uint16": torch.uint16, "uint32": torch.uint32,
     "uint64": torch.uint64, "float16": torch.float16, "float32": torch.float32,
-    "float64": torch.float64,
+    "float64": torch.float64, "bfloat16": torch.bfloat16,
 }
 
 

@@ -9,125 +9,9 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tgw.shm.paths import ADDRESS_FORMS, address_problem
-from tgw.shm.wire import DTYPE_SIZES, WIRE_DTYPES
 
+from .schema_models import BreakerDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
 from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
-
-
-class TensorDecl(Strict):
-    name: Annotated[str, Field(min_length=1)]
-    dtype: str
-    shape: list[int] = Field(description="dims without the batch dimension; -1 = variable")
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, v: str) -> str:
-        if v not in DTYPE_SIZES:
-            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPE_SIZES)}")
-        return v
-
-    @field_validator("shape")
-    @classmethod
-    def _dims(cls, v: list[int]) -> list[int]:
-        if any(d == 0 or d < -1 for d in v):
-            raise ValueError(f"dims must be positive or -1 (variable), got {v}")
-        return v
-
-
-class VersionDecl(Strict):
-    version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
-    path: str
-    sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
-    # what the file holds (shm/model_format.py tells it from the file); parse_config fills it in
-    format: Optional[Literal["torchscript", "export", "aoti"]] = None
-    weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
-
-
-class BreakerDecl(Strict):
-    """The circuit breaker of each version of a model (broker/sched/breaker.py): it opens on any trip,
-    sends requests to `fallback` (or answers CIRCUIT_OPEN) for cooldown_s, then lets `probes`
-    requests through half-open and closes when they all succeed."""
-    error_rate: Annotated[float, Field(gt=0, le=1)] = 0.5      # failed share of the window's requests ...
-    window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0   # ... over this sliding window ...
-    min_requests: Annotated[int, Field(ge=1)] = 20             # ... once it holds this many
-    p99_factor: Optional[Annotated[float, Field(ge=1)]] = 3.0  # compute p99 over factor x slo_p99_ms (needs it)
-    memory_fraction: Optional[Annotated[float, Field(gt=0, le=1)]] = None  # a serving worker's memory share
-    cooldown_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
-    probes: Annotated[int, Field(ge=1, le=1000)] = 3
-    fallback: Optional[Annotated[str, Field(min_length=1)]] = None  # a model with the same inputs and outputs
-
-
-class ModelDecl(Strict):
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
-    versions: Annotated[list[VersionDecl], Field(min_length=1)]
-    default_version: Optional[str] = None
-    inputs: Annotated[list[TensorDecl], Field(min_length=1)]
-    outputs: Annotated[list[TensorDecl], Field(min_length=1)]
-    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
-    max_queue: Annotated[int, Field(ge=1)] = 1024
-    timeout_ms: Annotated[int, Field(ge=1)] = 30000
-    warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
-    # scheduling (broker/sched/batcher.py, concurrency.py, breaker.py; docs/ARCHITECTURE.md "Scheduling")
-    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = []
-    max_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 0   # 0: work-conserving, never wait on purpose
-    priority_levels: Annotated[int, Field(ge=1, le=16)] = 3
-    aging_batches: Annotated[float, Field(gt=0)] = 8.0   # waited this many recent batch times: up one level
-    slo_p99_ms: Optional[Annotated[float, Field(gt=0)]] = None
-    adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
-    breaker: Optional[BreakerDecl] = None
-    residency: Literal["always", "on_demand"] = "always"  # on_demand: loaded on first use, LRU-evictable
-    # reduced precisions its float32 inputs may travel in (client wire_dtype=); widened to float32 on arrival
-    wire_dtypes: list[str] = []
-
-    @field_validator("wire_dtypes")
-    @classmethod
-    def _wire_dtypes(cls, v: list[str]) -> list[str]:
-        unknown = [d for d in v if d not in WIRE_DTYPES]
-        if unknown:
-            raise ValueError(f"unknown wire_dtypes {unknown}; one of {', '.join(WIRE_DTYPES)}")
-        return list(dict.fromkeys(v))
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "ModelDecl":
-        if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
-            raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
-        if self.weighted and self.default_version is not None:
-            raise ValueError("default_version and per-version weight are exclusive: requests that name no version "
-                             "follow the weights")
-        if self.weighted and not any(v.weight for v in self.versions):
-            raise ValueError(f"weights of model {self.name!r} sum to 0: at least one version needs a weight > 0")
-        for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
-            too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
-            if too_big:
-                raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
-        if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):
-            raise ValueError(f"wire_dtypes {self.wire_dtypes}: model {self.name!r} has no float32 input (only "
-                             "float32 inputs travel at a reduced precision)")
-        if self.breaker and self.breaker.fallback == self.name:
-            raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
-        return self
-
-    def signature(self) -> tuple:
-        """What a fallback must share with this model: every input and output, as declared."""
-        return tuple((t.name, t.dtype, tuple(t.shape)) for t in self.inputs), \
-            tuple((t.name, t.dtype, tuple(t.shape)) for t in self.outputs)
-
-    @property
-    def weighted(self) -> bool:
-        return any(v.weight is not None for v in self.versions)
-
-    def weights(self) -> dict[str, int]:
-        """version -> its share of the requests that name no version (a missing weight is 0)."""
-        if self.weighted:
-            return {v.version: v.weight or 0 for v in self.versions}
-        return {self.default: 100}   # all of it, shown as 100 %
-
-    @property
-    def default(self) -> str:
-        """Weighted: the heaviest version (ties: the later declared); else default_version or the last."""
-        if self.weighted:
-            return max(reversed(self.versions), key=lambda v: v.weight or 0).version
-        return self.default_version or self.versions[-1].version
 
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda:\d+)$")]
@@ -149,6 +33,8 @@ class WorkersDecl(Strict):
     cuda_host_memory: Literal["register", "staging", "pageable"] = "register"
     # each worker's budget for loaded models: bytes (int) or share of its device's memory (float in (0, 1])
     max_model_memory: Optional[Union[int, float]] = None
+    # CPU workers that serve only stages (device cpu); 0: cpu stages go on the CPU workers with the models
+    stage_workers: Annotated[int, Field(ge=0, le=64)] = 0
     # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)
     _input_bytes: Optional[int] = PrivateAttr(default=None)
     _output_bytes: Optional[int] = PrivateAttr(default=None)
@@ -197,6 +83,7 @@ class ServerDecl(Strict):
     max_tensors_per_request: Annotated[int, Field(ge=1, le=4096)] = 64
     max_dims: Annotated[int, Field(ge=1, le=64)] = 16              # per tensor, batch dim included
     max_elements: Annotated[int, Field(ge=1)] = 1 << 28            # per tensor
+    max_element_bytes: Annotated[int, Field(ge=1)] = 16 << 20      # per element of a bytes tensor
     max_inflight_per_client: Annotated[int, Field(ge=1)] = 1024    # admitted, not yet answered
     max_clients: Annotated[int, Field(ge=1)] = 1000                # connected callers
     client_queue_bytes: Annotated[int, Field(ge=1 << 16)] = 64 << 20   # replies waiting for one slow reader

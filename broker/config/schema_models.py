@@ -1,0 +1,159 @@
+"""The models' part of the configuration's schema: tensors, versions, breakers, models (and
+stages: models whose versions name a handler class instead of a file).
+
+schema.py re-exports these with the rest of the schema.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from tgw.shm.wire import BYTES, DTYPES, WIRE_DTYPES
+
+from .schema_ops import Strict
+
+
+class TensorDecl(Strict):
+    name: Annotated[str, Field(min_length=1)]
+    dtype: str
+    shape: list[int] = Field(description="dims without the batch dimension; -1 = variable")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPES)}")
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, v: list[int]) -> list[int]:
+        if any(d == 0 or d < -1 for d in v):
+            raise ValueError(f"dims must be positive or -1 (variable), got {v}")
+        return v
+
+
+class VersionDecl(Strict):
+    version: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9._-]+$")]
+    path: Optional[str] = None     # a model file (exactly one of path and handler)
+    # a stage's class: "file.py:Class" (a file under model_roots) or "package.module:Class"
+    handler: Optional[Annotated[str, Field(pattern=r"^[^:]+:[A-Za-z_][A-Za-z0-9_]*$")]] = None
+    sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
+    # what the file holds (shm/model_format.py tells it from the file); parse_config fills it in;
+    # "stage" for a handler
+    format: Optional[Literal["torchscript", "export", "aoti", "stage"]] = None
+    weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "VersionDecl":
+        if (self.path is None) == (self.handler is None):
+            raise ValueError("a version names exactly one of path (a model file) and handler (a stage's class)")
+        if self.handler is not None and self.format not in (None, "stage"):
+            raise ValueError(f"format {self.format!r} is a model file's; a handler is a stage")
+        if self.path is not None and self.format == "stage":
+            raise ValueError("format stage needs handler: FILE.py:Class or module:Class, not path")
+        return self
+
+
+class BreakerDecl(Strict):
+    """The circuit breaker of each version of a model (broker/sched/breaker.py): it opens on any trip,
+    sends requests to `fallback` (or answers CIRCUIT_OPEN) for cooldown_s, then lets `probes`
+    requests through half-open and closes when they all succeed."""
+    error_rate: Annotated[float, Field(gt=0, le=1)] = 0.5      # failed share of the window's requests ...
+    window_s: Annotated[float, Field(gt=0, le=3600)] = 10.0   # ... over this sliding window ...
+    min_requests: Annotated[int, Field(ge=1)] = 20             # ... once it holds this many
+    p99_factor: Optional[Annotated[float, Field(ge=1)]] = 3.0  # compute p99 over factor x slo_p99_ms (needs it)
+    memory_fraction: Optional[Annotated[float, Field(gt=0, le=1)]] = None  # a serving worker's memory share
+    cooldown_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    probes: Annotated[int, Field(ge=1, le=1000)] = 3
+    fallback: Optional[Annotated[str, Field(min_length=1)]] = None  # a model with the same inputs and outputs
+
+
+class ModelDecl(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    versions: Annotated[list[VersionDecl], Field(min_length=1)]
+    default_version: Optional[str] = None
+    inputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    outputs: Annotated[list[TensorDecl], Field(min_length=1)]
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    max_queue: Annotated[int, Field(ge=1)] = 1024
+    timeout_ms: Annotated[int, Field(ge=1)] = 30000
+    warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
+    # scheduling (broker/sched/batcher.py, concurrency.py, breaker.py; docs/ARCHITECTURE.md "Scheduling")
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = []
+    max_delay_us: Annotated[int, Field(ge=0, le=10_000_000)] = 0   # 0: work-conserving, never wait on purpose
+    priority_levels: Annotated[int, Field(ge=1, le=16)] = 3
+    aging_batches: Annotated[float, Field(gt=0)] = 8.0   # waited this many recent batch times: up one level
+    slo_p99_ms: Optional[Annotated[float, Field(gt=0)]] = None
+    adaptive_concurrency: bool = True                    # AIMD limit against slo_p99_ms (needs it)
+    breaker: Optional[BreakerDecl] = None
+    residency: Literal["always", "on_demand"] = "always"  # on_demand: loaded on first use, LRU-evictable
+    # reduced precisions its float32 inputs may travel in (client wire_dtype=); widened to float32 on arrival
+    wire_dtypes: list[str] = []
+    # stages only (versions with a handler): where it runs, and what its setup(context) is given
+    device: Optional[Literal["cpu", "cuda"]] = None   # None: cpu
+    options: dict[str, Any] = {}
+
+    @property
+    def is_stage(self) -> bool:
+        return self.versions[0].handler is not None
+
+    @field_validator("wire_dtypes")
+    @classmethod
+    def _wire_dtypes(cls, v: list[str]) -> list[str]:
+        unknown = [d for d in v if d not in WIRE_DTYPES]
+        if unknown:
+            raise ValueError(f"unknown wire_dtypes {unknown}; one of {', '.join(WIRE_DTYPES)}")
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelDecl":
+        if self.default_version is not None and self.default_version not in {v.version for v in self.versions}:
+            raise ValueError(f"default_version {self.default_version!r} is not one of the declared versions")
+        if self.weighted and self.default_version is not None:
+            raise ValueError("default_version and per-version weight are exclusive: requests that name no version "
+                             "follow the weights")
+        if self.weighted and not any(v.weight for v in self.versions):
+            raise ValueError(f"weights of model {self.name!r} sum to 0: at least one version needs a weight > 0")
+        for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
+            too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
+            if too_big:
+                raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
+        if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):
+            raise ValueError(f"wire_dtypes {self.wire_dtypes}: model {self.name!r} has no float32 input (only "
+                             "float32 inputs travel at a reduced precision)")
+        if len({v.handler is None for v in self.versions}) > 1:
+            raise ValueError(f"model {self.name!r} mixes handler (stage) and path (model file) versions")
+        if not self.is_stage:
+            if self.device is not None or self.options:
+                raise ValueError(f"device and options are a stage's keys; model {self.name!r} has no handler")
+            carried = [t.name for t in (*self.inputs, *self.outputs) if t.dtype == BYTES]
+            if carried:
+                raise ValueError(f"tensors {carried} are bytes: only stages (versions with a handler) take or "
+                                 "return bytes tensors; a model's tensors are numeric")
+        if self.breaker and self.breaker.fallback == self.name:
+            raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
+        return self
+
+    def signature(self) -> tuple:
+        """What a fallback must share with this model: every input and output, as declared."""
+        return tuple((t.name, t.dtype, tuple(t.shape)) for t in self.inputs), \
+            tuple((t.name, t.dtype, tuple(t.shape)) for t in self.outputs)
+
+    @property
+    def weighted(self) -> bool:
+        return any(v.weight is not None for v in self.versions)
+
+    def weights(self) -> dict[str, int]:
+        """version -> its share of the requests that name no version (a missing weight is 0)."""
+        if self.weighted:
+            return {v.version: v.weight or 0 for v in self.versions}
+        return {self.default: 100}   # all of it, shown as 100 %
+
+    @property
+    def default(self) -> str:
+        """Weighted: the heaviest version (ties: the later declared); else default_version or the last."""
+        if self.weighted:
+            return max(reversed(self.versions), key=lambda v: v.weight or 0).version
+        return self.default_version or self.versions[-1].version
