@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import DTYPE_SIZES, CudaIpc, TensorMeta
+from tgw.shm.wire import BYTES, DTYPE_SIZES, CudaIpc, TensorMeta
 
 
 def is_cuda(value: Any) -> bool:
@@ -107,6 +107,9 @@ class CudaPlan:
         host_metas, host_frames, on_gpu = [], [], {}
         for meta, frame in zip(metas, frames):
             if meta.cuda is not None and meta.name in self.outputs:
+                if meta.dtype == BYTES:
+                    raise fail(Code.INTERNAL, f"output {meta.name!r} is a bytes tensor written into a CUDA buffer: "
+                               "bytes outputs travel in frames, never by CUDA IPC handle", output=meta.name)
                 on_gpu[meta.name] = _as_written(self.outputs[meta.name], meta)
             else:
                 host_metas.append(meta)
@@ -145,6 +148,11 @@ def place_cuda(call, inputs: dict, cuda_out: dict | None = None) -> CudaPlan:
     Infer.output_cuda. `call`: request.Call (msg, frames, declared). Returns the plan the call
     keeps until it ends."""
     plan = CudaPlan()
+    for meta in call.msg.inputs if inputs else ():
+        if meta.dtype == BYTES:   # the broker would refuse the mix; name the tensor here
+            raise fail(Code.INVALID_ARGUMENT, f"input {meta.name!r} is a bytes tensor: bytes travel in frames, never "
+                       "by CUDA IPC handle, and a request's inputs travel all by handle or none do (send "
+                       f"{sorted(inputs)} from the host, or call a model that takes no bytes)", input=meta.name)
     for name, tensor in inputs.items():
         d = describe(tensor)
         plan.keep.append(tensor)

@@ -10,7 +10,8 @@ A Region is a memfd (MFD_ALLOW_SEALING), sealed against shrinking and growing (t
 only memory that cannot be truncated under it, so it can never fault on it), mapped here and
 by the broker. Inputs of at least `threshold` bytes are copied into free slots of it (a
 thread-safe first-fit allocator: one Region may serve many threads and many calls in flight);
-when it is full, a tensor travels as a frame as usual (`fallbacks` counts them). With
+when it is full, a tensor travels as a frame as usual (`fallbacks` counts them); so do `bytes`
+tensors, always (their layout is checked element by element on arrival: no region). With
 `output_bytes` set (the bytes a call's outputs need, 64-byte aligned each), each call also
 reserves an output slice; outputs the broker cannot fit there come back as frames.
 
@@ -35,7 +36,7 @@ from typing import Callable
 
 from tgw.shm.errors import Code, fail
 from tgw.shm.ring import align_up   # the broker's and the workers' 64-byte alignment
-from tgw.shm.wire import PROTOCOL_VERSION, RegionSlice, RegisterRegion, UnregisterRegion, nbytes_of
+from tgw.shm.wire import BYTES, PROTOCOL_VERSION, RegionSlice, RegisterRegion, UnregisterRegion, nbytes_of
 
 THRESHOLD = 64 * 1024        # inputs this large go into the region; smaller ones cost less as frames
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -179,7 +180,7 @@ class Region:
             frame = frames[i]
             n = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
             if n < self.threshold or meta.compression is not None or meta.wire_dtype is not None \
-                    or meta.cuda is not None:
+                    or meta.cuda is not None or meta.dtype == BYTES:   # bytes tensors travel in frames
                 continue
             at = self._alloc(n)
             if at is None:
@@ -221,6 +222,9 @@ class Region:
                 held = self._outputs.get(meta.offset)   # the first output starts its slice
                 if held is not None:
                     held.answered = True
+            if meta.dtype == BYTES:
+                raise fail(Code.INTERNAL, f"output {meta.name!r} is a bytes tensor written into region "
+                           f"{meta.region}: bytes outputs travel in frames, never in a region")
             n = nbytes_of(meta.dtype, meta.shape)
             if meta.offset < 0 or meta.offset + n > self.nbytes:
                 raise fail(Code.INTERNAL, f"output {meta.name!r} lies outside the region")

@@ -45,8 +45,7 @@ class Call:
             frames = self.region.read_outputs(metas, frames, self.slots)
         out = decode_outputs(metas, frames)
         if self.return_type == "torch":
-            import torch  # only for a caller who asked for torch tensors
-            out = {k: torch.from_numpy(v) for k, v in out.items()}
+            out = {k: as_torch(v) for k, v in out.items()}
         if on_gpu:
             out.update(on_gpu)
         return out
@@ -65,6 +64,17 @@ class Call:
             if self.answered:
                 self.cuda.replied()
             self.cuda.end()
+
+
+def as_torch(arr):
+    """An output as a torch tensor: over the same memory; a bfloat16 array (ml_dtypes') as
+    torch.bfloat16 over its bits; a bytes output stays a numpy object array (torch holds no bytes)."""
+    import torch  # only for a caller who asked for torch tensors
+    if arr.dtype.kind == "O":
+        return arr
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.view("<i2")).view(torch.bfloat16)
+    return torch.from_numpy(arr)
 
 
 def prepare(req_id: int, model: str, inputs: dict[str, Any], *, token: str | None, default_tenant: str | None,

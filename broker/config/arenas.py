@@ -11,9 +11,11 @@ The rule (docs/CONFIGURATION.md, configs/example.yaml):
 * Input arena: the largest such need over the models. A model with a -1 input dim has no row
   size; any request of it that admission accepts (server.max_request_bytes) must still fit, so
   it needs one block of max_request_bytes (plus one alignment pad per further input). Its batches
-  pipeline while k of them fit; a larger one waits for the previous to finish.
+  pipeline while k of them fit; a larger one waits for the previous to finish. A `bytes` input
+  (variable-length elements: a stage's) has no row size either and is sized the same way.
 * Output arena: the same from the declared outputs. A model with a -1 output dim needs
-  max(VARIABLE_OUTPUT_BYTES, (k + 1) x its fixed outputs' bound): its outputs are sized only
+  max(VARIABLE_OUTPUT_BYTES, (k + 1) x its fixed outputs' bound), and so does one with a bytes
+  output (its fixed outputs: those with neither): its outputs are sized only
   after compute, and a batch whose outputs do not fit is written in parts at request boundaries
   (workers/serve.py), so only a single request whose outputs alone exceed the arena is refused.
 * Each arena is rounded up to whole MiB, at least 1 MiB.
@@ -26,7 +28,7 @@ from math import prod
 from typing import Optional, Sequence
 
 from tgw.shm.ring import ALIGN, align_up, aligned_total
-from tgw.shm.wire import DTYPE_SIZES
+from tgw.shm.wire import BYTES, DTYPE_SIZES
 
 from .schema import Config, ModelDecl, TensorDecl
 
@@ -34,9 +36,15 @@ MIB = 1 << 20
 VARIABLE_OUTPUT_BYTES = 8 * MIB   # a model with a -1 output dim gets at least this output arena
 
 
+def sized(t: TensorDecl) -> bool:
+    """Whether a tensor's bytes per row are known from its declaration (no -1 dim, not bytes)."""
+    return t.dtype != BYTES and -1 not in t.shape
+
+
 def batch_bytes(tensors: Sequence[TensorDecl], rows: int) -> Optional[int]:
-    """One block holding `rows` rows of every tensor, each region aligned; None with a -1 dim."""
-    if any(d == -1 for t in tensors for d in t.shape):
+    """One block holding `rows` rows of every tensor, each region aligned; None with a -1 dim
+    or a bytes tensor."""
+    if not all(sized(t) for t in tensors):
         return None
     return aligned_total([rows * DTYPE_SIZES[t.dtype] * prod(t.shape) for t in tensors])
 
@@ -53,7 +61,7 @@ def output_need(model: ModelDecl, max_inflight: int) -> int:
     """Bytes of output arena this model needs (the rule above)."""
     block = batch_bytes(model.outputs, model.max_batch_size)
     if block is None:
-        fixed = [t for t in model.outputs if -1 not in t.shape]
+        fixed = [t for t in model.outputs if sized(t)]
         return max(VARIABLE_OUTPUT_BYTES, (max_inflight + 1) * (batch_bytes(fixed, model.max_batch_size) or 0))
     return (max_inflight + 1) * block
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import DTYPE_SIZES, Infer, TensorMeta, nbytes_of
+from tgw.shm.wire import BYTES, DTYPE_SIZES, Infer, TensorMeta, nbytes_of
 
 from tgw.broker.state.cuda import CudaRequest, on_device
 
@@ -63,6 +63,10 @@ def inspect(roster: list, models: dict, msg: Infer, frames: list, header=None) -
         if unknown:
             raise _refuse(f"output_cuda names {unknown}; model {msg.model!r} has outputs {sorted(known)}",
                           "cuda_output_unknown", output=unknown[0])
+        carried = sorted(t.name for t in entry.outputs if t.dtype == BYTES and t.name in msg.output_cuda)
+        if carried:
+            raise _refuse(f"output_cuda names {carried}: bytes outputs of {msg.model!r}, which travel in frames, "
+                          "never by CUDA IPC handle", "cuda_bytes", output=carried[0])
     descs = [t.cuda for t in named] + list(msg.output_cuda.values())
     for d in descs:
         if d.device < 0 or not d.handle or min(d.storage_bytes, d.storage_offset_bytes, d.offset_bytes) < 0:
@@ -77,13 +81,21 @@ def inspect(roster: list, models: dict, msg: Infer, frames: list, header=None) -
         raise _refuse(f"no worker runs on {where}, the GPU this request's CUDA tensors live on; workers: "
                       f"{sorted({w.device for w in roster})}", "no_worker_on_device", device=f"cuda:{device}",
                       device_uuid=uuid)
-    sized = [Declared(max(0, nbytes_of(t.dtype, t.shape))) if t.cuda is not None else f
-             for t, f in zip(msg.inputs, frames)] if named else frames
+    sized = [Declared(_declared(t)) if t.cuda is not None else f for t, f in zip(msg.inputs, frames)] \
+        if named else frames
     inputs = {t.name: t.cuda for t in named} if named else None
     return CudaRequest(device, uuid, inputs, dict(msg.output_cuda)), sized  # inputs: by name until bound
 
 
+def _declared(t: TensorMeta) -> int:
+    """A CUDA tensor's bytes for the size checks (an unknown dtype: 0, admission names it)."""
+    return max(0, nbytes_of(t.dtype, t.shape)) if t.dtype in DTYPE_SIZES else 0
+
+
 def _check_input(t: TensorMeta) -> None:
+    if t.dtype == BYTES:
+        raise _refuse(f"input {t.name!r} is a bytes tensor: its layout travels in its frame, never by CUDA IPC "
+                      "handle", "cuda_bytes", input=t.name)
     if t.compression is not None or t.wire_dtype is not None or t.region is not None:
         raise _refuse(f"input {t.name!r} travels by CUDA IPC handle: it takes no compression, wire_dtype "
                       "or region", "cuda_input_options", input=t.name)

@@ -29,7 +29,7 @@ from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import align_up
-from tgw.shm.wire import DTYPE_SIZES, PROTOCOL_VERSION, Infer, RegionReply, RegisterRegion, TensorMeta, \
+from tgw.shm.wire import BYTES, DTYPE_SIZES, PROTOCOL_VERSION, Infer, RegionReply, RegisterRegion, TensorMeta, \
     UnregisterRegion, nbytes_of
 
 from .peers import peer_credentials, process_start
@@ -154,6 +154,9 @@ class Regions:
             if t.compression is not None or t.wire_dtype is not None or t.cuda is not None:
                 raise refuse(Code.INVALID_ARGUMENT, "region_encoding", f"input {t.name!r} names region {t.region}: "
                              "its bytes are raw, so it may not also set compression, wire_dtype or cuda", input=t.name)
+            if t.dtype == BYTES:
+                raise refuse(Code.INVALID_ARGUMENT, "region_bytes", f"input {t.name!r} names region {t.region}: it is "
+                             "a bytes tensor, whose layout travels in its frame, never in a region", input=t.name)
             if i >= len(out) or len(out[i]):
                 raise refuse(Code.INVALID_ARGUMENT, "region_frame", f"input {t.name!r} names region {t.region}: its "
                              "frame must be empty", input=t.name)
@@ -174,6 +177,8 @@ class Regions:
         (the reply then carries frames: nothing is lost)."""
         s = p.output_region
         region = self.table.get(s.region)
+        if any(views[name][0].dtype == BYTES for name in p.outputs):   # refused at admission: never here
+            region = None
         end, pos, places = s.offset + s.nbytes, s.offset, []
         if region is not None:
             for name in p.outputs:

@@ -4,33 +4,25 @@ A body is a JSON header, optionally followed by raw tensor bytes: the binary ten
 gives the header's length in `Inference-Header-Content-Length` and each binary input's size in
 its `parameters.binary_data_size`, in input order. Binary inputs become memoryview slices of the
 body, so their bytes are copied once, into the ring, as native frames are. JSON `data` is parsed
-by orjson and converted by numpy from the (flat or nested) list in one call. Outputs go back as
-JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header.
+by orjson and converted by numpy from the (flat or nested) list in one call (kserve_tensors.py,
+with BYTES and BF16). Outputs go back as JSON (orjson writes numpy arrays itself) or as raw
+bytes after the JSON header.
 
 Everything wrong with a body raises a TgwError naming the field; the caller answers it.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
-import numpy as np
 import orjson
 
-from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, InferReply, TensorMeta
 
 from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for a ZeroMQ frame
+from .kserve_tensors import DATATYPE_OF, bad, datatype, json_data, json_tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-DATATYPES = {"BOOL": "bool", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
-             "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
-             "FP16": "float16", "FP32": "float32", "FP64": "float64"}
-DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
-NOT_CARRIED = {"BF16": "tgw carries no bfloat16 tensors (no model can declare one): send FP32 or FP16",
-               "BYTES": "tgw carries no BYTES (string) tensors (no model can declare one): send numbers"}
-# the JSON element kinds numpy infers that each tensor kind takes: ints never take floats
-TAKES = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 # request parameters tgw has no meaning for: refused rather than silently ignored
 UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
              "sequence_end": "sequence batching", "shared_memory_region": "shared-memory regions over HTTP",
@@ -42,10 +34,6 @@ class Decoded(NamedTuple):
     frames: list[SliceFrame]
     request_id: str | None          # the body's "id", echoed in the reply
     binary: frozenset[str] | bool   # outputs to send as raw bytes (True: all of them)
-
-
-def bad(message: str, code: Code = Code.INVALID_ARGUMENT, **details) -> TgwError:
-    return fail(code, message, **details)
 
 
 def header_length(value: str | None, body_size: int) -> int:
@@ -164,46 +152,6 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
     return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
-def datatype(value: Any, name: str) -> str:
-    dtype = DATATYPES.get(value) if isinstance(value, str) else None
-    if dtype is None:
-        why = NOT_CARRIED.get(value) if isinstance(value, str) else None
-        raise bad(f"input {name!r}: datatype {value!r}: " + (why or f"must be one of {', '.join(DATATYPES)}"),
-                  Code.INVALID_INPUT_DTYPE, input=name, got=value)
-    return dtype
-
-
-def json_tensor(data: Any, dtype: str, shape: list[int], name: str) -> memoryview:
-    """The raw bytes of a JSON tensor: flat or nested lists of numbers (true/false for BOOL)."""
-    want = math.prod(shape)
-    if not isinstance(data, list):
-        raise bad(f"input {name!r}: \"data\" must be a list", input=name)
-    try:
-        found = np.asarray(data)
-    except ValueError as exc:   # ragged nesting
-        raise bad(f"input {name!r}: \"data\" is not a regular array: {exc}", Code.INVALID_INPUT_SHAPE,
-                  input=name) from None
-    if found.size != want:
-        raise bad(f"input {name!r}: \"data\" holds {found.size} values; shape {shape} needs {want}",
-                  Code.INVALID_INPUT_SHAPE, input=name, got=found.size, expected=want)
-    target = np.dtype(dtype)
-    if want and found.dtype.kind not in TAKES[target.kind]:
-        raise bad(f"input {name!r}: {DATATYPE_OF[dtype]} data must be "
-                  f"{'true/false' if target.kind == 'b' else 'integers' if target.kind in 'iu' else 'numbers'}, "
-                  f"got {kinds(found.dtype.kind)}", Code.INVALID_INPUT_DTYPE, input=name)
-    try:
-        arr = found.astype(target, copy=False)
-    except OverflowError as exc:
-        raise bad(f"input {name!r}: {exc}", input=name) from None
-    if target.kind in "iu" and want and not np.array_equal(arr, found):
-        raise bad(f"input {name!r}: values out of the range of {DATATYPE_OF[dtype]}", input=name)
-    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
-
-
-def kinds(kind: str) -> str:
-    return {"b": "booleans", "i": "integers", "u": "integers", "f": "floats"}.get(kind, "strings or objects")
-
-
 def requested_outputs(outputs: Any, params: dict) -> tuple[list[str] | None, frozenset[str] | bool]:
     everything_binary = params.get("binary_data_output", False)
     if type(everything_binary) is not bool:
@@ -277,7 +225,7 @@ def encode(reply: InferReply, frames: list, request_id: str | None, binary: froz
             out["parameters"] = {"binary_data_size": len(frame)}
             blobs.append(frame)
         else:
-            out["data"] = np.frombuffer(frame, dtype=meta.dtype)
+            out["data"] = json_data(meta.name, meta.dtype, meta.shape, frame)
         outputs.append(out)
     doc: dict[str, Any] = {"model_name": reply.model, "model_version": reply.version, "outputs": outputs}
     if request_id is not None:

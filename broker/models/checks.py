@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec
+from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec
 
 from tgw.broker.front.inbound import wire_nbytes
 from tgw.broker.state.versions import VersionRecord, VersionState
@@ -118,12 +118,13 @@ def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
                        f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
         if meta.wire_dtype is not None:
             _check_wire_dtype(model, decl, meta.wire_dtype)
-        want = wire_nbytes(meta)
-        got = frame_sizes[order[k]]
-        if meta.compression is None and got != want:
-            what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
-            raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
-                       f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
+        # a bytes tensor's size is its frame's: its layout is checked per request (inbound.bytes_tensor)
+        if meta.compression is None and decl.dtype != BYTES:
+            want, got = wire_nbytes(meta), frame_sizes[order[k]]
+            if got != want:
+                what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
+                raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
+                           f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
         if model.variable:
             shape_key.append(tuple(shape[1:]))
     return order, rows, tuple(shape_key)

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
-from tgw.shm.wire import Infer, nbytes_of
+from tgw.shm.wire import BYTES, Infer, nbytes_of
 
 from tgw.broker.state.pending import Pending
 
@@ -79,9 +79,13 @@ class Admission:
 
     def admit(self, client: bytes, msg: Infer, tensor_frames: list) -> Pending:
         """Queue the request (or raise the TgwError that answers it)."""
-        if not self.open:
+        # a pipeline's step (pipeline/run.py): its run was admitted at the pipeline's entry, which
+        # counted it against its caller's cap and its tenant, and a draining broker lets it finish
+        internal = type(client) is not bytes and getattr(client, "internal", False)
+        if not self.open and not internal:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
-        self.callers.check_owed(client)
+        if not internal:
+            self.callers.check_owed(client)
         sizes = [len(f) for f in tensor_frames]
         intake = self._intake(msg, sizes)
         why = self.unavailable()
@@ -107,7 +111,7 @@ class Admission:
             raise fail(Code.DEADLINE_EXCEEDED, f"cannot be answered within {timeout_ms} ms: a batch of "
                        f"{checked.rows} row(s) of {model.name!r} is predicted to compute for "
                        f"{predicted * 1000:.1f} ms", timeout_ms=timeout_ms, predicted_ms=round(predicted * 1000, 3))
-        tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use else None
+        tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use and not internal else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
         try:
@@ -147,10 +151,9 @@ class Admission:
 
     def _memo_miss(self, key: tuple, entry: ModelEntry, msg: Infer, sizes: list[int]) -> tuple:
         shape = self.registry.check_shapes(entry, msg, sizes)
-        need = aligned_total([nbytes_of(msg.inputs[i].dtype, msg.inputs[i].shape) for i in shape.order])
-        if need > self.arena:
-            raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
-                       f"arena holds {self.arena} (workers.input_arena_mb)", limit=self.arena)
+        # a bytes tensor takes its frame's bytes (an lz4 one: at least; checked again once inflated)
+        self._fits_arena([sizes[i] if msg.inputs[i].dtype == BYTES else nbytes_of(msg.inputs[i].dtype,
+                          msg.inputs[i].shape) for i in shape.order])
         out_nbytes = entry.output_bytes(shape.rows)  # None: sized only after compute
         out_need = aligned_total(out_nbytes or [])
         if out_need > self.out_arena:  # never computed: its outputs could never be written
@@ -162,6 +165,12 @@ class Admission:
             self._memo.clear()
         self._memo[key] = (entry, shape, out_nbytes)
         return shape, out_nbytes
+
+    def _fits_arena(self, nbytes: list[int]) -> None:
+        need = aligned_total(nbytes)
+        if need > self.arena:
+            raise fail(Code.PAYLOAD_TOO_LARGE, f"request needs {need} bytes of shared memory; a worker's input "
+                       f"arena holds {self.arena} (workers.input_arena_mb)", limit=self.arena)
 
     def _route(self, msg: Infer, intake: "Intake", sizes: list[int], now: float) -> "Intake":
         """The version asked for, or its model's fallback while its breaker is open."""
@@ -187,8 +196,17 @@ class Admission:
     def _pending(self, client: bytes, msg: Infer, intake: "Intake", tensor_frames: list, deadline: float,
                  now: float, tenant) -> Pending:
         checked = intake.checked
-        tensors = [tensor_bytes(msg.inputs[i], tensor_frames[i].buffer) for i in checked.shape.order]
         shape = checked.shape
+        if msg.output_region is not None:
+            _no_bytes_into_region(checked.model, shape.outputs)
+        tensors = [tensor_bytes(msg.inputs[i], tensor_frames[i].buffer, self.server) for i in shape.order]
+        if checked.model.has_bytes_inputs and any(msg.inputs[i].compression and msg.inputs[i].dtype == BYTES
+                                                   for i in shape.order):
+            inflated = sum(len(t) for t in tensors)   # a bytes tensor's lz4 frame has no declared size
+            if inflated > self.max_request:
+                raise fail(Code.PAYLOAD_TOO_LARGE, f"request's tensors inflate to {inflated} bytes; the limit is "
+                           f"{self.max_request} (server.max_request_bytes)", limit=self.max_request)
+            self._fits_arena([len(t) for t in tensors])
         p = Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
                     rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
                     deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
@@ -243,3 +261,11 @@ class Admission:
         for hook in self.on_finished:
             hook(p, code, now)
 
+
+def _no_bytes_into_region(entry: ModelEntry, outputs: list[str]) -> None:
+    """A request that names an output region may not ask for a bytes output: those travel in frames."""
+    carried = [t.name for t in entry.outputs if t.dtype == BYTES and t.name in outputs]
+    if carried:
+        raise fail(Code.INVALID_ARGUMENT, f"outputs {carried} of {entry.name!r} are bytes tensors, which travel "
+                   "in frames, never in a shared-memory region: ask only for the other outputs with an "
+                   "output_region, or send no output_region", reason="region_bytes_output", outputs=carried)

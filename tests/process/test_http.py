@@ -150,9 +150,9 @@ def test_curl_json_and_binary(http_broker, native, tmp_path):
 
 BAD_BODIES = [  # (model, body, HTTP status, code, words in the message)
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "BF16", "data": [0] * 256}]}, 400,
-     "INVALID_INPUT_DTYPE", "no bfloat16"),
+     "INVALID_INPUT_DTYPE", "got bfloat16"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": ["a"]}]}, 400,
-     "INVALID_INPUT_DTYPE", "no BYTES"),
+     "INVALID_INPUT_DTYPE", "got bytes"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [1.0]}]}, 400,
      "INVALID_INPUT_SHAPE", "holds 1 values"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32", "data": [0] * 256}]}, 400,

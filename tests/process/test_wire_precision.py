@@ -168,16 +168,16 @@ def test_cpu_torch_tensor_is_not_copied():
 
 
 def test_torch_bfloat16_tensors():
-    """bfloat16 torch tensors: their bits as they are with wire_dtype bfloat16; else widened to
-    float32 (exact), and with wire_dtype float16 rounded from there."""
+    """bfloat16 torch tensors: with wire_dtype bfloat16, a float32 tensor's reduced precision (their
+    bits as they are); else a bfloat16 tensor (dtype bfloat16, the same bits)."""
     t = torch.randn(3, 5).to(torch.bfloat16)
     exact = t.float().numpy()
     metas, frames, declared, sent = encode({"t": t}, False, "bfloat16")
     assert (metas[0].dtype, metas[0].wire_dtype, sent, declared) == ("float32", "bfloat16", 30, 60)
     np.testing.assert_array_equal(np.frombuffer(tensor_bytes(metas[0], memoryview(frames[0])), F32), exact.ravel())
     metas, frames, _, sent = encode({"t": t}, False)
-    assert (metas[0].dtype, metas[0].wire_dtype, sent) == ("float32", None, 60)
-    np.testing.assert_array_equal(np.frombuffer(frames[0], F32), exact.ravel())
+    assert (metas[0].dtype, metas[0].wire_dtype, sent) == ("bfloat16", None, 30)
+    np.testing.assert_array_equal(np.frombuffer(frames[0], np.uint16), t.view(torch.int16).numpy().view(np.uint16).ravel())
     metas, frames, _, _ = encode({"t": t.t()}, False, "bfloat16")   # not contiguous
     np.testing.assert_array_equal(from_bfloat16_bits(np.frombuffer(frames[0], np.uint16)), exact.T.ravel())
 
