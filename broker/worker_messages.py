@@ -1,8 +1,8 @@
 """What workers send the broker, on the back socket: one handler per message type.
 
-Completions answer their requests (and feed the stats and the cost model); heartbeats feed the
-memory watch and the breakers; the handshake's messages go to fleet/handshake.py, the loader
-thread's to models/placement.py. Part of the core: it works on the Broker itself.
+Completions answer their requests (those a stage failed, Done.failed, with their errors) and
+feed the stats and the cost model; heartbeats feed the memory watch and the breakers; the
+handshake's messages go to fleet/handshake.py, the loader thread's to models/placement.py. Part of the core: it works on the Broker itself.
 """
 from __future__ import annotations
 
@@ -71,7 +71,10 @@ class WorkerMessages:
                 self.b.door.fail(p, error_from_body(done.error))
         else:
             counters = self.b.stats.models[batch.model]
-            for p, views in worker.output_rows(done, batch, part):
+            for k, (p, views) in enumerate(worker.output_rows(done, batch, part), done.first):
+                if k in done.failed:   # a stage failed this request's rows: its error, not its rows
+                    self.b.door.fail(p, error_from_body(done.failed[k]))
+                    continue
                 self.b.door.answer(p, views, now)
                 counters.replies += 1
             # safe right after the replies: each send copied its frames out of the ring

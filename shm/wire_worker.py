@@ -21,6 +21,7 @@ class ModelSpec(Struct):
     format: str = "torchscript"    # torchscript, export, aoti: checked again on those bytes; stage: `handler`
     handler: str = ""              # a stage's class: "/abs/file.py:Class" or "module:Class"
     device: str = ""               # a stage's declared device kind: cpu or cuda
+    options: dict[str, Any] = {}   # a stage's `options:`, given to its setup(context)
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
 
 

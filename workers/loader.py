@@ -24,6 +24,7 @@ from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, Model
 from .formats import FormatMismatch
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
+from .stage_runner import StageRunner
 
 log = logging.getLogger("tgw.worker")
 LOAD_SUFFIX = b"~load"
@@ -98,7 +99,7 @@ class Loader(SideThread):
 
     def _build(self, spec: ModelSpec) -> ModelRunner:
         try:
-            runner = ModelRunner(spec, self.device)
+            runner = (StageRunner if spec.format == "stage" else ModelRunner)(spec, self.device)
         except Exception as exc:
             raise LoadFailed(_reason(exc, "load"), exc) from None
         try:
@@ -111,12 +112,19 @@ class Loader(SideThread):
         """Drop one model and give its memory back; a model not loaded is answered all the same."""
         rss_before = rss_bytes()
         runner = self.runners.pop(key, None)
-        module = weakref.ref(runner.module) if runner is not None else None
+        module = _weak(runner.module) if runner is not None else None
         del runner
         # a full collection costs ~80 ms with torch loaded (it walks every object): only when a
         # reference cycle kept the module alive past its last reference
         release_memory(self.device, collect=module is not None and module() is not None)
         return ModelUnloaded(worker_id=self.worker_id, key=key, rss_before=rss_before, rss_after=rss_bytes())
+
+
+def _weak(module) -> weakref.ref | None:
+    try:
+        return weakref.ref(module)
+    except TypeError:   # a stage class with __slots__ and no __weakref__: collect to be sure
+        return lambda: True
 
 
 def _reason(exc: Exception, phase: str) -> str:

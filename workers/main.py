@@ -27,6 +27,7 @@ from .progress import Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
 from .runner import ModelRunner
 from .serve import Server
+from .stage_runner import make_runner
 from .tracing import Observer, death_notice, setup_logging
 
 PR_SET_PDEATHSIG = 1
@@ -94,7 +95,7 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
     loaded = {}
     for spec in msg.models:
         try:
-            runner = ModelRunner(spec, device)
+            runner = make_runner(spec, device)   # a model file's, or a stage's
             runner.warm_up()
         except Exception as exc:
             return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),

@@ -4,7 +4,9 @@ The worker is the arena's one writer; the broker frees a block by listing it on 
 (or in a Release message when none is coming). Outputs that can never fit as one block are
 answered in parts at request boundaries, each part sent as soon as it is written, so the broker
 answers it and frees its block while later parts wait for space. From a CUDA worker the bytes
-are copied off the device on the batch's slot stream (device_io.py).
+are copied off the device on the batch's slot stream (device_io.py). A stage's `bytes` output
+(stage_outputs.PackedBytes) is written as packed, its rows' offsets in BlockTensor.cuts; the
+requests a stage failed (Done.failed) go with the part that holds them.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import torch
 
 from tgw.shm.errors import Code
 from tgw.shm.ring import BlockTooLarge, RingAllocator, aligned_total, region_offsets
-from tgw.shm.wire import Batch, BlockTensor, Done, Release
+from tgw.shm.wire import Batch, BlockTensor, Done, ErrorBody, Release
 
 from .answers import error_done
 from .device_io import DeviceIO, Slot
 from .mailbox import Mailbox
 from .runner import ModelRunner
+from .stage_outputs import PackedBytes
 
 log = logging.getLogger("tgw.worker")
 RELEASE_WAIT_S = 30.0  # how long a batch may wait for output space before failing OUT_OF_SHM
@@ -30,6 +33,14 @@ RELEASE_WAIT_S = 30.0  # how long a batch may wait for output space before faili
 
 class OutputSpaceTimeout(RuntimeError):
     """The output arena stayed too full for a block for RELEASE_WAIT_S."""
+
+
+def _nbytes(t) -> int:
+    return t.nbytes if isinstance(t, PackedBytes) else t.numel() * t.element_size()
+
+
+def _of_part(failed: dict[int, ErrorBody], lo: int, hi: int) -> dict[int, ErrorBody]:
+    return {k: v for k, v in failed.items() if lo <= k < hi}
 
 
 def request_starts(batch: Batch) -> list[int]:
@@ -56,16 +67,18 @@ class OutputBlocks:
         blocks.clear()  # a batch parked in the mailbox must not release twice
 
     def answer(self, batch: Batch, outs: list[torch.Tensor], runner: ModelRunner,
-               skip: frozenset[int] = frozenset(), slot: Slot | None = None) -> Done:
+               skip: frozenset[int] = frozenset(), slot: Slot | None = None,
+               failed: dict[int, ErrorBody] | None = None) -> Done:
         """The batch's completion with `outs` in one block; in parts when they can never fit as
-        one (parts but the last sent here); OUT_OF_SHM when no space came in time."""
+        one (parts but the last sent here); OUT_OF_SHM when no space came in time. `failed`:
+        the requests a stage failed, by index in the batch."""
         try:
             block, tensors = self.write(outs, runner, skip, slot)
         except BlockTooLarge:
-            return self.write_parts(batch, outs, runner, skip, slot)
+            return self.write_parts(batch, outs, runner, skip, slot, failed=failed)
         except OutputSpaceTimeout as exc:
             return error_done(batch, Code.OUT_OF_SHM, str(exc), arena="output")
-        return Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+        return Done(batch_id=batch.batch_id, outputs=tensors, block=block, failed=failed or {})
 
     def emit(self, done: Done, slot: Slot | None) -> Done | None:
         """The final part is returned (sent with the batch's completion); any other is sent now,
@@ -79,7 +92,7 @@ class OutputBlocks:
 
     def write_parts(self, batch: Batch, outs: list[torch.Tensor], runner: ModelRunner,
                     skip: frozenset[int] = frozenset(), slot: Slot | None = None,
-                    lo: int = 0, hi: int | None = None) -> Done | None:
+                    lo: int = 0, hi: int | None = None, failed: dict[int, ErrorBody] | None = None) -> Done | None:
         """Write the outputs of requests lo..hi-1 (`outs` holds their rows) in parts at request
         boundaries, packed greedily so each part fits the arena, each sent once written. The
         batch's final part is returned instead (None when these requests end before it). A
@@ -88,11 +101,13 @@ class OutputBlocks:
         n = len(starts) - 1
         hi = n if hi is None else hi
         rows = starts[hi] - starts[lo]
-        row_bytes = [0 if k in skip else t.numel() * t.element_size() // max(rows, 1) for k, t in enumerate(outs)]
+        row_bytes = [0 if k in skip or isinstance(t, PackedBytes) else _nbytes(t) // max(rows, 1)
+                     for k, t in enumerate(outs)]
         cap, i = self.allocator.capacity, lo
 
         def need(a: int, b: int) -> int:  # one block holding the outputs of requests a..b-1
-            return aligned_total([(starts[b] - starts[a]) * size for size in row_bytes])
+            return aligned_total([t.span(starts[a] - starts[lo], starts[b] - starts[lo]) if isinstance(t, PackedBytes)
+                                  else (starts[b] - starts[a]) * size for t, size in zip(outs, row_bytes)])
 
         while i < hi:
             j = i + 1
@@ -107,7 +122,8 @@ class OutputBlocks:
                 try:
                     rel = slice(starts[i] - starts[lo], starts[j] - starts[lo])
                     block, tensors = self.write([t[rel] for t in outs], runner, skip, slot)
-                    done = Done(batch_id=batch.batch_id, outputs=tensors, block=block)
+                    done = Done(batch_id=batch.batch_id, outputs=tensors, block=block,
+                                failed=_of_part(failed or {}, i, j))
                 except OutputSpaceTimeout as exc:  # the rest of these requests fail with it
                     done, j = error_done(batch, Code.OUT_OF_SHM, str(exc), arena="output"), hi
             done.first, done.count, done.final = i, j - i, j == n
@@ -120,13 +136,18 @@ class OutputBlocks:
               slot: Slot | None = None) -> tuple[int, list[BlockTensor]]:
         """One output block holding `outs`, but those at `skip` (written into callers' CUDA buffers:
         described with their shape, no bytes). From a device: copies queued on the slot's stream."""
-        sizes = [0 if k in skip else t.numel() * t.element_size() for k, t in enumerate(outs)]
+        sizes = [0 if k in skip else _nbytes(t) for k, t in enumerate(outs)]
         block = self._alloc(aligned_total(sizes))
         if slot is not None:
             self.io.outputs(slot, outs, self.base + block, sizes)
         tensors = []
         for decl, t, size, rel in zip(runner.outputs, outs, sizes, region_offsets(sizes)):
             offset = self.base + block + rel
+            if isinstance(t, PackedBytes):   # a stage's bytes output (stages run with no slot)
+                self.buf[offset:offset + size] = t.data
+                tensors.append(BlockTensor(name=decl.name, dtype=decl.dtype, shape=list(t.shape), offset=offset,
+                                           nbytes=size, cuts=list(t.cuts)))
+                continue
             if size and slot is None:
                 dst = torch.frombuffer(self.buf, dtype=t.dtype, count=t.numel(), offset=offset)
                 dst.copy_(t.reshape(-1))

@@ -8,7 +8,8 @@ A CUDA worker copies each batch's block to its GPU and its outputs back (device_
 stream per batch in flight, and launches a batch that is waiting before it waits for the one
 before, so one's copies overlap the other's compute; completions go out in order, each once
 its batch's CUDA event has completed (so the broker frees its input block only then). A batch
-that runs out of GPU memory is run again in halves (oom.py).
+that runs out of GPU memory is run again in halves (oom.py). A stage's batch (a StageRunner's)
+goes to stage_serve.py.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from .oom import halves, is_oom, oom_text
 from .output_blocks import OutputBlocks, request_starts
 from .progress import Progress
 from .runner import TORCH_DTYPES, ModelRunner
+from .stage_runner import StageRunner
+from .stage_serve import serve_stage
 from .tracing import Observer
 
 log = logging.getLogger("tgw.worker")
@@ -172,6 +175,8 @@ class Server:
         runner = self.runners.get(key)
         if runner is None:
             return error_done(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
+        if isinstance(runner, StageRunner):   # Python code, on its own device: no slot (stage_serve.py)
+            return serve_stage(self, batch, runner)
         if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
             return cuda_ipc.run(self, batch, runner, item.t0)
         slot = item.slot = self.io.slot() if self.io is not None else None
@@ -216,8 +221,8 @@ class Server:
             outs = runner.forward([v[starts[lo]:starts[hi]] for v in views], starts[hi] - starts[lo])
             return [t.contiguous() for t in outs]
 
-        self._met_oom(first)
-        for lo, hi, result in halves(compute, 0, len(starts) - 1, self._met_oom):
+        self.met_oom(first)
+        for lo, hi, result in halves(compute, 0, len(starts) - 1, self.met_oom):
             if isinstance(result, BaseException):
                 done = failed(batch, result)
                 done.first, done.count, done.final = lo, hi - lo, hi == len(starts) - 1
@@ -229,7 +234,7 @@ class Server:
                 return done
         raise AssertionError("the pieces did not reach the batch's last request")
 
-    def _met_oom(self, text: str) -> None:
+    def met_oom(self, text: str) -> None:
         self.progress.gpu_ooms += 1
         log.warning("out of GPU memory (%s); cache emptied, the batch split at request boundaries", text)
         if self.device.type == "cuda":

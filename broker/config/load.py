@@ -14,13 +14,14 @@ from pydantic import ValidationError
 from tgw.shm.model_format import FORMATS
 
 from . import arenas
-from .roots import ModelFileError, PathRefused, check_file, confine, file_sha256
+from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
+from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
 from .schema_ops import CrashLoopDecl, HttpDecl, LeakDecl, ObservabilityDecl, SupervisorDecl
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "HttpDecl", "LeakDecl", "ModelDecl",
-           "ObservabilityDecl", "ServerDecl",
+           "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
            "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config",
            "parse_config"]
 
@@ -73,6 +74,10 @@ def _loc(parts: tuple) -> str:
 def _pydantic_problems(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors():
+        raised = e.get("ctx", {}).get("error")
+        if isinstance(raised, PipelineError):   # the pipelines' cross-checks: a key path each
+            lines += [f"  {path}: {message}" for path, message in raised.problems]
+            continue
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         line = f"  {_loc(e['loc'])}: {msg}"
         if line not in lines:
@@ -102,6 +107,9 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
     (checked on the raw tree, best effort); also each version's format by key path."""
     problems, formats = [], {}
     for vpath, v in _items(data, ("models", "*", "versions", "*")):
+        if isinstance(v, dict) and isinstance(v.get("handler"), str) and "path" not in v:
+            formats[vpath] = "stage"
+            problems += _handler_problems(vpath, v, base_dir, roots)
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
         sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
@@ -123,6 +131,34 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
     return problems, formats
 
 
+def _handler_problems(vpath: str, v: dict, base_dir: str, roots: Optional[list[str]]) -> list[str]:
+    """A stage's handler file lies in model_roots, exists, matches its sha256 and defines its
+    class (parsed, never run); a module handler is the worker's to import."""
+    where, cls = split_handler(v["handler"])
+    if not where.endswith(".py") or not cls:
+        return []   # a module (or malformed: the schema's pattern reports it)
+    path = os.path.join(base_dir, where)   # not normalised: confine refuses a ".." as written
+    sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
+    try:
+        check_handler_file(confine(path, roots) if roots is not None else path, sha256, cls)
+    except PathRefused as err:
+        return [f"  {vpath}.handler: {err}"]
+    except ModelFileError as err:
+        return [f"  {vpath}.{err.field}: {err}"]
+    return []
+
+
+def _source(v: VersionDecl, base_dir: str, roots: list[str], fmt: str) -> VersionDecl:
+    """A version with its file's real path, or its handler file's ("/real/file.py:Class"), and
+    its format."""
+    if v.handler is None:
+        return v.model_copy(update={"path": confine(os.path.join(base_dir, v.path), roots), "format": fmt})
+    where, cls = split_handler(v.handler)
+    if where.endswith(".py"):
+        where = confine(os.path.join(base_dir, where), roots)
+    return v.model_copy(update={"handler": f"{where}:{cls}", "format": "stage"})
+
+
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     """Validate everything and report every problem at once. model_roots and model paths come
     back as real paths (a model path is the confined file itself, symlinks resolved)."""
@@ -138,8 +174,7 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
     models = [m.model_copy(update={"versions": [
-        v.model_copy(update={"path": confine(os.path.join(base_dir, v.path), roots),
-                             "format": formats[f"models.{i}.versions.{j}"]}) for j, v in enumerate(m.versions)]})
+        _source(v, base_dir, roots, formats[f"models.{i}.versions.{j}"]) for j, v in enumerate(m.versions)]})
         for i, m in enumerate(cfg.models)]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:

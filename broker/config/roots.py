@@ -5,6 +5,7 @@ depends on the schema: a path is confined to the model_roots folders, then check
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import stat
@@ -74,3 +75,48 @@ def check_file(path: str, sha256: Optional[str], fmt: Optional[str] = None) -> s
         raise ModelFileError(str(exc), "format" if fmt else "path") from None
     except OSError as exc:
         raise ModelFileError(f"cannot read model file {path}: {exc.strerror}", "path") from None
+
+
+def split_handler(handler: str) -> tuple[str, str]:
+    """("file.py" or "package.module", "Class") of a stage's handler."""
+    where, _, cls = handler.rpartition(":")
+    return where, cls
+
+
+def check_handler_file(path: str, sha256: Optional[str], cls: str) -> None:
+    """ModelFileError (field "handler" or "sha256") unless `path` is a regular Python file whose
+    sha256 (when given) matches and that defines `cls` at its top level. The file is parsed,
+    never run: the broker runs no stage code."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ModelFileError(f"not a regular file: {path}", "handler")
+        with open(path, "rb") as f:
+            source = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelFileError(f"handler file not found: {path}", "handler") from None
+    except OSError as exc:
+        raise ModelFileError(f"cannot read handler file {path}: {exc.strerror}", "handler") from None
+    actual = hashlib.sha256(source).hexdigest()
+    if sha256 is not None and actual != sha256:
+        raise ModelFileError(f"sha256 does not match {path} (sha256 {actual})", "sha256")
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as exc:   # ValueError: a null byte
+        why = f"line {exc.lineno}: {exc.msg}" if isinstance(exc, SyntaxError) else str(exc)
+        raise ModelFileError(f"handler file {path} is not valid Python ({why})", "handler") from None
+    if cls not in _top_level_names(tree):
+        raise ModelFileError(f"handler file {path} defines no {cls!r} at its top level", "handler")
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level: classes, functions, assignments, imports."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names

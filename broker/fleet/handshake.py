@@ -2,7 +2,8 @@
 
 hello  → the broker answers with the versions to load now: every version of each
          always-resident model as served now (runtime loads included; on-demand ones load
-         when asked for, through the worker's loader thread);
+         when asked for, through the worker's loader thread) that its role holds
+         (models/roles.py: models, stages or both);
 ready  → the worker serves those versions (routing may use it);
 failed → a model did not load or warm up: start-up fails with the worker's reason;
 lost   → the process died: its in-flight requests are retried once elsewhere, the rest
@@ -19,6 +20,7 @@ from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.models.registry import Registry
+from tgw.broker.models.roles import serves
 
 log = logging.getLogger("tgw.broker")
 
@@ -41,7 +43,8 @@ class Handshake:
         w.host_memory = msg.host_memory   # its ring's page-locking in effect (status shows it)
         if self.budget is not None:
             w.budget = self.budget(w)
-        return LoadModels(models=self.registry.startup_specs())
+        return LoadModels(models=[s for s in self.registry.startup_specs()
+                                  if serves(w.role, w.device, s.format == "stage", s.device)])
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
         """True if the worker now serves; a worker told to stop meanwhile stays stopping."""

@@ -20,6 +20,7 @@ from tgw.shm.segment import Segment, ShmError
 from tgw.shm.wire_start import WorkerStart, encode_start
 
 from tgw.broker.config.load import SupervisorDecl, WorkersDecl
+from tgw.broker.models.roles import roles_for
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from .gpus import plan_devices
 from .restarts import Restarts
@@ -51,7 +52,9 @@ class Supervisor:
         """`log_format`, `slow_ms`, `tracing`: what the workers log and trace (their WorkerStart)."""
         self.decl, self.watch, self.endpoint, self.clock = decl, watch, endpoint, clock
         self.observe = {"log_format": log_format, "slow_ms": slow_ms, "tracing": tracing}
-        self.devices = plan_devices(decl)           # one worker each (NVML is asked once, here)
+        # one worker each (NVML is asked once, here), then workers.stage_workers CPU workers for stages
+        self.devices = plan_devices(decl) + ["cpu"] * decl.stage_workers
+        self.roles = roles_for(self.devices[:len(self.devices) - decl.stage_workers], decl.stage_workers)
         self.workers: list[WorkerHandle] = []       # the roster: changed in place only (the broker holds it)
         self.restarts = Restarts(watch.crash_loop)  # backoff and the crash-loop guard
         self._restart_at: dict[int, float] = {}     # worker id -> when its next life starts
@@ -68,11 +71,11 @@ class Supervisor:
             raise ShmError(28, f"{len(devices)} worker rings need {need >> 20} MiB in {shm_segment.SHM_DIR} "
                            f"but only {free >> 20} MiB is free; each is {sizes}: set smaller "
                            "workers.input_arena_mb/output_arena_mb or enlarge /dev/shm (docker run --shm-size)")
-        log.info("%d worker ring(s), each %s", len(devices), sizes)
+        log.info("%d worker ring(s) (%d for stages), each %s", len(devices), self.decl.stage_workers, sizes)
         cpus = plan_cpus(len(devices), self.decl.threads_per_worker, self.decl.pin_cpus)
         for i, device in enumerate(devices):
             seg = Segment.create(shm_segment.new_name("ring"), in_b + out_b)
-            self.workers.append(WorkerHandle(i, device, cpus[i], seg, in_b, out_b))
+            self.workers.append(WorkerHandle(i, device, cpus[i], seg, in_b, out_b, role=self.roles[i]))
         return swept
 
     def spawn_successor(self, old: WorkerHandle) -> WorkerHandle:
@@ -80,7 +83,7 @@ class Supervisor:
         keeps serving until the lifecycle retires it."""
         seg = Segment.create(shm_segment.new_name("ring"), old.input_bytes + old.output_bytes)
         new = WorkerHandle(max(w.worker_id for w in self.workers) + 1, old.device, old.cpus, seg,
-                           old.input_bytes, old.output_bytes)
+                           old.input_bytes, old.output_bytes, role=old.role)
         self.workers.append(new)
         self.spawn(new)
         old.successor = new

@@ -5,7 +5,7 @@ the traffic split after each write.
 """
 from __future__ import annotations
 
-from tgw.shm.wire import IOSpec, ModelInfo, ModelSpec, nbytes_of
+from tgw.shm.wire import BYTES, IOSpec, ModelInfo, ModelSpec, nbytes_of
 
 from tgw.broker.config.load import ModelDecl
 from tgw.broker.state.versions import VersionRecord, VersionState
@@ -26,6 +26,7 @@ class ModelEntry:
         self.input_index = {t.name: i for i, t in enumerate(decl.inputs)}
         self.output_names = frozenset(t.name for t in decl.outputs)
         self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
+        self.has_bytes_inputs = any(t.dtype == BYTES for t in decl.inputs)  # sized by their frames
         self.on_demand = decl.residency == "on_demand"
         self.removed = False     # dropped from the config: refused, kept until its queue drains
         self.records: dict[str, VersionRecord] = {}
@@ -63,13 +64,15 @@ class ModelEntry:
 
     def output_bytes(self, rows: int) -> list[int] | None:
         """Bytes of each declared output (the worker writes them all) for `rows` rows; None when
-        some output dim is -1, so the size is known only after compute."""
-        if any(d == -1 for t in self.outputs for d in t.shape):
+        some output dim is -1 or some output is bytes, so the size is known only after compute."""
+        if any(t.dtype == BYTES or -1 in t.shape for t in self.outputs):
             return None
         return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
 
     def spec(self, rec: VersionRecord) -> ModelSpec:
-        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size)
+        stage = self.decl.is_stage   # a stage's worker also needs its device and options
+        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size,
+                        device=(self.decl.device or "cpu") if stage else "", options=self.decl.options if stage else None)
 
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",

@@ -1,7 +1,8 @@
 """Which versions each live worker should hold, and the loads and unloads that make it so.
 
 Desired state: every version record of an always-resident model (loading, ready or draining)
-on every live worker, and the on-demand versions placed on it (residency.py). `reconcile`
+on every live worker whose role holds it (roles.py: models on model workers, stages where they
+run), and the on-demand versions placed on it (residency.py). `reconcile`
 compares that with what each worker holds and sends the difference to its loader thread: a
 load for what is missing, and for what is no longer wanted first no new batches, then an
 unload once none is in flight. Completions update the worker and wake whoever waits on a
@@ -25,6 +26,7 @@ from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.state.versions import VersionRecord
 from .registry import Registry
 from .residency import Residency, budget_bytes
+from .roles import serves
 
 log = logging.getLogger("tgw.broker")
 EVENTS_KEPT = 50
@@ -56,12 +58,20 @@ class Placement:
 
     # ---- desired vs held ---------------------------------------------------------------------
 
-    def live(self) -> list[WorkerHandle]:
-        return [w for w in self.roster if w.state is WorkerState.READY and not w.retiring]
+    def live(self, model: str | None = None) -> list[WorkerHandle]:
+        """The workers serving now (of those whose role holds `model`, when given)."""
+        return [w for w in self.roster if w.state is WorkerState.READY and not w.retiring and
+                (model is None or self.holds(w, model))]
 
     def desired(self, w: WorkerHandle) -> set[str]:
-        always = {r.key for m in self.registry.models.values() if not m.on_demand for r in m.records.values()}
+        always = {r.key for m in self.registry.models.values() if not m.on_demand and self.holds(w, m.name)
+                  for r in m.records.values()}
         return always | w.holding.wanted
+
+    def holds(self, w: WorkerHandle, model: str) -> bool:
+        """Whether `w`'s role holds versions of this model (or stage)."""
+        m = self.registry.models.get(model)
+        return m is not None and serves(w.role, w.device, m.decl.is_stage, m.decl.device)
 
     def reconcile(self) -> None:
         for w in self.live():
@@ -85,7 +95,10 @@ class Placement:
 
     def place(self, rec: VersionRecord) -> WorkerHandle | None:
         """An on-demand version loading at run time: on the live worker with the most room."""
-        return self.residency.place(rec, self.roster)
+        return self.residency.place(rec, self._takers(rec))
+
+    def _takers(self, rec: VersionRecord) -> list[WorkerHandle]:
+        return [w for w in self.roster if self.holds(w, rec.model)]
 
     def unwant(self, keys: list[str]) -> None:
         """Versions forgotten: no worker is to load them on demand any more."""
@@ -111,7 +124,7 @@ class Placement:
                        f"the next load is tried in {wait:.1f} s", model=rec.model, version=rec.version,
                        reason="load_failed", retryable=False, retry_after_ms=math.ceil(wait * 1000))
         if w is None:
-            w = self.residency.place(rec, self.roster)
+            w = self.residency.place(rec, self._takers(rec))
             if w is None:
                 return  # no live worker: a restart comes; the request waits, bounded by its deadline
             self.reconcile()

@@ -11,7 +11,7 @@ from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
+from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
 
 from . import cuda
 from .pending import Pending
@@ -93,6 +93,8 @@ class WorkerHandle:
     device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: state/cuda.py)
     host_memory: str = ""             # its ring's page-locking in effect on a GPU (hello): register/staging/pageable
     device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
+    # what it holds (models/roles.py): models, stages (a workers.stage_workers worker) or both
+    role: str = "models+stages"
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -233,7 +235,8 @@ class WorkerHandle:
 
     def output_rows(self, done: Done, batch: Inflight, requests: list[Pending] | None = None):
         """Yield (request, {output name: memoryview of its rows}) for each request the completion
-        answers: those given (a part's), else every request of the batch."""
+        answers: those given (a part's), else every request of the batch. A bytes output's rows
+        have no fixed size: its `cuts` say where each begins."""
         buf = self.segment.buf
         requests = batch.requests if requests is None else requests
         rows = sum(p.rows for p in requests)
@@ -241,8 +244,12 @@ class WorkerHandle:
         for p in requests:
             views = {}
             for t in done.outputs:
-                per_row = t.nbytes // rows
-                start = t.offset + row * per_row
-                views[t.name] = (t, buf[start:start + p.rows * per_row])
+                if t.dtype == BYTES:
+                    start, end = t.offset + t.cuts[row], t.offset + t.cuts[row + p.rows]
+                else:
+                    per_row = t.nbytes // rows
+                    start = t.offset + row * per_row
+                    end = start + p.rows * per_row
+                views[t.name] = (t, buf[start:end])
             yield p, views
             row += p.rows

@@ -113,21 +113,30 @@ class VersionRecord:
         return self.decl.format or "torchscript"
 
     def size(self) -> int:
-        """Bytes it takes loaded: measured, else the file's size (weights dominate a TorchScript file)."""
-        if self.bytes:
+        """Bytes it takes loaded: measured, else the file's size (weights dominate a TorchScript file);
+        a stage's is what its worker measured (0 unless it reports some)."""
+        if self.bytes or self.decl.path is None:
             return self.bytes
         try:
             return os.path.getsize(self.decl.path)
         except OSError:
             return 0
 
-    def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int], max_batch_size: int) -> ModelSpec:
-        return ModelSpec(name=self.model, version=self.version, path=self.decl.path, inputs=inputs,
+    @property
+    def source(self) -> str:
+        """Where it comes from: its model file, or a stage's handler ("/file.py:Class", "module:Class")."""
+        return self.decl.path if self.decl.path is not None else self.decl.handler or ""
+
+    def spec(self, inputs: list[IOSpec], outputs: list[IOSpec], warmup: list[int], max_batch_size: int,
+             device: str = "", options: dict | None = None) -> ModelSpec:
+        """What a worker loads; a stage's also says its `device` (cpu or cuda) and `options`."""
+        return ModelSpec(name=self.model, version=self.version, path=self.decl.path or "", inputs=inputs,
                          outputs=outputs, warmup_batch_sizes=list(warmup), sha256=self.decl.sha256,
-                         format=self.format, max_batch_size=max_batch_size)
+                         format=self.format, max_batch_size=max_batch_size, handler=self.decl.handler or "",
+                         device=device, options=dict(options or {}))
 
     def info(self, workers: dict[str, str]) -> VersionInfo:
-        return VersionInfo(version=self.version, path=self.decl.path, state=self.state.value, weight=self.weight,
+        return VersionInfo(version=self.version, path=self.source, state=self.state.value, weight=self.weight,
                            sha256=self.decl.sha256, workers=workers, bytes=self.size(), loads=self.loads,
                            evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
                            format=self.format)

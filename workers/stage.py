@@ -1,0 +1,66 @@
+"""The stage contract: a Python class a worker serves like a model (docs/STAGES.md).
+
+A stage receives one batch - fixed-dtype inputs as torch tensors of [rows, *dims], `bytes`
+inputs as Python lists of `rows` items - and returns every declared output. It may fail single
+rows (`batch.fail(row, message)`): their requests are answered INVALID_ARGUMENT with the
+message, the other requests of the batch are served. Subclassing `Stage` is optional: any class
+with `__call__(batch)` (and, if it wants them, `setup(context)` and `warmup()`) will do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StageContext:
+    """What `setup(context)` is told, once per worker process."""
+    name: str                  # the model entry's name in the config
+    version: str
+    dir: str                   # the handler file's folder (files next to it); "" for a module handler
+    device: torch.device       # where the stage runs: cpu, or the worker's GPU for `device: cuda`
+    threads: int               # torch's intra-op threads in this worker
+    options: dict[str, Any] = field(default_factory=dict)   # the config's `options:` for this stage
+
+
+class StageBatch:
+    """One batch as a stage sees it: `batch["name"]` for an input, `batch.rows`, `batch.device`,
+    `batch.fail(row, message)`."""
+
+    def __init__(self, rows: int, device: torch.device, inputs: dict[str, Any]):
+        self.rows, self.device, self.inputs = rows, device, inputs
+        self.failed: dict[int, str] = {}    # row -> message, in the order the stage failed them
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.inputs[name]
+        except KeyError:
+            raise KeyError(f"this stage has no input {name!r}; its inputs are {sorted(self.inputs)}") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.inputs
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def fail(self, row: int, message: str) -> None:
+        """Fail one row: its request is answered INVALID_ARGUMENT with `message`. The outputs
+        returned must still have all rows (a failed row's values are ignored)."""
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.rows:
+            raise IndexError(f"batch.fail: row {row!r} is not a row of this {self.rows}-row batch")
+        self.failed.setdefault(row, str(message))
+
+
+class Stage:
+    """A base class with the optional hooks' defaults; subclasses implement `__call__`."""
+
+    def setup(self, context: StageContext) -> None:
+        """Once per worker process, before warm-up: open files, build tables, pick the device."""
+
+    def warmup(self) -> None:
+        """Once after setup (default: nothing)."""
+
+    def __call__(self, batch: StageBatch) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__(batch)")
