@@ -42,6 +42,8 @@ MARKERS = {
     "http-example:python": "test_http.py::test_readme_examples_work_as_printed",
     "http-example:curl": "test_http.py::test_readme_examples_work_as_printed",
     "model-export": "test_formats.py::test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch",
+    "stage-example:handler": "test_stages.py",
+    "stage-example:config": "test_stages.py",
 }
 
 
