@@ -5,10 +5,11 @@
     tgw-bench compare --quick                           # also: python bench/compare.py --quick
     tgw-bench overload --quick                          # 2x capacity by priority, adaptive limit on/off
     tgw-bench lifecycle [--quick]                       # hot swap, canary, unload RSS, on-demand residency
+    tgw-bench pipeline [--quick]                        # classify pipeline vs floor, Flask, caller-decodes
 
 `load` drives a running broker, one level after the other; `tgw-bench --model ...` without a
 subcommand is `load`. `compare` writes bench/results/ and RESULTS.md. `overload` (overload.py)
-and `lifecycle` (lifecycle_run.py) start their own brokers. Exit status: 0 success (compare: every row filled, no request failed, the
+`lifecycle` (lifecycle_run.py) and `pipeline` (pipeline_bench.py) start their own brokers. Exit status: 0 success (compare: every row filled, no request failed, the
 broker stopped cleanly; overload: the runs completed, targets printed), 1 some requests failed
 (overload: went unanswered), 2 usage or connection problems, 130 interrupted.
 """
@@ -21,7 +22,7 @@ import signal
 import sys
 from typing import Optional
 
-from tgw.bench import comparison, lifecycle_run, overload, report
+from tgw.bench import comparison, lifecycle_run, overload, pipeline_bench, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.selfhosted import subset
@@ -84,6 +85,7 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
 
     overload.add_parser(sub)
     lifecycle_run.add_parser(sub)
+    pipeline_bench.add_parser(sub)
 
     for p in (ld, cmp):
         p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
@@ -133,7 +135,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
     """command: a fixed subcommand (bench/compare.py passes "compare" and its own prog)."""
     args = list(sys.argv[1:] if argv is None else argv)
     full = ([command] if command else []) + args
-    if full and full[0] not in ("load", "compare", "overload", "lifecycle", "-h", "--help"):
+    if full and full[0] not in ("load", "compare", "overload", "lifecycle", "pipeline", "-h", "--help"):
         full.insert(0, "load")  # the form without a subcommand
     a = parser(prog).parse_args(full)
     a.command_line = " ".join([prog, *map(shlex.quote, args)])
@@ -145,6 +147,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
             return overload.run(a)
         if a.command == "lifecycle":
             return lifecycle_run.run(a)
+        if a.command == "pipeline":
+            return pipeline_bench.run(a, a.command_line)
         return comparison.run(a, a.command_line)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -1,8 +1,9 @@
 """Demo traffic: real requests to every demo model, each answer checked against the model run
 in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model, over
 the native socket (a Client shared by threads, and one AsyncClient with ASYNC_INFLIGHT requests
-in flight) and over the KServe v2 HTTP face; then a hot swap of mlp under traffic (no
-request may fail), and the request counters /metrics shows.
+in flight) and over the KServe v2 HTTP face; the same for the two pipelines, classify and
+embed-text (demo_pipelines.py), and a corrupt image among good ones; then a hot swap of mlp
+under traffic (no request may fail), and the request counters /metrics shows.
 
 Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
 """
@@ -17,6 +18,7 @@ import time
 import numpy as np
 
 import demo_http
+import demo_pipelines
 from tgw.client import Client, ConnectError, TgwError
 
 CONCURRENCY = 8
@@ -172,8 +174,10 @@ def main() -> int:
     args = ap.parse_args()
     wait_ready(args.address, args.broker_pid)
     with Client(args.address) as c:
-        models = c.models()
+        served = c.models()
         http = c.status()["http"]
+    # the pipelines and the stages they run are driven by demo_pipelines: images and text, not random tensors
+    models = [m for m in served if m["name"] not in (*demo_pipelines.PIPELINES, *demo_pipelines.STAGES)]
     rows, failed = [], False
     for face, url in (("native", None), ("async", None), ("HTTP", http)):
         for model in models:
@@ -186,12 +190,18 @@ def main() -> int:
             rows.append((model["name"], face, len(lat) + len(errors), len(errors), bad, np.percentile(ms, 50),
                          np.percentile(ms, 99), len(lat) / elapsed))
             failed |= bool(errors) or bad > 0 or len(lat) != args.requests
+    pipeline_rows, pipelines_failed = demo_pipelines.run(args.address, http, args.models_dir, args.requests)
+    rows += pipeline_rows
+    failed |= pipelines_failed
     print(f"\n{'model':<10} {'face':<7} {'requests':>8} {'errors':>6} {'mismatches':>10} {'p50 ms':>8} {'p99 ms':>8} "
           f"{'req/s':>8}")
     for name, face, n, e, bad, p50, p99, rps in rows:
-        print(f"{name:<10} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
+        print(f"{name:<10.10} {face:<7} {n:>8} {e:>6} {bad:>10} {p50:>8.2f} {p99:>8.2f} {rps:>8.0f}")
     print(f"(concurrency {CONCURRENCY} threads; async: one AsyncClient, {ASYNC_INFLIGHT} in flight; 1-4 rows per "
-          f"request, answers checked against the model run in-process; HTTP: KServe v2 at {http}, binary tensors)")
+          f"request, answers checked against the model run in-process; HTTP: KServe v2 at {http}, binary tensors;\n"
+          f" pipelines: 1-4 images or texts per request, checked against the same stages and models run in-process, "
+          f"labels equal, scores and embeddings within {demo_pipelines.TOLERANCE:g}; embed-text over HTTP as JSON)")
+    failed |= not demo_pipelines.show_burst(args.address, args.models_dir)
     if not any(m["name"] == "mlp-aoti" for m in models):
         print("mlp-aoti: not served, no C++ compiler was found to build its AOTInductor package (the broker log "
               "says so); install g++ and start again to add it")

@@ -218,6 +218,12 @@ if __name__ == "__main__":
     ap.add_argument("dir")
     ap.add_argument("--formats", action="store_true", help=f"also {', '.join(FORMAT_MODELS)} (the same weights as "
                     "export and AOTInductor files; the AOTInductor build takes ~30 s, once)")
+    ap.add_argument("--stages", action="store_true", help="also the demo's stages (tgw.workers.demo_stages) and their "
+                    "data (labels.txt, tokenizer.json, images/): name -> {handler, device, options, inputs, ...}")
     args = ap.parse_args()
     models = build_demo_models(args.dir, args.formats, log=lambda line: print(line, file=sys.stderr))
-    print(json.dumps({name: {**m, **DEMO_MODELS[m["base"]][2]} for name, m in models.items()}))
+    served = {name: {**m, **DEMO_MODELS[m["base"]][2]} for name, m in models.items()}
+    if args.stages:
+        from tgw.workers.demo_stages import demo_stage_decls
+        served.update(demo_stage_decls(args.dir))
+    print(json.dumps(served))

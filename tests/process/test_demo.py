@@ -1,0 +1,96 @@
+"""The embedded demo's config with its stages and pipelines (broker/demo.py): it loads, `tgw-broker
+check-config` accepts it as a file, and a broker serving its two pipelines answers as the same
+steps run in-process (tgw.workers.demo_reference), a corrupt image failing only its own request.
+
+The demo files are built once per module in a temporary folder, without the AOTInductor model
+($CXX points nowhere: its ~30 s compile is tests/process/test_formats.py's)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tgw.broker.child import BrokerProc
+from tgw.broker.demo import DEMO_PIPELINES, demo_config, demo_config_data
+from tgw.client import Client, InvalidArgumentError
+
+TGW_BROKER = str(Path(sys.executable).parent / "tgw-broker")
+STAGES = {"decode-image", "top5", "tokenize", "l2-normalize"}
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("demo"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXX", "/nonexistent/c++")
+        yield folder, demo_config_data(out_dir=folder)
+
+
+def test_the_demo_config_serves_the_stages_on_a_stage_worker_and_both_pipelines(demo_dir):
+    folder, _ = demo_dir
+    cfg = demo_config(out_dir=folder)
+    stages = {m.name for m in cfg.models if m.is_stage}
+    assert stages == STAGES
+    assert {"mlp", "resnet", "embed", "mlp-export"} <= {m.name for m in cfg.models if not m.is_stage}
+    assert all(m.device in (None, "cpu") and m.versions[0].handler.startswith("tgw.workers.demo_stages:")
+               for m in cfg.models if m.is_stage)
+    assert cfg.workers.stage_workers == 1
+    assert [p.name for p in cfg.pipelines] == ["classify", "embed-text"]
+    for name in ("labels.txt", "tokenizer.json"):
+        assert os.path.exists(os.path.join(folder, name))
+    assert len(os.listdir(os.path.join(folder, "images"))) >= 5
+
+
+def test_check_config_accepts_the_demo_config_as_a_file(demo_dir, tmp_path):
+    _, data = demo_dir
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = subprocess.run([TGW_BROKER, "check-config", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 pipeline(s)" in r.stdout and "classify" in r.stdout and "embed-text" in r.stdout, r.stdout
+
+
+@pytest.fixture(scope="module")
+def pipelines_broker(demo_dir, tmp_path_factory):
+    """A broker serving only the demo's pipelines: their stages, resnet and embed."""
+    folder, data = demo_dir
+    wanted = {s["model"] for p in DEMO_PIPELINES for s in p["steps"]}
+    config = {**data, "workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
+              "models": [m for m in data["models"] if m["name"] in wanted]}
+    broker = BrokerProc(config, str(tmp_path_factory.mktemp("b"))).start(timeout=120)
+    yield broker
+    broker.stop()
+
+
+def images(folder: str) -> list[bytes]:
+    return [open(os.path.join(folder, "images", n), "rb").read() for n in sorted(os.listdir(os.path.join(folder, "images")))]
+
+
+def test_the_pipelines_answer_as_the_same_steps_in_process(demo_dir, pipelines_broker):
+    from tgw.workers.demo_reference import DemoPipelines
+    folder, _ = demo_dir
+    reference = DemoPipelines(folder)
+    sent = images(folder)[:4]
+    texts = [b"a pipeline decodes the picture", "Zebras and pelicans: ünïcode".encode()]
+    with Client(pipelines_broker.address) as c:
+        got = c.infer("classify", {"image": sent}, timeout=60)
+        embedded = c.infer("embed-text", {"text": texts}, timeout=60)
+    for row, ref in enumerate(reference.run("classify", sent)):
+        assert [bytes(x) for x in got["labels"][row]] == ref["labels"]
+        np.testing.assert_allclose(got["scores"][row], ref["scores"], rtol=0, atol=1e-5)
+    for row, ref in enumerate(reference.run("embed-text", texts)):
+        np.testing.assert_allclose(embedded["embedding"][row], ref["embedding"], rtol=0, atol=1e-5)
+        assert abs(float(np.linalg.norm(embedded["embedding"][row])) - 1.0) < 1e-5
+
+
+def test_a_corrupt_image_fails_alone(demo_dir, pipelines_broker):
+    folder, _ = demo_dir
+    with Client(pipelines_broker.address) as c:
+        with pytest.raises(InvalidArgumentError, match="not a decodable JPEG"):
+            c.infer("classify", {"image": [b"\xff\xd8\xff not a JPEG"]}, timeout=60)
+        assert len(c.infer("classify", {"image": images(folder)[:1]}, timeout=60)["labels"][0]) == 5
