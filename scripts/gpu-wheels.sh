@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 # than an image's may be (a newer one shadows it harmlessly; scripts/gpu-check.sh reports any
 # requirement of these wheels that the machine's packages still miss).
 PACKAGES=(
-    pyzmq msgspec lz4 orjson setproctitle                          # tgw.client / broker / workers
+    pyzmq msgspec lz4 orjson setproctitle ml_dtypes                # tgw.client / broker / workers
     pydantic pydantic-core annotated-types typing-inspection       # the broker's config schema
     typing-extensions
     flask blinker itsdangerous gunicorn                            # the bench's Flask baseline
