@@ -185,6 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
         for m in cfg.models:
             print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
+        if cfg.pipelines:
+            from tgw.broker.config.pipelines import describe as describe_pipeline
+            print(f"{len(cfg.pipelines)} pipeline(s):")
+            for p in cfg.pipelines:
+                print(describe_pipeline(p, {m.name: m for m in cfg.models}))
         from tgw.broker.config.arenas import describe
         print(describe(cfg))
         return

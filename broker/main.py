@@ -29,6 +29,7 @@ from . import wiring
 from .lifecycle import Lifecycle
 from tgw.broker.observe.logs import format_in_use, install_slow
 from tgw.broker.models.operator import Operator
+from tgw.broker.models.roles import placement_problems
 from .server import Broker
 from tgw.broker.fleet.supervisor import Supervisor
 
@@ -45,6 +46,9 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     obs = cfg.observability   # the workers log and trace as the broker does: told in their WorkerStart
     supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address), log_format=format_in_use(),
                             slow_ms=obs.slow_request_ms, tracing=tracing.for_workers(obs.tracing, base_dir))
+    misplaced = placement_problems(cfg.models, supervisor.devices, supervisor.roles)
+    if misplaced:   # a stage no worker would hold
+        raise StartupError("; ".join(misplaced))
     max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
     broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices),
                     roster=supervisor.workers)   # one roster: the supervisor's

@@ -30,6 +30,7 @@ from tgw.broker.front.sockets import Pump
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
 from tgw.broker.observe.metrics import Metrics
+from tgw.broker.pipeline.executor import Pipelines
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.alarm import Alarm
 from tgw.broker.sched.batcher import Batcher
@@ -86,6 +87,7 @@ class Broker:
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
+        self.pipelines = Pipelines(wiring.pipeline_deps(self), cfg.pipelines)   # names served as DAGs of steps
         self.phase = Phase.STARTING
         self.started_at = clock()
         self.view = wiring.observe_view(self)   # what status, /metrics and the HTTP face read

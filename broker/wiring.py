@@ -7,6 +7,8 @@ call time.
 """
 from __future__ import annotations
 
+from tgw.shm.wire import PROTOCOL_VERSION, Cancel
+
 from tgw.broker.front.frontdoor import DoorDeps
 from tgw.broker.http.face import FaceDeps
 from tgw.broker.models.operator import OperatorDeps
@@ -14,6 +16,7 @@ from tgw.broker.models.reload import ReloadDeps
 from tgw.broker.models.rollout import RolloutDeps
 from tgw.broker.observe import status
 from tgw.broker.observe.status import BrokerView
+from tgw.broker.pipeline.executor import PipelineDeps
 
 
 def door_deps(b) -> DoorDeps:
@@ -22,7 +25,24 @@ def door_deps(b) -> DoorDeps:
                     stats=b.stats, roster=b.roster, models=b.registry.models, admit=a.admit, finished=a.finished,
                     on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
                     query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
-                    snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer))
+                    snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer),
+                    pipelines=b.pipelines)
+
+
+def pipeline_deps(b) -> PipelineDeps:
+    """Built before the broker is attached to its sockets: the door is read at call time."""
+    return PipelineDeps(models=b.registry.models, clock=b.clock,
+                        infer=lambda ident, msg, frames: b.door.infer(ident, msg, frames),
+                        reply=lambda ident, msg, *frames: b.door.reply(ident, msg, *frames),
+                        cancel_step=lambda caller, req_id: b.door.abandon.cancel(
+                            caller, Cancel(v=PROTOCOL_VERSION, id=0, ids=[req_id])),
+                        callers=b.callers, tenants=b.admission.tenants, is_open=lambda: b.admission.open,
+                        note=b.complaints.note)
+
+
+def pipeline_ready(b):
+    """Whether a pipeline can be served now (every step's model or pinned version), by the view."""
+    return lambda plan: status.pipeline_ready(b.view, plan)
 
 
 def observe_view(b) -> BrokerView:
@@ -38,7 +58,8 @@ def observe_view(b) -> BrokerView:
                       reload=lambda: dict(b.operator.reloader.outcome) if b.operator else {},
                       http_address=lambda: b.http.address if b.http else "",
                       abandoned=_door(b, lambda door: dict(door.abandon.counts)),
-                      regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render())
+                      regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
+                      pipelines=b.pipelines)
 
 
 def _door(b, read):
@@ -56,7 +77,8 @@ def rollout_deps(b) -> RolloutDeps:
     breakers = b.admission.breakers
     return RolloutDeps(registry=b.registry, placement=b.placement, clock=b.clock,
                        declare_breakers=breakers.declare, forget_breakers=breakers.forget,
-                       unserved=b.unserved.versions)
+                       unserved=b.unserved.versions, pipelines_blocking=b.pipelines.blocking,
+                       pipeline_metadata=lambda name: b.pipelines.metadata(name, pipeline_ready(b)))
 
 
 def reload_deps(b) -> ReloadDeps:
@@ -69,7 +91,8 @@ def reload_deps(b) -> ReloadDeps:
         b.batcher.queues[name].max_queue = n
 
     return ReloadDeps(registry=b.registry, placement=b.placement, uptime=lambda: b.clock() - b.started_at,
-                      declare=declare, set_max_queue=set_max_queue)
+                      declare=declare, set_max_queue=set_max_queue,
+                      pipelines=lambda cfg: b.pipelines.configure(cfg.pipelines))
 
 
 def operator_deps(b) -> OperatorDeps:

@@ -183,6 +183,7 @@ class ModelInfo(Struct):
     outputs: list[IOSpec]
     ready: bool
     wire_dtypes: list[str] = []         # reduced precisions its float32 inputs may travel in
+    steps: list[str] = []               # a pipeline's step names, in order ([]: a model or stage)
 
 
 class ModelsReply(Struct, tag_field="op", tag="models"):
@@ -235,6 +236,9 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # swap, traffic, reload), model, version, worker, ms, bytes, message
     events: list[dict[str, Any]] = []
     http: str = ""                      # the HTTP face's address (http://host:port); "" when off
+    # per pipeline: version, ready, requests, replies, errors{code: n}, inflight, and per step: model,
+    # sent, ok, failed, latency_ms {mean, p99}
+    pipelines: dict[str, dict[str, Any]] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

@@ -10,6 +10,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from tgw.shm.paths import ADDRESS_FORMS, address_problem
 
+from .pipelines import PipelineDecl, PipelineError, StepDecl, problems as pipeline_problems  # noqa: F401
 from .schema_models import BreakerDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
 from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
 
@@ -84,6 +85,8 @@ class ServerDecl(Strict):
     max_dims: Annotated[int, Field(ge=1, le=64)] = 16              # per tensor, batch dim included
     max_elements: Annotated[int, Field(ge=1)] = 1 << 28            # per tensor
     max_element_bytes: Annotated[int, Field(ge=1)] = 16 << 20      # per element of a bytes tensor
+    # elements of one bytes tensor: the broker's loop checks each one's length (about 0.2 us each)
+    max_bytes_elements: Annotated[int, Field(ge=1)] = 65536
     max_inflight_per_client: Annotated[int, Field(ge=1)] = 1024    # admitted, not yet answered
     max_clients: Annotated[int, Field(ge=1)] = 1000                # connected callers
     client_queue_bytes: Annotated[int, Field(ge=1 << 16)] = 64 << 20   # replies waiting for one slow reader
@@ -147,6 +150,7 @@ class Config(Strict):
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
     require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
+    pipelines: list[PipelineDecl] = []             # served names that are DAGs of steps (docs/PIPELINES.md)
     _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
 
     @model_validator(mode="after")
@@ -165,6 +169,9 @@ class Config(Strict):
             if names[fallback].signature() != m.signature():
                 raise ValueError(f"model {m.name!r}: breaker.fallback {fallback!r} declares different inputs or "
                                  "outputs; a fallback must take and return exactly the same tensors")
+        found = pipeline_problems(self.pipelines, self.models)
+        if found:   # each reported with its own key path (load._pydantic_problems)
+            raise PipelineError(found)
         return self
 
     def model(self, name: str) -> ModelDecl:

@@ -39,6 +39,7 @@ class Abandonment:
         self.processes: dict[bytes, tuple[int, float]] = {}   # ipc caller -> (pid, start time)
         self.counts: Counter = Counter()                # reason -> queued requests dropped unrun
         self._disconnects_seen = 0
+        self.runs = None   # pipeline.executor.Pipelines (the door sets it): their runs stop with their callers
         self._recheck_until = 0.0
 
     # ---- bookkeeping (hot path) ----------------------------------------------------------------
@@ -71,19 +72,26 @@ class Abandonment:
         for req_id in msg.ids[:MAX_CANCEL_IDS]:
             p = self.inflight.get((ident, req_id))
             if p is None:
-                continue  # answered already, or never admitted
+                continue  # answered already, never admitted, or a pipeline's run (below)
             if self.batcher.remove(p):
                 queued.append(p)
             else:
                 running += 1
         self._drop(queued, "cancelled")
-        self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=len(queued), running=running))
+        stopped = self.runs.cancel(ident, msg.ids[:MAX_CANCEL_IDS]) if self.runs is not None else 0
+        if stopped:   # a pipeline's run: none of its steps still to come is sent
+            self.counts["cancelled"] += stopped
+        self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=len(queued) + stopped,
+                                      running=running))
 
     def drop_caller(self, idents: set, reason: str) -> int:
         """Take every queued request of these callers out, unrun; how many."""
         taken = self.batcher.take_where(lambda p: p.client in idents)
         self._drop(taken, reason)
-        return len(taken)
+        stopped = self.runs.drop(idents) if self.runs is not None and self.runs.runs else 0
+        if stopped:
+            self.counts[reason] += stopped
+        return len(taken) + stopped
 
     def sweep(self, now: float) -> None:
         """After a disconnect (and on every tick for RECHECK_S after one): drop the queued requests

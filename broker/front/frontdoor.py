@@ -109,6 +109,7 @@ class DoorDeps:
     query: Callable[[Any], Any]                  # the read-only answers (status, stats, health, ...)
     operate: Callable[[Any, Any], None]          # a control op (operator), answered by it
     snapshot: Callable[[Any, Callable], None]    # a memory snapshot request; raises TgwError
+    pipelines: Any = None                        # pipeline.executor.Pipelines: names in its `table` go to its start
 
 
 class FrontDoor:
@@ -122,6 +123,8 @@ class FrontDoor:
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
         self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply)
         deps.on_finished.append(self.abandon.finished)
+        self.pipelines = deps.pipelines
+        self.abandon.runs = deps.pipelines   # a cancel or a caller gone stops its pipeline runs too
         self.handlers = {Infer: self._infer_frames, RegisterRegion: self._region, UnregisterRegion: self._region}
         self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
@@ -180,6 +183,8 @@ class FrontDoor:
         try:
             if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
                 tensor_frames = self.regions.resolve(msg, header, tensor_frames)
+            if self.pipelines is not None and msg.model in self.pipelines.table:
+                return self.pipelines.start(ident, msg, tensor_frames)   # its steps come back through here
             cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
                                                      header)  # CUDA tensors by handle
             p = self.deps.admit(ident, msg, tensor_frames)

@@ -216,7 +216,8 @@ class HttpFace:
                     limit=self.decl.max_body_bytes)
 
     async def decode(self, request: web.Request, model: str) -> kserve.Decoded:
-        self.deps.entry(model)   # an unknown model is named before anything in the body
+        if model not in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
+            self.deps.entry(model)   # an unknown model is named before anything in the body
         headers = request.headers
         decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model,
                                 request.match_info.get("version"), next(self.ids))
@@ -262,6 +263,9 @@ class HttpFace:
         return json_response({"ready": ready}, 200 if ready else 400)
 
     async def model_config(self, request: web.Request) -> web.Response:
+        plan = self.deps.view.pipelines.table.get(request.match_info["model"])
+        if plan is not None:
+            return json_response(plan.decl.model_dump(mode="json"))
         entry = self.deps.entry(request.match_info["model"])
         return json_response(entry.decl.model_dump(mode="json"))
 

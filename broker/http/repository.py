@@ -17,7 +17,7 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, UnloadVersion, model_key
 
 from tgw.broker.models.registry import ModelEntry
-from tgw.broker.observe.status import BrokerView, listed, serving
+from tgw.broker.observe.status import BrokerView, listed, pipeline_ready, serving
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 
@@ -58,7 +58,22 @@ class Repository:
                        model=model, version=version, available=list(entry.records))
         return entry, version
 
+    def pipeline(self, model: str, version: str | None):
+        """The pipeline of that name (None: not one), its version checked."""
+        plan = self.view.pipelines.table.get(model)
+        if plan is not None and version is not None and version != plan.version:
+            raise fail(Code.VERSION_NOT_FOUND, f"pipeline {model!r} has no version {version!r}", model=model,
+                       version=version, available=[plan.version])
+        return plan
+
     def kserve_metadata(self, model: str, version: str | None) -> dict:
+        plan = self.pipeline(model, version)
+        if plan is not None:
+            return {"name": plan.name, "versions": [plan.version], "platform": "tgw_pipeline",
+                    "inputs": io(plan.inputs), "outputs": io(plan.outputs),
+                    "parameters": {"max_batch_size": plan.max_batch_size, "default_version": plan.version,
+                                   "steps": [{"name": s.name, "model": s.model, "version": s.version}
+                                             for s in plan.steps]}}
         entry, version = self.version_of(model, version)
         shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
         return {"name": entry.name, "versions": [version] if version else entry.routable(),
@@ -69,6 +84,9 @@ class Repository:
 
     def ready(self, model: str, version: str | None) -> bool:
         """The model (its default version) or that version can be served now."""
+        plan = self.pipeline(model, version)
+        if plan is not None:
+            return self.view.is_serving() and pipeline_ready(self.view, plan)
         entry, version = self.version_of(model, version)
         if not self.view.is_serving():
             return False
@@ -90,6 +108,10 @@ class Repository:
                     else "UNAVAILABLE"
                 if not only_ready or state == "READY":
                     rows.append({"name": entry.name, "version": v, "state": state, "reason": rec.error})
+        for plan in self.view.pipelines.table.values():
+            state = "READY" if self.ready(plan.name, None) else "UNAVAILABLE"
+            if not only_ready or state == "READY":
+                rows.append({"name": plan.name, "version": plan.version, "state": state, "reason": ""})
         return web.Response(body=orjson.dumps(rows), content_type="application/json")
 
     async def load(self, request: web.Request) -> web.Response:

@@ -54,6 +54,7 @@ class ReloadDeps:
     uptime: Callable[[], float]      # seconds since the broker started, as status counts uptime_s
     declare: Callable[[ModelDecl], None]         # a new model's queue, counters and limits
     set_max_queue: Callable[[str, int], None]    # a served model's queue bound (models[].max_queue)
+    pipelines: Callable[[Config], None] = lambda cfg: None   # the new config's pipelines served (after the flip)
 
 
 class Reloader:
@@ -156,6 +157,7 @@ class Reloader:
                                  drain=[v for v in entry.records if v not in wanted])
             if gone:
                 retiring.append((entry, gone))
+        self.d.pipelines(new)   # validated with the new models: they are declared as of now
         self.rollout.roots = new.model_roots
         self.d.placement.set_model_memory(new.workers.max_model_memory)
         self.d.placement.reconcile()

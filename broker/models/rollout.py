@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from pydantic import ValidationError
 
@@ -50,6 +50,9 @@ class RolloutDeps:
     declare_breakers: Callable[[ModelDecl, list[str], float], None]   # admission's, for a new version
     forget_breakers: Callable[[str, str], None]                       # (model, version) gone
     unserved: Callable[[list[VersionRecord], str], None]   # answers what a drain left queued for these
+    # why unloading these versions (model, versions, the ready ones left) would break a pipeline ("": it would not)
+    pipelines_blocking: Callable[[str, list[str], list[str]], str] = lambda model, versions, left: ""
+    pipeline_metadata: Callable[[Optional[str]], list] = lambda name: []   # a pipeline's (None: every one)
 
 
 class Rollout:
@@ -69,9 +72,21 @@ class Rollout:
                              versions=[r.info(self.placement.workers_of(r.key)) for r in entry.records.values()])
 
     def metadata(self, msg: Metadata) -> MetadataReply:
+        pipelines = self.d.pipeline_metadata(msg.model)   # the one named, or with no name every one
+        if msg.model is not None and pipelines:
+            return MetadataReply(v=PROTOCOL_VERSION, id=msg.id, models=pipelines)
         entries = [self.registry.entry(msg.model)] if msg.model is not None else \
             [m for m in self.registry.models.values() if not m.removed]
-        return MetadataReply(v=PROTOCOL_VERSION, id=msg.id, models=[self.describe(m) for m in entries])
+        return MetadataReply(v=PROTOCOL_VERSION, id=msg.id, models=[self.describe(m) for m in entries] + pipelines)
+
+    def check_pipelines(self, entry: ModelEntry, versions: list[str], coming: str | None = None) -> None:
+        """Refuse to take these versions away from a pipeline that needs them (`coming`: the
+        version a swap puts in their place)."""
+        left = [v for v in entry.routable() if v not in versions] + ([coming] if coming else [])
+        why = self.d.pipelines_blocking(entry.name, versions, left)
+        if why:
+            raise fail(Code.INVALID_ARGUMENT, f"refused: {why}; change the pipeline (a reload) first",
+                       model=entry.name, versions=versions, reason="used_by_pipeline")
 
     def reply(self, msg, entry: ModelEntry, message: str, since: int) -> ControlReply:
         events = [e for e in self.placement.events if e["seq"] > since]
@@ -86,6 +101,9 @@ class Rollout:
         decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256, msg.format)
         if msg.weight is not None and not 0 <= msg.weight <= 1_000_000:
             raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
+        if msg.weight is None:   # a swap drains what has weight: not a version a pipeline is pinned to
+            self.check_pipelines(entry, [r.version for r in entry.records.values()
+                                         if r.state is VersionState.READY and r.weight > 0], decl.version)
         rec = await self.load_beside(entry, decl)
         if msg.weight is None:   # a swap: the versions that had weight drain
             replaced = self.registry.flip(entry.name, {rec.version: FULL_WEIGHT})
@@ -144,7 +162,7 @@ class Rollout:
             placement.reconcile()
 
             def settled() -> bool:
-                live = placement.live()
+                live = placement.live(entry.name)   # those whose role holds it (roles.py)
                 held = [key in w.models for w in live]
                 return bool(placement.failures.get(key)) or (
                     bool(live) and (any(held) if entry.on_demand else all(held)))
@@ -191,6 +209,7 @@ class Rollout:
             raise fail(Code.VERSION_NOT_FOUND, f"model {entry.name!r} has no version {msg.version!r}",
                        model=entry.name, version=msg.version, available=list(entry.records))
         records = [entry.records[msg.version]] if msg.version is not None else list(entry.records.values())
+        self.check_pipelines(entry, [r.version for r in records])
         await self.retire(entry, records)   # the newest version left takes unnamed requests if none has weight
         left = f"; {entry.default} takes unnamed requests" if entry.default else "; no version is loaded"
         return self.reply(msg, entry, f"{entry.name}: {', '.join(r.version for r in records)} drained and "

@@ -76,6 +76,7 @@ class Metrics(Collector):
         yield from metrics_state.worker_families(view, now)
         yield from metrics_state.version_families(view, now)
         yield from metrics_state.scheduler_families(view)
+        yield from metrics_state.pipeline_families(view)
         yield from metrics_gpu.families(view.roster)
 
     def _requests(self) -> CounterMetricFamily:

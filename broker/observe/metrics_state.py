@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from tgw.broker.sched.breaker import State as BreakerState
 from tgw.broker.state.pool import WorkerState
@@ -141,3 +142,25 @@ def scheduler_families(view: BrokerView) -> Iterator:
     for model, lim in view.limits.items():
         limit.add_metric([model], lim.limit)
     yield from (limited, admitted, inflight, limit)
+
+
+def pipeline_families(view: BrokerView) -> Iterator:
+    """Each pipeline's answers by code, its runs in flight, and the seconds of each step."""
+    requests = CounterMetricFamily("tgw_pipeline_requests", "Requests naming a pipeline, by outcome code (OK: "
+                                   "answered with outputs; ABANDONED: cancelled or caller gone)",
+                                   labels=["pipeline", "code"])
+    inflight = GaugeMetricFamily("tgw_pipeline_inflight", "Pipeline requests started and not yet answered",
+                                 labels=["pipeline"])
+    steps = HistogramMetricFamily("tgw_pipeline_step_seconds", "Seconds from a step's request to its answer, "
+                                  "every answer", labels=["pipeline", "step"])
+    for name, c in view.pipelines.counters.items():
+        requests.add_metric([name, "OK"], c.replies)
+        for code, n in c.errors.items():
+            requests.add_metric([name, code], n)
+        if c.abandoned:
+            requests.add_metric([name, "ABANDONED"], c.abandoned)
+        inflight.add_metric([name], c.inflight)
+        for step, s in c.steps.items():
+            steps.add_metric([name, step], [(floatToGoString(le), n) for le, n in s.seconds.cumulative()],
+                             s.seconds.sum)
+    yield from (requests, inflight, steps)

@@ -14,10 +14,13 @@ from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloRepl
     ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
 
 from tgw.broker.state.pool import WorkerState
+from tgw.broker.state.versions import VersionState
 from tgw.broker.models.registry import ModelEntry
 
 if TYPE_CHECKING:
     from tgw.broker.front.callers import Callers
+    from tgw.broker.pipeline.executor import Pipelines
+    from tgw.broker.pipeline.plan import Plan
     from tgw.broker.sched.batcher import Batcher
     from tgw.broker.sched.breaker import Breakers
     from tgw.broker.sched.costmodel import CostModel
@@ -58,6 +61,7 @@ class BrokerView:
     abandoned: Callable[[], dict]       # the front door's abandoned requests by reason ({} before it exists)
     regions: Callable[[], dict]         # the front door's shared-memory regions ({} before it exists)
     scrape: Callable[[], tuple[bytes, str]]   # the /metrics exposition and its content type
+    pipelines: "Pipelines"              # the pipelines served (their table, counters)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -75,12 +79,33 @@ def serving(view: BrokerView, m: ModelEntry) -> bool:
     return bool(live) if m.on_demand else any(key in w.models for w in live)
 
 
+def version_serving(view: BrokerView, m: ModelEntry, version: str) -> bool:
+    """That version is ready and a live, ready worker has it (on demand: could load it)."""
+    rec = m.records.get(version)
+    if rec is None or rec.state is not VersionState.READY:
+        return False
+    live = [w for w in view.roster if w.state is WorkerState.READY]
+    return bool(live) if m.on_demand else any(model_key(m.name, version) in w.models for w in live)
+
+
+def pipeline_ready(view: BrokerView, plan: "Plan") -> bool:
+    """Every step can be served now: its model (its pinned version) as `serving` says."""
+    for step in plan.steps:
+        m = view.models.get(step.model)
+        if m is None or m.removed or not (serving(view, m) if step.version is None
+                                          else version_serving(view, m, step.version)):
+            return False
+    return True
+
+
 def listed(view: BrokerView) -> list[ModelEntry]:
     return [m for m in view.models.values() if not m.removed]
 
 
 def models(view: BrokerView, req_id: int) -> ModelsReply:
-    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[m.info(serving(view, m)) for m in listed(view)])
+    """The models, then the pipelines."""
+    return ModelsReply(v=PROTOCOL_VERSION, id=req_id, models=[m.info(serving(view, m)) for m in listed(view)] + [
+        plan.info(pipeline_ready(view, plan)) for plan in view.pipelines.table.values()])
 
 
 def health(view: BrokerView, req_id: int = 0) -> HealthReply:
@@ -136,7 +161,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
-                       http=view.http_address())
+                       http=view.http_address(),
+                       pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 
 def worker_status(w, now: float) -> dict:
@@ -144,7 +170,7 @@ def worker_status(w, now: float) -> dict:
            "inflight": len(w.inflight), "restarts": w.restarts, "last_death": w.last_death, "benched": w.benched,
            "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None,
            "model_bytes": sum(w.sizes.get(k, 0) for k in w.models), "budget": w.budget,
-           "host_memory": w.host_memory}
+           "host_memory": w.host_memory, "role": w.role}   # models, stages or both (roles.py)
     if w.beat is not None:
         beat = w.beat
         out.update(rss=beat.rss, cpu_s=round(beat.cpu_s, 3), fds=beat.fds, threads=beat.threads,
