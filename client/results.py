@@ -17,7 +17,7 @@ def model_dict(m) -> dict:
     io = lambda ts: [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in ts]  # noqa: E731
     return {"name": m.name, "versions": list(m.versions), "default_version": m.default_version,
             "max_batch_size": m.max_batch_size, "inputs": io(m.inputs), "outputs": io(m.outputs),
-            "ready": m.ready, "wire_dtypes": list(m.wire_dtypes)}
+            "ready": m.ready, "wire_dtypes": list(m.wire_dtypes), "steps": list(m.steps)}
 
 
 def health_dict(r) -> dict:
@@ -32,4 +32,5 @@ def stats_dict(r) -> dict:
 
 def status_dict(r) -> dict:
     return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
-            "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http}
+            "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http,
+            "pipelines": r.pipelines}

@@ -44,6 +44,7 @@ MARKERS = {
     "model-export": "test_formats.py::test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch",
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",
+    "pipeline-example:config": "test_pipeline_config.py::test_the_docs_example_passes_check_config",
 }
 
 
@@ -101,7 +102,8 @@ def test_example_config_validates_with_the_real_loader(tmp_path):
     (tmp_path / "example.yaml").write_text(text)
     load_config, _ = loader()
     cfg = load_config(str(tmp_path / "example.yaml"))
-    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed"]
+    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed", "top5"]
+    assert [p.name for p in cfg.pipelines] == ["classify-logits"] and cfg.workers.stage_workers == 1
     assert cfg.workers.cuda_host_memory == "register" and cfg.http is not None
 
 
