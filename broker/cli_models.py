@@ -75,12 +75,17 @@ def add_verbs(sub, broker_verb) -> None:
 
     broker_verb(verbs, "list", "every model: residency, default version, versions with state and weight",
                 QUERY_WAIT_S, lambda args: Metadata(v=PROTOCOL_VERSION), print_models)
-    load = model_verb("load", "load a new version of a declared model (no --weight: a hot swap)",
+    load = model_verb("load", "load a new version of a declared model or stage (no --weight: a hot swap)",
                       CONTROL_WAIT_S, load_request, print_control)
     load.add_argument("--version", required=True, help="the new version's name (a name in use is refused)")
-    load.add_argument("--path", help="model file inside the config's model_roots, as the broker sees it "
-                                     "(default: the path the config declares for this version)")
-    load.add_argument("--sha256", type=sha256_hex, help="the file's SHA-256; the worker checks the bytes it loads")
+    source = load.add_mutually_exclusive_group()
+    source.add_argument("--path", help="a model's file inside the config's model_roots, as the broker sees it "
+                                       "(default: the path the config declares for this version)")
+    source.add_argument("--handler", metavar="FILE.py:Class",
+                        help="a stage's class: an absolute FILE.py inside model_roots, as the broker sees it, or "
+                             "module:Class (default: the handler the config declares for this version)")
+    load.add_argument("--sha256", type=sha256_hex, help="the file's (or handler file's) SHA-256; the worker checks "
+                                                        "the bytes it loads")
     load.add_argument("--format", choices=FORMATS, help="what the file must hold (default: whatever it holds)")
     load.add_argument("--weight", type=non_negative_int,
                       help="canary: add beside the other versions with this weight (0: only when named); "
@@ -103,7 +108,7 @@ def add_verbs(sub, broker_verb) -> None:
 
 def load_request(args) -> LoadVersion:
     return LoadVersion(v=PROTOCOL_VERSION, model=args.model, version=args.version, path=args.path,
-                       sha256=args.sha256, weight=args.weight, format=args.format)
+                       sha256=args.sha256, weight=args.weight, format=args.format, handler=args.handler)
 
 
 # ---- printing --------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ class LoadVersion(Struct, tag_field="op", tag="load"):
     weight: Optional[int] = None
     token: Optional[str] = None
     format: Optional[str] = None             # torchscript, export, aoti; None: as the file (or config) says
+    # a stage's class instead of a path: "/abs/file.py:Class" inside model_roots, or "module:Class";
+    # None: the handler the config declared (a model takes path, a stage handler)
+    handler: Optional[str] = None
 
 
 class UnloadVersion(Struct, tag_field="op", tag="unload"):

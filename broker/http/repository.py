@@ -24,7 +24,7 @@ from tgw.broker.state.versions import VersionState
 from . import kserve
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
-LOAD_PARAMS = {"version": str, "path": str, "sha256": str, "weight": int, "format": str,
+LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
                "unload_dependents": bool}   # tritonclient sends it; tgw models have no dependents
 
 
@@ -115,8 +115,9 @@ class Repository:
         return web.Response(body=orjson.dumps(rows), content_type="application/json")
 
     async def load(self, request: web.Request) -> web.Response:
-        """parameters: version (default: the config's default version), path (default: the
-        config's), sha256, weight (a canary beside what serves; none: a hot swap), format."""
+        """parameters: version (default: the config's default version), path (a model's; default:
+        the config's), handler (a stage's; default: the config's), sha256, weight (a canary beside
+        what serves; none: a hot swap), format."""
         self.control_allowed()
         entry = self.entry(request.match_info["model"])
         params = self.params(await self.body(request))
@@ -124,7 +125,8 @@ class Repository:
         if "version" not in params and version in entry.records:
             return self.done(f"{model_key(entry.name, version)} is already loaded")
         msg = LoadVersion(v=PROTOCOL_VERSION, model=entry.name, version=version, path=params.get("path"),
-                          sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"))
+                          sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"),
+                          handler=params.get("handler"))
         reply, _ = await self.ask(msg)
         return self.done(reply.message)
 
@@ -154,13 +156,14 @@ class Repository:
         return doc
 
     @staticmethod
-    def params(doc: dict, allowed=("version", "path", "sha256", "weight", "format")) -> dict:
+    def params(doc: dict, allowed=("version", "path", "handler", "sha256", "weight", "format")) -> dict:
         params = kserve.mapping(doc.get("parameters"), "parameters")
         for key, value in params.items():
             want = LOAD_PARAMS.get(key) if key in allowed else None
             if want is None and (key == "config" or key.startswith("file:")):
                 raise fail(Code.INVALID_ARGUMENT, f"parameter {key!r}: tgw takes no model config or files over "
-                           "HTTP; it loads files that lie in model_roots (give parameters.path)", parameter=key)
+                           "HTTP; it loads files that lie in model_roots (give parameters.path, or a stage's "
+                           "parameters.handler)", parameter=key)
             if want is None:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown parameter {key!r}: tgw takes {', '.join(allowed)}",
                            parameter=key)

@@ -3,9 +3,13 @@
 What may change while serving: models added or removed, versions added or removed, weights
 and default_version, a model's timeout_ms and max_queue, model_roots, and
 workers.max_model_memory. Anything else that differs needs a restart, and the reload refuses
-as a whole, naming it. The reload is one transaction: every new version is loaded first
-(beside what serves); if any load fails, what was loaded is taken out again and nothing has
-changed. Then routing flips for every model in one step, and the versions and models left
+as a whole, naming it. A version's source is fixed: a model file's path or sha256, a stage's
+handler, its sha256 or its handler file's content (hashed as each config is read), and a
+stage's options for the versions it keeps serving: the change is refused, new code or options
+come as new versions (with none of the served ones kept, the new versions load with the new
+options). A stage's device picks its workers: a restart. The reload is one transaction: every
+new version is loaded first (beside what serves); if any load fails, what was loaded is taken
+out again and nothing has changed. Then routing flips for every model in one step, and the versions and models left
 out drain and unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
 """
 from __future__ import annotations
@@ -15,16 +19,64 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload
+from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
-from tgw.broker.config.load import Config, ConfigError, ModelDecl, load_config, with_http_port
+from tgw.broker.config.load import Config, ConfigError, ModelDecl, file_sha256, load_config, with_http_port
+from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
 from .registry import ModelEntry, Registry
 from .rollout import Rollout
 
 HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
+STAGE_KEYS = {"options", "device"}   # a stage's: stage_changes() says when they may change
+
+
+def handler_digests(cfg: Config) -> dict[str, str | None]:
+    """"model:version" -> the sha256 of each stage version's handler file as it is now (None: a
+    module handler, or a file that cannot be read: the config check reported it)."""
+    digests: dict[str, str | None] = {}
+    for m in cfg.models:
+        for v in m.versions:
+            if v.handler is not None:
+                where, _ = split_handler(v.handler)
+                digests[model_key(m.name, v.version)] = _digest(where) if where.endswith(".py") else None
+    return digests
+
+
+def _digest(path: str) -> str | None:
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None
+
+
+def stage_changes(old: Config, new: Config, was: dict, now: dict, served: Callable[[str], set]) -> list[str]:
+    """What a reload cannot apply to a stage: a kept version whose handler, sha256 or handler
+    file (digests `was` of the old config, `now` of the new) changed, as a model file's path is
+    fixed; options changed while versions it serves are kept (`served(name)`: the versions
+    loaded); a device changed."""
+    before, keys = {m.name: m for m in old.models}, []
+    for m in new.models:
+        o = before.get(m.name)
+        if o is None or not (o.is_stage or m.is_stage):
+            continue
+        prior = {v.version: v for v in o.versions}
+
+        def changed(v) -> bool:
+            p, key = prior[v.version], model_key(m.name, v.version)
+            return (v.handler, v.sha256) != (p.handler, p.sha256) or was.get(key) != now.get(key)
+        keys += [f"models.{m.name}.versions.{v.version} (handler, sha256 or the handler file's content: a stage "
+                 "version's code is fixed; serve new code as a new version)" for v in m.versions
+                 if v.version in prior and changed(v)]
+        kept = [v.version for v in m.versions if v.version in served(m.name)]
+        if o.options != m.options and kept:
+            keys.append(f"models.{m.name}.options (versions {kept} would keep the options they were loaded with: a "
+                        "stage version's options are fixed; give the new options to new versions, leaving these out)")
+        if (o.device or "cpu") != (m.device or "cpu"):
+            keys.append(f"models.{m.name}.device (a stage's device picks the workers that hold it)")
+    return keys
 
 
 def restart_only(old: Config, new: Config) -> list[str]:
@@ -37,12 +89,14 @@ def restart_only(old: Config, new: Config) -> list[str]:
     now = {m.name: m for m in new.models}
     for m in old.models:
         if m.name in now:
-            keys += [f"models.{m.name}.{k}" for k in ModelDecl.model_fields if k not in HOT_MODEL_KEYS
+            hot = HOT_MODEL_KEYS | (STAGE_KEYS if m.is_stage or now[m.name].is_stage else set())
+            keys += [f"models.{m.name}.{k}" for k in ModelDecl.model_fields if k not in hot
                      and getattr(m, k) != getattr(now[m.name], k)]
             was = {v.version: v for v in m.versions}
             keys += [f"models.{m.name}.versions.{v.version} (path or sha256: a version's file is fixed; load new "
                      "weights as a new version)" for v in now[m.name].versions
-                     if v.version in was and (v.path, v.sha256) != (was[v.version].path, was[v.version].sha256)]
+                     if v.version in was and v.handler is None and
+                     (v.path, v.sha256) != (was[v.version].path, was[v.version].sha256)]
     return keys
 
 
@@ -61,6 +115,8 @@ class Reloader:
     def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None):
         self.d, self.rollout, self.cfg, self.path = d, rollout, cfg, path
         self.outcome: dict = {"path": path} if path else {}
+        # the handler files' content as the served config was read (small files: read at start)
+        self.digests = handler_digests(cfg) if path else {}
 
     async def reload(self, msg: Reload) -> ControlReply:
         try:
@@ -79,21 +135,30 @@ class Reloader:
         if self.path is None:
             raise fail(Code.INVALID_ARGUMENT, "this broker serves the embedded demo: there is no config file to reload")
         try:  # hashing model files takes a while: off the loop
-            new = await asyncio.get_running_loop().run_in_executor(None, load_config, self.path)
+            new, digests = await asyncio.get_running_loop().run_in_executor(None, self._read)
         except ConfigError as exc:
             raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}",
                        reason="invalid_config") from None
         if self.cfg._http_port is not None:   # `start --http-port` still holds
             new = with_http_port(new, self.cfg._http_port)
-        refused = restart_only(self.cfg, new) + self._arena_misfits(new)
+        refused = restart_only(self.cfg, new) + self._arena_misfits(new) + \
+            stage_changes(self.cfg, new, self.digests, digests, self._served)
         if refused:
             raise fail(Code.INVALID_ARGUMENT, "reload refused, nothing changed: these changes need a restart: "
                        + "; ".join(refused), reason="needs_restart", keys=refused)
         changes = await self._apply(new)
-        self.cfg = new
+        self.cfg, self.digests = new, digests
         done = {k: v for k, v in changes.items() if v}
         return (f"reloaded {self.path}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
                 changes)
+
+    def _read(self) -> tuple[Config, dict]:
+        cfg = load_config(self.path)
+        return cfg, handler_digests(cfg)
+
+    def _served(self, name: str) -> set[str]:
+        entry = self.d.registry.models.get(name)
+        return set(entry.records) if entry is not None else set()
 
     def _arena_misfits(self, new: Config) -> list[str]:
         """New models must fit the arenas the workers were started with."""
@@ -112,16 +177,22 @@ class Reloader:
         for m in added:
             self._declare(m)
         loaded: list[tuple[ModelEntry, VersionRecord]] = []
+        reoptioned: list[ModelDecl] = []   # stages whose new versions load with new options: as they were
         try:
             for m in new.models:
                 entry = registry.models[m.name]
+                if m.options != entry.decl.options:   # a stage none of whose served versions is kept
+                    reoptioned.append(entry.decl)
+                    registry.redeclare(entry.decl.model_copy(update={"options": m.options}))
                 for v in m.versions:
                     if v.version not in entry.records:
-                        decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256, v.format)
+                        decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256, v.format, v.handler)
                         loaded.append((entry, await rollout.load_beside(entry, decl)))
         except BaseException:
             for entry, rec in loaded:
                 await rollout.drop(entry, [rec])
+            for decl in reoptioned:
+                registry.redeclare(decl)
             for m in added:
                 registry.forget(m.name)
             raise

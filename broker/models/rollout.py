@@ -21,7 +21,8 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelLoaded, \
     ModelMetadata, SetTraffic, UnloadVersion
 
-from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, confine
+from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, \
+    split_handler
 from tgw.broker.config.schema import ModelDecl, VersionDecl
 from tgw.broker.state.versions import VersionRecord, VersionState
 from .placement import Placement
@@ -98,7 +99,7 @@ class Rollout:
     async def load(self, msg: LoadVersion) -> ControlReply:
         entry = self.registry.entry(msg.model)
         since = self.placement.seq
-        decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256, msg.format)
+        decl = await self.checked_decl(entry, msg.version, msg.path, msg.sha256, msg.format, msg.handler)
         if msg.weight is not None and not 0 <= msg.weight <= 1_000_000:
             raise fail(Code.INVALID_ARGUMENT, f"weight must be 0..1000000, got {msg.weight}", weight=msg.weight)
         if msg.weight is None:   # a swap drains what has weight: not a version a pipeline is pinned to
@@ -117,35 +118,69 @@ class Rollout:
             message = f"{rec.key} loaded with weight {msg.weight} ({share:.1%} of unnamed requests)"
         return self.reply(msg, entry, message, since)
 
-    async def checked_decl(self, entry: ModelEntry, version: str, path: str | None,
-                           sha256: str | None, fmt: str | None = None) -> VersionDecl:
-        """The version to load, its path confined to model_roots and its file checked, its format
-        included (off the loop: hashing a large file takes a while)."""
+    async def checked_decl(self, entry: ModelEntry, version: str, path: str | None, sha256: str | None,
+                           fmt: str | None = None, handler: str | None = None) -> VersionDecl:
+        """The version to load: a model's path confined to model_roots and its file checked, its
+        format included (off the loop: hashing a large file takes a while); a stage's handler
+        file confined and parsed for its class, as at config load."""
         if version in entry.records:
             raise fail(Code.INVALID_ARGUMENT, f"model {entry.name!r} already has version {version!r} "
                        f"({entry.records[version].state.value}); a version's name identifies its outputs, so load "
                        "new weights under a new version", model=entry.name, version=version, reason="exists")
+        stage = entry.decl.is_stage
+        source, wrong = (handler, path) if stage else (path, handler)
+        if wrong is not None:
+            raise fail(Code.INVALID_ARGUMENT, f"{entry.name!r} is a stage: its versions name a handler (FILE.py:Class "
+                       "or module:Class), not a path" if stage else f"{entry.name!r} is a model: its versions name "
+                       "a model file (path), not a handler", model=entry.name, version=version, reason="wrong_source")
         declared = next((v for v in entry.decl.versions if v.version == version), None)
-        if path is None:
+        if source is None:
             if declared is None:
                 raise fail(Code.INVALID_ARGUMENT, f"version {version!r} of {entry.name!r} is not in the config: give "
-                           "its path", model=entry.name, version=version, reason="no_path")
-            path, sha256, fmt = declared.path, sha256 or declared.sha256, fmt or declared.format
+                           f"its {'handler' if stage else 'path'}", model=entry.name, version=version,
+                           reason="no_path")
+            source, sha256, fmt = declared.handler if stage else declared.path, sha256 or declared.sha256, \
+                fmt or declared.format
         try:
-            decl = VersionDecl(version=version, path=path, sha256=sha256, format=fmt)
-        except ValidationError as exc:  # the schema's rules: version name, sha256 form
-            raise fail(Code.INVALID_ARGUMENT, f"invalid version {version!r}: {exc.errors()[0]['msg']}",
-                       version=version) from None
+            decl = VersionDecl(version=version, sha256=sha256, format=fmt,
+                               **({"handler": source} if stage else {"path": source}))
+        except ValidationError as exc:  # the schema's rules: version name, sha256 form, handler form
+            error = exc.errors()[0]
+            hint = " (FILE.py:Class or module:Class)" if "handler" in error["loc"] else ""
+            raise fail(Code.INVALID_ARGUMENT, f"invalid version {version!r}: "
+                       f"{error['msg'].removeprefix('Value error, ')}{hint}", version=version) from None
+        if stage:
+            return decl.model_copy(update={"handler": await self.checked_handler(decl.handler, decl.sha256),
+                                           "format": "stage"})
         try:
-            real = confine(path, self.roots)
+            real = confine(source, self.roots)
             fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, real, sha256, fmt)
         except PathRefused as exc:
             raise fail(Code.INVALID_ARGUMENT, f"model path refused: {exc}", reason="outside_model_roots",
-                       path=path, model_roots=self.roots) from None
+                       path=source, model_roots=self.roots) from None
         except ModelFileError as exc:
             raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
-                       path=path) from None
+                       path=source) from None
         return decl.model_copy(update={"path": real, "format": fmt})
+
+    async def checked_handler(self, handler: str, sha256: str | None) -> str:
+        """A stage's handler as the worker is to import it: a file's confined real path
+        ("/real/file.py:Class"), the file parsed for its class and its sha256 checked (never
+        run: the broker runs no stage code); a module ("package.module:Class") as given, the
+        worker's environment is its to import from (as at config load)."""
+        where, cls = split_handler(handler)
+        if not where.endswith(".py"):
+            return handler
+        try:
+            real = confine(where, self.roots)
+            await asyncio.get_running_loop().run_in_executor(None, check_handler_file, real, sha256, cls)
+        except PathRefused as exc:
+            raise fail(Code.INVALID_ARGUMENT, f"handler file refused: {exc}", reason="outside_model_roots",
+                       handler=handler, model_roots=self.roots) from None
+        except ModelFileError as exc:
+            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
+                       handler=handler) from None
+        return f"{real}:{cls}"
 
     async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
         """Load the version on every worker serving the model (one, for an on-demand model) and

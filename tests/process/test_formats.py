@@ -120,8 +120,8 @@ def test_config_reads_the_format_and_names_a_mismatch_by_key(tmp_path, files):
     assert (f"models.0.versions.0.format: {files['mlp-export']} is declared format: aoti but is a torch.export "
             "program") in str(info.value)
     bad = config("onnx")
-    with pytest.raises(ConfigError, match="models.0.versions.0.format: Input should be 'torchscript', 'export' or "
-                                          "'aoti'"):
+    with pytest.raises(ConfigError, match="models.0.versions.0.format: Input should be 'torchscript', 'export', 'aoti' or "
+                                          "'stage'"):
         parse_config(bad, str(tmp_path))
 
 
