@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import glob
 import os
-import threading
-import time
 
 import numpy as np
 
 import demo_http
-from tgw.client import AsyncClient, Client, TgwError
+from demo_load import closed_loop
+from tgw.client import AsyncClient, Client
 
 PIPELINES = ("classify", "embed-text")
 STAGES = ("decode-image", "top5", "tokenize", "l2-normalize")   # served for the pipelines: driven through them
-CONCURRENCY = 8
 TOLERANCE = 1e-5
 CORRUPT = b"\xff\xd8\xff\xe0 this is not a JPEG: the demo's corrupt image"
 SENTENCES = [
@@ -46,36 +44,15 @@ def demo_items(models_dir: str) -> dict[str, list[bytes]]:
 def drive(address: str, pipeline: str, items: list[bytes], n: int, http: str | None = None) -> tuple:
     """n requests of 1-4 items each from CONCURRENCY threads (native, or HTTP at `http`);
     returns (records [(sent items, answer)], latencies, errors, seconds)."""
-    records, latencies, errors = [], [], []
-    lock, counter = threading.Lock(), iter(range(n))
     name = "image" if pipeline == "classify" else "text"
     meta = {"name": pipeline}
 
-    def worker(c: Client, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for _ in counter:
-            sent = [items[i] for i in rng.integers(0, len(items), int(rng.integers(1, 5)))]
-            t0 = time.perf_counter()
-            try:
-                y = demo_http.infer(http, meta, {name: sent}, binary=pipeline == "classify") if http \
-                    else c.infer(pipeline, {name: sent}, timeout=30)
-            except (TgwError, demo_http.HttpError) as err:
-                with lock:
-                    errors.append(getattr(err.code, "value", err.code))
-                continue
-            with lock:
-                latencies.append(time.perf_counter() - t0)
-                records.append((sent, y))
+    def call(c: Client, rng: np.random.Generator) -> tuple:
+        sent = [items[i] for i in rng.integers(0, len(items), int(rng.integers(1, 5)))]
+        return sent, demo_http.infer(http, meta, {name: sent}, binary=pipeline == "classify") if http \
+            else c.infer(pipeline, {name: sent}, timeout=30)
 
-    with Client(address) as c:
-        threads = [threading.Thread(target=worker, args=(c, s)) for s in range(CONCURRENCY)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    return records, latencies, errors, elapsed
+    return closed_loop(address, n, call)
 
 
 def agrees(pipeline: str, answer: dict, row: int, ref: dict) -> bool:

@@ -19,9 +19,8 @@ import numpy as np
 
 import demo_http
 import demo_pipelines
+from demo_load import CONCURRENCY, closed_loop
 from tgw.client import Client, ConnectError, TgwError
-
-CONCURRENCY = 8
 ASYNC_INFLIGHT = 32
 
 
@@ -56,35 +55,11 @@ def make_inputs(model: dict, rng: np.random.Generator) -> dict:
 def drive(address: str, model: dict, n: int, http: str | None = None) -> tuple[list, list, list, float]:
     """n requests from CONCURRENCY threads sharing one Client (or over HTTP at `http`); returns
     (records, latencies, errors, seconds)."""
-    records, latencies, errors = [], [], []
-    lock = threading.Lock()
-    counter = iter(range(n))
+    def call(c: Client, rng: np.random.Generator) -> tuple:
+        x = make_inputs(model, rng)
+        return x, demo_http.infer(http, model, x) if http else c.infer(model["name"], x, timeout=30)
 
-    def worker(c: Client, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for _ in counter:
-            x = make_inputs(model, rng)
-            t0 = time.perf_counter()
-            try:
-                y = demo_http.infer(http, model, x) if http else c.infer(model["name"], x, timeout=30)
-            except (TgwError, demo_http.HttpError) as err:
-                with lock:
-                    errors.append(getattr(err.code, "value", err.code))
-                continue
-            dt = time.perf_counter() - t0
-            with lock:
-                latencies.append(dt)
-                records.append((x, y))
-
-    with Client(address) as c:
-        threads = [threading.Thread(target=worker, args=(c, s)) for s in range(CONCURRENCY)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-    return records, latencies, errors, elapsed
+    return closed_loop(address, n, call)
 
 
 def drive_async(address: str, model: dict, n: int) -> tuple[list, list, list, float]:

@@ -219,6 +219,23 @@ def base_config(files: dict, *names: str, workers: dict | None = None, server: d
     return cfg
 
 
+def served(cfg: dict, d: str, http: bool = False, **attrs):
+    """A module fixture's body: a real broker on `cfg` in folder `d` (with `http`, `b.http` is its
+    HTTP face's address; `attrs` are set on it), yielded; then stopped, which must exit 0 and
+    leave no segment, and `d` removed. Use as `yield from served(cfg, d)`."""
+    b = BrokerProc(cfg, d).start()
+    for key, value in attrs.items():
+        setattr(b, key, value)
+    if http:
+        with Client(b.address) as c:
+            b.http = c.status()["http"]
+    yield b
+    code = b.stop()
+    shutil.rmtree(d, ignore_errors=True)
+    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    assert not list_segments(b.proc.pid), "segments left in /dev/shm after a clean stop"
+
+
 @pytest.fixture(scope="module")
 def shared_broker(model_files, tmp_path_factory):
     """One broker with two CPU workers serving every test model, shared by a test module."""
@@ -229,12 +246,7 @@ def shared_broker(model_files, tmp_path_factory):
                       server={"max_request_bytes": 4 << 20},
                       spin={"max_queue": 4, "max_batch_size": 1},
                       fails={"max_batch_size": 1})
-    b = BrokerProc(cfg, d).start()
-    yield b
-    code = b.stop()
-    shutil.rmtree(d, ignore_errors=True)
-    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
-    assert not list_segments(b.proc.pid), "segments left in /dev/shm after a clean stop"
+    yield from served(cfg, d)
 
 
 def _is_ours(p: psutil.Process) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import urllib.request
 
@@ -15,8 +14,8 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
-from tgw.broker.child import BrokerProc
 from tgw.client import Client
+from conftest import served
 
 BF16 = ml_dtypes.bfloat16
 
@@ -36,13 +35,7 @@ def broker():
            "models": [{"name": "bf", "versions": [{"version": "1", "path": path}], "max_batch_size": 8,
                        "inputs": [{"name": "x", "dtype": "bfloat16", "shape": [4]}],
                        "outputs": [{"name": "y", "dtype": "bfloat16", "shape": [4]}]}]}
-    b = BrokerProc(cfg, d).start()
-    with Client(b.address) as c:
-        b.http = c.status()["http"]
-    yield b
-    code = b.stop()
-    shutil.rmtree(d, ignore_errors=True)
-    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    yield from served(cfg, d, http=True)
 
 
 X = np.array([[1.5, -0.00390625, 3.0e38, 7.0], [0.1, -2.0, 1e-30, 0.0]], dtype=np.float32).astype(BF16)

@@ -21,10 +21,10 @@ import tritonclient.http as httpclient
 import zmq
 
 import stages
-from tgw.broker.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.bytes_tensor import pack
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Infer, InferReply, TensorMeta, encode, reply_decoder
+from conftest import served
 
 MAX_ELEMENT = 4096
 _ids = itertools.count(1)
@@ -41,13 +41,7 @@ def broker():
            "server": {"max_element_bytes": MAX_ELEMENT, "max_request_bytes": 1 << 20},
            "http": {"port": 0},
            "models": [stages.stage_entry(handler, "Echo"), stages.stage_entry(handler, "Upper")]}
-    b = BrokerProc(cfg, d).start()
-    with Client(b.address) as c:
-        b.http = c.status()["http"]
-    yield b
-    code = b.stop()
-    shutil.rmtree(d, ignore_errors=True)
-    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    yield from served(cfg, d, http=True)
 
 
 def test_native_client_object_arrays_and_lists_of_str(broker):

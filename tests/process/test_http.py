@@ -18,8 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import base_config, in_flight, readme_block, wait_until
-from tgw.broker.child import BrokerProc
+from conftest import base_config, in_flight, readme_block, served, wait_until
 from tgw.client import Client
 
 CURL = shutil.which("curl")
@@ -31,13 +30,7 @@ def http_broker(model_files):
     cfg = base_config(model_files, "mlp", "embed", "mixed", "spin", mlp={"priority_levels": 2},
                       spin={"max_batch_size": 1})
     cfg.update(http={"port": 0, "max_body_bytes": 1 << 20}, tenants={"tiny": {"rate": 0.001, "burst": 1}})
-    b = BrokerProc(cfg, d).start()
-    with Client(b.address) as c:
-        b.http = c.status()["http"]
-    yield b
-    code = b.stop()
-    shutil.rmtree(d, ignore_errors=True)
-    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    yield from served(cfg, d, http=True)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import yaml
 
 import stages
 from tgw.bench.lifecycle import control, model_decl, save_add_model
-from conftest import wait_until
+from conftest import served, wait_until
 from tgw.broker.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
@@ -49,15 +49,9 @@ def broker():
     shutil.copy(stages.__file__, os.path.join(d, "stages", "stages.py"))
     shutil.copy(stages.__file__, os.path.join(d, "stages", "tagged.py"))   # a file of its own: edited below
     save_add_model(os.path.join(d, "models", "add1.pt"), 1)
-    b = BrokerProc(config(d, [{"version": "1", "handler": "stages/stages.py:RowFails"}],
-                          [{"version": "1", "handler": "stages/tagged.py:Tagged"}], "-a"), d).start()
-    b.root = os.path.realpath(d)
-    with Client(b.address) as c:
-        b.http = c.status()["http"]
-    yield b
-    code = b.stop()
-    shutil.rmtree(d, ignore_errors=True)
-    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    yield from served(config(d, [{"version": "1", "handler": "stages/stages.py:RowFails"}],
+                             [{"version": "1", "handler": "stages/tagged.py:Tagged"}], "-a"), d, http=True,
+                      root=os.path.realpath(d))
 
 
 def handler(b: BrokerProc, cls: str, file: str = "stages.py") -> str:
