@@ -221,14 +221,22 @@ class Server:
             outs = runner.forward([v[starts[lo]:starts[hi]] for v in views], starts[hi] - starts[lo])
             return [t.contiguous() for t in outs]
 
+        return self.answer_in_halves(batch, runner, slot, compute, first)
+
+    def answer_in_halves(self, batch: Batch, runner, slot: Slot | None, compute, first: str,
+                         row_failures=dict) -> Done:
+        """After an out-of-memory: `compute(lo, hi)` (the outputs of requests lo..hi-1) run in
+        halves at request boundaries (oom.py), each piece answered as a part as soon as it is
+        written; `row_failures()`: the requests a stage failed so far (Done.failed)."""
         self.met_oom(first)
-        for lo, hi, result in halves(compute, 0, len(starts) - 1, self.met_oom):
+        last = len(request_starts(batch)) - 1
+        for lo, hi, result in halves(compute, 0, last, self.met_oom):
             if isinstance(result, BaseException):
                 done = failed(batch, result)
-                done.first, done.count, done.final = lo, hi - lo, hi == len(starts) - 1
+                done.first, done.count, done.final = lo, hi - lo, hi == last
                 done = self.blocks.emit(done, slot)
             else:
-                done = self.blocks.write_parts(batch, result, runner, slot=slot, lo=lo, hi=hi)
+                done = self.blocks.write_parts(batch, result, runner, slot=slot, lo=lo, hi=hi, failed=row_failures())
             del result
             if done is not None:
                 return done

@@ -16,7 +16,7 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import Batch, BlockTensor, Done, ErrorBody
 
 from .answers import error_done, failed
-from .oom import halves, is_oom, oom_text
+from .oom import is_oom, oom_text
 from .output_blocks import request_starts
 from .stage_runner import StageRunner
 
@@ -50,19 +50,8 @@ def serve_stage(server, batch: Batch, runner: StageRunner) -> Done:
         text = oom_text(exc)
     else:
         return server.blocks.answer(batch, outs, runner, failed=_failed_requests(runner, failures, starts))
-    server.met_oom(text)
-    for lo, hi, result in halves(compute, 0, len(starts) - 1, server.met_oom):
-        if isinstance(result, BaseException):
-            done = failed(batch, result)
-            done.first, done.count, done.final = lo, hi - lo, hi == len(starts) - 1
-            done = server.blocks.emit(done, None)
-        else:
-            done = server.blocks.write_parts(batch, result, runner, lo=lo, hi=hi,
-                                             failed=_failed_requests(runner, failures, starts))
-        del result
-        if done is not None:
-            return done
-    raise AssertionError("the pieces did not reach the batch's last request")
+    return server.answer_in_halves(batch, runner, None, compute, text,
+                                   row_failures=lambda: _failed_requests(runner, failures, starts))
 
 
 def _input(server, t: BlockTensor, runner: StageRunner):

@@ -152,16 +152,20 @@ class Rollout:
         if stage:
             return decl.model_copy(update={"handler": await self.checked_handler(decl.handler, decl.sha256),
                                            "format": "stage"})
+        real, fmt = await self._in_roots(source, "model path", {"path": source}, check_file, sha256, fmt)
+        return decl.model_copy(update={"path": real, "format": fmt})
+
+    async def _in_roots(self, source: str, what: str, named: dict, check, *args):
+        """(`source` confined to model_roots, what `check(real, *args)` returns, run off the loop:
+        hashing a large file takes a while); a refusal is INVALID_ARGUMENT with `named` details."""
         try:
             real = confine(source, self.roots)
-            fmt = await asyncio.get_running_loop().run_in_executor(None, check_file, real, sha256, fmt)
+            return real, await asyncio.get_running_loop().run_in_executor(None, check, real, *args)
         except PathRefused as exc:
-            raise fail(Code.INVALID_ARGUMENT, f"model path refused: {exc}", reason="outside_model_roots",
-                       path=source, model_roots=self.roots) from None
+            raise fail(Code.INVALID_ARGUMENT, f"{what} refused: {exc}", reason="outside_model_roots",
+                       model_roots=self.roots, **named) from None
         except ModelFileError as exc:
-            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
-                       path=source) from None
-        return decl.model_copy(update={"path": real, "format": fmt})
+            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"), **named) from None
 
     async def checked_handler(self, handler: str, sha256: str | None) -> str:
         """A stage's handler as the worker is to import it: a file's confined real path
@@ -171,15 +175,7 @@ class Rollout:
         where, cls = split_handler(handler)
         if not where.endswith(".py"):
             return handler
-        try:
-            real = confine(where, self.roots)
-            await asyncio.get_running_loop().run_in_executor(None, check_handler_file, real, sha256, cls)
-        except PathRefused as exc:
-            raise fail(Code.INVALID_ARGUMENT, f"handler file refused: {exc}", reason="outside_model_roots",
-                       handler=handler, model_roots=self.roots) from None
-        except ModelFileError as exc:
-            raise fail(Code.INVALID_ARGUMENT, str(exc), reason=FILE_REASONS.get(exc.field, "file"),
-                       handler=handler) from None
+        real, _ = await self._in_roots(where, "handler file", {"handler": handler}, check_handler_file, sha256, cls)
         return f"{real}:{cls}"
 
     async def load_beside(self, entry: ModelEntry, decl: VersionDecl) -> VersionRecord:
