@@ -219,6 +219,25 @@ def base_config(files: dict, *names: str, workers: dict | None = None, server: d
     return cfg
 
 
+def in_parallel(address: str, model: str, rows: list[bytes], name: str = "data") -> list:
+    """Each row as its own caller's request (input `name`, one element), all at once: the
+    outputs or the TgwError, per row."""
+    out: list = [None] * len(rows)
+
+    def call(k: int) -> None:
+        with Client(address) as c:
+            try:
+                out[k] = c.infer(model, {name: [rows[k]]}, timeout=30)
+            except TgwError as err:
+                out[k] = err
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(rows))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
 def served(cfg: dict, d: str, http: bool = False, **attrs):
     """A module fixture's body: a real broker on `cfg` in folder `d` (with `http`, `b.http` is its
     HTTP face's address; `attrs` are set on it), yielded; then stopped, which must exit 0 and

@@ -22,7 +22,7 @@ import pytest
 
 import stages
 from tgw.bench.lifecycle import control, model_decl, save_add_model
-from conftest import model_entry, wait_until
+from conftest import in_parallel, model_entry, wait_until
 from tgw.broker.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
@@ -293,19 +293,7 @@ def test_a_row_its_stage_fails_answers_its_request_alone_and_the_batch_goes_on(b
     """Four callers' texts decoded as one batch of the first stage; the bad one is answered
     INVALID_ARGUMENT naming the step, the three others go on to the next stage."""
     rows = [b"one", b"two", b"bad row", b"four"]
-    out: list = [None] * len(rows)
-
-    def call(k: int) -> None:
-        with Client(broker.address) as c:
-            try:
-                out[k] = c.infer("texts", {"data": [rows[k]]}, timeout=30)
-            except TgwError as err:
-                out[k] = err
-    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(rows))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = in_parallel(broker.address, "texts", rows)
     for row, result in zip(rows, out):
         if row == b"bad row":
             assert isinstance(result, TgwError) and result.code is Code.INVALID_ARGUMENT, result

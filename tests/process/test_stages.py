@@ -11,14 +11,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 
 import numpy as np
 import pytest
 import yaml
 
 import stages
-from conftest import model_entry, readme_block, wait_until
+from conftest import in_parallel, model_entry, readme_block, wait_until
 from tgw.broker.child import BrokerProc
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
@@ -63,22 +62,6 @@ def texts(values) -> list[bytes]:
     return [bytes(v) for v in np.asarray(values, dtype=object).ravel()]
 
 
-def in_parallel(address: str, model: str, rows: list[bytes]) -> list:
-    """Each row as its own caller's request, all at once: (result or TgwError) per row."""
-    out: list = [None] * len(rows)
-
-    def call(k: int) -> None:
-        with Client(address) as c:
-            try:
-                out[k] = c.infer(model, {"data": [rows[k]]}, timeout=30)
-            except TgwError as err:
-                out[k] = err
-    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(rows))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def test_a_stage_is_served_by_name_bytes_in_and_out(broker):
