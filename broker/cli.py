@@ -98,6 +98,12 @@ def print_status(address: str, reply) -> None:
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
               f"{m['errors'] or ''}")
+    for name, p in reply.pipelines.items():
+        print(f"pipeline {name}: {p['requests']} requests, {p['replies']} replies, {p['inflight']} in flight"
+              + (f", errors {p['errors']}" if p["errors"] else ""))
+        for step, s in p["steps"].items():
+            print(f"  step {step:<12} {s['model']:<16} sent {s['sent']:>7}  ok {s['ok']:>7}  failed {s['failed']:>5}"
+                  f"  mean {s['latency_ms']['mean']:.2f} ms  p99 {s['latency_ms']['p99']:.2f} ms")
     for path in reply.snapshots:
         print(f"snapshot: {path}")
     if reply.reload:

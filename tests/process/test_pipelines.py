@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import urllib.request
@@ -198,6 +200,12 @@ def test_pipelines_are_listed_described_and_counted(broker, client):
     assert 'tgw_pipeline_requests_total{code="OK",pipeline="chain"}' in text
     assert 'tgw_pipeline_step_seconds_bucket{le="+Inf",pipeline="chain",step="first"}' in text
     assert 'tgw_pipeline_inflight{pipeline="chain"} 0.0' in text
+    cli = subprocess.run([sys.executable, "-m", "tgw.broker", "status", "--address", broker.address],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert re.search(r"^pipeline chain: \d+ requests, \d+ replies, 0 in flight", cli.stdout, re.M), cli.stdout
+    assert re.search(r"^  step first +a +sent +\d+  ok +\d+  failed +0  mean [\d.]+ ms  p99 [\d.]+ ms$", cli.stdout,
+                     re.M), cli.stdout
 
 
 # ---- refusals and errors ---------------------------------------------------------------------
