@@ -181,12 +181,16 @@ class FrontDoor:
     def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
         """`header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
         try:
-            if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
-                tensor_frames = self.regions.resolve(msg, header, tensor_frames)
-            if self.pipelines is not None and msg.model in self.pipelines.table:
-                return self.pipelines.start(ident, msg, tensor_frames)   # its steps come back through here
-            cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
-                                                     header)  # CUDA tensors by handle
+            cuda = None
+            # a pipeline's step (pipeline/run.py) names a model and carries frames the broker holds:
+            # no region, CUDA handle or pipeline to look for
+            if type(ident) is bytes or not getattr(ident, "internal", False):
+                if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
+                    tensor_frames = self.regions.resolve(msg, header, tensor_frames)
+                if self.pipelines is not None and msg.model in self.pipelines.table:
+                    return self.pipelines.start(ident, msg, tensor_frames)   # its steps come back through here
+                cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
+                                                         header)  # CUDA tensors by handle
             p = self.deps.admit(ident, msg, tensor_frames)
             cuda_route.bind(self.deps.models, p, cuda)
             self.abandon.track(p)
@@ -229,6 +233,9 @@ class FrontDoor:
     def answer(self, p: Pending, views: dict, now: float) -> None:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
         self.deps.finished(p, None, now)
+        client = p.client
+        if type(client) is not bytes and getattr(client, "internal", False):
+            return client.outputs(p, views)   # a pipeline's step: its run copies the rows it reads, once
         placed = self.regions.write(p, views) if p.output_region is not None else None
         metas, payload = placed if placed is not None else reply_tensors(p, views)
         cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers

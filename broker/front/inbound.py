@@ -21,6 +21,20 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import BYTES, WIRE_DTYPES, TensorMeta, nbytes_of
 
 
+class CheckedFrame:
+    """A tensor frame the broker itself holds, already in the ring's layout: a pipeline step's
+    output (pipeline/run.py), which its worker checked (a stage's bytes outputs in
+    workers/stage_outputs.py, a model's in the runner) and never compressed or narrowed, so
+    admission takes its bytes as they are. `.buffer` and len() in bytes, as a frame."""
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview):
+        self.buffer = buffer
+
+    def __len__(self) -> int:
+        return self.buffer.nbytes
+
+
 def wire_nbytes(meta: TensorMeta) -> int:
     """The bytes of `meta`'s tensor as sent (before any compression): its declared dtype's, or
     2 per element at a reduced wire precision."""

@@ -24,7 +24,7 @@ from .breaker import FAILURES, Breakers
 from tgw.broker.front.callers import Callers
 from .concurrency import AdaptiveLimit
 from tgw.broker.config.load import Config, ModelDecl
-from tgw.broker.front.inbound import tensor_bytes
+from tgw.broker.front.inbound import CheckedFrame, tensor_bytes
 from tgw.broker.front.limits import check_declared
 from tgw.broker.models.registry import Checked, ModelEntry, Registry
 from tgw.broker.state.stats import Stats
@@ -121,7 +121,8 @@ class Admission:
             if tenant is not None:
                 self.tenants.unadmit(tenant)
             raise
-        self.callers.owe(client)
+        if not internal:
+            self.callers.owe(client)
         record.admitted()
         self.stats.models[model.name].requests += 1
         return p
@@ -199,7 +200,8 @@ class Admission:
         shape = checked.shape
         if msg.output_region is not None:
             _no_bytes_into_region(checked.model, shape.outputs)
-        tensors = [tensor_bytes(msg.inputs[i], tensor_frames[i].buffer, self.server) for i in shape.order]
+        tensors = [f.buffer if type(f := tensor_frames[i]) is CheckedFrame else
+                   tensor_bytes(msg.inputs[i], f.buffer, self.server) for i in shape.order]
         if checked.model.has_bytes_inputs and any(msg.inputs[i].compression and msg.inputs[i].dtype == BYTES
                                                    for i in shape.order):
             inflated = sum(len(t) for t in tensors)   # a bytes tensor's lz4 frame has no declared size
@@ -242,7 +244,9 @@ class Admission:
     def finished(self, p: Pending, code: str | None, now: float) -> None:
         """A request leaves: answered with outputs (code None) or with error `code`. The one
         place its exit is accounted: its caller paid, its tenant, version, limit and breaker."""
-        self.callers.paid(p.client)
+        client = p.client
+        if type(client) is bytes or not getattr(client, "internal", False):   # a step owes nothing (admit)
+            self.callers.paid(client)
         if p.tenant is not None:
             p.tenant.inflight -= 1
         record = p.record
