@@ -41,6 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--concurrency", default="16,64", help="closed-loop levels for classify (default 16,64)")
     p.add_argument("--duration", type=float, help="override: measured seconds per row")
     p.add_argument("--workers", type=int, default=1, help="tgw cpu model workers (default 1; plus 1 stage worker)")
+    p.add_argument("--threads", type=int, default=1, help="workers.threads_per_worker of the tgw brokers (default 1)")
     p.add_argument("--flask-workers", type=int, default=os.cpu_count() or 1, help="gunicorn workers (default: cores)")
     p.add_argument("--json", help="result file (default bench/results/pipeline-<time>.json)")
     p.add_argument("--no-results-md", action="store_true", help="do not touch bench/RESULTS.md")
@@ -63,8 +64,8 @@ def entry(name: str, d: dict, max_batch_size: int | None = None) -> dict:
             "max_batch_size": max_batch_size or d["max_batch_size"], **extra}
 
 
-def broker_config(models: list[dict], pipelines: list[dict], workers: int) -> dict:
-    return {"workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1, "stage_workers": 1},
+def broker_config(models: list[dict], pipelines: list[dict], workers: int, threads: int = 1) -> dict:
+    return {"workers": {"devices": ["cpu"] * workers, "threads_per_worker": threads, "stage_workers": 1},
             "models": models, "pipelines": pipelines}
 
 
@@ -130,7 +131,7 @@ def classify_rows(work: str, built: dict, levels: list[int], mode: dict, a, log:
     finally:
         flask.stop()
     models = [entry(n, built[n]) for n in ("decode-image", "resnet", "top5")]
-    with broker(broker_config(models, [CLASSIFY], a.workers), work, "classify") as b:
+    with broker(broker_config(models, [CLASSIFY], a.workers, a.threads), work, "classify") as b:
         for c in levels:
             for key, target in (("pipeline", PipelineTarget(b.address, work)),
                                 ("caller_decodes", CallerDecodesTarget(b.address, work))):
