@@ -80,7 +80,7 @@ class WorkerMessages:
             # safe right after the replies: each send copied its frames out of the ring
             worker.releases.append(done.block)
         if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
-            self.b.stats.batch(batch.model, batch.rows, done.compute_us)
+            self.b.stats.batch(batch.model, batch.rows, done.compute_us, batch.key[len(batch.model) + 1:])
             self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         if done.final:  # what the worker holds now starts computing now
             worker.free_at = now + sum(self.b.costs.predict(staged.model, staged.rows, worker.worker_id)

@@ -27,7 +27,7 @@ from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe import status
 from tgw.broker.observe.status import BrokerView
 
-from . import kserve
+from . import kserve, triton_docs
 from .kserve import HEADER_LENGTH
 from .repository import Repository
 
@@ -88,8 +88,10 @@ class HttpFace:
         # middleware cost ~360 us of CPU per request, the wrapper ~1 us
         app = web.Application(client_max_size=self.decl.max_body_bytes)
         routes = [("POST", "/infer", self.infer), ("GET", "", self.model_metadata), ("GET", "/ready", self.model_ready),
-                  ("GET", "/config", self.model_config)]
+                  ("GET", "/config", self.model_config), ("GET", "/declaration", self.model_declaration),
+                  ("GET", "/stats", self.model_stats)]
         add = app.router.add_route
+        add("GET", "/v2/models/stats", self.guarded(self.all_stats))   # before {model}: "stats" is no model name
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):   # inference first
             for method, tail, handler in routes:
                 add(method, base + tail, self.guarded(handler))
@@ -219,8 +221,10 @@ class HttpFace:
         if model not in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
             self.deps.entry(model)   # an unknown model is named before anything in the body
         headers = request.headers
-        decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model,
-                                request.match_info.get("version"), next(self.ids))
+        version = request.match_info.get("version")
+        if version is not None:
+            version = self.repository.named(model, version)[1]
+        decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model, version, next(self.ids))
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
 
@@ -252,22 +256,35 @@ class HttpFace:
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
-                              "extensions": ["binary_tensor_data", "model_repository", "metrics"]})
+                              "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics"]})
+
+    def named(self, request: web.Request) -> tuple[str, str | None]:
+        """The path's model and version (a numeric alias turned into the version's name)."""
+        return self.repository.named(request.match_info["model"], request.match_info.get("version"))
 
     async def model_metadata(self, request: web.Request) -> web.Response:
-        return json_response(self.repository.kserve_metadata(request.match_info["model"],
-                                                             request.match_info.get("version")))
+        return json_response(self.repository.kserve_metadata(*self.named(request)))
 
     async def model_ready(self, request: web.Request) -> web.Response:
-        ready = self.repository.ready(request.match_info["model"], request.match_info.get("version"))
+        ready = self.repository.ready(*self.named(request))
         return json_response({"ready": ready}, 200 if ready else 400)
 
     async def model_config(self, request: web.Request) -> web.Response:
-        plan = self.deps.view.pipelines.table.get(request.match_info["model"])
-        if plan is not None:
-            return json_response(plan.decl.model_dump(mode="json"))
-        entry = self.deps.entry(request.match_info["model"])
-        return json_response(entry.decl.model_dump(mode="json"))
+        """Triton's model configuration (triton_docs.py)."""
+        return json_response(self.repository.triton_config(*self.named(request)))
+
+    async def model_declaration(self, request: web.Request) -> web.Response:
+        """The model's (or pipeline's) declaration as the YAML gave it."""
+        model, version = self.named(request)
+        plan = self.repository.pipeline(model, version)
+        decl = plan.decl if plan is not None else self.repository.version_of(model, version)[0].decl
+        return json_response(decl.model_dump(mode="json"))
+
+    async def model_stats(self, request: web.Request) -> web.Response:
+        return json_response(triton_docs.statistics(self.repository.triton_stats(*self.named(request))))
+
+    async def all_stats(self, request: web.Request) -> web.Response:
+        return json_response(triton_docs.statistics(self.repository.all_stats()))
 
     async def metrics(self, request: web.Request) -> web.Response:
         text, content_type = self.deps.view.scrape()

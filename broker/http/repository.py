@@ -21,7 +21,7 @@ from tgw.broker.observe.status import BrokerView, listed, pipeline_ready, servin
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 
-from . import kserve
+from . import kserve, triton_docs
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
@@ -65,6 +65,39 @@ class Repository:
             raise fail(Code.VERSION_NOT_FOUND, f"pipeline {model!r} has no version {version!r}", model=model,
                        version=version, available=[plan.version])
         return plan
+
+    def named(self, model: str, version: str | None) -> tuple[str, str | None]:
+        """A path's model and version, a numeric alias (triton_docs.py) turned into its name."""
+        if version is None:
+            return model, None
+        plan = self.view.pipelines.table.get(model)
+        if plan is not None:
+            return model, triton_docs.version_named([plan.version], version)
+        entry = self.view.models.get(model)
+        return model, triton_docs.version_named(entry.records, version) if entry is not None else version
+
+    def triton_config(self, model: str, version: str | None) -> dict:
+        plan = self.pipeline(model, version)
+        if plan is not None:
+            return triton_docs.pipeline_config(plan, {m: list(self.view.models[m].records)
+                                                      for m in plan.models if m in self.view.models})
+        entry, version = self.version_of(model, version)
+        held = [version] if version else list(entry.records)
+        return triton_docs.model_config(entry, version, triton_docs.holders(self.view.roster, entry.name, held))
+
+    def triton_stats(self, model: str, version: str | None) -> list[dict]:
+        plan = self.pipeline(model, version)
+        if plan is not None:
+            return [triton_docs.pipeline_stats(plan, self.view.pipelines.counters.get(plan.name))]
+        entry, version = self.version_of(model, version)
+        return triton_docs.model_stats(entry, self.view.stats.models.get(entry.name), version)
+
+    def all_stats(self) -> list[dict]:
+        """Every model's versions, then every pipeline."""
+        rows = [row for entry in listed(self.view)
+                for row in triton_docs.model_stats(entry, self.view.stats.models.get(entry.name))]
+        return rows + [triton_docs.pipeline_stats(plan, self.view.pipelines.counters.get(plan.name))
+                       for plan in self.view.pipelines.table.values()]
 
     def kserve_metadata(self, model: str, version: str | None) -> dict:
         plan = self.pipeline(model, version)

@@ -262,6 +262,7 @@ class Admission:
             breaker = self.breakers.get(p.model, p.version)
             if breaker is not None:
                 breaker.record(code in FAILURES, now - p.dispatched, now)
+        self.stats.finished(p.model, p.version, p.rows, code is None, p.arrived, p.dispatched, p.compute_us, now)
         for hook in self.on_finished:
             hook(p, code, now)
 

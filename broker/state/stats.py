@@ -1,6 +1,7 @@
 """Per-model counters the broker keeps for `stats` and /metrics (broker/observe/metrics.py)."""
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +42,35 @@ class Buckets:
         return out
 
 
+class Timed:
+    """A count and the nanoseconds they took together (Triton's {count, ns})."""
+    __slots__ = ("count", "ns")
+
+    def __init__(self) -> None:
+        self.count, self.ns = 0, 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+
+class VersionCounters:
+    """One version's requests and batches, as Triton's statistics extension reports them
+    (broker/http/triton_docs.py builds the document)."""
+    __slots__ = ("success", "fail", "queue", "compute", "inferences", "executions", "last_inference_ms",
+                 "batch_compute")
+
+    def __init__(self) -> None:
+        self.success = Timed()       # answered with outputs: admission to answer
+        self.fail = Timed()          # admitted, answered with an error
+        self.queue = Timed()         # the answered ones: admission to dispatch
+        self.compute = Timed()       # the answered ones: their batch's compute time
+        self.inferences = 0          # rows answered
+        self.executions = 0          # batches computed
+        self.last_inference_ms = 0   # wall clock (ms since the epoch) of the last request's end
+        self.batch_compute: dict[int, Timed] = {}   # rows per batch -> those batches' compute
+
+
 @dataclass
 class ModelCounters:
     requests: int = 0          # admitted
@@ -53,6 +83,7 @@ class ModelCounters:
     compute: Buckets = field(default_factory=Buckets)       # seconds per batch, for /metrics
     shed: Counter = field(default_factory=Counter)          # priority -> refused or shed with OVERLOADED
     fallbacks: int = 0                                      # routed to the breaker's fallback model
+    versions: dict = field(default_factory=dict)            # version -> VersionCounters
 
     def as_dict(self) -> dict:
         return {"requests": self.requests, "replies": self.replies, "batches": self.batches, "rows": self.rows,
@@ -80,10 +111,38 @@ class Stats:
         else:
             self.unrouted_errors[code] += 1
 
-    def batch(self, model: str, rows: int, compute_us: int) -> None:
+    def version(self, model: str, version: str) -> VersionCounters:
+        versions = self.model(model).versions
+        v = versions.get(version)
+        if v is None:
+            v = versions[version] = VersionCounters()
+        return v
+
+    def batch(self, model: str, rows: int, compute_us: int, version: str | None = None) -> None:
         c = self.model(model)
         c.batches += 1
         c.rows += rows
         c.batch_sizes[rows] += 1
         c.compute_us += compute_us
         c.compute.observe(compute_us / 1e6)
+        if version is not None:
+            v = self.version(model, version)
+            v.executions += 1
+            timed = v.batch_compute.get(rows)
+            if timed is None:
+                timed = v.batch_compute[rows] = Timed()
+            timed.add(compute_us * 1000)
+
+    def finished(self, model: str, version: str, rows: int, ok: bool, arrived: float, dispatched: float,
+                 compute_us: int, now: float) -> None:
+        """An admitted request leaves (admission's `finished`): answered with outputs (`ok`) or
+        an error. Clock seconds; `dispatched` 0: never handed to a worker."""
+        v = self.version(model, version)
+        v.last_inference_ms = time.time_ns() // 1_000_000
+        if not ok:
+            v.fail.add(int((now - arrived) * 1e9))
+            return
+        v.success.add(int((now - arrived) * 1e9))
+        v.queue.add(int((dispatched - arrived) * 1e9) if dispatched else 0)
+        v.compute.add(compute_us * 1000)
+        v.inferences += rows

@@ -70,7 +70,8 @@ def test_health_and_metadata_through_tritonclient(triton):
     assert meta["name"] == "mlp" and meta["versions"] == ["1"] and meta["platform"] == "pytorch_torchscript"
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
-    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository", "metrics"]
+    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository", "metrics",
+                                                              "statistics"]
     with pytest.raises(InferenceServerException, match="no model named 'nope'"):
         triton.get_model_metadata("nope")
 

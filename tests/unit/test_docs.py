@@ -44,6 +44,7 @@ MARKERS = {
     "model-export": "test_formats.py::test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch",
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",
+    "http-example:statistics": "test_http_triton_docs.py::test_the_docs_example_runs_as_printed",
     "pipeline-example:config": "test_pipeline_config.py::test_the_docs_example_passes_check_config",
 }
 

@@ -1,0 +1,54 @@
+"""The Triton config and statistics builders (broker/http/triton_docs.py) on real entries and counters."""
+from __future__ import annotations
+
+from conftest import placeholder_model
+from tgw.broker.config.load import ModelDecl
+from tgw.broker.http import triton_docs as td
+from tgw.broker.models.entry import ModelEntry
+from tgw.broker.state.stats import Stats
+
+
+def entry(versions=("1",), **kw) -> ModelEntry:
+    decl = ModelDecl(name="m", versions=[{"version": v, "path": placeholder_model()} for v in versions],
+                     inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 3]},
+                             {"name": "t", "dtype": "bfloat16", "shape": []}],
+                     outputs=[{"name": "y", "dtype": "int64", "shape": [2]}], **kw)
+    return ModelEntry(decl)
+
+
+def test_numeric_aliases_and_lookup():
+    assert td.numeric_aliases(["1", "2"]) == {"1": "1", "2": "2"}
+    assert td.numeric_aliases(["2", "beta", "gamma", "03"]) == {"2": "2", "beta": "1", "gamma": "4", "03": "3"}
+    assert td.version_named(["2", "beta"], "1") == "beta"
+    assert td.version_named(["2", "beta"], "beta") == "beta"
+    assert td.version_named(["2", "beta"], "9") == "9"       # unmatched: as asked, for the caller's refusal
+    assert td.data_type("bytes") == "TYPE_STRING" and td.data_type("bfloat16") == "TYPE_BF16"
+
+
+def test_model_config_document():
+    cfg = td.model_config(entry(max_batch_size=8, preferred_batch_sizes=[4, 8]), None, ["cpu", "cuda:1", "cuda:0"])
+    assert cfg["platform"] == "pytorch_libtorch" and cfg["max_batch_size"] == 8
+    assert [(t["name"], t["data_type"], t["dims"]) for t in cfg["input"]] == [("x", "TYPE_FP32", [-1, 3]),
+                                                                               ("t", "TYPE_BF16", [])]
+    assert cfg["output"][0]["data_type"] == "TYPE_INT64"
+    assert cfg["dynamic_batching"]["preferred_batch_size"] == [4, 8]
+    assert [(g["kind"], g["count"], g["gpus"]) for g in cfg["instance_group"]] == [("KIND_CPU", 1, []),
+                                                                                    ("KIND_GPU", 2, [0, 1])]
+    assert "dynamic_batching" not in td.model_config(entry(max_batch_size=1), None, [])
+
+
+def test_stats_document():
+    stats, e = Stats(), entry(versions=("a", "b"))
+    stats.finished("m", "a", 3, True, arrived=1.0, dispatched=1.5, compute_us=200, now=2.0)
+    stats.finished("m", "a", 1, False, arrived=1.0, dispatched=0.0, compute_us=0, now=1.25)
+    stats.batch("m", 3, 200, "a")
+    a, b = td.model_stats(e, stats.models["m"])
+    assert (a["version"], b["version"]) == ("1", "2")
+    inf = a["inference_stats"]
+    assert inf["success"] == {"count": 1, "ns": 1_000_000_000} and inf["fail"] == {"count": 1, "ns": 250_000_000}
+    assert inf["queue"] == {"count": 1, "ns": 500_000_000} and inf["compute_infer"] == {"count": 1, "ns": 200_000}
+    assert a["inference_count"] == 3 and a["execution_count"] == 1
+    assert a["batch_stats"] == [{"batch_size": 3, "compute_input": {"count": 1, "ns": 0},
+                                 "compute_infer": {"count": 1, "ns": 200_000}, "compute_output": {"count": 1, "ns": 0}}]
+    assert b["inference_stats"]["success"]["count"] == 0 and b["batch_stats"] == []
+    assert td.model_stats(e, stats.models["m"], "b") == [b]
