@@ -17,7 +17,7 @@ from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, Cancel, DecodeError, Err
 
 from tgw.broker.config.schema import ServerDecl
 from tgw.broker.state.complaints import Complaints
-from tgw.broker.state.pending import Pending
+from tgw.broker.state.pending import Pending, is_step
 from tgw.broker.state.stats import Stats
 
 from . import cuda_route
@@ -184,7 +184,7 @@ class FrontDoor:
             cuda = None
             # a pipeline's step (pipeline/run.py) names a model and carries frames the broker holds:
             # no region, CUDA handle or pipeline to look for
-            if type(ident) is bytes or not getattr(ident, "internal", False):
+            if not is_step(ident):
                 if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
                     tensor_frames = self.regions.resolve(msg, header, tensor_frames)
                 if self.pipelines is not None and msg.model in self.pipelines.table:
@@ -234,7 +234,7 @@ class FrontDoor:
         """Answer an admitted request with its rows of the outputs (views into the output arena)."""
         self.deps.finished(p, None, now)
         client = p.client
-        if type(client) is not bytes and getattr(client, "internal", False):
+        if is_step(client):
             return client.outputs(p, views)   # a pipeline's step: its run copies the rows it reads, once
         placed = self.regions.write(p, views) if p.output_region is not None else None
         metas, payload = placed if placed is not None else reply_tensors(p, views)

@@ -17,7 +17,7 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
 from tgw.shm.wire import BYTES, Infer, nbytes_of
 
-from tgw.broker.state.pending import Pending
+from tgw.broker.state.pending import Pending, is_step
 
 from .batcher import Batcher
 from .breaker import FAILURES, Breakers
@@ -81,7 +81,7 @@ class Admission:
         """Queue the request (or raise the TgwError that answers it)."""
         # a pipeline's step (pipeline/run.py): its run was admitted at the pipeline's entry, which
         # counted it against its caller's cap and its tenant, and a draining broker lets it finish
-        internal = type(client) is not bytes and getattr(client, "internal", False)
+        internal = is_step(client)
         if not self.open and not internal:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         if not internal:
@@ -245,7 +245,7 @@ class Admission:
         """A request leaves: answered with outputs (code None) or with error `code`. The one
         place its exit is accounted: its caller paid, its tenant, version, limit and breaker."""
         client = p.client
-        if type(client) is bytes or not getattr(client, "internal", False):   # a step owes nothing (admit)
+        if not is_step(client):   # a step owes nothing (admit)
             self.callers.paid(client)
         if p.tenant is not None:
             p.tenant.inflight -= 1

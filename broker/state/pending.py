@@ -40,3 +40,9 @@ class Pending:
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)
+
+
+def is_step(client: Any) -> bool:
+    """Whether a request's client is a pipeline's step (pipeline/run.py StepCaller), not a caller:
+    its run was admitted, counted and charged at the pipeline's entry. A socket identity is bytes."""
+    return type(client) is not bytes and getattr(client, "internal", False)
