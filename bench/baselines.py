@@ -306,21 +306,20 @@ def create_app():
     return app
 
 
-class FlaskServer(Server):
-    def __init__(self, models: dict[str, dict[str, Any]], workers: int, workdir: str):
-        """models: name -> {"path": file, "inputs"/"outputs": [{"name", "dtype", ...}], ...} (the demo
-        declarations), optionally "device" (default cpu): where each gunicorn worker runs it."""
+class GunicornServer(Server):
+    """A Flask app (`app`: gunicorn's "module:create_app()") under gunicorn with `workers` sync
+    workers on a free 127.0.0.1 port, ready once every worker answers /health; `env` configures it."""
+
+    def __init__(self, app: str, workers: int, workdir: str, log_name: str, env: dict[str, str], device: str = "cpu"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.master = Proc([sys.executable, "-m", "gunicorn", "-w", str(workers), "-k", "sync",
                             "-b", f"127.0.0.1:{self.port}", "--timeout", "300", "--graceful-timeout", "5",
-                            "--log-level", "warning", "tgw.bench.baselines:create_app()"],
-                           os.path.join(workdir, "gunicorn.log"), "gunicorn")
-        decl = {n: {k: m[k] for k in ("path", "inputs", "outputs", "device") if k in m} for n, m in models.items()}
-        self.device = ",".join(sorted({m.get("device", "cpu") for m in models.values()}))
+                            "--log-level", "warning", app], os.path.join(workdir, log_name), "gunicorn")
+        self.device = device
         super().__init__([self.master], lambda: self._workers_ready(workers), 120,
-                         env={FLASK_MODELS_ENV: json.dumps(decl), "PYTHONUNBUFFERED": "1"})
+                         env={**env, "PYTHONUNBUFFERED": "1"})
 
     def _workers_ready(self, n: int) -> bool:
         # each worker loads torch and the models when it starts: n workers, several answers
@@ -340,6 +339,16 @@ class FlaskServer(Server):
         except psutil.Error:
             pass
         return procs
+
+
+class FlaskServer(GunicornServer):
+    def __init__(self, models: dict[str, dict[str, Any]], workers: int, workdir: str):
+        """models: name -> {"path": file, "inputs"/"outputs": [{"name", "dtype", ...}], ...} (the demo
+        declarations), optionally "device" (default cpu): where each gunicorn worker runs it."""
+        decl = {n: {k: m[k] for k in ("path", "inputs", "outputs", "device") if k in m} for n, m in models.items()}
+        super().__init__("tgw.bench.baselines:create_app()", workers, workdir, "gunicorn.log",
+                         {FLASK_MODELS_ENV: json.dumps(decl)},
+                         ",".join(sorted({m.get("device", "cpu") for m in models.values()})))
 
 
 if __name__ == "__main__":

@@ -18,17 +18,13 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import socket
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from tgw.bench.baselines import Server
-from tgw.broker.child import Proc
+from tgw.bench.baselines import GunicornServer
 
 CLASSIFY_ENV = "TGW_BENCH_CLASSIFY"   # {"resnet": file, "labels": file} for the Flask app
 
@@ -71,36 +67,10 @@ def create_app():
     return app
 
 
-class ClassifyFlask(Server):
+class ClassifyFlask(GunicornServer):
     def __init__(self, resnet: str, labels: str, workers: int, workdir: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.master = Proc([sys.executable, "-m", "gunicorn", "-w", str(workers), "-k", "sync",
-                            "-b", f"127.0.0.1:{self.port}", "--timeout", "300", "--graceful-timeout", "5",
-                            "--log-level", "warning", "tgw.bench.pipeline_parts:create_app()"],
-                           os.path.join(workdir, "gunicorn-classify.log"), "gunicorn")
-        self.workers = workers
-        super().__init__([self.master], self._ready, 120,
-                         env={CLASSIFY_ENV: json.dumps({"resnet": resnet, "labels": labels}), "PYTHONUNBUFFERED": "1"})
-
-    def _ready(self) -> bool:
-        if len(self.processes) < self.workers + 1:
-            return False
-        for _ in range(4 * self.workers):
-            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).close()
-        return True
-
-    @property
-    def processes(self) -> list[dict[str, Any]]:
-        import psutil
-        procs = [{"role": "gunicorn-master", "pid": self.master.pid, "device": "cpu"}]
-        try:
-            procs += [{"role": "gunicorn-worker", "pid": c.pid, "device": "cpu"}
-                      for c in psutil.Process(self.master.pid).children()]
-        except psutil.Error:
-            pass
-        return procs
+        super().__init__("tgw.bench.pipeline_parts:create_app()", workers, workdir, "gunicorn-classify.log",
+                         {CLASSIFY_ENV: json.dumps({"resnet": resnet, "labels": labels})})
 
 
 # ---- tgw targets -----------------------------------------------------------------------------------
