@@ -70,7 +70,8 @@ def _door(b, read):
 def face_deps(b) -> FaceDeps:
     """The HTTP face's record: after attach, as the front door's methods are bound here."""
     return FaceDeps(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
-                    infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note)
+                    infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note,
+                    withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason))
 
 
 def rollout_deps(b) -> RolloutDeps:

@@ -12,7 +12,7 @@ from tgw.shm.paths import ADDRESS_FORMS, address_problem
 
 from .pipelines import PipelineDecl, PipelineError, StepDecl, problems as pipeline_problems  # noqa: F401
 from .schema_models import BreakerDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
-from .schema_ops import HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
+from .schema_ops import GrpcDecl, HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
 
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda:\d+)$")]
@@ -145,6 +145,7 @@ class Config(Strict):
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
     http: Optional[HttpDecl] = None                # the KServe v2 HTTP face; None: off
+    grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
     models: Annotated[list[ModelDecl], Field(min_length=1)]
     tenants: dict[TenantName, TenantDecl] = {}
@@ -152,6 +153,7 @@ class Config(Strict):
     require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
     pipelines: list[PipelineDecl] = []             # served names that are DAGs of steps (docs/PIPELINES.md)
     _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
+    _grpc_port: Optional[int] = PrivateAttr(default=None)   # `start --grpc-port`: a reload keeps it
 
     @model_validator(mode="after")
     def _references(self) -> "Config":

@@ -55,6 +55,27 @@ class HttpDecl(Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000    # 0: any free port (status shows which)
     max_body_bytes: Annotated[int, Field(ge=1024)] = 256 << 20   # JSON tensors are ~10x their binary size
     max_inflight: Annotated[int, Field(ge=1)] = 4096       # HTTP requests admitted and not yet answered
+    allow_client_shm: bool = False   # Triton's system/CUDA shared-memory extensions (off, as in Triton now)
+
+
+class GrpcDecl(Strict):
+    """The KServe v2 gRPC face (inference.GRPCInferenceService, grpc.health.v1, reflection).
+    Message sizes are bounded by server.max_request_bytes."""
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8001    # 0: any free port (status shows which)
+    max_inflight: Annotated[int, Field(ge=1)] = 4096       # gRPC inference requests admitted and not yet answered
+    tls_cert_file: Optional[Annotated[str, Field(min_length=1)]] = None   # PEM chain; relative: to the config file
+    tls_key_file: Optional[Annotated[str, Field(min_length=1)]] = None    # PEM private key, with tls_cert_file
+    tls_client_ca_file: Optional[Annotated[str, Field(min_length=1)]] = None   # set: callers need certificates it signed
+    allow_client_shm: bool = False   # Triton's system/CUDA shared-memory extensions (off, as in Triton now)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "GrpcDecl":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("grpc.tls_cert_file and grpc.tls_key_file go together: set both for TLS, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("grpc.tls_client_ca_file needs TLS: set grpc.tls_cert_file and grpc.tls_key_file too")
+        return self
 
 
 def _importable(module: str) -> bool:

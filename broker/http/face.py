@@ -72,6 +72,7 @@ class FaceDeps:
     infer: Callable[[Any, Infer, list], None]   # the front door: an inference request (it answers refusals)
     count_error: Callable[[str, str], None]     # stats.error(model, code): refusals before the door, counted
     note: Callable[..., None]                   # complaints.note: a broker bug, logged rate-limited
+    withdraw: Callable[[Any, str], int]         # the caller gave up (reason): its requests leave, unrun
 
 
 class HttpFace:
