@@ -25,6 +25,7 @@ from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
 from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
+from tgw.bench.grpc_target import GrpcTarget
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target
 
 SERVERS = ("transport", *report.TGW_SYSTEMS, "flask")
@@ -74,6 +75,7 @@ def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> 
                        f"{s}_over_flask_p50": ratio(s, "flask", "p50"),
                        f"{s}_over_tgw_throughput": ratio(s, "tgw", "throughput_rps"),
                        f"{s}_broker_us_over_tgw": ratio(s, "tgw", "broker_us")})
+    ratios["tgw_grpc_over_http_bin_throughput"] = ratio("tgw_grpc", "tgw_http_bin", "throughput_rps")
     return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency, "payload_bytes": payload_bytes,
             "rows": rows, "ratios": ratios}
 
@@ -115,8 +117,10 @@ def demo_models(out_dir: str) -> dict[str, dict[str, Any]]:
 
 
 def tgw_config(models: dict[str, dict[str, Any]], names: list[str], workers: int) -> dict[str, Any]:
-    """The broker of the tgw rows; its HTTP face (the tgw HTTP rows) on any free port of 127.0.0.1."""
+    """The broker of the tgw rows; its HTTP and gRPC faces (the tgw HTTP and gRPC rows) on any free
+    ports of 127.0.0.1."""
     return {"server": {"max_request_bytes": 64 << 20}, "http": {"host": "127.0.0.1", "port": 0},
+            "grpc": {"host": "127.0.0.1", "port": 0},
             "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},  # arenas: auto
             "models": [{"name": n, "versions": [{"version": "1", "path": models[n]["path"]}],
                         "inputs": models[n]["inputs"], "outputs": models[n]["outputs"],
@@ -147,7 +151,8 @@ class Servers:
             elif system in report.TGW_SYSTEMS:  # one broker for the three tgw rows
                 self._broker()
                 if system != "tgw" and "http" not in self.info["tgw"]:
-                    self.info["tgw"]["http"] = self.client.status()["http"]   # its HTTP face
+                    status = self.client.status()   # its HTTP and gRPC faces
+                    self.info["tgw"].update(http=status["http"], grpc=status["grpc"])
             else:
                 self.flask = FlaskServer({n: self.models[n] for n in self.names}, self.a.flask_workers, self.work)
         except Exception as exc:  # noqa: BLE001 - the other systems still run
@@ -199,6 +204,8 @@ class Servers:
                 row = measure(target, spec, self.echo.processes)
             elif system == "tgw":
                 row = measure(TgwTarget(self.tgw.address, sc.model, timeout=60.0), spec, processes, **tgw)
+            elif system == "tgw_grpc":
+                row = measure(GrpcTarget(self.info["tgw"]["grpc"], sc.model, m, timeout=60.0), spec, processes, **tgw)
             else:
                 drive = functools.partial(wrk_drive, self.wrk) if self.wrk else \
                     functools.partial(loadgen_drive, kind="python-fallback")

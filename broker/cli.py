@@ -83,8 +83,9 @@ def keygen(args) -> int:
 
 
 def print_status(address: str, reply) -> None:
-    print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s" + (f"; HTTP (KServe v2) on {reply.http}"
-                                                                       if reply.http else ""))
+    print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s"
+          + (f"; HTTP (KServe v2) on {reply.http}" if reply.http else "")
+          + (f"; gRPC (KServe v2) on {reply.grpc}" if reply.grpc else ""))
     print(f"{'worker':<16}{'pid':>8} {'state':<9}{'inflight':>9}{'rss MiB':>9}{'batches':>9}{'beat s':>8}"
           f"{'restarts':>9}  last death / benched")
     for w in reply.workers:
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "else text)")
     start.add_argument("--http-port", type=int, help="serve the KServe v2 HTTP face (and /metrics) on this port "
                        "(0: any free one; the host is http.host, default 127.0.0.1)")
+    start.add_argument("--grpc-port", type=int, help="serve the KServe v2 gRPC face (with grpc.health.v1 and "
+                       "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
     broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
@@ -211,10 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config) if args.config else demo_config()
     except ConfigError as exc:
         sys.exit(str(exc))
-    if args.http_port is not None:
-        from tgw.broker.config.load import with_http_port
-        try:
+    from tgw.broker.config.load import with_grpc_port, with_http_port
+    try:
+        if args.http_port is not None:
             cfg = with_http_port(cfg, args.http_port)
-        except ConfigError as exc:
-            sys.exit(str(exc))
+        if args.grpc_port is not None:
+            cfg = with_grpc_port(cfg, args.grpc_port)
+    except ConfigError as exc:
+        sys.exit(str(exc))
     sys.exit(run_broker(cfg, args.address, os.path.abspath(args.config) if args.config else None))

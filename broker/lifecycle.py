@@ -85,11 +85,13 @@ class Lifecycle:
                 log.info("stopped during start-up")
                 return
             self.broker.start_serving()
+            grpc = getattr(self.broker, "grpc", None)   # main.py attaches the gRPC face when configured
             start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
                      "models": sorted(self.broker.registry.models), "http": self.broker.http.address
-                     if self.broker.http else None}
-            log.info("serving on %s with %d worker(s)%s", address, start["workers"],
-                     f", HTTP on {start['http']}" if start["http"] else "", extra=start)
+                     if self.broker.http else None, "grpc": grpc.address if grpc else None}
+            log.info("serving on %s with %d worker(s)%s%s", address, start["workers"],
+                     f", HTTP on {start['http']}" if start["http"] else "",
+                     f", gRPC on {start['grpc']}" if start["grpc"] else "", extra=start)
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
             await self.stop_event.wait()
             sd_notify("STOPPING=1")

@@ -73,9 +73,16 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         broker.attach(loop, front, back, zap)
         if cfg.http is not None:
             broker.http = HttpFace(wiring.face_deps(broker), cfg.http)
+        broker.grpc = None
+        if cfg.grpc is not None:   # imported only when configured: grpc is a large import
+            from tgw.broker.grpc_face.face import GrpcFace
+            broker.grpc = GrpcFace(wiring.face_deps(broker), cfg.grpc, cfg.server.max_request_bytes,
+                                   cfg.workers.output_bytes)
         try:
             if broker.http is not None:
                 await broker.http.start()
+            if broker.grpc is not None:
+                await broker.grpc.start()
             try:
                 swept = supervisor.prepare()
             except ShmError as exc:
@@ -88,6 +95,8 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
             broker.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
             if broker.http is not None:   # after the answers, so its handlers can write them
                 await broker.http.stop()
+            if broker.grpc is not None:
+                await broker.grpc.stop()
             broker.close()
     finally:
         ctx.destroy(linger=0)

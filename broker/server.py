@@ -121,6 +121,8 @@ class Broker:
         for ident in (w.identity, w.control_identity, w.loader_identity):
             self.routes.pop(ident, None)
         self.memory.forget(w)
+        for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
+            self.door.abandon.withdrawn(place.request.model, "computing")
         again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
         for p in reversed(again):
             self.batcher.push(p, front=True)
@@ -140,6 +142,18 @@ class Broker:
 
     def send(self, ident: bytes, msg) -> None:
         self.back.send([ident, encode(msg)])
+
+    def withdraw(self, wanted) -> list:
+        """The requests on workers that `wanted(p)` picks, taken out of their batches (nobody waits
+        for them); each worker told at once, for batches it may not have launched (front/abandon.py)."""
+        taken = []
+        for w in self.roster:
+            if w.inflight:
+                hits, asks = w.withdraw(wanted)
+                for ask in asks:
+                    self.back.send([w.identity, encode(ask)])
+                taken += hits
+        return taken
 
     def is_serving(self) -> bool:
         return self.phase is Phase.SERVING

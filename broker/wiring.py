@@ -11,6 +11,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, Cancel
 
 from tgw.broker.front.frontdoor import DoorDeps
 from tgw.broker.http.face import FaceDeps
+from tgw.broker.http.triton_shm import TritonShm
 from tgw.broker.models.operator import OperatorDeps
 from tgw.broker.models.reload import ReloadDeps
 from tgw.broker.models.rollout import RolloutDeps
@@ -26,7 +27,7 @@ def door_deps(b) -> DoorDeps:
                     on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
                     query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
                     snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer),
-                    pipelines=b.pipelines)
+                    pipelines=b.pipelines, withdraw=b.withdraw)
 
 
 def pipeline_deps(b) -> PipelineDeps:
@@ -57,7 +58,9 @@ def observe_view(b) -> BrokerView:
                       snapshots=lambda: b.memory.snapshots.recent,
                       reload=lambda: dict(b.operator.reloader.outcome) if b.operator else {},
                       http_address=lambda: b.http.address if b.http else "",
+                      grpc_address=lambda: b.grpc.address if getattr(b, "grpc", None) else "",
                       abandoned=_door(b, lambda door: dict(door.abandon.counts)),
+                      cancelled=_door(b, lambda door: door.abandon.cancelled_by_model()),
                       regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
                       pipelines=b.pipelines)
 
@@ -71,7 +74,17 @@ def face_deps(b) -> FaceDeps:
     """The HTTP face's record: after attach, as the front door's methods are bound here."""
     return FaceDeps(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
                     infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note,
-                    withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason))
+                    withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason), shm=client_shm(b))
+
+
+def client_shm(b) -> TritonShm:
+    """The one registry of Triton's client shared memory regions, which the HTTP and gRPC faces
+    share (Triton's regions are the server's); made on first use. Each face checks its own
+    allow_client_shm, so with both off nothing can register in it."""
+    shm = getattr(b, "triton_shm", None)
+    if shm is None:
+        shm = b.triton_shm = TritonShm(b.server.max_region_bytes, b.roster)
+    return shm
 
 
 def rollout_deps(b) -> RolloutDeps:

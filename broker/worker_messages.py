@@ -1,7 +1,9 @@
 """What workers send the broker, on the back socket: one handler per message type.
 
 Completions answer their requests (those a stage failed, Done.failed, with their errors) and
-feed the stats and the cost model; heartbeats feed the memory watch and the breakers; the
+feed the stats and the cost model; a withdrawn request (state/inflight.py) is never answered,
+and counted by where it was: "staged" when the worker took it out before launch, "computing"
+when its batch had launched (its rows dropped); heartbeats feed the memory watch and the breakers; the
 handshake's messages go to fleet/handshake.py, the loader thread's to models/placement.py. Part of the core: it works on the Broker itself.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.wire import DecodeError, Done, Heartbeat, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot, \
     encode, from_worker_decoder
 
+from tgw.broker.state.inflight import Gone
 from tgw.broker.state.pool import WorkerHandle
 
 log = logging.getLogger("tgw.broker")
@@ -61,25 +64,37 @@ class WorkerMessages:
         self.b.schedule()
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
-        batch, part = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
+        batch, part, left_out = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
         if batch is None:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
+        abandon = self.b.door.abandon
+        if left_out:   # taken out before launch: never computed
+            abandon.withdrawn(batch.model, "staged", sum(type(e) is Gone for e in left_out))
+            for p in (e for e in left_out if type(e) is not Gone):   # a worker bug: nobody asked
+                self.b.door.fail(p, fail(Code.INTERNAL, "the worker left this request out of its batch"))
         now = self.b.clock()
         if done.error is not None:
             for p in part:  # each its own exception: details are filled in per request
-                self.b.door.fail(p, error_from_body(done.error))
+                if type(p) is not Gone:
+                    self.b.door.fail(p, error_from_body(done.error))
         else:
             counters = self.b.stats.models[batch.model]
             for k, (p, views) in enumerate(worker.output_rows(done, batch, part), done.first):
+                if type(p) is Gone:   # computed, nobody waits: dropped
+                    continue
                 if k in done.failed:   # a stage failed this request's rows: its error, not its rows
                     self.b.door.fail(p, error_from_body(done.failed[k]))
                     continue
                 self.b.door.answer(p, views, now)
                 counters.replies += 1
             # safe right after the replies: each send copied its frames out of the ring
-            worker.releases.append(done.block)
-        if done.final and (done.error is None or done.first):  # counted unless one error failed it whole
+            if done.block is not None:
+                worker.releases.append(done.block)
+        computed = sum(type(p) is Gone for p in part)
+        if computed:
+            abandon.withdrawn(batch.model, "computing", computed)
+        if done.final and batch.rows and (done.error is None or done.first):  # counted unless one error failed it whole
             self.b.stats.batch(batch.model, batch.rows, done.compute_us, batch.key[len(batch.model) + 1:])
             self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         if done.final:  # what the worker holds now starts computing now

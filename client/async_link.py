@@ -35,6 +35,7 @@ class AsyncLink:
         self.up = asyncio.Event()                       # the connection's handshake is done
         self.closed = False
         self._cancels: list[int] = []
+        self._cancelled: dict[int, list[int]] = {}   # id of a cancel sent -> the requests it withdraws
         self._drain_scheduled = False
         link = self.link = Link(ctx, address, liveness, curve, server_key, unbounded=True)
         try:
@@ -123,12 +124,16 @@ class AsyncLink:
     def _send_cancels(self) -> None:
         ids, self._cancels = self._cancels, []
         if ids and not self.closed:
+            cancel_id = next(self._ids)
             try:
-                self.link.sock.send(encode(Cancel(v=PROTOCOL_VERSION, id=next(self._ids), ids=ids,
-                                                  token=self.token)), NOBLOCK)
+                self.link.sock.send(encode(Cancel(v=PROTOCOL_VERSION, id=cancel_id, ids=ids, token=self.token)),
+                                    NOBLOCK)
                 self._kick()
             except zmq.ZMQError:   # no connection: the broker that had them is gone anyway
-                pass
+                return
+            if len(self._cancelled) >= 4096:   # answers a lost connection never brought: forget the oldest
+                self._cancelled.pop(next(iter(self._cancelled)), None)
+            self._cancelled[cancel_id] = ids
 
     def _kick(self) -> None:
         if not self._drain_scheduled:
@@ -148,7 +153,9 @@ class AsyncLink:
                 continue
             fut = pending.pop(reply.id, None)
             if fut is None or fut.done():   # a cancel's answer, or a late reply to a call that gave up
-                self._on_late(reply.id)
+                # the broker answers a withdrawn request never: its cancel's answer stands for it
+                for rid in self._cancelled.pop(reply.id, [reply.id]):
+                    self._on_late(rid)
                 continue
             if isinstance(reply, ErrorReply):
                 fut.set_exception(error_from_body(reply.error))

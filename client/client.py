@@ -21,15 +21,15 @@ import zmq
 
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.paths import ipc_path
-from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Health, Hello, ListModels, Metadata, Stats, Status, \
-    as_builtins, encode
+from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, Health, Hello, Infer, ListModels, Metadata, Stats, \
+    Status, as_builtins, encode
 
 from .connection import LIVENESS_S, Link
 from .request import Call, prepare
 from .results import InferResult, health_dict, model_dict, stats_dict, status_dict
 from .retry import REREGISTER, Attempts, RetryPolicy
 from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
-from .transport import ENOTSUP, EVENTS, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
+from .transport import ENOTSUP, EVENTS, NOBLOCK, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
 from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/overload_load.py
 
 
@@ -50,6 +50,7 @@ class Client:
         self._regions: list = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._cancels: dict[int, int] = {}   # id of a cancel sent -> the request it withdraws
         self._pid = os.getpid()
         self._closed = False
         self.server: str | None = None
@@ -212,9 +213,23 @@ class Client:
         return link
 
     def late_reply(self, req_id: int) -> None:
-        """A reply came for a call that gave up: what its regions kept for it may be reused."""
+        """A reply came for a call that gave up: what its regions kept for it may be reused. The
+        answer to a cancel stands for the request it withdrew: the broker answers that one never."""
+        req_id = self._cancels.pop(req_id, req_id)
         for region in self._regions:
             region.late_reply(req_id)
+
+    def _withdraw(self, link: Link, req_id: int) -> None:
+        """The call gave up waiting: the broker withdraws the request wherever it still is (queued,
+        or taken out of its batch) and answers the cancel instead, later, on this link."""
+        cancel_id = next(self._ids)
+        try:
+            link.sock.send(encode(Cancel(v=PROTOCOL_VERSION, id=cancel_id, ids=[req_id], token=self.token)), NOBLOCK)
+        except zmq.ZMQError:   # no connection: the broker that had it is gone anyway
+            return
+        if len(self._cancels) >= 4096:   # answers a lost connection never brought: forget the oldest
+            self._cancels.pop(next(iter(self._cancels)), None)
+        self._cancels[cancel_id] = req_id
 
     def drop_link(self, link: Link) -> None:
         with self._lock:
@@ -258,6 +273,8 @@ class Client:
                 if not zmq.zmq_poll(ready, max(0, int((deadline - time.monotonic()) * 1000))):
                     if isinstance(msg, Hello):
                         raise TimeoutError
+                    if isinstance(msg, Infer):
+                        self._withdraw(link, msg.id)
                     # source: the caller gave up waiting (the broker's own DEADLINE_EXCEEDED has none)
                     raise fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
                                request_id=msg.id, source="client")

@@ -27,10 +27,10 @@ def health_dict(r) -> dict:
 def stats_dict(r) -> dict:
     return {"models": r.models, "processes": r.processes, "errors": r.errors, "refused": r.refused,
             "dropped": r.dropped, "clients": r.clients, "tenants": r.tenants, "abandoned": r.abandoned,
-            "regions": r.regions}
+            "regions": r.regions, "cancelled": r.cancelled}
 
 
 def status_dict(r) -> dict:
     return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
             "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http,
-            "pipelines": r.pipelines}
+            "grpc": r.grpc, "pipelines": r.pipelines}

@@ -22,6 +22,7 @@ PACKAGES=(
     pydantic pydantic-core annotated-types typing-inspection       # the broker's config schema
     typing-extensions
     flask blinker itsdangerous gunicorn                            # the bench's Flask baseline
+    grpcio-health-checking grpcio-reflection                       # the gRPC face (grpcio, protobuf: in the image)
 )
 
 venv_python=".venv/bin/python"

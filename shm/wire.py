@@ -20,7 +20,7 @@ from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, M
                            Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
-                          UnloadModel, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot)
+                          UnloadModel, Withdraw, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot)
 
 # ---- client -> broker ------------------------------------------------------------------------
 
@@ -216,6 +216,9 @@ class StatsReply(Struct, tag_field="op", tag="stats"):
     # reason -> n: queued requests dropped unrun (cancelled, client_closed, client_gone)
     abandoned: dict[str, int] = {}
     regions: dict[str, int] = {}     # registered, bytes, registrations, refused, swept
+    # model -> where -> n: requests withdrawn because nobody waits for them, by where each was then:
+    # queued, staged (taken out of its batch before launch), computing (its answer dropped), pipeline
+    cancelled: dict[str, dict[str, int]] = {}
 
 
 class StatusReply(Struct, tag_field="op", tag="status"):
@@ -239,6 +242,7 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # per pipeline: version, ready, requests, replies, errors{code: n}, inflight, and per step: model,
     # sent, ok, failed, latency_ms {mean, p99}
     pipelines: dict[str, dict[str, Any]] = {}
+    grpc: str = ""                      # the gRPC face's address (host:port); "" when off
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
@@ -252,7 +256,7 @@ Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, Stat
               MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply]
 
 
-ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel]
+ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw]
 FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done, Heartbeat, WorkerSnapshot, LoaderHello, ModelLoaded,
                    ModelUnloaded]
 

@@ -126,10 +126,22 @@ class Done(Struct, tag_field="op", tag="w_done"):
     # requests (by index in the batch, as `first`) a stage failed on their own: each answered
     # with its error, the others with their rows (which the outputs still carry)
     failed: dict[int, ErrorBody] = {}
+    # requests (by index in the batch as sent) the worker took out before launching it, at the
+    # broker's Withdraw: the outputs carry no rows of theirs, and `first`, `count` and `failed`
+    # count the requests that were kept. On every part of such a batch; [] otherwise.
+    withdrawn: list[int] = []
 
 
 class Release(Struct, tag_field="op", tag="w_release"):
     blocks: list[int]
+
+
+class Withdraw(Struct, tag_field="op", tag="w_withdraw"):
+    """Broker -> worker: nobody waits for these requests of a batch (indices in the batch as
+    sent) any more. A worker that has not launched the batch takes them out (Done.withdrawn);
+    for a batch already launched or done it is ignored."""
+    batch_id: int
+    requests: list[int]
 
 
 class Stop(Struct, tag_field="op", tag="w_stop"):

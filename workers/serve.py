@@ -10,6 +10,11 @@ before, so one's copies overlap the other's compute; completions go out in order
 its batch's CUDA event has completed (so the broker frees its input block only then). A batch
 that runs out of GPU memory is run again in halves (oom.py). A stage's batch (a StageRunner's)
 goes to stage_serve.py.
+
+Withdrawn requests (the broker's Withdraw, read by the mailbox) are taken out of a batch as it
+launches: the rest run as a smaller batch (withdrawn.py), on the CPU, a GPU and a stage alike.
+A batch with CUDA tensors by IPC handle is run whole instead (its callers' buffers are opened per
+request; the broker drops the answers of the withdrawn ones), as is a batch already launched.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from .runner import TORCH_DTYPES, ModelRunner
 from .stage_runner import StageRunner
 from .stage_serve import serve_stage
 from .tracing import Observer
+from .withdrawn import Shrunk, shrink
 
 log = logging.getLogger("tgw.worker")
 SPIN_S = 50e-6         # between looks at a launched batch's CUDA event and at the socket
@@ -45,12 +51,13 @@ SPIN_S = 50e-6         # between looks at a launched batch's CUDA event and at t
 class Launched:
     """A batch whose work is queued (on its device, when a CUDA worker); its completion is sent
     once that work is done."""
-    __slots__ = ("batch", "t0", "start_ns", "done", "slot")
+    __slots__ = ("batch", "t0", "start_ns", "done", "slot", "shrunk")
 
     def __init__(self, batch: Batch, start_ns: int):
         self.batch, self.t0, self.start_ns = batch, time.perf_counter(), start_ns
         self.done: Done | None = None
         self.slot: Slot | None = None     # its stream and buffers, until its work is done
+        self.shrunk: Shrunk | None = None  # requests were withdrawn from it before launch
 
 
 class Server:
@@ -167,8 +174,34 @@ class Server:
         if self.observer is not None:
             self.observer.batch(item.batch, done, item.start_ns, time.time_ns())
 
-    def _run(self, item: Launched) -> Done:
+    def _withdraw(self, item: Launched) -> Batch:
+        """The batch as it launches: without the requests withdrawn from it by now (those read
+        already, and those waiting on the socket); the releases of what was read are applied."""
         batch = item.batch
+        self.mail.look_ahead()
+        for msg in self.mail.parked:   # their releases may be what this batch's outputs wait for
+            if type(msg) in (Batch, Release):
+                self.blocks.release(msg)
+        gone = self.mail.launch(batch.batch_id)
+        if not gone or batch.cuda_inputs or batch.cuda_outputs:
+            return batch
+        shrunk = shrink(batch, gone)
+        if shrunk is None:
+            return batch
+        self.mail.report(batch.batch_id, shrunk.withdrawn)
+        item.shrunk, item.batch = shrunk, shrunk.batch
+        return shrunk.batch
+
+    def kept_rows(self, x):
+        """`x` (an input as the batch was sent) without the rows of requests withdrawn from the
+        batch being launched."""
+        shrunk = self.running.shrunk if self.running is not None else None
+        return x if shrunk is None else shrunk.rows_of(x)
+
+    def _run(self, item: Launched) -> Done:
+        batch = self._withdraw(item)
+        if item.shrunk is not None and not batch.splits:   # every request withdrawn: nothing to compute
+            return Done(batch_id=batch.batch_id)
         if batch.deadline and time.monotonic() > batch.deadline:
             return error_done(batch, Code.DEADLINE_EXCEEDED, "deadline passed while staged on the worker")
         key = model_key(batch.model, batch.version)
@@ -203,19 +236,19 @@ class Server:
         return self._in_halves(batch, runner, slot, text)
 
     def _inputs(self, batch: Batch, slot: Slot | None) -> list[torch.Tensor]:
-        if slot is None:   # views of the ring, no copy
-            return [self.view(t) for t in batch.inputs]
+        if slot is None:   # views of the ring, no copy (but a gather when requests were withdrawn)
+            return [self.kept_rows(self.view(t)) for t in batch.inputs]
         # the batch's block in one copy to the device; each input a view of it there
         raw = self.io.inputs(slot, [t.offset for t in batch.inputs], [t.nbytes for t in batch.inputs])
-        return [r.view(TORCH_DTYPES[t.dtype]).view(t.shape) if t.nbytes else
-                torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=self.device)
+        return [self.kept_rows(r.view(TORCH_DTYPES[t.dtype]).view(t.shape) if t.nbytes else
+                               torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device=self.device))
                 for r, t in zip(raw, batch.inputs)]
 
     def _in_halves(self, batch: Batch, runner: ModelRunner, slot: Slot | None, first: str) -> Done:
         """The batch met an out-of-memory (oom.py): again in halves at request boundaries, each
         piece answered as a part as soon as it is written."""
         starts = request_starts(batch)
-        views = [self.view(t) for t in batch.inputs]
+        views = [self.kept_rows(self.view(t)) for t in batch.inputs]
 
         def compute(lo: int, hi: int) -> list[torch.Tensor]:
             outs = runner.forward([v[starts[lo]:starts[hi]] for v in views], starts[hi] - starts[lo])

@@ -4,7 +4,8 @@ in parts when they can never fit as one block).
 
 Fixed-dtype inputs are torch views of the ring (copied to the GPU for a `device: cuda` stage);
 `bytes` inputs are lists (shm.bytes_tensor.unpack of the ring block, nested by shape). A batch
-that runs out of GPU memory is run again in halves at request boundaries, as a model's is.
+that runs out of GPU memory is run again in halves at request boundaries, as a model's is. A
+batch with requests withdrawn before launch (serve.py) sees the kept requests' rows only.
 """
 from __future__ import annotations
 
@@ -56,11 +57,11 @@ def serve_stage(server, batch: Batch, runner: StageRunner) -> Done:
 
 def _input(server, t: BlockTensor, runner: StageRunner):
     if t.dtype != BYTES:
-        view = server.view(t)
+        view = server.kept_rows(server.view(t))
         return view.to(runner.device) if runner.device.type != "cpu" else view
     count = math.prod(t.shape)
     flat = unpack(server.segment.buf[t.offset:t.offset + t.nbytes], count) if count or t.nbytes else []
-    return _nested(flat, t.shape)
+    return server.kept_rows(_nested(flat, t.shape))
 
 
 def _nested(flat: list, shape: list[int]) -> list:

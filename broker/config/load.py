@@ -17,7 +17,7 @@ from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
-from .schema_ops import CrashLoopDecl, HttpDecl, LeakDecl, ObservabilityDecl, SupervisorDecl
+from .schema_ops import CrashLoopDecl, GrpcDecl, HttpDecl, LeakDecl, ObservabilityDecl, SupervisorDecl
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "HttpDecl", "LeakDecl", "ModelDecl",
@@ -85,6 +85,9 @@ def _pydantic_problems(err: ValidationError) -> list[str]:
     return lines
 
 
+GRPC_FILES = ("tls_cert_file", "tls_key_file", "tls_client_ca_file")   # relative: to the config file
+
+
 def _resolve(path: str, base_dir: str) -> str:
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
 
@@ -121,6 +124,10 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
             problems.append(f"  {vpath}.{err.field}: {err}")
+    for kpath, v in [kv for key in GRPC_FILES for kv in _items(data, ("grpc", key))]:
+        path = _resolve(v, base_dir) if isinstance(v, str) else None
+        if path is not None and not os.path.isfile(path):
+            problems.append(f"  {kpath}: file not found: {path}")
     for key in ("auth_token_file", "curve_secret_key_file"):
         for kpath, v in _items(data, ("server", key)):
             path = _resolve(v, base_dir) if isinstance(v, str) else None
@@ -181,9 +188,11 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
         sup = sup.model_copy(update={"snapshot_dir": _resolve(sup.snapshot_dir, base_dir)})
     server = server.model_copy(update={k: _resolve(getattr(server, k), base_dir) for k in
                                        ("auth_token_file", "curve_secret_key_file") if getattr(server, k)})
+    grpc = cfg.grpc and cfg.grpc.model_copy(update={k: _resolve(getattr(cfg.grpc, k), base_dir) for k in GRPC_FILES
+                                                    if getattr(cfg.grpc, k)})
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
     return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
-                                                 "server": server}))
+                                                 "server": server, "grpc": grpc}))
 
 
 def load_config(path: str) -> Config:
@@ -202,12 +211,22 @@ def load_config(path: str) -> Config:
     return parse_config(data, os.path.dirname(os.path.abspath(path)), path)
 
 
-def with_http_port(cfg: Config, port: int) -> Config:
-    """The config with its HTTP face on `port` (`tgw-broker start --http-port`; turned on if the
-    config has no `http` section); remembered, so a reload of the file applies it again."""
+def with_face_port(cfg: Config, face: str, port: int) -> Config:
+    """The config with its `face` ("http" or "grpc") on `port` (`tgw-broker start --http-port` /
+    `--grpc-port`; turned on if the config has no such section); remembered, so a reload of the
+    file applies it again."""
     if not 0 <= port <= 65535:
-        raise ConfigError(f"--http-port must be 0..65535, got {port}")
-    http = cfg.http.model_copy(update={"port": port}) if cfg.http else HttpDecl(port=port)
-    out = cfg.model_copy(update={"http": http})
-    out._http_port = port
+        raise ConfigError(f"--{face}-port must be 0..65535, got {port}")
+    decl = getattr(cfg, face)
+    decl = decl.model_copy(update={"port": port}) if decl else {"http": HttpDecl, "grpc": GrpcDecl}[face](port=port)
+    out = cfg.model_copy(update={face: decl})
+    setattr(out, f"_{face}_port", port)
     return out
+
+
+def with_http_port(cfg: Config, port: int) -> Config:
+    return with_face_port(cfg, "http", port)
+
+
+def with_grpc_port(cfg: Config, port: int) -> Config:
+    return with_face_port(cfg, "grpc", port)

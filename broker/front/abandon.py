@@ -1,9 +1,16 @@
-"""Requests nobody waits for any more: cancelled by their caller, left by a caller closing, or
-left by a caller whose process is gone.
+"""Requests nobody waits for any more: cancelled by their caller (a native `cancel`), left by a
+caller closing (`bye`, an HTTP connection closed, a gRPC call cancelled or past its deadline:
+the faces call `drop_caller`), or left by a caller whose process is gone.
 
-A queued request that nobody waits for would still take a batch slot and compute, so it is
-taken out of its queue unrun and counted (stats `abandoned`, by reason). A request already
-on a worker runs to its end; if its caller is gone, the outbox drops its reply.
+Each is withdrawn wherever it is, and never answered. A queued one is taken out of its queue
+unrun (stats `abandoned`, by reason). One already on a worker (its batch staged or computing)
+is taken out of its batch by the core (`withdraw`: state/inflight.py): a worker that has not
+launched the batch leaves it out, else its rows are computed and dropped; which of the two
+happened is known at the batch's completion (worker_messages.py). A pipeline's run stops: none
+of its steps still to come is sent, and its steps in flight are withdrawn in turn. Every
+withdrawn request is counted by model and where (`cancelled`: queued, staged, computing,
+pipeline; /metrics tgw_requests_cancelled_total) and leaves the broker's accounts at once
+(its caller's cap, its tenant, code ABANDONED).
 
 Who is gone: ZeroMQ hides connections behind the ROUTER, and its monitor names a closed
 connection by file descriptor only. An ipc caller's process is known from the peer
@@ -29,15 +36,21 @@ RECHECK_S = 2.0         # after a disconnect, look again on every tick this long
                         # the process is still ending
 
 
+def _nobody(wanted) -> list:
+    return []
+
+
 class Abandonment:
     def __init__(self, batcher, callers, finished: Callable, schedule: Callable[[], None],
-                 clock: Callable[[], float], reply: Callable):
-        # batcher: its queues (remove, take_where); finished: a request leaves (admission's accounting)
+                 clock: Callable[[], float], reply: Callable, withdraw: Callable = _nobody):
+        # batcher: its queues (remove, take_where); finished: a request leaves (admission's accounting);
+        # withdraw(wanted): the requests on workers that `wanted(p)` picks, taken out of their batches
         self.batcher, self.callers, self.finished_by, self.schedule = batcher, callers, finished, schedule
-        self.clock, self.reply = clock, reply
+        self.clock, self.reply, self.withdraw = clock, reply, withdraw
         self.inflight: dict[tuple, Pending] = {}        # (caller, request id) -> admitted, unanswered
         self.processes: dict[bytes, tuple[int, float]] = {}   # ipc caller -> (pid, start time)
         self.counts: Counter = Counter()                # reason -> queued requests dropped unrun
+        self.cancelled: Counter = Counter()             # (model, where) -> requests withdrawn
         self._disconnects_seen = 0
         self.runs = None   # pipeline.executor.Pipelines (the door sets it): their runs stop with their callers
         self._recheck_until = 0.0
@@ -67,31 +80,71 @@ class Abandonment:
         self.processes.pop(ident, None)
 
     def cancel(self, ident, msg: Cancel) -> None:
-        running = 0
-        queued = []
-        for req_id in msg.ids[:MAX_CANCEL_IDS]:
+        ids = msg.ids[:MAX_CANCEL_IDS]
+        queued, running = [], set()
+        for req_id in ids:
             p = self.inflight.get((ident, req_id))
             if p is None:
                 continue  # answered already, never admitted, or a pipeline's run (below)
             if self.batcher.remove(p):
                 queued.append(p)
             else:
-                running += 1
+                running.add(id(p))
         self._drop(queued, "cancelled")
-        stopped = self.runs.cancel(ident, msg.ids[:MAX_CANCEL_IDS]) if self.runs is not None else 0
+        on_workers = self._withdraw_running(lambda p: id(p) in running) if running else 0
+        stopped = self._stop_runs([(ident, i) for i in ids], lambda: self.runs.cancel(ident, ids))
         if stopped:   # a pipeline's run: none of its steps still to come is sent
             self.counts["cancelled"] += stopped
         self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=len(queued) + stopped,
-                                      running=running))
+                                      running=on_workers))
 
     def drop_caller(self, idents: set, reason: str) -> int:
-        """Take every queued request of these callers out, unrun; how many."""
+        """Withdraw every request of these callers (they gave up or are gone): queued, on a
+        worker, or a pipeline's run; how many."""
         taken = self.batcher.take_where(lambda p: p.client in idents)
         self._drop(taken, reason)
-        stopped = self.runs.drop(idents) if self.runs is not None and self.runs.runs else 0
+        on_workers = self._withdraw_running(lambda p: p.client in idents)
+        stopped = 0
+        if self.runs is not None and self.runs.runs:
+            stopped = self._stop_runs([key for key in self.runs.runs if key[0] in idents],
+                                      lambda: self.runs.drop(idents))
         if stopped:
             self.counts[reason] += stopped
-        return len(taken) + stopped
+        return len(taken) + on_workers + stopped
+
+    def withdrawn(self, model: str, where: str, n: int = 1) -> None:
+        """Count `n` withdrawn requests of `model` by where they were (the core tells, for those on
+        workers, once their batch's completion says)."""
+        self.cancelled[model, where] += n
+
+    def cancelled_by_model(self) -> dict[str, dict[str, int]]:
+        """model -> where -> requests withdrawn (stats `cancelled`)."""
+        out: dict[str, dict[str, int]] = {}
+        for (model, where), n in self.cancelled.items():
+            out.setdefault(model, {})[where] = n
+        return out
+
+    def _withdraw_running(self, wanted) -> int:
+        """Take the requests `wanted` picks out of the batches on workers; they leave the broker's
+        accounts now (their answers will be dropped): how many."""
+        taken = self.withdraw(wanted)
+        if taken:
+            now = self.clock()
+            for p in taken:
+                p.dispatched = 0.0   # its latency is nobody's: the breaker and latency figures skip it
+                self.finished_by(p, "ABANDONED", now)
+            self.schedule()
+        return len(taken)
+
+    def _stop_runs(self, keys: list, stop: Callable[[], int]) -> int:
+        """Stop the pipeline runs of these (caller, id) keys by `stop()`, counted by pipeline."""
+        if self.runs is None:
+            return 0
+        names = [run.plan.name for key in keys if (run := self.runs.runs.get(key)) is not None]
+        stopped = stop()
+        for name in names:
+            self.cancelled[name, "pipeline"] += 1
+        return stopped
 
     def sweep(self, now: float) -> None:
         """After a disconnect (and on every tick for RECHECK_S after one): drop the queued requests
@@ -117,5 +170,6 @@ class Abandonment:
         now = self.clock()
         for p in requests:
             self.finished_by(p, "ABANDONED", now)
+            self.cancelled[p.model, "queued"] += 1
         self.counts[reason] += len(requests)
         self.schedule()   # room in the queues, and an adaptive limit that may let more in

@@ -19,6 +19,12 @@ from tgw.broker.state.cuda import CudaRequest, on_device
 
 from .peers import is_local
 
+# the header a face passes for a request whose CUDA tensors are regions registered with the
+# broker (Triton's CUDA shared memory, http/triton_shm.py): the registry vouches that they are
+# this box's, whichever transport the request itself came over
+REGISTERED = object()
+
+
 class Declared:
     """Stands in for the empty frame of a tensor that travels by CUDA IPC handle: as long as the
     tensor's declared bytes for the size checks, and no bytes for the ring."""
@@ -44,7 +50,7 @@ def inspect(roster: list, models: dict, msg: Infer, frames: list, header=None) -
     cuda_in = [t.cuda for t in msg.inputs]
     if not msg.output_cuda and not any(c is not None for c in cuda_in):
         return None, frames
-    if not is_local(header):
+    if header is not REGISTERED and not is_local(header):
         raise _refuse("CUDA tensors by IPC handle are accepted only from processes on the broker's box (ipc://); "
                       "this request came over tcp:// or HTTP, where a handle means nothing", "cuda_remote_peer")
     if any(c is None for c in cuda_in) and any(c is not None for c in cuda_in):

@@ -110,6 +110,7 @@ class DoorDeps:
     operate: Callable[[Any, Any], None]          # a control op (operator), answered by it
     snapshot: Callable[[Any, Callable], None]    # a memory snapshot request; raises TgwError
     pipelines: Any = None                        # pipeline.executor.Pipelines: names in its `table` go to its start
+    withdraw: Callable[[Callable], list] = lambda wanted: []   # requests on workers nobody waits for (abandon.py)
 
 
 class FrontDoor:
@@ -121,7 +122,8 @@ class FrontDoor:
         self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
         self.gate.start()
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
-        self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply)
+        self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply,
+                                   deps.withdraw)
         deps.on_finished.append(self.abandon.finished)
         self.pipelines = deps.pipelines
         self.abandon.runs = deps.pipelines   # a cancel or a caller gone stops its pipeline runs too

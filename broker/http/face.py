@@ -26,10 +26,11 @@ from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe import status
 from tgw.broker.observe.status import BrokerView
 
-from . import kserve, triton_docs
+from . import kserve, shm_routes, triton_docs
 from .answers import TRACEPARENT, HttpCaller, error_response, json_response
 from .kserve import HEADER_LENGTH
 from .repository import Repository
+from .triton_shm import TritonShm
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
@@ -47,6 +48,7 @@ class FaceDeps:
     count_error: Callable[[str, str], None]     # stats.error(model, code): refusals before the door, counted
     note: Callable[..., None]                   # complaints.note: a broker bug, logged rate-limited
     withdraw: Callable[[Any, str], int]         # the caller gave up (reason): its requests leave, unrun
+    shm: "TritonShm | None" = None              # Triton's client shared memory, shared with the gRPC face
 
 
 class HttpFace:
@@ -55,6 +57,8 @@ class HttpFace:
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
         self.repository = Repository(deps.view, deps.entry, self.ask, self.body, decl.host, deps.token)
+        self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
+        self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
         self.runner: web.AppRunner | None = None
         self.address = ""            # http://host:port once listening
 
@@ -76,11 +80,16 @@ class HttpFace:
                                       ("POST", "/v2/repository/models/{model}/load", self.repository.load),
                                       ("POST", "/v2/repository/models/{model}/unload", self.repository.unload)):
             add(method, path, self.guarded(handler, open_path=path.startswith("/v2/health/")))
+        for method, path, handler in self.shm_routes.routes():
+            add(method, path, self.guarded(handler))
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
 
     async def start(self) -> str:
-        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0)
+        # handler_cancellation: a client that closes its connection cancels its handler, so an
+        # inference nobody waits for is withdrawn (infer) - no per-request watcher needed
+        self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                                    handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.decl.host, self.decl.port, backlog=1024, reuse_address=True)
         try:
@@ -101,6 +110,8 @@ class HttpFace:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+        if self.deps.shm is not None:   # the broker stops: its regions go
+            self.deps.shm.close()
 
     # ---- every request -----------------------------------------------------------------------
 
@@ -155,8 +166,12 @@ class HttpFace:
                 self.deps.count_error(model, err.code.value)
                 raise
             caller = HttpCaller(asyncio.get_running_loop())
-            self.deps.infer(caller, decoded.infer, decoded.frames)   # answers refusals itself
-            reply, frames = await caller.future
+            self.deps.infer(caller, decoded.infer, decoded.frames, *shm_routes.route(decoded))   # answers refusals
+            try:
+                reply, frames = await caller.future
+            except asyncio.CancelledError:   # the client closed its connection: nobody waits for it
+                self.deps.withdraw(caller, "client_closed")
+                raise
         finally:
             self.inflight -= 1
         if isinstance(reply, ErrorReply):
@@ -199,13 +214,15 @@ class HttpFace:
         version = request.match_info.get("version")
         if version is not None:
             version = self.repository.named(model, version)[1]
-        decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model, version, next(self.ids))
+        decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model, version, next(self.ids),
+                                self.shm)
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
-        header, blobs = kserve.encode(reply, frames, decoded.request_id, decoded.binary)
+        placed = shm_routes.written(self.shm, decoded, reply, frames)   # outputs into their regions
+        header, blobs = kserve.encode(reply, frames, decoded.request_id, decoded.binary, placed)
         headers = {}
         if reply.traceparent:
             headers[TRACEPARENT] = reply.traceparent
@@ -231,7 +248,8 @@ class HttpFace:
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
-                              "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics"]})
+                              "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics",
+                                             *(shm_routes.EXTENSIONS if self.shm is not None else [])]})
 
     def named(self, request: web.Request) -> tuple[str, str | None]:
         """The path's model and version (a numeric alias turned into the version's name)."""

@@ -25,8 +25,8 @@ from .kserve_tensors import DATATYPE_OF, bad, datatype, json_data, json_tensor
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # request parameters tgw has no meaning for: refused rather than silently ignored
 UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
-             "sequence_end": "sequence batching", "shared_memory_region": "shared-memory regions over HTTP",
-             "classification": "classification outputs"}
+             "sequence_end": "sequence batching", "classification": "classification outputs"}
+SHM_REGION = "shared_memory_region"   # Triton's client shared memory: only with a registry (shm_routes.py)
 
 
 class Decoded(NamedTuple):
@@ -34,6 +34,7 @@ class Decoded(NamedTuple):
     frames: list[SliceFrame]
     request_id: str | None          # the body's "id", echoed in the reply
     binary: frozenset[str] | bool   # outputs to send as raw bytes (True: all of them)
+    places: dict = {}               # outputs to write into shared memory regions: name -> triton_shm.Place
 
 
 def header_length(value: str | None, body_size: int) -> int:
@@ -59,6 +60,7 @@ class Header(NamedTuple):
     priority: int
     timeout_ms: int | None
     routing_key: str | None
+    shm_outputs: dict | None = None  # outputs naming a shared memory region: name -> their parameters
 
 
 HEADERS_MAX = 256           # binary-only headers remembered (a steady stream repeats one)
@@ -66,15 +68,17 @@ HEADER_MEMO_BYTES = 4096    # longer headers are not remembered
 _headers: dict[bytes, Header] = {}
 
 
-def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int) -> Decoded:
+def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int, shm=None) -> Decoded:
     """The Infer message and tensor frames of one request body. A header whose inputs are all
-    binary is parsed once and remembered by its bytes: a stream of like requests pays a lookup."""
+    binary is parsed once and remembered by its bytes: a stream of like requests pays a lookup.
+    `shm`: the face's triton_shm.TritonShm when it allows client shared memory (else regions are
+    refused); an output's region is looked up anew for every request, a remembered header's too."""
     n = header_length(length, len(body))
     view = memoryview(body)
     key = bytes(view[:n]) if length is not None and n <= HEADER_MEMO_BYTES else None
     head = _headers.get(key) if key is not None else None
     if head is None:
-        head, frames, end = parse_header(view, n)
+        head, frames, end = parse_header(view, n, shm)
         if key is not None and head.sizes is not None:
             if len(_headers) >= HEADERS_MAX:
                 _headers.clear()
@@ -92,10 +96,15 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
                   "must add up to the body after the JSON header)")
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=head.metas, outputs=head.outputs,
                 priority=head.priority, timeout_ms=head.timeout_ms, routing_key=head.routing_key)
-    return Decoded(msg, frames, head.request_id, head.binary)
+    places = {}
+    if head.shm_outputs:
+        if shm is None:
+            refuse_unoffered(head.shm_outputs[next(iter(head.shm_outputs))], "")
+        places = {name: shm.output_place(name, params) for name, params in head.shm_outputs.items()}
+    return Decoded(msg, frames, head.request_id, head.binary, places)
 
 
-def parse_header(view: memoryview, n: int) -> tuple[Header, list[SliceFrame], int]:
+def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[SliceFrame], int]:
     """The header, the inputs' frames and where the last binary input ends."""
     try:
         doc = orjson.loads(view[:n])
@@ -110,22 +119,24 @@ def parse_header(view: memoryview, n: int) -> tuple[Header, list[SliceFrame], in
         raise bad("\"inputs\" must be a non-empty list of tensors")
     metas, frames, sizes, end = [], [], [], n
     for i, spec in enumerate(inputs):
-        meta, frame, size = input_tensor(spec, i, view, end)
+        meta, frame, size = input_tensor(spec, i, view, end, shm)
         metas.append(meta)
         frames.append(frame)
         sizes.append(size)
         end += size or 0
-    outputs, binary = requested_outputs(doc.get("outputs"), params)
+    outputs, binary, shm_outputs = requested_outputs(doc.get("outputs"), params, shm is not None)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad(f"\"id\" must be a string, got {type(request_id).__name__}")
     head = Header(metas, sizes if None not in sizes else None, outputs, binary, request_id,
-                  int_param(params, "priority", 0), timeout_ms(params), str_param(params, "routing_key"))
+                  int_param(params, "priority", 0), timeout_ms(params), str_param(params, "routing_key"),
+                  shm_outputs)
     return head, frames, end
 
 
-def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[TensorMeta, SliceFrame, int | None]:
-    """An input's meta and bytes, and its binary_data_size (None: JSON data)."""
+def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
+        -> tuple[TensorMeta, SliceFrame, int | None]:
+    """An input's meta and bytes, and its binary_data_size (None: JSON data or a region's bytes)."""
     if not isinstance(spec, dict):
         raise bad(f"inputs[{i}] must be an object")
     name = spec.get("name")
@@ -137,7 +148,12 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
                   Code.INVALID_INPUT_SHAPE, input=name)
     dtype = datatype(spec.get("datatype"), name)
     params = mapping(spec.get("parameters"), f"input {name!r} parameters")
-    refuse_unoffered(params, f"input {name!r}: ", input=name)
+    refuse_unoffered(params, f"input {name!r}: ", shm is not None, input=name)
+    if SHM_REGION in params:
+        if "data" in spec or "binary_data_size" in params:
+            raise bad(f"input {name!r} names a shared memory region and also carries data", input=name)
+        meta = TensorMeta(name=name, dtype=dtype, shape=shape)
+        return meta, shm.input_frame(meta, params), None
     size = params.get("binary_data_size")
     if size is not None:
         if "data" in spec:
@@ -152,35 +168,43 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int) -> tuple[Tens
     return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
-def requested_outputs(outputs: Any, params: dict) -> tuple[list[str] | None, frozenset[str] | bool]:
+def requested_outputs(outputs: Any, params: dict, shm_allowed: bool = False) \
+        -> tuple[list[str] | None, frozenset[str] | bool, dict | None]:
     everything_binary = params.get("binary_data_output", False)
     if type(everything_binary) is not bool:
         raise bad("parameter binary_data_output must be true or false")
     if outputs is None:
-        return None, everything_binary
+        return None, everything_binary, None
     if not isinstance(outputs, list):
         raise bad("\"outputs\" must be a list")
-    names, binary = [], set()
+    names, binary, shm_outputs = [], set(), {}
     for i, spec in enumerate(outputs):
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str):
             raise bad(f"outputs[{i}] needs a \"name\" string")
         out_params = mapping(spec.get("parameters"), f"output {name!r} parameters")
-        refuse_unoffered(out_params, f"output {name!r}: ", output=name)
+        refuse_unoffered(out_params, f"output {name!r}: ", shm_allowed, output=name)
+        if SHM_REGION in out_params:
+            shm_outputs[name] = out_params
         flag = out_params.get("binary_data", everything_binary)
         if type(flag) is not bool:
             raise bad(f"output {name!r}: binary_data must be true or false", output=name)
         names.append(name)
         if flag:
             binary.add(name)
-    return names, frozenset(binary)
+    return names, frozenset(binary), shm_outputs or None
 
 
-def refuse_unoffered(params: dict, where: str, **details) -> None:
-    """A parameter tgw has no meaning for is refused by name, never silently ignored."""
+def refuse_unoffered(params: dict, where: str, shm_allowed: bool = False, **details) -> None:
+    """A parameter tgw has no meaning for is refused by name, never silently ignored; so is a
+    shared memory region where the face does not allow client shared memory."""
     for key, what in UNOFFERED.items():
         if key in params:
             raise bad(f"{where}parameter {key!r}: tgw does not offer {what}", parameter=key, **details)
+    if SHM_REGION in params and not shm_allowed:
+        raise bad(f"{where}parameter {SHM_REGION!r}: client shared-memory regions are off on this face "
+                  "(set http.allow_client_shm: true; docs/SHARED_MEMORY.md)", parameter=SHM_REGION,
+                  reason="client_shm_disabled", **details)
 
 
 def mapping(value: Any, what: str) -> dict:
@@ -215,13 +239,16 @@ def timeout_ms(params: dict) -> int | None:
     return max(1, -(-us // 1000))
 
 
-def encode(reply: InferReply, frames: list, request_id: str | None, binary: frozenset[str] | bool) \
-        -> tuple[bytes, list]:
-    """The JSON header of a reply and the raw outputs that follow it (none: a JSON-only reply)."""
+def encode(reply: InferReply, frames: list, request_id: str | None, binary: frozenset[str] | bool,
+           placed: dict | None = None) -> tuple[bytes, list]:
+    """The JSON header of a reply and the raw outputs that follow it (none: a JSON-only reply).
+    `placed`: outputs written into shared memory regions, by name: their parameters, no data."""
     outputs, blobs = [], []
     for meta, frame in zip(reply.outputs, frames):
         out: dict[str, Any] = {"name": meta.name, "datatype": DATATYPE_OF[meta.dtype], "shape": meta.shape}
-        if binary is True or (binary and meta.name in binary):
+        if placed and meta.name in placed:
+            out["parameters"] = placed[meta.name]
+        elif binary is True or (binary and meta.name in binary):
             out["parameters"] = {"binary_data_size": len(frame)}
             blobs.append(frame)
         else:

@@ -1,5 +1,6 @@
-"""The HTTP face's model answers: KServe v2 metadata and readiness, and the repository extension
-(index, load, unload) wired to the operator's lifecycle controls.
+"""The faces' model answers: KServe v2 metadata and readiness, and the repository extension
+(index, load, unload) wired to the operator's lifecycle controls. The HTTP face routes its
+requests here; the gRPC face calls the same methods with parsed parameters.
 
 Load and unload go through the operator exactly as `tgw-broker models load|unload` do: one at a
 time, answered once done. Like the native control ops they are refused where anyone on the
@@ -43,10 +44,12 @@ def io(specs) -> list[dict]:
 
 class Repository:
     def __init__(self, view: BrokerView, entry: Callable[[str], ModelEntry], ask: Callable[..., Awaitable],
-                 read: Callable[..., Awaitable], host: str = "127.0.0.1", token: str | None = None):
+                 read: Callable[..., Awaitable] | None, host: str = "127.0.0.1", token: str | None = None,
+                 face: str = "an HTTP face"):
         """`entry`: the registry's model by name (raises MODEL_NOT_FOUND); `ask`: a message through
-        the front door, answered; `read`: a request's body."""
-        self.view, self.entry, self.ask, self.read = view, entry, ask, read
+        the front door, answered; `read`: an HTTP request's body (None: another face, which calls
+        index_rows, load_model and unload_model itself); `face`: named in refusals."""
+        self.view, self.entry, self.ask, self.read, self.face = view, entry, ask, read, face
         self.open_to_network = not loopback(host) and not token
 
     # ---- metadata and readiness --------------------------------------------------------------
@@ -133,7 +136,11 @@ class Repository:
     # ---- the repository extension ------------------------------------------------------------
 
     async def index(self, request: web.Request) -> web.Response:
-        only_ready = (await self.body(request)).get("ready", False) is True
+        rows = self.index_rows((await self.body(request)).get("ready", False) is True)
+        return web.Response(body=orjson.dumps(rows), content_type="application/json")
+
+    def index_rows(self, only_ready: bool) -> list[dict]:
+        """Every model version and pipeline: name, version, state, reason."""
         rows = []
         for entry in listed(self.view):
             for v, rec in entry.records.items():
@@ -145,35 +152,46 @@ class Repository:
             state = "READY" if self.ready(plan.name, None) else "UNAVAILABLE"
             if not only_ready or state == "READY":
                 rows.append({"name": plan.name, "version": plan.version, "state": state, "reason": ""})
-        return web.Response(body=orjson.dumps(rows), content_type="application/json")
+        return rows
 
     async def load(self, request: web.Request) -> web.Response:
+        self.control_allowed()   # before the body is read
+        doc = await self.body(request)
+        return self.done(await self.load_model(request.match_info["model"], kserve.mapping(doc.get("parameters"),
+                                                                                             "parameters")))
+
+    async def unload(self, request: web.Request) -> web.Response:
+        self.control_allowed()
+        doc = await self.body(request)
+        return self.done(await self.unload_model(request.match_info["model"],
+                                                 kserve.mapping(doc.get("parameters"), "parameters")))
+
+    async def load_model(self, model: str, parameters: dict) -> str:
         """parameters: version (default: the config's default version), path (a model's; default:
         the config's), handler (a stage's; default: the config's), sha256, weight (a canary beside
-        what serves; none: a hot swap), format."""
+        what serves; none: a hot swap), format. The operator's message."""
         self.control_allowed()
-        entry = self.entry(request.match_info["model"])
-        params = self.params(await self.body(request))
+        entry = self.entry(model)
+        params = self.params(parameters)
         version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
         if "version" not in params and version in entry.records:
-            return self.done(f"{model_key(entry.name, version)} is already loaded")
+            return f"{model_key(entry.name, version)} is already loaded"
         msg = LoadVersion(v=PROTOCOL_VERSION, model=entry.name, version=version, path=params.get("path"),
                           sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"),
                           handler=params.get("handler"))
         reply, _ = await self.ask(msg)
-        return self.done(reply.message)
+        return reply.message
 
-    async def unload(self, request: web.Request) -> web.Response:
+    async def unload_model(self, model: str, parameters: dict) -> str:
         """parameters: version (default: every version of the model)."""
         self.control_allowed()
-        model = request.match_info["model"]
-        params = self.params(await self.body(request), ("version", "unload_dependents"))
+        params = self.params(parameters, ("version", "unload_dependents"))
         reply, _ = await self.ask(UnloadVersion(v=PROTOCOL_VERSION, model=model, version=params.get("version")))
-        return self.done(reply.message)
+        return reply.message
 
     def control_allowed(self) -> None:
         if self.open_to_network:
-            raise fail(Code.UNAUTHENTICATED, "repository load and unload are refused on an HTTP face listening "
+            raise fail(Code.UNAUTHENTICATED, f"repository load and unload are refused on {self.face} listening "
                        "beyond loopback unless server.auth_token_file is configured")
 
     async def body(self, request: web.Request) -> dict:
@@ -189,13 +207,12 @@ class Repository:
         return doc
 
     @staticmethod
-    def params(doc: dict, allowed=("version", "path", "handler", "sha256", "weight", "format")) -> dict:
-        params = kserve.mapping(doc.get("parameters"), "parameters")
+    def params(params: dict, allowed=("version", "path", "handler", "sha256", "weight", "format")) -> dict:
         for key, value in params.items():
             want = LOAD_PARAMS.get(key) if key in allowed else None
             if want is None and (key == "config" or key.startswith("file:")):
                 raise fail(Code.INVALID_ARGUMENT, f"parameter {key!r}: tgw takes no model config or files over "
-                           "HTTP; it loads files that lie in model_roots (give parameters.path, or a stage's "
+                           "HTTP or gRPC; it loads files that lie in model_roots (give parameters.path, or a stage's "
                            "parameters.handler)", parameter=key)
             if want is None:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown parameter {key!r}: tgw takes {', '.join(allowed)}",

@@ -22,7 +22,8 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
-from tgw.broker.config.load import Config, ConfigError, ModelDecl, file_sha256, load_config, with_http_port
+from tgw.broker.config.load import (Config, ConfigError, ModelDecl, file_sha256, load_config, with_grpc_port,
+                                     with_http_port)
 from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
@@ -81,7 +82,7 @@ def stage_changes(old: Config, new: Config, was: dict, now: dict, served: Callab
 
 def restart_only(old: Config, new: Config) -> list[str]:
     """The keys whose change a running broker cannot apply."""
-    keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant", "http",
+    keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant", "http", "grpc",
                         "observability")
             if getattr(old, k) != getattr(new, k)]
     if old.workers.model_dump(exclude={"max_model_memory"}) != new.workers.model_dump(exclude={"max_model_memory"}):
@@ -141,6 +142,8 @@ class Reloader:
                        reason="invalid_config") from None
         if self.cfg._http_port is not None:   # `start --http-port` still holds
             new = with_http_port(new, self.cfg._http_port)
+        if self.cfg._grpc_port is not None:   # and `start --grpc-port`
+            new = with_grpc_port(new, self.cfg._grpc_port)
         refused = restart_only(self.cfg, new) + self._arena_misfits(new) + \
             stage_changes(self.cfg, new, self.digests, digests, self._served)
         if refused:

@@ -48,7 +48,14 @@ def broker_families(view: BrokerView, now: float) -> Iterator:
                                     "for them any more (cancelled, client_closed, client_gone)", labels=["reason"])
     for reason, n in view.abandoned().items():
         abandoned.add_metric([reason], n)
-    yield from (refused, dropped, abandoned)
+    cancelled = CounterMetricFamily("tgw_requests_cancelled", "Requests withdrawn because nobody waits for them "
+                                    "(cancel, caller closed or gone, gRPC cancelled or past its deadline), by where "
+                                    "each was: queued, staged (taken out of its batch before launch), computing "
+                                    "(computed, its answer dropped), pipeline (a run stopped)", labels=["model", "where"])
+    for model, wheres in view.cancelled().items():
+        for where, n in wheres.items():
+            cancelled.add_metric([model, where], n)
+    yield from (refused, dropped, abandoned, cancelled)
 
 
 def worker_families(view: BrokerView, now: float) -> Iterator:

@@ -62,6 +62,8 @@ class BrokerView:
     regions: Callable[[], dict]         # the front door's shared-memory regions ({} before it exists)
     scrape: Callable[[], tuple[bytes, str]]   # the /metrics exposition and its content type
     pipelines: "Pipelines"              # the pipelines served (their table, counters)
+    grpc_address: Callable[[], str] = lambda: ""   # the gRPC face's address (host:port; "" without one)
+    cancelled: Callable[[], dict] = dict   # withdrawn requests: model -> where -> n (front/abandon.py)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -130,7 +132,7 @@ def stats(view: BrokerView, req_id: int) -> StatsReply:
                       dropped=seen.get("dropped", {}), abandoned=view.abandoned(),
                       clients={"connected": view.callers.connected, "max_clients": view.callers.max_clients,
                                "denied": view.callers.denied, "owed": sum(view.callers.owed.values())},
-                      regions=view.regions())
+                      regions=view.regions(), cancelled=view.cancelled())
 
 
 def versions(view: BrokerView, model: str) -> dict:
@@ -161,7 +163,7 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
-                       http=view.http_address(),
+                       http=view.http_address(), grpc=view.grpc_address(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 

@@ -2,6 +2,7 @@
 
 The broker writes the input arena (allocates, copies a batch's rows contiguously per input)
 and reads the output arena (slices each request's rows, then releases the block).
+The batches in flight are Inflight records (inflight.py), withdrawals from them included.
 """
 from __future__ import annotations
 
@@ -11,26 +12,11 @@ from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Heartbeat, IOSpec, model_key
+from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Heartbeat, IOSpec, Withdraw, model_key
 
 from . import cuda
+from .inflight import Gone, Inflight, drop_from, left_out, take_out  # noqa: F401 - Inflight: its home for callers
 from .pending import Pending
-
-
-@dataclass
-class Inflight:
-    batch_id: int
-    model: str
-    key: str                     # "name:version"
-    requests: list[Pending]      # not yet answered: a part's requests leave as it arrives
-    block: int
-    rows: int
-    answered: int = 0            # requests answered by parts so far (they come in order)
-
-    @property
-    def suspect(self) -> bool:
-        """A retry after a worker death: it may be what kills workers."""
-        return bool(self.requests) and self.requests[0].alone
 
 
 class WorkerState(str, Enum):
@@ -208,6 +194,21 @@ class WorkerHandle:
                       traces=[t or "" for t in traces] if any(traces) else [])
         return cuda.attach(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
+    def withdraw(self, wanted) -> tuple[list[Pending], list[Withdraw]]:
+        """Take the requests `wanted(p)` picks out of the batches in flight: (those requests, the
+        Withdraw messages asking the worker to leave them out of batches it may not have launched)."""
+        taken, asks = [], []
+        for batch in self.inflight.values():
+            hits, ask = take_out(batch, wanted)
+            taken += hits
+            if ask is not None:
+                asks.append(ask)
+        return taken, asks
+
+    def withdrawn_in_flight(self) -> list[Gone]:
+        """The withdrawn requests still holding places in batches in flight (the worker died)."""
+        return [e for batch in self.inflight.values() for e in batch.order if type(e) is Gone]
+
     def finish(self, done: Done) -> Inflight | None:
         """Take the batch a completion answers out of flight and release its input block."""
         batch = self.inflight.pop(done.batch_id, None)
@@ -215,30 +216,36 @@ class WorkerHandle:
             self.inputs.release(batch.block)
         return batch
 
-    def take_part(self, done: Done) -> tuple[Inflight | None, list[Pending]]:
-        """The batch a completion answers (None: unknown) and the requests it answers, taken out
-        of that batch; the final part (a whole batch's completion is one) takes the batch out of
-        flight too."""
+    def take_part(self, done: Done) -> tuple[Inflight | None, list, list]:
+        """The batch a completion answers (None: unknown), the places it answers (requests, and
+        Gone for withdrawn ones whose rows it carries), taken out of that batch, and the places
+        the worker left out (Done.withdrawn, on its first completion of the batch); the final
+        part (a whole batch's completion is one) takes the batch out of flight too."""
         batch = self.inflight.get(done.batch_id)
         if batch is None:
-            return None, []
+            return None, [], []
+        dropped = left_out(batch, done.withdrawn) if done.withdrawn and not batch.reported else []
         lo = done.first - batch.answered
-        hi = lo + done.count if done.count else len(batch.requests)
-        part = batch.requests[lo:hi]
-        del batch.requests[lo:hi]  # answered now: a later worker death must not retry them
+        hi = lo + done.count if done.count else len(batch.order)
+        part = batch.order[lo:hi]
+        del batch.order[lo:hi]  # answered now: a later worker death must not retry them
         batch.answered += len(part)
-        for p in part:
+        live = [p for p in part if type(p) is not Gone]
+        if live:
+            drop_from(batch.requests, live)
+        for p in live:
             p.compute_us = done.compute_us
         if done.final:
             self.finish(done)
-        return batch, part
+        return batch, part, dropped
 
-    def output_rows(self, done: Done, batch: Inflight, requests: list[Pending] | None = None):
-        """Yield (request, {output name: memoryview of its rows}) for each request the completion
-        answers: those given (a part's), else every request of the batch. A bytes output's rows
-        have no fixed size: its `cuts` say where each begins."""
+    def output_rows(self, done: Done, batch: Inflight, requests: list | None = None):
+        """Yield (request, {output name: memoryview of its rows}) for each place the completion
+        answers: those given (a part's), else every place of the batch (a withdrawn one, Gone,
+        too: its rows are skipped by the caller). A bytes output's rows have no fixed size: its
+        `cuts` say where each begins."""
         buf = self.segment.buf
-        requests = batch.requests if requests is None else requests
+        requests = batch.order if requests is None else requests
         rows = sum(p.rows for p in requests)
         row = 0
         for p in requests:

@@ -341,12 +341,15 @@ def test_stop_answers_the_http_requests_in_flight(make_broker, model_files):
     assert b.stop() == 0
 
 
-def test_http_port_flag_turns_the_face_on_and_survives_a_reload(make_broker, model_files):
-    cfg = base_config(model_files, "mlp")                  # no http section: off unless asked
-    b = make_broker(cfg, start=False).start(args=("--http-port", "0"))
+def test_port_flags_turn_the_faces_on_and_survive_a_reload(make_broker, model_files):
+    import tritonclient.grpc as grpcclient
+    cfg = base_config(model_files, "mlp")                  # no http or grpc section: off unless asked
+    b = make_broker(cfg, start=False).start(args=("--http-port", "0", "--grpc-port", "0"))
     with Client(b.address) as c:
-        url = c.status()["http"]
+        url, grpc_address = c.status()["http"], c.status()["grpc"]
     assert urllib.request.urlopen(f"{url}/v2/health/live", timeout=10).status == 200
+    with grpcclient.InferenceServerClient(grpc_address) as g:
+        assert g.is_server_live() and g.get_model_metadata("mlp").name == "mlp"
     reload = [sys.executable, "-m", "tgw.broker", "reload", "--address", b.address, "--json"]
     out = subprocess.run(reload, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "no changes" in json.loads(out.stdout)["message"], out

@@ -45,7 +45,9 @@ MARKERS = {
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",
     "http-example:statistics": "test_http_triton_docs.py::test_the_docs_example_runs_as_printed",
+    "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",
     "pipeline-example:config": "test_pipeline_config.py::test_the_docs_example_passes_check_config",
+    "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
 }
 
 
@@ -249,7 +251,7 @@ def test_every_code_block_marker_occurs_once_and_is_run_by_a_test():
 def test_readme_lists_every_document():
     readme = read(os.path.join(ROOT, "README.md"))
     table = readme.split("\n## Documents\n", 1)[1].split("\n## ", 1)[0]
-    listed = re.findall(r"^\| \[docs/([A-Z]+\.md)\]\(docs/\1\) \| \S", table, re.M)
+    listed = re.findall(r"^\| \[docs/([A-Z_]+\.md)\]\(docs/\1\) \| \S", table, re.M)
     on_disk = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
     assert sorted(listed) == on_disk
 

@@ -18,7 +18,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
                           WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
-from tgw.shm.wire_worker import GpuReading
+from tgw.shm.wire_worker import GpuReading, Withdraw
 
 V = PROTOCOL_VERSION
 x_meta = TensorMeta(name="x", dtype="float32", shape=[2, 256])
@@ -102,6 +102,7 @@ TO_WORKER = [
     SnapshotRequest(snapshot_id=3, top=10),
     LoadModel(spec=ModelSpec(name="mlp", version="2", path="/m.pt", inputs=[io], outputs=[io], sha256="b" * 64)),
     UnloadModel(key="mlp:1"),
+    Withdraw(batch_id=7, requests=[0, 2]),
 ]
 
 FROM_WORKER = [
