@@ -25,10 +25,11 @@ from tgw.bench.baselines import EchoServer, FlaskServer, floor_row, run_floors
 from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
-from tgw.bench.grpc_target import GrpcTarget
+from tgw.bench.grpc_target import GrpcStreamTarget, GrpcTarget
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target
 
 SERVERS = ("transport", *report.TGW_SYSTEMS, "flask")
+GRPC_TARGETS = {"tgw_grpc": GrpcTarget, "tgw_grpc_stream": GrpcStreamTarget}
 MODES = {  # seconds measured per row, warm-up per row, seconds per floor batch size, floor rounds
     "quick": {"duration": 2.0, "warmup": 0.5, "floor_seconds": 0.5, "floor_rounds": 1},
     "full": {"duration": 15.0, "warmup": 3.0, "floor_seconds": 3.0, "floor_rounds": 2},
@@ -75,7 +76,8 @@ def scenario_result(sc: Scenario, payload_bytes: int, rows: dict[str, dict]) -> 
                        f"{s}_over_flask_p50": ratio(s, "flask", "p50"),
                        f"{s}_over_tgw_throughput": ratio(s, "tgw", "throughput_rps"),
                        f"{s}_broker_us_over_tgw": ratio(s, "tgw", "broker_us")})
-    ratios["tgw_grpc_over_http_bin_throughput"] = ratio("tgw_grpc", "tgw_http_bin", "throughput_rps")
+    for s in GRPC_TARGETS:
+        ratios[f"{s}_over_http_bin_throughput"] = ratio(s, "tgw_http_bin", "throughput_rps")
     return {"scenario": sc.key, "model": sc.model, "concurrency": sc.concurrency, "payload_bytes": payload_bytes,
             "rows": rows, "ratios": ratios}
 
@@ -204,8 +206,9 @@ class Servers:
                 row = measure(target, spec, self.echo.processes)
             elif system == "tgw":
                 row = measure(TgwTarget(self.tgw.address, sc.model, timeout=60.0), spec, processes, **tgw)
-            elif system == "tgw_grpc":
-                row = measure(GrpcTarget(self.info["tgw"]["grpc"], sc.model, m, timeout=60.0), spec, processes, **tgw)
+            elif system in GRPC_TARGETS:
+                target = GRPC_TARGETS[system](self.info["tgw"]["grpc"], sc.model, m, timeout=60.0)
+                row = measure(target, spec, processes, **tgw)
             else:
                 drive = functools.partial(wrk_drive, self.wrk) if self.wrk else \
                     functools.partial(loadgen_drive, kind="python-fallback")

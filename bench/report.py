@@ -14,11 +14,11 @@ from typing import Any, Iterable
 import numpy as np
 import psutil
 
-SYSTEMS = ("in-process", "transport", "tgw", "tgw_http", "tgw_http_bin", "tgw_grpc", "flask")
+SYSTEMS = ("in-process", "transport", "tgw", "tgw_http", "tgw_http_bin", "tgw_grpc", "tgw_grpc_stream", "flask")
 LABELS = {"in-process": "in-process floor", "transport": "transport floor (pyzmq echo)",
           "tgw": "tgw native", "tgw_http": "tgw HTTP", "tgw_http_bin": "tgw HTTP binary",
-          "tgw_grpc": "tgw gRPC", "flask": "Flask+gunicorn"}
-TGW_SYSTEMS = ("tgw", "tgw_http", "tgw_http_bin", "tgw_grpc")   # rows served by the one tgw broker of a run
+          "tgw_grpc": "tgw gRPC", "tgw_grpc_stream": "tgw gRPC stream", "flask": "Flask+gunicorn"}
+TGW_SYSTEMS = ("tgw", "tgw_http", "tgw_http_bin", "tgw_grpc", "tgw_grpc_stream")   # rows served by the one tgw broker of a run
 HTTP_SYSTEMS = ("tgw_http", "tgw_http_bin", "flask")  # rows loaded by the HTTP generator (wrk or its fallback)
 LATENCY_KEYS = (("p50", "p50"), ("p90", "p90"), ("p99", "p99"), ("p99_9", "p99.9"))
 

@@ -295,11 +295,11 @@ def test_v2_bodies(models):
 
 
 def test_compare_http_rows_end_to_end(models):
-    """tgw native, tgw HTTP (the JSON body Flask gets), tgw HTTP binary and tgw gRPC against one broker, and
+    """tgw native, tgw HTTP (the JSON body Flask gets), tgw HTTP binary and tgw gRPC (unary and stream) against one broker, and
     Flask+gunicorn, through the comparison's own Servers on tiny settings: every row filled, the
     broker's stats and CPU accounting on the HTTP rows, the ratios, a clean broker stop."""
     work = tempfile.mkdtemp(prefix="tgwbh-", dir="/tmp")
-    a = argparse.Namespace(systems=["tgw", "tgw_http", "tgw_http_bin", "tgw_grpc", "flask"], duration=0.5, warmup=0.2, procs=1,
+    a = argparse.Namespace(systems=["tgw", "tgw_http", "tgw_http_bin", "tgw_grpc", "tgw_grpc_stream", "flask"], duration=0.5, warmup=0.2, procs=1,
                            tgw_workers=1, flask_workers=1, floor_seconds=0.05, floor_procs=1, floor_module="freeze",
                            floor_rounds=1)
     try:
@@ -321,10 +321,13 @@ def test_compare_http_rows_end_to_end(models):
         assert row["generator"]["kind"] in ("wrk", "python-fallback") and row["target"] == system
         assert row["broker_stats"]["requests"] >= row["requests_ok"] // 2 and "worker_busy" in row["batching"]
         _check_costs(row, ["broker", "worker"])
-    assert rows["tgw_grpc"]["target"] == "tgw_grpc" and srv["grpc"].startswith("127.0.0.1:")
-    _check_costs(rows["tgw_grpc"], ["broker", "worker"])
+    assert srv["grpc"].startswith("127.0.0.1:")
+    for system in ("tgw_grpc", "tgw_grpc_stream"):
+        assert rows[system]["target"] == system and rows[system]["broker_stats"]["requests"] >= rows[system]["requests_ok"]
+        _check_costs(rows[system], ["broker", "worker"])
     for key in ("tgw_http_over_flask_throughput", "tgw_http_bin_over_tgw_throughput", "tgw_http_broker_us_over_tgw",
-                "tgw_http_bin_broker_us_over_tgw", "tgw_grpc_over_http_bin_throughput", "tgw_grpc_broker_us_over_tgw"):
+                "tgw_http_bin_broker_us_over_tgw", "tgw_grpc_over_http_bin_throughput", "tgw_grpc_stream_over_http_bin_throughput",
+                "tgw_grpc_broker_us_over_tgw"):
         assert sc["ratios"][key] > 0
 
 
