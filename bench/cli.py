@@ -7,6 +7,7 @@
     tgw-bench lifecycle [--quick]                       # hot swap, canary, unload RSS, on-demand residency
     tgw-bench pipeline [--quick]                        # classify pipeline vs floor, Flask, caller-decodes
     tgw-bench cancel [--requests 1000]                  # callers giving up behind a slow batch: never computed
+    tgw-bench fleet [--quick]                           # three brokers behind HAProxy: kill, roll, swap, scale
 
 `load` drives a running broker, one level after the other; `tgw-bench --model ...` without a
 subcommand is `load`. `compare` writes bench/results/ and RESULTS.md. `overload` (overload.py)
@@ -23,7 +24,7 @@ import signal
 import sys
 from typing import Optional
 
-from tgw.bench import cancel_bench, comparison, lifecycle_run, overload, pipeline_bench, report
+from tgw.bench import cancel_bench, comparison, fleet, lifecycle_run, overload, pipeline_bench, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.selfhosted import subset
@@ -88,6 +89,7 @@ def parser(prog: str = "tgw-bench") -> argparse.ArgumentParser:
     lifecycle_run.add_parser(sub)
     pipeline_bench.add_parser(sub)
     cancel_bench.add_parser(sub)
+    fleet.add_parser(sub)
 
     for p in (ld, cmp):
         p.add_argument("--procs", type=int, default=0, help="generator processes (default: half the cores, 2..4)")
@@ -137,7 +139,7 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
     """command: a fixed subcommand (bench/compare.py passes "compare" and its own prog)."""
     args = list(sys.argv[1:] if argv is None else argv)
     full = ([command] if command else []) + args
-    if full and full[0] not in ("load", "compare", "overload", "lifecycle", "pipeline", "cancel", "-h",
+    if full and full[0] not in ("load", "compare", "overload", "lifecycle", "pipeline", "cancel", "fleet", "-h",
                                        "--help"):
         full.insert(0, "load")  # the form without a subcommand
     a = parser(prog).parse_args(full)
@@ -154,6 +156,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "tgw-bench", command: Opt
             return pipeline_bench.run(a, a.command_line)
         if a.command == "cancel":
             return cancel_bench.run(a, a.command_line)
+        if a.command == "fleet":
+            return fleet.run(a, a.command_line)
         return comparison.run(a, a.command_line)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

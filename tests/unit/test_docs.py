@@ -48,6 +48,7 @@ MARKERS = {
     "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",
     "pipeline-example:config": "test_pipeline_config.py::test_the_docs_example_passes_check_config",
     "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
+    "scale-out-example:instance": "test_recipe_files.py::test_the_docs_instance_config_passes_check_config",
 }
 
 
@@ -251,7 +252,7 @@ def test_every_code_block_marker_occurs_once_and_is_run_by_a_test():
 def test_readme_lists_every_document():
     readme = read(os.path.join(ROOT, "README.md"))
     table = readme.split("\n## Documents\n", 1)[1].split("\n## ", 1)[0]
-    listed = re.findall(r"^\| \[docs/([A-Z_]+\.md)\]\(docs/\1\) \| \S", table, re.M)
+    listed = re.findall(r"^\| \[docs/([A-Z_-]+\.md)\]\(docs/\1\) \| \S", table, re.M)
     on_disk = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
     assert sorted(listed) == on_disk
 

@@ -1,0 +1,170 @@
+"""The fleet's load: closed-loop HTTP callers through the balancer, every answer checked.
+
+Each of `concurrency` threads keeps one keep-alive connection to HAProxy and one request in
+flight, cycling over its own routing keys (sent as the `tgw-routing-key` header, which the
+hash variant balances on, and as the request's `routing_key` parameter, which the broker keeps
+on one version). The model is y = x + k for version k (bench/lifecycle.py), so each reply is
+checked exactly: its `model_version` is one the phase allows and its output is the input plus
+that version. A key's versions may only move forward (a key seeing v2 then v1 is counted).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+import orjson
+
+from tgw.bench.lifecycle import WIDTH
+from tgw.bench.targets import CallError, HttpConnection, error_code
+
+KEYS_PER_CALLER = 4
+TRANSPORT_ERRORS = ("ConnectionResetError", "ConnectionRefusedError", "BrokenPipeError", "TimeoutError",
+                    "timeout", "ValueError", "OSError")   # no HTTP answer at all: a dropped request
+
+
+class BodyConnection(HttpConnection):
+    """HttpConnection that keeps each reply's body (HttpConnection reads it only to skip it)."""
+
+    def reply(self) -> tuple[int, bool]:
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            self.fill()
+        status_line, *lines = self.buf[:end].decode("latin-1").split("\r\n")
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        if "content-length" not in fields:
+            raise ValueError(f"a reply without Content-Length: {status_line}")
+        total = end + 4 + int(fields["content-length"])
+        while len(self.buf) < total:
+            self.fill()
+        self.body = bytes(self.buf[end + 4:total])
+        del self.buf[:total]
+        return int(status_line.split(" ", 2)[1]), \
+            status_line.startswith("HTTP/1.1") and fields.get("connection", "").lower() != "close"
+
+
+class WrongAnswer(Exception):
+    code = "WRONG_ANSWER"
+
+
+def request(port: int, model: str, key: str, x: np.ndarray) -> bytes:
+    body = orjson.dumps({"inputs": [{"name": "x", "shape": [1, WIDTH], "datatype": "FP32",
+                                     "data": x.ravel().tolist()}], "parameters": {"routing_key": key}})
+    head = (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\ntgw-routing-key: {key}\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def check(body: bytes, x: np.ndarray, versions: set[int]) -> int:
+    """The reply's version, once its output is x + version and the version is allowed."""
+    doc = orjson.loads(body)
+    try:
+        k = int(doc["model_version"])
+        y = np.asarray(doc["outputs"][0]["data"], np.float32)
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        raise WrongAnswer(f"malformed reply {body[:200]!r}: {exc}") from exc
+    if k not in versions:
+        raise WrongAnswer(f"version {k} not in {sorted(versions)}")
+    if not np.array_equal(y, (x + k).ravel()):
+        raise WrongAnswer(f"version {k}: {y.tolist()} is not x + {k} for x = {x.ravel().tolist()}")
+    return k
+
+
+class Caller:
+    def __init__(self, index: int, port: int, model: str):
+        self.keys = [f"key-{index}-{j}" for j in range(KEYS_PER_CALLER)]
+        self.inputs = [np.array([[index, j, 0.5, 0.25]], np.float32) for j in range(KEYS_PER_CALLER)]
+        self.requests = [request(port, model, k, x) for k, x in zip(self.keys, self.inputs)]
+        self.conn = BodyConnection("127.0.0.1", port, 30.0)
+        self.ok, self.errors, self.messages = 0, Counter(), {}
+        self.done = array("d")            # completion times of the answers (time.monotonic)
+        self.versions: Counter = Counter()
+        self.last = [0] * KEYS_PER_CALLER
+        self.backward: list[str] = []
+
+    def run(self, stop: threading.Event, allowed: list[set[int]]) -> None:
+        j = 0
+        while not stop.is_set():
+            try:
+                status = self.conn.exchange(self.requests[j])
+                if status != 200:
+                    raise CallError(f"HTTP_{status}", repr(self.conn.body[:300]))
+                k = check(self.conn.body, self.inputs[j], allowed[0])
+            except Exception as exc:  # noqa: BLE001 - every failure is counted by its kind
+                code = error_code(exc)
+                self.errors[code] += 1
+                self.messages.setdefault(code, str(exc)[:300])
+            else:
+                self.ok += 1
+                self.done.append(time.monotonic())
+                self.versions[k] += 1
+                if k < self.last[j]:
+                    self.backward.append(f"{self.keys[j]}: v{k} after v{self.last[j]}")
+                self.last[j] = max(self.last[j], k)
+            j = (j + 1) % KEYS_PER_CALLER
+        self.conn.close()
+
+
+class Load:
+    """`concurrency` callers through the balancer on `port`, from start() to stop()."""
+
+    def __init__(self, port: int, model: str, concurrency: int, versions: set[int]):
+        self.callers = [Caller(i, port, model) for i in range(concurrency)]
+        self.allowed = [set(versions)]   # a list so the threads see a change at once
+        self.stop_event = threading.Event()
+        self.threads = [threading.Thread(target=c.run, args=(self.stop_event, self.allowed), daemon=True)
+                        for c in self.callers]
+        self.t0 = self.t1 = 0.0
+
+    def start(self) -> "Load":
+        self.t0 = time.monotonic()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def answered(self) -> int:
+        return sum(c.ok for c in self.callers)
+
+    def wait_answers(self, n: int, timeout: float = 60.0) -> None:
+        """Until `n` more answers came (a phase's step happens under load, not before it)."""
+        goal, deadline = self.answered() + n, time.monotonic() + timeout
+        while self.answered() < goal:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the load got {self.answered() - goal + n} of {n} answers in {timeout:g}s: "
+                                   f"{self.errors()}")
+            time.sleep(0.02)
+
+    def errors(self) -> Counter:
+        return sum((c.errors for c in self.callers), Counter())
+
+    def stop(self) -> dict:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(60)
+        self.t1 = time.monotonic()
+        errors = self.errors()
+        messages: dict[str, str] = {}
+        for c in self.callers:
+            for k, v in c.messages.items():
+                messages.setdefault(k, v)
+        backward = [b for c in self.callers for b in c.backward]
+        ok = self.answered()
+        return {"requests": ok + sum(errors.values()), "ok": ok, "failed": sum(errors.values()),
+                "dropped": sum(v for k, v in errors.items() if k in TRANSPORT_ERRORS),
+                "errors": dict(errors), "error_messages": messages, "seconds": round(self.t1 - self.t0, 2),
+                "throughput_rps": round(ok / max(self.t1 - self.t0, 1e-9), 1),
+                "by_version": {str(k): v for k, v in sorted(sum((c.versions for c in self.callers),
+                                                                Counter()).items())},
+                "backward": backward[:10], "backward_count": len(backward)}
+
+    def longest_stall(self, t_from: float, t_to: float) -> Optional[float]:
+        """The longest time in [t_from, t_to] with no answer completing, in seconds (after stop():
+        a running caller's array may not be read while it grows)."""
+        times = np.sort(np.concatenate([np.frombuffer(c.done, np.float64) for c in self.callers]))
+        inside = times[(times >= t_from) & (times <= t_to)]
+        if not len(inside):
+            return None
+        edges = np.concatenate([[t_from], inside, [min(t_to, self.t1 or t_to)]])
+        return float(np.max(np.diff(edges)))
