@@ -2,12 +2,11 @@
 and tgw-hash.cfg, addresses replaced), closed-loop HTTP load, every answer checked by the bench.
 
 The default run takes the phases whose outcome is a rule - SIGKILL one broker, a rolling restart,
-a hot swap behind leastconn and behind the consistent-hash variant - and checks: the table is
-printed, 0 failed requests in the kill and the rolling restart (HAProxy retries a refused
+a hot swap behind the consistent-hash variant - and checks: the table is printed, 0 failed requests in the kill and the rolling restart (HAProxy retries a refused
 connection, an empty answer and a 503 on another broker, inference being idempotent), every
 answer right, versions only the swap's two, no routing key back to the old version behind the
-hash variant, and every process the bench started stopped. TGW_SLOW=1 adds the scale-up and the
-scaling phases (their goals are measured figures on a shared 2-core machine: reported, not asserted).
+hash variant, and every process the bench started stopped. TGW_SLOW=1 adds the swap behind leastconn,
+the scale-up and the scaling phases (their goals are measured figures on a shared 2-core machine: reported, not asserted).
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import psutil
 import pytest
 
 SLOW = os.environ.get("TGW_SLOW") == "1"
-PHASES = "kill,rolling,scale_up,scaling,swap,swap_hash" if SLOW else "kill,rolling,swap,swap_hash"
+PHASES = "kill,rolling,scale_up,scaling,swap,swap_hash" if SLOW else "kill,rolling,swap_hash"
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"),
                                 reason="haproxy is not installed (scripts/test.sh installs it)")
@@ -63,7 +62,7 @@ def test_kill_and_rolling_restart_fail_nothing(fleet_run):
 
 def test_swaps_keep_versions_and_keys_in_order(fleet_run):
     results = fleet_run[2]["results"]
-    for name in ("swap", "swap_hash"):
+    for name in ("swap", "swap_hash") if SLOW else ("swap_hash",):
         r = results[name]
         assert r["failed"] == 0, (name, r["errors"])
         assert set(r["by_version"]) <= {str(r["old"]), str(r["new"])}, (name, r["by_version"])
