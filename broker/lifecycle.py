@@ -8,6 +8,12 @@ supervisor schedules its restart, the broker routes to the new process once spaw
 
 Start-up waits on events, not on an interval: a worker's ready or failed handshake, a worker
 process's exit (its pidfd, fleet/exits.py), a stop signal, or the start timeout.
+
+Stopping has two steps: with server.drain_notice_s, the first SIGTERM/SIGINT starts the notice
+(phase draining: health says not ready so balancers stop sending, while every request is still
+taken and served); then the drain (phase stopping: new requests refused, queued and in-flight
+ones finish within shutdown_grace_s). A second signal ends the notice; one more stops waiting
+for the drain.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.fleet.systemd import sd_notify
 from tgw.broker.state.pool import WorkerHandle, WorkerState
+from . import wiring
 from .server import Broker, Phase
 
 log = logging.getLogger("tgw.broker")
@@ -36,9 +43,12 @@ class Lifecycle:
         self.broker, self.supervisor = broker, supervisor
         self.start_timeout_s = cfg.workers.start_timeout_s
         self.grace_s = cfg.supervisor.shutdown_grace_s
+        self.notice_s = cfg.server.drain_notice_s
+        self.load = wiring.load_report(broker)   # refreshed on each look (observe/load.py)
         self.hangs = HangJudge(cfg.supervisor, broker.costs, cfg.workers.start_timeout_s)
-        self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: drain, then stop
-        self.force_event = asyncio.Event()   # a second one: stop now
+        self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: the notice (if any), drain, then stop
+        self.skip_event = asyncio.Event()    # a second one during the notice: drain now
+        self.force_event = asyncio.Event()   # one more (a second, without a notice): stop now
         self._last_ping = 0.0
         self.changed = asyncio.Event()       # a worker became ready, failed, or exited: look again
         self.exits: ExitWatch | None = None  # made on the loop, in run
@@ -46,7 +56,10 @@ class Lifecycle:
         broker.handshake.on_failed = lambda w: self.changed.set()
 
     def on_stop_signal(self) -> None:
-        if self.stop_event.is_set():
+        if self.stop_event.is_set() and self.broker.phase is Phase.DRAINING and not self.skip_event.is_set():
+            log.warning("second stop signal: ending the drain notice, draining now")
+            self.skip_event.set()
+        elif self.stop_event.is_set():
             log.warning("second stop signal: not waiting for the drain")
             self.force_event.set()
         self.stop_event.set()
@@ -95,6 +108,7 @@ class Lifecycle:
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
             await self.stop_event.wait()
             sd_notify("STOPPING=1")
+            await self._notice()
             await self._drain()
         finally:
             monitor.cancel()
@@ -169,6 +183,7 @@ class Lifecycle:
         if self.broker.phase is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")
+        self.load.refresh(now)   # last: a failure here cannot keep the looks above from happening
 
     def _recycle(self) -> None:
         """Leaking workers: start a successor; once it serves, route nothing more to the old one;
@@ -185,6 +200,21 @@ class Lifecycle:
                 w.retiring = True
             if w.retiring and not w.inflight:
                 self.broker.stop_worker(w)
+
+    async def _notice(self) -> None:
+        """Not ready for drain_notice_s (health only: requests are taken and served as before),
+        so balancers' health checks take this broker out of rotation before it refuses work."""
+        if self.notice_s <= 0 or self.skip_event.is_set() or self.force_event.is_set():
+            return
+        self.broker.announce_stop()
+        self.load.refresh(time.monotonic(), force=True)   # the header says draining from now on
+        log.info("drain notice: reporting not ready for %g s, still serving; then draining", self.notice_s,
+                 extra={"event": "drain_notice", "notice_s": self.notice_s})
+        sd_notify(f"STATUS=drain notice: not ready for {self.notice_s:g} s, still serving")
+        try:
+            await asyncio.wait_for(self.skip_event.wait(), self.notice_s)
+        except TimeoutError:
+            pass
 
     async def _drain(self) -> None:
         """Finish queued and in-flight work within the grace (new requests are refused

@@ -49,6 +49,7 @@ log = logging.getLogger("tgw.broker")
 class Phase(Enum):
     STARTING = "starting"    # workers loading; requests for versions not yet ready are refused
     SERVING = "serving"
+    DRAINING = "draining"    # the drain notice (server.drain_notice_s): not ready, still serving everything
     STOPPING = "stopping"    # new requests refused; queued and in-flight ones finish
 
 
@@ -156,10 +157,15 @@ class Broker:
         return taken
 
     def is_serving(self) -> bool:
-        return self.phase is Phase.SERVING
+        """Taking and serving requests: also during the drain notice, which only health hides."""
+        return self.phase is Phase.SERVING or self.phase is Phase.DRAINING
 
     def start_serving(self) -> None:
         self.phase = Phase.SERVING
+
+    def announce_stop(self) -> None:
+        """The drain notice: health says not ready, everything else goes on serving."""
+        self.phase = Phase.DRAINING
 
     def begin_stop(self) -> None:
         self.phase = Phase.STOPPING

@@ -16,6 +16,7 @@ from tgw.broker.models.operator import OperatorDeps
 from tgw.broker.models.reload import ReloadDeps
 from tgw.broker.models.rollout import RolloutDeps
 from tgw.broker.observe import status
+from tgw.broker.observe.load import LoadReport
 from tgw.broker.observe.status import BrokerView
 from tgw.broker.pipeline.executor import PipelineDeps
 
@@ -62,7 +63,7 @@ def observe_view(b) -> BrokerView:
                       abandoned=_door(b, lambda door: dict(door.abandon.counts)),
                       cancelled=_door(b, lambda door: door.abandon.cancelled_by_model()),
                       regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
-                      pipelines=b.pipelines)
+                      pipelines=b.pipelines, latencies=lambda: {m: s.e2e for m, s in b.metrics.series.items()})
 
 
 def _door(b, read):
@@ -74,7 +75,17 @@ def face_deps(b) -> FaceDeps:
     """The HTTP face's record: after attach, as the front door's methods are bound here."""
     return FaceDeps(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
                     infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note,
-                    withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason), shm=client_shm(b))
+                    withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason), shm=client_shm(b),
+                    load=load_report(b))
+
+
+def load_report(b) -> LoadReport:
+    """The one load report (observe/load.py): the faces attach its header, the lifecycle
+    refreshes it on each periodic look; made on first use."""
+    report = getattr(b, "load", None)
+    if report is None:
+        report = b.load = LoadReport(b.view)
+    return report
 
 
 def client_shm(b) -> TritonShm:

@@ -98,6 +98,9 @@ class ServerDecl(Strict):
     curve_secret_key_file: Optional[str] = None   # ZeroMQ CURVE key pair (tgw-broker keygen)
     # shared-memory regions (docs/PROTOCOL.md 5.9): the bytes one client process may register, in all
     max_region_bytes: Annotated[int, Field(ge=0)] = 1 << 30
+    # on the first SIGTERM/SIGINT: seconds of reporting not ready while still serving (so
+    # balancers stop sending) before the drain; 0: drain at once
+    drain_notice_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
 
     @field_validator("address")
     @classmethod

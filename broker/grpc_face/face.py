@@ -30,6 +30,7 @@ from tgw.broker.config.schema_ops import GrpcDecl
 from tgw.broker.http.face import FaceDeps
 from tgw.broker.http.repository import Repository, loopback
 from tgw.broker.observe import status
+from tgw.broker.observe.load import HEADER as LOAD_HEADER
 
 from .infer import GrpcCaller, Inference
 from .proto import grpc_service_pb2 as pb
@@ -150,8 +151,13 @@ class GrpcFace:
 
     def guarded(self, handler):
         """`handler` behind the token (when configured; health and reflection are other services,
-        open), answering every refusal with its status code."""
+        open), answering every refusal with its status code; every call's trailing metadata
+        carries the load report (endpoint-load-metrics, made once per refresh)."""
+        load = self.deps.load
+
         async def guarded(request, context):
+            if load is not None:
+                context.set_trailing_metadata(((LOAD_HEADER, load.header),))
             try:
                 if self.deps.token:
                     self.check_token(context)

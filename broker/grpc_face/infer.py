@@ -19,11 +19,12 @@ from itertools import count
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
+from tgw.broker.http import kserve
 from tgw.broker.http.shm_routes import route
 
 from . import tensors
 from .proto import grpc_service_pb2 as pb
-from .status_codes import TRACEPARENT, abort, details
+from .status_codes import TRACEPARENT, abort, add_trailers, details
 
 TENANT = "tgw-tenant"
 
@@ -79,6 +80,8 @@ class Inference:
                 self.deps.entry(model)   # an unknown model is named before its tensors
             version = self.face.repository.named(model, req.model_version)[1] if req.model_version else None
             decoded = tensors.decode(req, next(self.ids), version, self.face.shm, deadline)
+            decoded.infer.routing_key = kserve.routing_key(decoded.infer.routing_key, meta.get(kserve.ROUTING_HEADER),
+                                                           f"metadata {kserve.ROUTING_HEADER}")
         except TgwError as err:
             self.deps.count_error(model, err.code.value)
             raise
@@ -101,7 +104,7 @@ class Inference:
         if isinstance(reply, ErrorReply):
             await abort(context, error_from_body(reply.error), reply.traceparent)
         if reply.traceparent:
-            context.set_trailing_metadata(((TRACEPARENT, reply.traceparent),))
+            add_trailers(context, (TRACEPARENT, reply.traceparent))
         return tensors.encode(reply, frames, decoded, self.face.shm)
 
     async def stream(self, requests, context) -> None:

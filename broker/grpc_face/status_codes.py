@@ -2,7 +2,8 @@
 
 The status details read "[CODE] message" (tgw's code first, so a client that only shows the
 details still names it); the trailing metadata carries `tgw-code`, `tgw-retryable` and
-`tgw-details` (the error's details as JSON), and the request's `traceparent` when it has one.
+`tgw-details` (the error's details as JSON), and the request's `traceparent` when it has one,
+beside what the call set before (the load report, face.py).
 """
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def trailers(err: TgwError, trace: str | None = None) -> tuple:
     return tuple(out)
 
 
+def add_trailers(context: grpc.aio.ServicerContext, *pairs: tuple[str, str]) -> None:
+    """`pairs` added to the call's trailing metadata (setting it replaces what was set before)."""
+    context.set_trailing_metadata(tuple(context.trailing_metadata() or ()) + pairs)
+
+
 async def abort(context: grpc.aio.ServicerContext, err: TgwError, trace: str | None = None):
-    """End the call with the error's status (raises grpc.aio.AbortError, as context.abort does)."""
-    await context.abort(STATUS.get(err.code, S.INTERNAL), details(err), trailers(err, trace))
+    """End the call with the error's status (raises grpc.aio.AbortError, as context.abort does),
+    its trailers added to those already set."""
+    await context.abort(STATUS.get(err.code, S.INTERNAL), details(err),
+                        tuple(context.trailing_metadata() or ()) + trailers(err, trace))

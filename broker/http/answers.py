@@ -37,3 +37,22 @@ def error_response(err: TgwError, trace: str | None = None) -> web.Response:
 
 def json_response(doc, status_code: int = 200) -> web.Response:
     return web.Response(status=status_code, body=orjson.dumps(doc), content_type="application/json")
+
+
+def infer_response(request: web.Request, reply, frames: list, decoded: "kserve.Decoded",
+                   placed: dict | None) -> web.Response:
+    """An inference's answer: its JSON header, then its binary outputs (`placed`: those written
+    into shared memory regions instead, by name); compressed when the caller accepts it."""
+    header, blobs = kserve.encode(reply, frames, decoded.request_id, decoded.binary, placed)
+    headers = {}
+    if reply.traceparent:
+        headers[TRACEPARENT] = reply.traceparent
+    if blobs:
+        headers[kserve.HEADER_LENGTH] = str(len(header))
+        resp = web.Response(body=b"".join([header, *blobs]), headers=headers, content_type="application/octet-stream")
+    else:
+        resp = web.Response(body=header, headers=headers, content_type="application/json")
+    accept = request.headers.get("Accept-Encoding")
+    if accept and ("gzip" in accept or "deflate" in accept):
+        resp.enable_compression()
+    return resp

@@ -24,16 +24,17 @@ from tgw.shm.wire import ErrorReply, Infer, InferReply
 from tgw.broker.config.schema_ops import HttpDecl
 from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe import status
+from tgw.broker.observe.load import HEADER as LOAD_HEADER, LoadReport
 from tgw.broker.observe.status import BrokerView
 
 from . import kserve, shm_routes, triton_docs
-from .answers import TRACEPARENT, HttpCaller, error_response, json_response
-from .kserve import HEADER_LENGTH
+from .answers import TRACEPARENT, HttpCaller, error_response, infer_response, json_response
 from .repository import Repository
 from .triton_shm import TritonShm
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/v2/load")   # balancers probe these without the token
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FaceDeps:
     note: Callable[..., None]                   # complaints.note: a broker bug, logged rate-limited
     withdraw: Callable[[Any, str], int]         # the caller gave up (reason): its requests leave, unrun
     shm: "TritonShm | None" = None              # Triton's client shared memory, shared with the gRPC face
+    load: "LoadReport | None" = None            # the load report: its header on every response, /v2/load
 
 
 class HttpFace:
@@ -76,10 +78,11 @@ class HttpFace:
                 add(method, base + tail, self.guarded(handler))
         for method, path, handler in (("GET", "/v2/health/live", self.live), ("GET", "/v2/health/ready", self.ready),
                                       ("GET", "/v2", self.server_metadata), ("GET", "/metrics", self.metrics),
+                                      ("GET", "/v2/load", self.load),
                                       ("POST", "/v2/repository/index", self.repository.index),
                                       ("POST", "/v2/repository/models/{model}/load", self.repository.load),
                                       ("POST", "/v2/repository/models/{model}/unload", self.repository.unload)):
-            add(method, path, self.guarded(handler, open_path=path.startswith("/v2/health/")))
+            add(method, path, self.guarded(handler, open_path=path in OPEN_PATHS))
         for method, path, handler in self.shm_routes.routes():
             add(method, path, self.guarded(handler))
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
@@ -117,18 +120,27 @@ class HttpFace:
 
     def guarded(self, handler, open_path: bool = False):
         """`handler` behind the token (when configured; load balancers probe health without it),
-        answering every refusal in one JSON shape."""
+        answering every refusal in one JSON shape; every answer carries the load report's header
+        (made once per refresh), and in the drain notice closes its connection (callers reconnect
+        elsewhere)."""
+        load = self.deps.load
+
         async def guarded(request: web.Request) -> web.Response:
             try:
                 if self.deps.token and not open_path:
                     self.check_token(request.headers.get("Authorization", ""))
-                return await handler(request)
+                resp = await handler(request)
             except TgwError as err:
-                return error_response(err)
+                resp = error_response(err)
             except Exception as exc:  # a broker bug: answered, logged with its stack, serving goes on
                 self.deps.note("broker_error", type(exc).__name__, f"HTTP {request.method} {request.path} "
                                "failed inside the broker", exc_info=True)
-                return error_response(fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"))
+                resp = error_response(fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"))
+            if load is not None:
+                resp.headers[LOAD_HEADER] = load.header
+                if load.draining:
+                    resp.force_close()
+            return resp
         return guarded
 
     def check_token(self, given: str) -> None:
@@ -214,28 +226,15 @@ class HttpFace:
         version = request.match_info.get("version")
         if version is not None:
             version = self.repository.named(model, version)[1]
-        decoded = kserve.decode(await self.body(request), headers.get(HEADER_LENGTH), model, version, next(self.ids),
-                                self.shm)
+        decoded = kserve.decode(await self.body(request), headers.get(kserve.HEADER_LENGTH), model, version,
+                                next(self.ids), self.shm, headers.get(kserve.ROUTING_HEADER))
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
         placed = shm_routes.written(self.shm, decoded, reply, frames)   # outputs into their regions
-        header, blobs = kserve.encode(reply, frames, decoded.request_id, decoded.binary, placed)
-        headers = {}
-        if reply.traceparent:
-            headers[TRACEPARENT] = reply.traceparent
-        if blobs:
-            headers[HEADER_LENGTH] = str(len(header))
-            resp = web.Response(body=b"".join([header, *blobs]), headers=headers,
-                                content_type="application/octet-stream")
-        else:
-            resp = web.Response(body=header, headers=headers, content_type="application/json")
-        accept = request.headers.get("Accept-Encoding")
-        if accept and ("gzip" in accept or "deflate" in accept):
-            resp.enable_compression()
-        return resp
+        return infer_response(request, reply, frames, decoded, placed)
 
     # ---- health and metadata -----------------------------------------------------------------
 
@@ -278,6 +277,10 @@ class HttpFace:
 
     async def all_stats(self, request: web.Request) -> web.Response:
         return json_response(triton_docs.statistics(self.repository.all_stats()))
+
+    async def load(self, request: web.Request) -> web.Response:
+        """The load report's figures as JSON (the same refresh as this response's header)."""
+        return json_response(self.deps.load.doc if self.deps.load else {})
 
     async def metrics(self, request: web.Request) -> web.Response:
         text, content_type = self.deps.view.scrape()

@@ -23,6 +23,7 @@ from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for
 from .kserve_tensors import DATATYPE_OF, bad, datatype, json_data, json_tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+ROUTING_HEADER = "tgw-routing-key"   # the routing key as a header (gRPC: metadata), for balancers to hash on too
 # request parameters tgw has no meaning for: refused rather than silently ignored
 UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
              "sequence_end": "sequence batching", "classification": "classification outputs"}
@@ -68,11 +69,13 @@ HEADER_MEMO_BYTES = 4096    # longer headers are not remembered
 _headers: dict[bytes, Header] = {}
 
 
-def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int, shm=None) -> Decoded:
+def decode(body: bytes, length: str | None, model: str, version: str | None, req_id: int, shm=None,
+           routing_header: str | None = None) -> Decoded:
     """The Infer message and tensor frames of one request body. A header whose inputs are all
     binary is parsed once and remembered by its bytes: a stream of like requests pays a lookup.
     `shm`: the face's triton_shm.TritonShm when it allows client shared memory (else regions are
-    refused); an output's region is looked up anew for every request, a remembered header's too."""
+    refused); an output's region is looked up anew for every request, a remembered header's too.
+    `routing_header`: the request's tgw-routing-key header (routing_key says how it merges)."""
     n = header_length(length, len(body))
     view = memoryview(body)
     key = bytes(view[:n]) if length is not None and n <= HEADER_MEMO_BYTES else None
@@ -95,7 +98,8 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
         raise bad(f"{len(body) - end} bytes follow the last binary input (binary_data_size of each input "
                   "must add up to the body after the JSON header)")
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=head.metas, outputs=head.outputs,
-                priority=head.priority, timeout_ms=head.timeout_ms, routing_key=head.routing_key)
+                priority=head.priority, timeout_ms=head.timeout_ms,
+                routing_key=routing_key(head.routing_key, routing_header, f"header {ROUTING_HEADER}"))
     places = {}
     if head.shm_outputs:
         if shm is None:
@@ -227,6 +231,18 @@ def str_param(params: dict, key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise bad(f"parameter {key} must be a string, got {value!r}", parameter=key)
     return value
+
+
+def routing_key(param: str | None, given: str | None, where: str) -> str | None:
+    """The request's routing key: parameter routing_key, or the tgw-routing-key header or metadata
+    (`given`, named by `where`; empty counts as absent), or both when they agree - a balancer that
+    hashes on the header and the canary split then see the same key."""
+    if not given:
+        return param
+    if param is not None and param != given:
+        raise bad(f"parameter routing_key {param!r} and {where} {given!r} differ: send one of them, or the "
+                  "same key in both", parameter="routing_key")
+    return given
 
 
 def timeout_ms(params: dict) -> int | None:

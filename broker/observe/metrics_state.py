@@ -29,7 +29,7 @@ def one_hot(fam: GaugeMetricFamily, labels: list[str], states: Iterable, current
 def broker_families(view: BrokerView, now: float) -> Iterator:
     yield GaugeMetricFamily("tgw_broker_uptime_seconds", "Seconds since the broker started", now - view.started_at)
     phase = GaugeMetricFamily("tgw_broker_phase", "The broker's phase (1 for the current one): starting, serving, "
-                              "stopping", labels=["phase"])
+                              "draining, stopping", labels=["phase"])
     current = view.phase()   # values, not the core's Phase enum: a wing never imports the core
     for value in view.phases:
         phase.add_metric([value], 1.0 if value == current else 0.0)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from tgw.broker.state.stats import Stats as Counters
 
 SERVER_NAME = "tgw/0.1.0"
+READY_PHASE = "serving"   # the one phase health calls ready (not "draining": the notice hides it)
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,9 @@ class BrokerView:
     phase) is read through callables, at call time."""
     clock: Callable[[], float]
     started_at: float
-    phase: Callable[[], str]            # the phase's value: "starting", "serving" or "stopping"
+    phase: Callable[[], str]            # the phase's value: "starting", "serving", "draining" or "stopping"
     phases: tuple[str, ...]             # every phase's value, in order (tgw_broker_phase's one-hot)
-    is_serving: Callable[[], bool]
+    is_serving: Callable[[], bool]      # serving or draining: requests are taken and served
     roster: list                        # every worker (pool.WorkerHandle), in any state
     models: dict[str, ModelEntry]       # the registry's entries by name, removed ones too
     stats: "Counters"
@@ -64,30 +65,51 @@ class BrokerView:
     pipelines: "Pipelines"              # the pipelines served (their table, counters)
     grpc_address: Callable[[], str] = lambda: ""   # the gRPC face's address (host:port; "" without one)
     cancelled: Callable[[], dict] = dict   # withdrawn requests: model -> where -> n (front/abandon.py)
+    latencies: Callable[[], dict] = dict   # model -> its end-to-end seconds histogram (metrics.ModelSeries.e2e)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
     return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=view.max_request)
 
 
-def serving(view: BrokerView, m: ModelEntry) -> bool:
+def serving(view: BrokerView, m: ModelEntry, fallback: bool = True) -> bool:
     """Requests that name no version can be served now: a live, ready worker has the default
-    version loaded (an on-demand model: a live worker could load it)."""
+    version loaded (an on-demand model: a live worker could load it), and its circuit breaker
+    lets requests through - or, while it is open, the model's fallback can serve them."""
     version = m.default
     if version is None:
         return False
     live = [w for w in view.roster if w.state is WorkerState.READY]
     key = model_key(m.name, version)
-    return bool(live) if m.on_demand else any(key in w.models for w in live)
+    if not (bool(live) if m.on_demand else any(key in w.models for w in live)):
+        return False
+    return not refused(view, m.name, version) or (fallback and fallback_serving(view, m.name))
 
 
 def version_serving(view: BrokerView, m: ModelEntry, version: str) -> bool:
-    """That version is ready and a live, ready worker has it (on demand: could load it)."""
+    """That version is ready, a live, ready worker has it (on demand: could load it), and its
+    breaker (or the model's fallback) lets requests through."""
     rec = m.records.get(version)
     if rec is None or rec.state is not VersionState.READY:
         return False
     live = [w for w in view.roster if w.state is WorkerState.READY]
-    return bool(live) if m.on_demand else any(model_key(m.name, version) in w.models for w in live)
+    if not (bool(live) if m.on_demand else any(model_key(m.name, version) in w.models for w in live)):
+        return False
+    return not refused(view, m.name, version) or fallback_serving(view, m.name)
+
+
+def refused(view: BrokerView, model: str, version: str) -> bool:
+    """Its breaker is open and still cooling down: every request to it is refused now (once the
+    cooldown is over, the next request is let through as a probe)."""
+    breaker = view.breakers.get(model, version) if view.breakers.by_key else None
+    return breaker is not None and breaker.retry_after_s(view.clock()) > 0
+
+
+def fallback_serving(view: BrokerView, model: str) -> bool:
+    """The model's breaker fallback can serve (one step: admission follows no fallback's fallback)."""
+    name = view.breakers.fallback.get(model)
+    target = view.models.get(name) if name is not None else None
+    return target is not None and not target.removed and serving(view, target, fallback=False)
 
 
 def pipeline_ready(view: BrokerView, plan: "Plan") -> bool:
@@ -111,8 +133,12 @@ def models(view: BrokerView, req_id: int) -> ModelsReply:
 
 
 def health(view: BrokerView, req_id: int = 0) -> HealthReply:
+    """Live: the loop answers. Ready: serving (not starting, not in the drain notice, not
+    stopping) and every model servable now (`serving`: a ready worker holds its default version
+    and its breaker lets requests through); docs/OPERATIONS.md#health-readiness-and-load."""
     ready_models = {m.name: serving(view, m) for m in listed(view)}
-    return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True, ready=view.is_serving() and all(ready_models.values()),
+    return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True,
+                       ready=view.phase() == READY_PHASE and all(ready_models.values()),
                        models=ready_models, workers={w.name: w.state.value for w in view.roster})
 
 

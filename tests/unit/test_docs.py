@@ -48,6 +48,7 @@ MARKERS = {
     "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",
     "pipeline-example:config": "test_pipeline_config.py::test_the_docs_example_passes_check_config",
     "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
+    "load-example:curl": "test_readiness.py::test_the_docs_load_example_runs_as_printed",
     "scale-out-example:instance": "test_recipe_files.py::test_the_docs_instance_config_passes_check_config",
 }
 
