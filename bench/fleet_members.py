@@ -59,10 +59,14 @@ def build_models(d: str) -> dict:
     return {**paths, HEAVY: os.path.join(d, "heavy.pt")}
 
 
+DRAIN_NOTICE_S = 1.5
+
+
 def config(port: int, paths: dict, heavy: bool) -> dict:
     """heavy: serve HEAVY too (only the scaling phase needs it; it slows every start a little)."""
     names = [(MODEL, paths[1])] + ([(HEAVY, paths[HEAVY])] if heavy else [])
-    return {"http": {"host": "127.0.0.1", "port": port},
+    # not ready for longer than HAProxy's `inter 500ms fall 2` takes to mark it down, before draining
+    return {"server": {"drain_notice_s": DRAIN_NOTICE_S}, "http": {"host": "127.0.0.1", "port": port},
             "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 4, "output_arena_mb": 4},
             "models": [model_decl(n, [("1", p)], max_queue=4096, timeout_ms=30000) for n, p in names]}
 
