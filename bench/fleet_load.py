@@ -28,21 +28,7 @@ TRANSPORT_ERRORS = ("ConnectionResetError", "ConnectionRefusedError", "BrokenPip
 
 class BodyConnection(HttpConnection):
     """HttpConnection that keeps each reply's body (HttpConnection reads it only to skip it)."""
-
-    def reply(self) -> tuple[int, bool]:
-        while (end := self.buf.find(b"\r\n\r\n")) < 0:
-            self.fill()
-        status_line, *lines = self.buf[:end].decode("latin-1").split("\r\n")
-        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-        if "content-length" not in fields:
-            raise ValueError(f"a reply without Content-Length: {status_line}")
-        total = end + 4 + int(fields["content-length"])
-        while len(self.buf) < total:
-            self.fill()
-        self.body = bytes(self.buf[end + 4:total])
-        del self.buf[:total]
-        return int(status_line.split(" ", 2)[1]), \
-            status_line.startswith("HTTP/1.1") and fields.get("connection", "").lower() != "close"
+    keep_body = True
 
 
 class WrongAnswer(Exception):

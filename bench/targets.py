@@ -195,6 +195,7 @@ class HttpConnection:
     apart from its headers): a request goes out in one write, as wrk sends it, and its reply is
     read by Content-Length. Reopened after the server closes it (gunicorn's sync workers answer
     `Connection: close`) or after an error."""
+    keep_body = False   # True: each reply's body is kept in .body (else it is only skipped)
 
     def __init__(self, host: str, port: int, timeout: float):
         self.address, self.timeout = (host, port), timeout
@@ -226,6 +227,8 @@ class HttpConnection:
         total = end + 4 + int(fields["content-length"])
         while len(self.buf) < total:
             self.fill()
+        if self.keep_body:
+            self.body = bytes(self.buf[end + 4:total])
         del self.buf[:total]
         return int(status_line.split(" ", 2)[1]), \
             status_line.startswith("HTTP/1.1") and fields.get("connection", "").lower() != "close"
