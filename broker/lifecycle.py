@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from tgw.shm.segment import ShmError
 
@@ -97,7 +98,7 @@ class Lifecycle:
             if not await self._wait_ready():
                 log.info("stopped during start-up")
                 return
-            self.broker.start_serving()
+            self._enter(self.broker.start_serving)
             grpc = getattr(self.broker, "grpc", None)   # main.py attaches the gRPC face when configured
             start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
                      "models": sorted(self.broker.registry.models), "http": self.broker.http.address
@@ -113,6 +114,12 @@ class Lifecycle:
         finally:
             monitor.cancel()
             self.exits.close()
+
+    def _enter(self, change: Callable[[], None]) -> None:
+        """A phase change, with the load report refreshed at once: a balancer reading /v2/load or the
+        header just after /v2/health/ready changed sees the same phase (the periodic look may be late)."""
+        change()
+        self.load.refresh(time.monotonic(), force=True)
 
     def shutdown(self) -> None:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
@@ -206,8 +213,7 @@ class Lifecycle:
         so balancers' health checks take this broker out of rotation before it refuses work."""
         if self.notice_s <= 0 or self.skip_event.is_set() or self.force_event.is_set():
             return
-        self.broker.announce_stop()
-        self.load.refresh(time.monotonic(), force=True)   # the header says draining from now on
+        self._enter(self.broker.announce_stop)
         log.info("drain notice: reporting not ready for %g s, still serving; then draining", self.notice_s,
                  extra={"event": "drain_notice", "notice_s": self.notice_s})
         sd_notify(f"STATUS=drain notice: not ready for {self.notice_s:g} s, still serving")
@@ -219,7 +225,7 @@ class Lifecycle:
     async def _drain(self) -> None:
         """Finish queued and in-flight work within the grace (new requests are refused
         meanwhile); whatever is left then, or at a second signal, is answered, not dropped."""
-        self.broker.begin_stop()
+        self._enter(self.broker.begin_stop)
         deadline = time.monotonic() + self.grace_s
         while self.broker.busy() and time.monotonic() < deadline and not self.force_event.is_set():
             await asyncio.sleep(0.01)
