@@ -22,4 +22,4 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "test.sh: apt-get could not install ${missing[*]} (it needs root or passwordless sudo, and the package index); their recipe tests will skip" >&2
     fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
