@@ -262,15 +262,16 @@ class Client:
         self.send(link, msg, frames, wait_s, nbytes)
         losses, sock = link.losses, link.sock
         deadline = time.monotonic() + wait_s
-        ready = [(sock, POLLIN), (link.monitor, POLLIN)]
+        fresh = True   # send() has just drained the monitor: until a wait wakes, its FD tells of anything newer
         while True:
             # stale replies to abandoned requests must not extend this request's wait
             if sock.closed:
                 raise zmq.ZMQError(ENOTSUP)  # as Socket.poll does
             if not sock.getsockopt(EVENTS) & POLLIN:
-                if link.events() or link.losses != losses:
+                if (not fresh and link.events()) or link.losses != losses:
                     raise link.lost_error(msg.id)
-                if not zmq.zmq_poll(ready, max(0, int((deadline - time.monotonic()) * 1000))):
+                fresh = False
+                if not link.wait(max(0, int((deadline - time.monotonic()) * 1000))):
                     if isinstance(msg, Hello):
                         raise TimeoutError
                     if isinstance(msg, Infer):

@@ -11,6 +11,7 @@ fails at once, and the caller waits for the handshake, bounded by liveness and i
 """
 from __future__ import annotations
 
+import select
 import time
 
 import zmq
@@ -47,6 +48,10 @@ class Link:
             sock.curve_publickey, sock.curve_secretkey = curve
             sock.curve_serverkey = server_key
         self.monitor = sock.get_monitor_socket(UP | DOWN)
+        # both sockets' ZMQ_FDs: one poll() syscall per wait, where zmq_poll makes several
+        self._fds = select.poll()
+        self._fds.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._fds.register(self.monitor.getsockopt(zmq.FD), select.POLLIN)
         self.up = False
         self.losses = 0          # disconnects seen: a call made before one cannot be answered
         try:
@@ -77,6 +82,12 @@ class Link:
     def down_error(self, waited: float) -> TgwError:
         return fail(Code.UNAVAILABLE, f"no connection to the broker at {self.address} came up within {waited:.1f}s",
                     source="client", waited_s=round(waited, 3))
+
+    def wait(self, ms: int) -> bool:
+        """Block until the socket or its monitor may have news (True) or `ms` passed (False).
+        Only once both were last asked for EVENTS with nothing to read: a ZMQ_FD signals news
+        that came after that, and nothing before."""
+        return bool(self._fds.poll(ms))
 
     def wait_up(self, seconds: float) -> bool:
         """Block until the connection is up (True) or `seconds` passed (False)."""

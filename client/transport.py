@@ -14,7 +14,9 @@ from .tensors import ZERO_COPY_MIN
 # recv_multipart and Socket.poll helpers several (Python-level option lookups, a Poller per
 # call), which is most of what this client spends per call besides the socket itself
 SNDMORE, POLLIN, ENOTSUP = int(zmq.SNDMORE), int(zmq.POLLIN), int(zmq.ENOTSUP)
-NOBLOCK, EVENTS = int(zmq.NOBLOCK), int(zmq.EVENTS)
+NOBLOCK, EVENTS, RCVMORE = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.RCVMORE)
+# the Cython send itself: zmq.Socket.send is a Python layer over it for options this client never uses
+RAW_SEND = zmq.backend.Socket.send
 REPLY_GRACE_S = 0.1  # past the timeout, for the broker's own DEADLINE_EXCEEDED (its sweep runs every 50 ms)
 NO_TIMEOUT_WAIT_S = 600.0  # a request without timeout still stops waiting for a vanished broker
 GOODBYE_LINGER_MS = 100  # how long close() lets the goodbye go out
@@ -30,26 +32,29 @@ def send_request(sock: zmq.Socket, header: bytes, frames: list, nbytes: int | No
     one multipart message. Raises zmq.Again, with nothing queued, while no connection is up
     (ZMQ_IMMEDIATE): only the first part can fail so, as the later ones block instead."""
     copy = (sum(len(f) for f in frames) if nbytes is None else nbytes) < ZERO_COPY_MIN
-    send = sock.send
+    send = RAW_SEND
     if frames:
-        send(header, SNDMORE | NOBLOCK, copy=copy)
+        send(sock, header, SNDMORE | NOBLOCK, copy)
         for f in frames[:-1]:
-            send(f, SNDMORE, copy=copy)
-        send(frames[-1], 0, copy=copy)
+            send(sock, f, SNDMORE, copy)
+        send(sock, frames[-1], 0, copy)
     else:
-        send(header, NOBLOCK, copy=copy)
+        send(sock, header, NOBLOCK, copy)
 
 
 def read_reply(sock: zmq.Socket):
     """One reply waiting on `sock`: its decoded header and its tensor frames."""
-    # pyzmq sets each frame's `more` as it receives it (recv_multipart asks the socket again)
-    frame = sock.recv(copy=False)
-    parts = [frame]
-    while frame.more:
-        frame = sock.recv(copy=False)
+    # the header as bytes: a Frame costs an object and a GIL release more (its close), and a GIL
+    # release is a thread switch when other calling threads wait for it
+    header = sock.recv()
+    parts = []
+    more = sock.getsockopt(RCVMORE)
+    while more:
+        frame = sock.recv(copy=False)   # pyzmq sets each frame's `more` as it receives it
         parts.append(frame)
+        more = frame.more
     try:
-        return reply_decoder.decode(parts[0].buffer), parts[1:]
+        return reply_decoder.decode(header), parts
     except DecodeError as exc:
         raise fail(Code.INTERNAL, f"undecodable reply from broker: {exc}") from None
 
