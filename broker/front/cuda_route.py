@@ -48,7 +48,7 @@ def inspect(roster: list, models: dict, msg: Infer, frames: list, header=None) -
     header frame (None from the HTTP face). Raises the INVALID_ARGUMENT a CUDA request gets when
     it cannot be served here."""
     cuda_in = [t.cuda for t in msg.inputs]
-    if not msg.output_cuda and not any(c is not None for c in cuda_in):
+    if not msg.output_cuda and cuda_in.count(None) == len(cuda_in):   # no generator per request
         return None, frames
     if header is not REGISTERED and not is_local(header):
         raise _refuse("CUDA tensors by IPC handle are accepted only from processes on the broker's box (ipc://); "

@@ -15,7 +15,7 @@ import zmq
 log = logging.getLogger("tgw.broker")
 DRAIN_CHUNK = 512  # messages handled before yielding to other sockets and timers
 # plain ints: pyzmq's enum flags cost an enum operation per call on the hot path
-NOBLOCK, POLLIN, EVENTS = int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
+NOBLOCK = int(zmq.NOBLOCK)
 MORE = NOBLOCK | int(zmq.SNDMORE)
 
 
@@ -41,24 +41,25 @@ class Pump:
         self._scheduled = False
         if self.sock.closed:
             return
-        sock, handler, recv = self.sock, self.handler, self.sock.recv
-        for _ in range(DRAIN_CHUNK):
-            # reading EVENTS (not catching zmq.Again, which costs an exception per drain) also
-            # re-arms the edge-triggered FD once nothing is left
-            if not sock.getsockopt(EVENTS) & POLLIN:
-                break
-            # frame by frame: pyzmq sets each frame's `more` (recv_multipart asks the socket again)
-            frame = recv(NOBLOCK, copy=False)
-            frames = [frame]
-            while frame.more:
+        handler, recv = self.handler, self.sock.recv
+        # until zmq.Again, which also re-arms the edge-triggered FD: one exception per pass costs
+        # less than reading EVENTS before every message (pyzmq makes an enum of each read)
+        try:
+            for _ in range(DRAIN_CHUNK):
+                # frame by frame: pyzmq sets each frame's `more` (recv_multipart asks the socket again)
                 frame = recv(NOBLOCK, copy=False)
-                frames.append(frame)
-            try:
-                handler(frames)
-            except Exception:  # one bad message must not stall the rest of the queue
-                log.exception("handler failed on a message; continuing")
-        else:
-            self.kick()  # more may be queued: continue on the next loop turn
+                frames = [frame]
+                while frame.more:
+                    frame = recv(NOBLOCK, copy=False)
+                    frames.append(frame)
+                try:
+                    handler(frames)
+                except Exception:  # one bad message must not stall the rest of the queue
+                    log.exception("handler failed on a message; continuing")
+            else:
+                self.kick()  # more may be queued: continue on the next loop turn
+        except zmq.Again:
+            pass
         if self.after is not None:
             self.after()
 

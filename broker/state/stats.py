@@ -137,7 +137,10 @@ class Stats:
                  compute_us: int, now: float) -> None:
         """An admitted request leaves (admission's `finished`): answered with outputs (`ok`) or
         an error. Clock seconds; `dispatched` 0: never handed to a worker."""
-        v = self.version(model, version)
+        c = self.models.get(model)   # the common case without version()'s two calls
+        v = c.versions.get(version) if c is not None else None
+        if v is None:
+            v = self.version(model, version)
         v.last_inference_ms = time.time_ns() // 1_000_000
         if not ok:
             v.fail.add(int((now - arrived) * 1e9))
