@@ -89,3 +89,18 @@ def haproxy_proc(config: str, log: str) -> Proc:
 
 def nginx_proc(config: str, prefix: str) -> Proc:
     return Proc([tool("nginx"), "-p", prefix, "-c", config], os.path.join(prefix, "nginx.out"), "nginx")
+
+
+def unit_directives(text: str) -> dict[str, list[str]]:
+    """'Section.Key' -> values in order (systemd keys repeat, so configparser will not do)."""
+    section, found = "", {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        found.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return found

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from recipes import unit_directives
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "install-service.sh"
@@ -71,21 +72,6 @@ def tree(root: Path) -> dict[str, tuple]:
         st = path.lstat()
         data = path.read_bytes() if stat.S_ISREG(st.st_mode) else None
         found[str(path.relative_to(root))] = (st.st_mode, data, st.st_mtime_ns if data is not None else None)
-    return found
-
-
-def unit_directives(text: str) -> dict[str, list[str]]:
-    """'Section.Key' -> values in order (systemd keys repeat, so configparser will not do)."""
-    section, found = "", {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            section = line.strip("[]")
-            continue
-        key, _, value = line.partition("=")
-        found.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
     return found
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from conftest import readme_block, unloaded_model
 from recipes import (HAPROXY_RECIPES, NGINX_RECIPES, NOT_INSTALLED, ROOT, free_port, render_haproxy,
-                     render_nginx, tool)
+                     render_nginx, tool, unit_directives)
 
 TEMPLATE = os.path.join(ROOT, "configs", "systemd", "tgw@.service")
 SINGLE = os.path.join(ROOT, "scripts", "systemd", "tgw-broker.service")
@@ -61,25 +61,9 @@ def test_nginx_accepts_each_recipe_rendered_in_a_private_prefix(recipe, tmp_path
     assert ("least_conn;" in text) != recipe.endswith("-hash.conf")
 
 
-def directives(path: str) -> dict[str, list[str]]:
-    """'Section.Key' -> its values in order (systemd keys repeat, so configparser will not do)."""
-    section, found = "", {}
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line or line.startswith(("#", ";")):
-                continue
-            if line.startswith("["):
-                section = line.strip("[]")
-                continue
-            key, _, value = line.partition("=")
-            found.setdefault(f"{section}.{key}", []).append(value)
-    return found
-
-
 def test_the_template_starts_one_broker_per_instance_config():
     from tgw.broker.cli import build_parser
-    unit = directives(TEMPLATE)
+    unit = unit_directives(open(TEMPLATE).read())
     (pre,), (start,) = unit["Service.ExecStartPre"], unit["Service.ExecStart"]
     assert shlex.split(pre) == ["/opt/tgw/.venv/bin/tgw-broker", "check-config", "/etc/tgw/%i.yaml"]
     argv = shlex.split(start)
@@ -91,7 +75,7 @@ def test_the_template_starts_one_broker_per_instance_config():
 
 
 def test_the_template_keeps_every_other_setting_of_the_single_broker_unit():
-    template, single = directives(TEMPLATE), directives(SINGLE)
+    template, single = unit_directives(open(TEMPLATE).read()), unit_directives(open(SINGLE).read())
     differ = {k: (single.get(k), template.get(k)) for k in set(single) | set(template)
               if k not in PER_INSTANCE and single.get(k) != template.get(k)}
     assert not differ, f"tgw@.service and tgw-broker.service differ in (single, template): {differ}"
