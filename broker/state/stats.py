@@ -112,7 +112,8 @@ class Stats:
             self.unrouted_errors[code] += 1
 
     def version(self, model: str, version: str) -> VersionCounters:
-        versions = self.model(model).versions
+        c = self.models.get(model)   # per request (finished): one call, not two, when both exist
+        versions = (c if c is not None else self.model(model)).versions
         v = versions.get(version)
         if v is None:
             v = versions[version] = VersionCounters()
@@ -137,10 +138,7 @@ class Stats:
                  compute_us: int, now: float) -> None:
         """An admitted request leaves (admission's `finished`): answered with outputs (`ok`) or
         an error. Clock seconds; `dispatched` 0: never handed to a worker."""
-        c = self.models.get(model)   # the common case without version()'s two calls
-        v = c.versions.get(version) if c is not None else None
-        if v is None:
-            v = self.version(model, version)
+        v = self.version(model, version)
         v.last_inference_ms = time.time_ns() // 1_000_000
         if not ok:
             v.fail.add(int((now - arrived) * 1e9))
