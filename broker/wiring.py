@@ -25,6 +25,7 @@ def door_deps(b) -> DoorDeps:
     a = b.admission
     return DoorDeps(server=b.server, token=b.token, clock=b.clock, complaints=b.complaints, callers=b.callers,
                     stats=b.stats, roster=b.roster, models=b.registry.models, admit=a.admit, finished=a.finished,
+                    leave=a.leave,
                     on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
                     query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
                     snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer),

@@ -79,15 +79,17 @@ class WorkerMessages:
                 if type(p) is not Gone:
                     self.b.door.fail(p, error_from_body(done.error))
         else:
-            counters = self.b.stats.models[batch.model]
+            answered = []
             for k, (p, views) in enumerate(worker.output_rows(done, batch, part), done.first):
                 if type(p) is Gone:   # computed, nobody waits: dropped
                     continue
-                if k in done.failed:   # a stage failed this request's rows: its error, not its rows
+                if done.failed and k in done.failed:   # a stage failed this request's rows: its error, not its rows
                     self.b.door.fail(p, error_from_body(done.failed[k]))
                     continue
-                self.b.door.answer(p, views, now)
-                counters.replies += 1
+                answered.append((p, views))
+            if answered:
+                self.b.door.answer(answered, now)
+                self.b.stats.models[batch.model].replies += len(answered)
             # safe right after the replies: each send copied its frames out of the ring
             if done.block is not None:
                 worker.releases.append(done.block)

@@ -60,10 +60,12 @@ class Abandonment:
     def track(self, p: Pending) -> None:
         self.inflight[p.client, p.req_id] = p
 
-    def finished(self, p: Pending, code: str | None, now: float) -> None:
-        key = (p.client, p.req_id)
-        if self.inflight.get(key) is p:   # an id reused while in flight must not drop the other's entry
-            del self.inflight[key]
+    def finished(self, ps: list[Pending], code: str | None, now: float) -> None:
+        inflight = self.inflight
+        for p in ps:
+            key = (p.client, p.req_id)
+            if inflight.get(key) is p:   # an id reused while in flight must not drop the other's entry
+                del inflight[key]
 
     def meet(self, ident: bytes, header_frame) -> None:
         """A caller's first message: remember its process, when it has one on this host."""

@@ -47,9 +47,13 @@ def inspect(roster: list, models: dict, msg: Infer, frames: list, header=None) -
     request names no CUDA tensor. `roster`: the workers; `models`: the registry's; `header`: the
     header frame (None from the HTTP face). Raises the INVALID_ARGUMENT a CUDA request gets when
     it cannot be served here."""
+    if not msg.output_cuda:
+        for t in msg.inputs:   # a plain loop: no list or generator per request
+            if t.cuda is not None:
+                break
+        else:
+            return None, frames
     cuda_in = [t.cuda for t in msg.inputs]
-    if not msg.output_cuda and cuda_in.count(None) == len(cuda_in):   # no generator per request
-        return None, frames
     if header is not REGISTERED and not is_local(header):
         raise _refuse("CUDA tensors by IPC handle are accepted only from processes on the broker's box (ipc://); "
                       "this request came over tcp:// or HTTP, where a handle means nothing", "cuda_remote_peer")

@@ -102,6 +102,7 @@ class DoorDeps:
     models: dict                                 # the registry's model entries by name
     admit: Callable[[Any, Infer, list], Pending]  # admission: raises the TgwError that refuses it
     finished: Callable[[Pending, str | None, float], None]  # a request leaves (admission's accounting)
+    leave: Callable[[list, str | None, float], None]        # requests of one batch leave alike (the same)
     on_finished: list                            # hooks run by `finished` (abandonment keeps its table)
     batcher: Any                                 # its queues: cancelled and abandoned requests leave them
     schedule: Callable[[], None]                 # the pump is due
@@ -127,7 +128,7 @@ class FrontDoor:
         deps.on_finished.append(self.abandon.finished)
         self.pipelines = deps.pipelines
         self.abandon.runs = deps.pipelines   # a cancel or a caller gone stops its pipeline runs too
-        self.handlers = {Infer: self._infer_frames, RegisterRegion: self._region, UnregisterRegion: self._region}
+        self.handlers = {RegisterRegion: self._region, UnregisterRegion: self._region}
         self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
             self.answers[op] = deps.operate
@@ -153,14 +154,13 @@ class FrontDoor:
         except TgwError as err:
             self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
             return self.error(ident, 0, err)
+        if type(msg) is Infer:   # the hot path: no handler lookup
+            return self.infer(ident, msg, frames[2:], frames[1])
         handler = self.handlers.get(type(msg))
         if handler is not None:
             handler(ident, msg, frames)
         else:
             self.dispatch(ident, msg)
-
-    def _infer_frames(self, ident, msg: Infer, frames: list) -> None:
-        self.infer(ident, msg, frames[2:], frames[1])
 
     def _region(self, ident, msg, frames: list) -> None:
         self.regions.handle(ident, msg, frames[1])
@@ -186,7 +186,7 @@ class FrontDoor:
             cuda = None
             # a pipeline's step (pipeline/run.py) names a model and carries frames the broker holds:
             # no region, CUDA handle or pipeline to look for
-            if not is_step(ident):
+            if type(ident) is bytes or not is_step(ident):   # bytes: a socket's caller, never a step
                 if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
                     tensor_frames = self.regions.resolve(msg, header, tensor_frames)
                 if self.pipelines is not None and msg.model in self.pipelines.table:
@@ -194,7 +194,8 @@ class FrontDoor:
                 cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
                                                          header)  # CUDA tensors by handle
             p = self.deps.admit(ident, msg, tensor_frames)
-            cuda_route.bind(self.deps.models, p, cuda)
+            if cuda is not None:
+                cuda_route.bind(self.deps.models, p, cuda)
             self.abandon.track(p)
             self.deps.schedule()
         except TgwError as err:
@@ -232,18 +233,23 @@ class FrontDoor:
         err.details.setdefault("model", p.model)
         self.error(p.client, p.req_id, err, p.model, p.trace)   # the broker's span by now, as answer's
 
-    def answer(self, p: Pending, views: dict, now: float) -> None:
-        """Answer an admitted request with its rows of the outputs (views into the output arena)."""
-        self.deps.finished(p, None, now)
-        client = p.client
-        if is_step(client):
-            return client.outputs(p, views)   # a pipeline's step: its run copies the rows it reads, once
-        placed = self.regions.write(p, views) if p.output_region is not None else None
-        metas, payload = placed if placed is not None else reply_tensors(p, views)
-        cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
-        # p.trace: the broker's request span when tracing is on (set by finished), else the caller's own
-        self.reply(p.client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
-                                        outputs=metas, traceparent=p.trace), *payload)
+    def answer(self, answered: list[tuple[Pending, dict]], now: float) -> None:
+        """Answer admitted requests of one batch with their rows of the outputs: (request, views
+        into the output arena) pairs, accounted as they leave in one pass first."""
+        self.deps.leave([p for p, _ in answered], None, now)
+        regions, reply = self.regions, self.reply
+        for p, views in answered:
+            client = p.client
+            if is_step(client):
+                client.outputs(p, views)   # a pipeline's step: its run copies the rows it reads, once
+                continue
+            placed = regions.write(p, views) if p.output_region is not None else None
+            metas, payload = placed if placed is not None else reply_tensors(p, views)
+            if p.cuda is not None:
+                cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
+            # p.trace: the broker's request span when tracing is on (set by leave), else the caller's own
+            reply(client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
+                                     outputs=metas, traceparent=p.trace), *payload)
 
     def close(self) -> None:
         self.gate.stop()

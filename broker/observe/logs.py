@@ -66,10 +66,13 @@ class SlowRequests:
         self.lines = 0
         self.left_out = 0      # slow requests not logged since the last line
 
-    def __call__(self, p: Pending, code: str | None, now: float) -> None:
+    def __call__(self, ps: list[Pending], code: str | None, now: float) -> None:
+        for p in ps:
+            if now - p.arrived >= self.threshold_s:
+                self.slow(p, code, now)
+
+    def slow(self, p: Pending, code: str | None, now: float) -> None:
         total = now - p.arrived
-        if total < self.threshold_s:
-            return
         if now - self.second >= 1.0:
             self.second, self.lines = now, 0
         if self.lines >= PER_S:

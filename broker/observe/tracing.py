@@ -79,7 +79,11 @@ class Tracer:
                               trace_flags=api.TraceFlags(int(traceparent[53:55], 16)))
         return api.set_span_in_context(api.NonRecordingSpan(ctx))
 
-    def __call__(self, p: Pending, code: str | None, now: float) -> None:
+    def __call__(self, ps: list[Pending], code: str | None, now: float) -> None:
+        for p in ps:
+            self.request_span(p, code, now)
+
+    def request_span(self, p: Pending, code: str | None, now: float) -> None:
         api, ns = self.api, self.ns
         span = self.tracer.start_span(
             "tgw.request", context=self.parent(p.trace), kind=api.SpanKind.SERVER, start_time=ns(p.arrived),

@@ -66,7 +66,8 @@ class Admission:
         for m in cfg.models:
             self.declare(m)
         self.open = True
-        self.on_finished: list[Callable[[Pending, str | None, float], None]] = []  # metrics, traces, slow log
+        # metrics, traces, slow log: each gets the requests of one exit (leave)
+        self.on_finished: list[Callable[[list[Pending], str | None, float], None]] = []
         self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
         self._memo_generation = registry.generation
 
@@ -81,7 +82,7 @@ class Admission:
         """Queue the request (or raise the TgwError that answers it)."""
         # a pipeline's step (pipeline/run.py): its run was admitted at the pipeline's entry, which
         # counted it against its caller's cap and its tenant, and a draining broker lets it finish
-        internal = is_step(client)
+        internal = type(client) is not bytes and is_step(client)   # bytes: a socket's caller
         if not self.open and not internal:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         if not internal:
@@ -114,9 +115,10 @@ class Admission:
         tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use and not internal else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
+        counters = self.stats.models[model.name]
         try:
             p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
-            self._enqueue(p, self.limits.get(model.name))
+            self._enqueue(p, self.limits.get(model.name), counters)
         except BaseException:
             if tenant is not None:
                 self.tenants.unadmit(tenant)
@@ -124,7 +126,7 @@ class Admission:
         if not internal:
             self.callers.owe(client)
         record.admitted()
-        self.stats.models[model.name].requests += 1
+        counters.requests += 1
         return p
 
     def _intake(self, msg: Infer, sizes: list[int]) -> "Intake":
@@ -218,9 +220,8 @@ class Admission:
         p.output_region = msg.output_region   # checked by regions.Regions.resolve
         return p
 
-    def _enqueue(self, p: Pending, limit: AdaptiveLimit | None) -> None:
+    def _enqueue(self, p: Pending, limit: AdaptiveLimit | None, counters) -> None:
         """Queue `p` within the model's adaptive limit and queue bound, shedding a lower level."""
-        counters = self.stats.models[p.model]
         if limit is not None and limit.full(p.priority):
             shed = self.batcher.shed_for(p)
             if shed is None:
@@ -242,29 +243,42 @@ class Admission:
                           "higher priority", reason=reason, priority=p.priority))
 
     def finished(self, p: Pending, code: str | None, now: float) -> None:
-        """A request leaves: answered with outputs (code None) or with error `code`. The one
-        place its exit is accounted: its caller paid, its tenant, version, limit and breaker."""
-        client = p.client
-        if not is_step(client):   # a step owes nothing (admit)
-            self.callers.paid(client)
-        if p.tenant is not None:
-            p.tenant.inflight -= 1
-        record = p.record
-        if record is not None:
-            if record.left():
+        """One request leaves (leave)."""
+        self.leave([p], code, now)
+
+    def leave(self, ps: list[Pending], code: str | None, now: float) -> None:
+        """Requests of one model and version leave alike - a batch's answered requests, or one
+        request: answered with outputs (code None) or with error `code`. The one place their exit
+        is accounted: their callers paid, their tenants, version, limit and breaker. The model's
+        limit, breaker and counters are looked up once for all of them."""
+        first = ps[0]
+        model, version = first.model, first.version
+        paid = self.callers.paid
+        for p in ps:
+            client = p.client
+            if type(client) is bytes or not getattr(client, "internal", False):   # not is_step: a step owes nothing
+                paid(client)
+            if p.tenant is not None:
+                p.tenant.inflight -= 1
+            record = p.record
+            if record is not None and record.left():
                 self.drained(record)
-        limit = self.limits.get(p.model)
+        limit = self.limits.get(model)
         if limit is not None:
-            limit.inflight -= 1
+            limit.inflight -= len(ps)
             if code is None:
-                limit.record(now - p.arrived, now)
-        if p.dispatched and self.breakers.by_key:
-            breaker = self.breakers.get(p.model, p.version)
+                for p in ps:
+                    limit.record(now - p.arrived, now)
+        if self.breakers.by_key:
+            breaker = self.breakers.get(model, version)
             if breaker is not None:
-                breaker.record(code in FAILURES, now - p.dispatched, now)
-        self.stats.finished(p.model, p.version, p.rows, code is None, p.arrived, p.dispatched, p.compute_us, now)
+                failed = code in FAILURES
+                for p in ps:
+                    if p.dispatched:
+                        breaker.record(failed, now - p.dispatched, now)
+        self.stats.left(model, version, ps, code is None, now)
         for hook in self.on_finished:
-            hook(p, code, now)
+            hook(ps, code, now)
 
 
 def _no_bytes_into_region(entry: ModelEntry, outputs: list[str]) -> None:

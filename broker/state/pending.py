@@ -1,42 +1,47 @@
 """One admitted request as the broker holds it, from admission to its answer."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+import msgspec
 
 
-class Pending:
-    """One admitted request waiting for, or riding in, a batch."""
+class Pending(msgspec.Struct, kw_only=True, eq=False):
+    """One admitted request waiting for, or riding in, a batch. A Struct: built in C (admission
+    makes one per request), compared and hashed by identity (eq=False), like a plain object."""
+    client: Any
+    req_id: int
+    model: str
+    version: str
+    rows: int
+    shape_key: tuple
+    tensors: list                   # buffers in declared input order
+    outputs: list
+    deadline: float                 # clock seconds
+    compress: Any = False
+    # per declared output (the worker writes them all), for its rows; None: some dim is -1, so
+    # the size is known only after compute
+    out_nbytes: Optional[list] = None
+    priority: int = 0               # 0 is the highest level
+    arrived: float = 0.0            # clock seconds at admission
+    tenant: Any = None              # the quota it counts against (tenants.Tenant) or None
+    record: Any = None              # its version's record (versions.VersionRecord)
+    nbytes: list = []               # per declared input (set from tensors)
+    in_total: int = 0
+    out_total: Optional[int] = None
+    attempts: int = 0               # dispatches lost to a dying worker
+    alone: bool = False             # runs in a batch of its own (a retry after a death)
+    dispatched: float = 0.0         # clock seconds it was handed to a worker (0: queued)
+    compute_us: int = 0             # its batch's compute time, as the worker measured it
+    trace: Optional[str] = None     # its W3C traceparent, when the caller sent one
+    cuda: Any = None                # its GPU binding (state/cuda.py CudaRequest), if any
+    output_region: Any = None       # the caller's RegionSlice for its outputs (regions.py)
 
-    __slots__ = ("client", "req_id", "model", "version", "rows", "shape_key", "tensors", "nbytes",
-                 "out_nbytes", "outputs", "deadline", "compress", "attempts", "alone", "priority", "arrived",
-                 "tenant", "dispatched", "in_total", "out_total", "record", "compute_us", "trace", "output_region",
-                 "cuda")
-
-    def __init__(self, *, client: Any, req_id: int, model: str, version: str, rows: int, shape_key: tuple,
-                 tensors: list, outputs: list[str], deadline: float, compress: bool = False,
-                 out_nbytes: list[int] | None = None, priority: int = 0, arrived: float = 0.0,
-                 tenant: Any = None, record: Any = None):
-        self.client, self.req_id, self.model, self.version = client, req_id, model, version
-        self.rows, self.shape_key, self.outputs = rows, shape_key, outputs
-        self.tensors = tensors                      # buffers in declared input order
-        self.nbytes = [len(t) for t in tensors]     # per declared input
-        # per declared output (the worker writes them all), for its rows; None: some dim is -1,
-        # so the size is known only after compute
-        self.out_nbytes = out_nbytes
-        self.in_total = sum(self.nbytes)
-        self.out_total = None if out_nbytes is None else sum(out_nbytes)
-        self.deadline, self.compress = deadline, compress   # deadline: clock seconds
-        self.attempts = 0                           # dispatches lost to a dying worker
-        self.alone = False                          # runs in a batch of its own (a retry after a death)
-        self.priority = priority                    # 0 is the highest level
-        self.arrived = arrived                      # clock seconds at admission
-        self.tenant = tenant                        # the quota it counts against (tenants.Tenant) or None
-        self.dispatched = 0.0                       # clock seconds it was handed to a worker (0: queued)
-        self.record = record                        # its version's record (versions.VersionRecord)
-        self.compute_us = 0                         # its batch's compute time, as the worker measured it
-        self.trace = None                           # its W3C traceparent, when the caller sent one
-        self.cuda = None                            # its GPU binding (state/cuda.py CudaRequest), if any
-        self.output_region = None                   # the caller's RegionSlice for its outputs (regions.py)
+    def __post_init__(self) -> None:
+        self.nbytes = nbytes = [len(t) for t in self.tensors]
+        self.in_total = sum(nbytes)
+        out = self.out_nbytes
+        self.out_total = None if out is None else sum(out)
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)

@@ -29,6 +29,12 @@ class Buckets:
         self.counts[bisect_left(self.bounds, value)] += n
         self.sum += value * n
 
+    def observe_each(self, values: list[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.sum += sum(values)
+
     @property
     def count(self) -> int:
         return sum(self.counts)
@@ -49,8 +55,8 @@ class Timed:
     def __init__(self) -> None:
         self.count, self.ns = 0, 0
 
-    def add(self, ns: int) -> None:
-        self.count += 1
+    def add(self, ns: int, n: int = 1) -> None:
+        self.count += n
         self.ns += ns
 
 
@@ -134,16 +140,25 @@ class Stats:
                 timed = v.batch_compute[rows] = Timed()
             timed.add(compute_us * 1000)
 
-    def finished(self, model: str, version: str, rows: int, ok: bool, arrived: float, dispatched: float,
-                 compute_us: int, now: float) -> None:
-        """An admitted request leaves (admission's `finished`): answered with outputs (`ok`) or
-        an error. Clock seconds; `dispatched` 0: never handed to a worker."""
+    def left(self, model: str, version: str, ps: list, ok: bool, now: float) -> None:
+        """Admitted requests of one version leave (admission's `leave`): answered with outputs
+        (`ok`) or an error. Clock seconds; a request's `dispatched` 0: never handed to a worker."""
         v = self.version(model, version)
         v.last_inference_ms = time.time_ns() // 1_000_000
+        n, total_ns = len(ps), 0
         if not ok:
-            v.fail.add(int((now - arrived) * 1e9))
+            for p in ps:
+                total_ns += int((now - p.arrived) * 1e9)
+            v.fail.add(total_ns, n)
             return
-        v.success.add(int((now - arrived) * 1e9))
-        v.queue.add(int((dispatched - arrived) * 1e9) if dispatched else 0)
-        v.compute.add(compute_us * 1000)
+        queue_ns = compute_us = rows = 0
+        for p in ps:
+            total_ns += int((now - p.arrived) * 1e9)
+            if p.dispatched:
+                queue_ns += int((p.dispatched - p.arrived) * 1e9)
+            compute_us += p.compute_us
+            rows += p.rows
+        v.success.add(total_ns, n)
+        v.queue.add(queue_ns, n)
+        v.compute.add(compute_us * 1000, n)
         v.inferences += rows

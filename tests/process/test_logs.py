@@ -94,10 +94,10 @@ def pending(req_id: int, arrived: float) -> Pending:
 def test_slow_requests_are_rate_limited(caplog):
     slow = SlowRequests(threshold_ms=50)
     with caplog.at_level(logging.WARNING, logger="tgw.broker"):
-        slow(pending(0, 100.0), None, 100.04)                        # under the threshold
+        slow([pending(0, 100.0)], None, 100.04)                       # under the threshold
         for i in range(PER_S + 5):                                     # in one second: PER_S lines
-            slow(pending(i + 1, 100.0), "DEADLINE_EXCEEDED", 100.5)
-        slow(pending(99, 100.0), None, 101.6)                          # the next second: says 5 left out
+            slow([pending(i + 1, 100.0)], "DEADLINE_EXCEEDED", 100.5)
+        slow([pending(99, 100.0)], None, 101.6)                         # the next second: says 5 left out
     logged = [r for r in caplog.records if getattr(r, "event", None) == "slow_request"]
     assert [r.request_id for r in logged] == [*range(1, PER_S + 1), 99]
     assert logged[0].code == "DEADLINE_EXCEEDED" and logged[0].queue_ms == 10.0 and logged[0].total_ms == 500.0

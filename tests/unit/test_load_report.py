@@ -66,7 +66,7 @@ def answered(b: Broker, seconds: float) -> None:
     p = Pending(client=b"c", req_id=1, model="m", version="1", rows=1, shape_key=(), tensors=[], outputs=["y"],
                 deadline=1e9)
     p.arrived = 0.0
-    b.metrics.finished(p, None, seconds)
+    b.metrics.finished([p], None, seconds)
 
 
 def test_the_text_form_reads_back_as_envoy_reads_it():

@@ -5,6 +5,7 @@ from conftest import placeholder_model
 from tgw.broker.config.load import ModelDecl
 from tgw.broker.http import triton_docs as td
 from tgw.broker.models.entry import ModelEntry
+from tgw.broker.state.pending import Pending
 from tgw.broker.state.stats import Stats
 
 
@@ -37,10 +38,26 @@ def test_model_config_document():
     assert "dynamic_batching" not in td.model_config(entry(max_batch_size=1), None, [])
 
 
+def leaving(rows: int, arrived: float, dispatched: float = 0.0, compute_us: int = 0) -> Pending:
+    p = Pending(client=b"c", req_id=1, model="m", version="a", rows=rows, shape_key=(), tensors=[], outputs=[],
+                deadline=9.0, arrived=arrived)
+    p.dispatched, p.compute_us = dispatched, compute_us
+    return p
+
+
+def test_a_batch_leaving_counts_each_request():
+    stats = Stats()
+    stats.left("m", "a", [leaving(2, 1.0, 1.5, 100), leaving(1, 1.25, 1.5, 100), leaving(1, 1.5)], True, now=2.0)
+    v = stats.models["m"].versions["a"]
+    assert (v.success.count, v.success.ns) == (3, 1_000_000_000 + 750_000_000 + 500_000_000)
+    assert (v.queue.count, v.queue.ns) == (3, 500_000_000 + 250_000_000)   # the undispatched one queued 0
+    assert (v.compute.count, v.compute.ns, v.inferences) == (3, 200_000, 4)
+
+
 def test_stats_document():
     stats, e = Stats(), entry(versions=("a", "b"))
-    stats.finished("m", "a", 3, True, arrived=1.0, dispatched=1.5, compute_us=200, now=2.0)
-    stats.finished("m", "a", 1, False, arrived=1.0, dispatched=0.0, compute_us=0, now=1.25)
+    stats.left("m", "a", [leaving(3, arrived=1.0, dispatched=1.5, compute_us=200)], True, now=2.0)
+    stats.left("m", "a", [leaving(1, arrived=1.0)], False, now=1.25)
     stats.batch("m", 3, 200, "a")
     a, b = td.model_stats(e, stats.models["m"])
     assert (a["version"], b["version"]) == ("1", "2")
