@@ -2,7 +2,7 @@
 load, and the sync client's own cost per `infer` (bench/README.md quotes both).
 
     python -m tgw.bench.profile_broker broker --concurrency 64 --duration 15 [--transport]
-        [--http json|binary] [--perf PATH] [--py-spy PATH] [--cprofile wall|cpu] [--out DIR]
+        [--http json|binary] [--perf PATH] [--py-spy PATH] [--cprofile wall|cpu | --split] [--out DIR]
     python -m tgw.bench.profile_broker client --threads 1,8 --rounds 5 [--client NAME=WHERE ...]
 
 `broker` starts a broker with the comparison's config (the demo models, one cpu worker per core),
@@ -10,37 +10,29 @@ loads it through the load generator and reports, over the window, the broker's C
 by thread (/proc/PID/task/*/stat; with --transport the echo broker's first, under the same load;
 with --http through its KServe v2 HTTP face, the comparison's JSON or binary body, by the Python
 HTTP generator),
-perf's on-CPU split by thread and library, py-spy's split of the Python work by area and
-cProfile's calls per request (the broker then runs under `_run-broker`, SIGUSR2 toggling it).
-`client` runs each `--client` (a module name, or a folder holding a copy of client/) in turn
-against one broker, `--rounds` alternations, THREADS threads calling `infer` in a closed loop,
-and divides the process's CPU (libzmq's thread included) and the calling threads' own CPU by the
-calls. Numbers only mean anything as ratios within one run.
+perf's on-CPU split by thread and library, py-spy's split of the Python work by area (the
+reports: profile_reports.py), cProfile's calls per request or, with --split, the main thread's CPU
+by step (cpu_split.py; the broker then runs under `_run-broker`, SIGUSR2 toggling either).
+`client`: client_cost.py. Numbers only mean anything as ratios within one run.
 """
 from __future__ import annotations
 
 import argparse
-import collections
-import importlib
-import importlib.util
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 
-import psutil
-
-from tgw.bench import comparison
+from tgw.bench import client_cost, comparison, cpu_split
+from tgw.bench.profile_reports import cprofile_report, report_perf, report_pyspy
 from tgw.broker.child import BrokerProc, Proc, stop_all
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import loadgen_drive, measure
-from tgw.bench.targets import TgwTarget, find_model, make_inputs, v2_body, v2_target
+from tgw.bench.targets import TgwTarget, find_model, v2_body, v2_target
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -62,46 +54,6 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
 
 # the broker's work by area: the first of these functions found in a sample's stack, innermost
 # first, names its area (samples whose innermost frame is the event loop itself are counted apart)
-AREAS = (
-    ("reply: answer, outbox, send", ("FrontDoor.answer", "FrontDoor.reply", "FrontDoor.error", "Outbox.send")),
-    ("completion: decode Done, rows", ("WorkerMessages.on_message",)),
-    ("batching: pump, next_batch, stage, send", ("Broker.pump", "Broker.schedule")),
-    ("intake: read, validate, admit, queue", ("FrontDoor.on_message",)),
-    ("drain loop + recv_multipart", ("Pump.drain",)),
-    ("gatekeeper thread (ZAP, monitor)", ("Gatekeeper.run",)),
-    ("monitor, tick, stats", ("Lifecycle", "Broker.tick")),
-)
-ZMQ_CALLS = ("Socket.send", "Socket.recv", "Socket.recv_multipart", "Socket.get")
-
-
-def read_stacks(path: str) -> dict[str, Any]:
-    """py-spy's raw output ("func (file:line);... count" per line) -> own and inclusive samples per
-    "func (dir/file)", samples per area, of which inside a pyzmq call (libzmq and its syscalls,
-    the GIL released), samples in the event loop's own frame, and the total."""
-    own, incl, per, in_zmq = (collections.Counter() for _ in range(4))
-    loop = total = 0
-    for line in open(path):
-        stack, _, n = line.rstrip("\n").rpartition(" ")
-        if not stack or not n.isdigit():
-            continue
-        n = int(n)
-        frames = [re.sub(r"\(([^()]*?)(?::\d+)?\)$", lambda m: f"({'/'.join(m[1].split('/')[-2:])})", f)
-                  for f in stack.split(";")]
-        funcs = [f.split(" (")[0] for f in frames]
-        total += n
-        own[frames[-1]] += n
-        for f in set(frames):
-            incl[f] += n
-        if funcs[-1] == "Runner.run":
-            loop += n
-            continue
-        area = next((name for name, fns in AREAS for f in reversed(funcs) if f.startswith(fns)), "other")
-        per[area] += n
-        if funcs[-1] in ZMQ_CALLS:
-            in_zmq[area] += n
-    return {"own": own, "incl": incl, "areas": per, "in_zmq": in_zmq, "loop": loop, "total": total}
-
-
 class ProfiledBroker(BrokerProc):
     """The same broker started through `_run-broker PROFILE`, so SIGUSR2 toggles cProfile in it."""
 
@@ -118,6 +70,12 @@ def run_profiled_broker(profile_path: str, argv: list[str]) -> None:
     """tgw-broker ARGS; the first SIGUSR2 starts cProfile on the uvloop thread, the next stops it and
     writes PROFILE. Timer ($TGW_PROFILE_TIMER): wall, cProfile's own clock (less overhead), or cpu,
     time.thread_time (a system call per event)."""
+    if os.environ.get("TGW_PROFILE_TIMER") == "split":   # cpu_split's counters instead of cProfile
+        split = cpu_split.Split()
+        split.install()
+        signal.signal(signal.SIGUSR2, lambda signum, frame: split.toggle(profile_path))
+        from tgw.broker.cli import main as broker_main
+        return broker_main(argv)
     import cProfile
     prof = cProfile.Profile(time.thread_time) if os.environ.get("TGW_PROFILE_TIMER") == "cpu" else cProfile.Profile()
     on = []
@@ -141,24 +99,6 @@ def start_broker(work: str, workers: int, profile_path: Optional[str] = None) ->
     srv = ProfiledBroker(cfg, work) if profile_path else BrokerProc(cfg, work)
     srv.profile_path = profile_path
     return srv.start(timeout=180)
-
-
-def cprofile_report(path: str, n: int, main_us: float, top: int) -> None:
-    """The top functions of a cProfile dump by own time: % of the profiled time, µs per request
-    (that share of the unprofiled main thread's CPU) and calls per request."""
-    import pstats
-    st = pstats.Stats(path).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
-    total = sum(v[2] for v in st.values())
-    print(f"\ncProfile (uvloop thread; {path}): {total / n * 1e6:.1f} us/request profiled (the "
-          f"profiler's own cost inflates it) vs {main_us:.1f} unprofiled; us/request = share x {main_us:.1f}")
-
-    def name(k) -> str:
-        f, line, fn = k
-        return fn if f == "~" else f"{fn} ({'/'.join(f.split('/')[-2:])}:{line})"
-    for title, idx in (("own time", 2), ("inclusive time", 3)):
-        print(f"top {top} by {title}:   share   us/req  calls/req")
-        for k, v in sorted(st.items(), key=lambda kv: -kv[1][idx])[:top]:
-            print(f"  {v[idx] / total:6.1%} {v[idx] / total * main_us:7.1f}  {v[1] / n:8.2f}  {name(k)}")
 
 
 def per_thread_us(a0: dict, a1: dict, n: int, main_tid: int) -> list[tuple[str, float]]:
@@ -198,7 +138,8 @@ def profile_broker(a: argparse.Namespace) -> int:
     out = a.out or tempfile.mkdtemp(prefix="tgwp-out-", dir="/tmp")  # kept: the profiles are read after
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"broker-{a.model}-c{a.concurrency}")
-    raw, perf_data, prof_path = stem + ".pyspy.txt", stem + ".perf.data", stem + ".cprofile" if a.cprofile else None
+    raw, perf_data = stem + ".pyspy.txt", stem + ".perf.data"
+    prof_path = stem + ".cprofile" if a.cprofile else stem + ".split.json" if a.split else None
     if a.transport:
         m = comparison.demo_models(os.path.join(work, "models"))[a.model]
         echo = EchoServer(work)
@@ -208,7 +149,7 @@ def profile_broker(a: argparse.Namespace) -> int:
         finally:
             echo.stop()
         print()
-    os.environ["TGW_PROFILE_TIMER"] = a.cprofile or ""  # the profiled broker reads it
+    os.environ["TGW_PROFILE_TIMER"] = a.cprofile or ("split" if a.split else "")  # the profiled broker reads it
     srv, spies = start_broker(work, a.workers, prof_path), []
     try:
         with Client(srv.address) as c:
@@ -245,122 +186,11 @@ def profile_broker(a: argparse.Namespace) -> int:
         deadline = time.monotonic() + 30
         while not os.path.exists(prof_path) and time.monotonic() < deadline:
             time.sleep(0.1)
-        cprofile_report(prof_path, n, main_us, a.top)
+        if a.split:
+            cpu_split.report(prof_path, n, main_us)
+        else:
+            cprofile_report(prof_path, n, main_us, a.top)
     return 0 if code == 0 and not row["requests_failed"] else 1
-
-
-def report_perf(a: argparse.Namespace, data: str, total_us: float) -> Optional[float]:
-    """perf's split by thread and library, and its top symbols; returns the µs per request of the
-    Python threads' own work (the interpreter, libc, msgspec, lz4: not the kernel, libzmq, uvloop)."""
-    python_us = None
-    print(f"\nperf (on-CPU samples of every broker thread; {data}); us/request = share x the broker's "
-          f"{total_us:.1f}")
-    for title, keys in (("by thread and library", "comm,dso"), (f"top {a.top} symbols", "comm,dso,sym")):
-        rep = subprocess.run([a.perf, "report", "-i", data, "--stdio", "--no-children", "-g", "none",
-                              "--percent-limit", "0.3", "--sort", keys], capture_output=True, text=True)
-        print(f"{title}:")
-        for ln in [ln for ln in rep.stdout.splitlines() if ln.strip() and not ln.startswith("#")][:a.top]:
-            pct, rest = float(ln.split("%")[0]), ln.split("%", 1)[1].split()
-            print(f"  {pct:5.1f}% {pct / 100 * total_us:6.1f} us  {' '.join(rest)}")
-            if keys == "comm,dso" and rest[0] == "tgw-broker" and not re.search(r"kernel|zmq|loop\.", rest[1]):
-                python_us = (python_us or 0.0) + pct / 100 * total_us
-    return python_us
-
-
-def report_pyspy(a: argparse.Namespace, raw: str, scale: float, from_perf: bool) -> None:
-    """The Python work by area (without the samples inside pyzmq calls and in the event loop's own
-    frame: on a busy machine those count time spent runnable, waiting for a CPU), then the top
-    functions by own and inclusive samples."""
-    st = read_stacks(raw)
-    work = {k: v - st["in_zmq"][k] for k, v in st["areas"].items()}
-    busy = sum(work.values()) or 1
-    print(f"\npy-spy: the Python work by area ({busy:,d} samples; left out {sum(st['in_zmq'].values()):,d} inside "
-          f"pyzmq calls, {st['loop']:,d} in the event loop's frame); us/request = share x "
-          + (f"perf's Python work, {scale:.1f}" if from_perf else f"the main thread's CPU, {scale:.1f} (no --perf)"))
-    for name, k in sorted(work.items(), key=lambda kv: -kv[1]):
-        print(f"  {k / busy:6.1%} {k / busy * scale:7.1f} us  {name}")
-    for title in ("own", "incl"):
-        print(f"top {a.top} by {title} samples (of {st['total']:,d}; {raw}):")
-        for frame, k in st[title].most_common(a.top):
-            print(f"  {k / st['total']:6.1%}  {frame}")
-
-
-# ---- the client's own cost ---------------------------------------------------------------------
-
-def load_client(where: str):
-    """The Client class from a module name (tgw.client) or from a folder with a copy of client/."""
-    if not os.path.isdir(where):
-        return importlib.import_module(where).Client
-    name = "tgw_client_" + re.sub(r"\W", "_", os.path.abspath(where))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(where, "__init__.py"),
-                                                  submodule_search_locations=[where])
-    sys.modules[name] = mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.Client
-
-
-def client_round(cls, address: str, model: str, threads: int, duration: float, warmup: float) -> dict[str, float]:
-    """threads x closed-loop infer for warmup + duration; CPU per call over the window (the
-    process's includes this sleeping thread and the calls finishing after it: both negligible)."""
-    client, stop, on = cls(address), threading.Event(), threading.Event()
-    go, counts, tcpu = threading.Barrier(threads + 1), [0] * threads, [0.0] * threads
-    try:
-        meta = find_model(client.models(), model)
-
-        def run(i: int) -> None:
-            x, infer, k = make_inputs(meta, 1, i), client.infer, 0
-            client.health()  # the thread's socket
-            go.wait()
-            while not on.is_set():
-                infer(model, x)
-            t0 = time.thread_time()
-            while not stop.is_set():
-                infer(model, x)
-                k += 1
-            tcpu[i], counts[i] = time.thread_time() - t0, k
-        ths = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
-        for t in ths:
-            t.start()
-        go.wait()
-        time.sleep(warmup)
-        proc = psutil.Process()
-        c0, w0 = sum(proc.cpu_times()[:2]), time.monotonic()
-        on.set()
-        time.sleep(duration)
-        c1, w1 = sum(proc.cpu_times()[:2]), time.monotonic()
-        stop.set()
-        for t in ths:
-            t.join()
-    finally:
-        client.close()
-    calls = sum(counts)
-    return {"rps": calls / (w1 - w0), "process_us": (c1 - c0) / calls * 1e6, "threads_us": sum(tcpu) / calls * 1e6}
-
-
-def profile_client(a: argparse.Namespace) -> int:
-    classes = {name: load_client(where) for name, where in (c.split("=", 1) for c in a.client or ["new=tgw.client"])}
-    work = None if a.address else tempfile.mkdtemp(prefix="tgwp-", dir="/tmp")
-    srv = start_broker(work, a.workers) if work else None
-    results: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
-    try:
-        for r in range(a.rounds):
-            for threads in a.threads:
-                for name, cls in classes.items():
-                    res = client_round(cls, a.address or srv.address, a.model, threads, a.duration, a.warmup)
-                    results[(name, threads)].append(res)
-                    print(f"round {r + 1} threads {threads} {name}: {res['rps']:,.0f} calls/s, process CPU "
-                          f"{res['process_us']:.1f} us/call, calling threads {res['threads_us']:.1f} us/call",
-                          flush=True)
-    finally:
-        code = srv.stop(timeout=30) if srv else 0
-        if work:
-            shutil.rmtree(work, ignore_errors=True)
-    print(f"\nmedian over rounds (us of CPU per infer):\n{'client':<16} {'threads':>7} {'calls/s':>9} {'process':>9} "
-          f"{'threads':>9}")
-    for (name, threads), rs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        med = {k: sorted(x[k] for x in rs)[len(rs) // 2] for k in rs[0]}
-        print(f"{name:<16} {threads:>7} {med['rps']:>9,.0f} {med['process_us']:>9.1f} {med['threads_us']:>9.1f}")
-    return code
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -385,6 +215,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add("--rate", type=int, default=200, help="py-spy samples per second (default 200)")
     add("--cprofile", choices=("wall", "cpu"), help="cProfile the uvloop thread (timer: cProfile's clock or "
                                                     "the thread's CPU time): calls per request")
+    add("--split", action="store_true", help="the main thread's CPU by step (bench/cpu_split.py), instead of "
+        "--cprofile")
     add("--top", type=int, default=25)
     add("--out", help="folder for the profiles (default: a new /tmp/tgwp-out-* folder)")
     add("--keep", action="store_true", help="keep the work folder (models, config, broker log)")
@@ -400,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="cpu workers (default: cores)")
     a = ap.parse_args(argv)
     try:
-        return profile_broker(a) if a.what == "broker" else profile_client(a)
+        return profile_broker(a) if a.what == "broker" else client_cost.profile_client(a, start_broker)
     finally:
         stop_all()
 
