@@ -24,7 +24,7 @@ import signal
 import sys
 from typing import Optional
 
-from tgw.bench import cancel_bench, comparison, fleet, lifecycle_run, overload, pipeline_bench, report
+from tgw.bench import cancel_bench, comparison, fleet, lifecycle_run, overload, pipeline_bench, plots, report
 from tgw.bench.loadgen import LoadSpec
 from tgw.bench.measure import measure
 from tgw.bench.selfhosted import subset
@@ -126,7 +126,7 @@ def load(a: argparse.Namespace) -> int:
                                    "runs": runs, "command": a.command_line})
         print(f"wrote {a.json}")
     if a.plot:
-        report.plot_levels(runs, a.plot, f"tgw-bench {a.model} ({mode} loop)")
+        plots.plot_levels(runs, a.plot, f"tgw-bench {a.model} ({mode} loop)")
         print(f"wrote {a.plot}")
     return 1 if any(s["requests_failed"] for s in runs) else 0
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tgw.bench.baselines import GunicornServer
+from tgw.bench.flask_baseline import GunicornServer
 
 CLASSIFY_ENV = "TGW_BENCH_CLASSIFY"   # {"resnet": file, "labels": file} for the Flask app
 
