@@ -17,18 +17,15 @@ request, or a broker did not stop cleanly; targets missed are reported, not fail
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Optional
 
-import numpy as np
-
-from tgw.bench import report, selfhosted
+from tgw.bench import gpu_probe, report, selfhosted
+from tgw.bench.gpu_report import TARGETS, copy_table, failed, ratios, summary_lines, table, write
 from tgw.bench.baselines import measure_floor
 from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.comparison import Scenario, Servers, demo_models, tgw_config
@@ -43,118 +40,7 @@ MODES = {  # seconds measured per served row, its warm-up, seconds per floor bat
     "quick": {"duration": 3.0, "warmup": 1.0, "floor_seconds": 1.0, "copies": 200},
     "full": {"duration": 10.0, "warmup": 2.0, "floor_seconds": 3.0, "copies": 1000},
 }
-# ratio -> (its name in the summary, comparison, goal); each tgw row has its own
-TARGETS = {"tgw_over_floor_throughput": ("tgw/floor rows/s", ">=", 0.85),
-           "tgw_over_flask_throughput": ("tgw/Flask req/s", ">=", 3.4),
-           "tgw_over_flask_p99": ("tgw/Flask p99", "<=", 0.25)}
 
-
-# ---- in a subprocess: torch and CUDA stay out of this harness and its load generator -----------------
-
-def in_subprocess(function: str, *args: Any, timeout: float = 300) -> Any:
-    """function(*args) of this module run by a fresh interpreter; its JSON result."""
-    code = ("import json, sys; from tgw.bench import gpu_bench; "
-            f"print(json.dumps(gpu_bench.{function}(*json.loads(sys.argv[1]))))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{function} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def probe(device: str) -> dict[str, Any]:
-    """torch's version, the CUDA it was built for, and whether `device` (cuda:N) exists."""
-    import torch
-    index = (torch.device(device).index or 0) if device.startswith("cuda") else None
-    there = torch.cuda.is_available() and index is not None and index < torch.cuda.device_count()
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-            "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "device_there": there, "name": torch.cuda.get_device_name(index) if there else None}
-
-
-def _timed(op: Callable[[], Any], iters: int, nbytes: int, device: str) -> dict[str, float]:
-    """op() timed by CUDA events around it on the current stream (median and p99 over `iters`),
-    and by the wall clock up to the end event's completion."""
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
-        op()
-    torch.cuda.synchronize(device)
-    us, wall = np.empty(iters), np.empty(iters)
-    for i in range(iters):
-        t0 = time.perf_counter()
-        start.record()
-        op()
-        end.record()
-        end.synchronize()
-        wall[i] = (time.perf_counter() - t0) * 1e6
-        us[i] = start.elapsed_time(end) * 1e3
-    med = float(np.median(us))
-    return {"us_per_batch": med, "gb_per_s": nbytes / med / 1e3, "p99_us": float(np.percentile(us, 99)),
-            "wall_us": float(np.median(wall))}
-
-
-def copy_rows(device: str, nbytes: int, iters: int) -> dict[str, Any]:
-    """One max batch's input bytes copied host -> device from (i) pageable memory, a view of a POSIX
-    shared-memory mapping as the worker's ring is; (ii) the same mapping page-locked with
-    cudaHostRegister (unregistered after); (iii) a memcpy into a pinned staging tensor, then the
-    copy. Each row: {us_per_batch, gb_per_s, p99_us, wall_us} or {"error"}; "fastest" names one."""
-    import mmap
-
-    import torch
-    from tgw.shm.segment import Segment, new_name
-    torch.cuda.set_device(device)
-    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    seg = Segment.create(new_name("gpubench"), size)
-    try:
-        out = {"bytes": nbytes, **_copies(seg.buf, size, nbytes, iters, device)}   # its views are gone then
-    finally:
-        try:
-            seg.close()
-        except BufferError:   # a view is still alive; the mapping goes with the process
-            pass
-        seg.unlink()
-    rows = {k: out[k] for k in ("pageable", "registered", "staging") if "us_per_batch" in out.get(k, {})}
-    out["fastest"] = min(rows, key=lambda k: rows[k]["us_per_batch"]) if rows else None
-    return out
-
-
-def _copies(buf: memoryview, size: int, nbytes: int, iters: int, device: str) -> dict[str, Any]:
-    import torch
-    out: dict[str, Any] = {}
-    src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-    src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))   # every page touched
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    out["pageable"] = _timed(lambda: dst.copy_(src, non_blocking=True), iters, nbytes, device)
-    try:
-        cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(src.data_ptr(), size, 0))   # 0: cudaHostRegisterDefault
-    except Exception as exc:  # noqa: BLE001 - reported in the row
-        rc, out["registered"] = None, {"error": f"cudaHostRegister unavailable: {type(exc).__name__}: {exc}"}
-    if rc == 0:
-        try:
-            out["registered"] = _timed(lambda: dst.copy_(src, non_blocking=True), iters, nbytes, device)
-        finally:
-            out["unregister_rc"] = int(cudart.cudaHostUnregister(src.data_ptr()))
-    elif rc is not None:
-        out["registered"] = {"error": f"cudaHostRegister returned {rc}"}
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def staged() -> None:
-        pinned.copy_(src)
-        dst.copy_(pinned, non_blocking=True)
-    out["staging"] = _timed(staged, iters, nbytes, device)
-    # its two parts apart: the memcpy into the staging tensor, and the copy from pinned memory
-    out["staging"]["h2d_us"] = _timed(lambda: dst.copy_(pinned, non_blocking=True), iters, nbytes,
-                                      device)["us_per_batch"]
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        pinned.copy_(src)
-    out["staging"]["memcpy_us"] = (time.perf_counter() - t0) / iters * 1e6
-    return out
-
-
-# ---- the rows ---------------------------------------------------------------------------------------
 
 def floor_rows(model: dict[str, Any], device: str, seconds: float, log: Callable[[str], None],
                out: dict[str, Any]) -> None:
@@ -248,107 +134,6 @@ def flask_row(models: dict[str, Any], a, work: str, log: Callable[[str], None]) 
 
 # ---- ratios, table, outputs -------------------------------------------------------------------------
 
-def _value(row: Optional[dict[str, Any]], key: str) -> Optional[float]:
-    if not row or "error" in row:
-        return None
-    return row["latency_ms"].get(key) if key in ("p50", "p99") else row.get(key)
-
-
-def ratios(rows: dict[str, Any]) -> dict[str, dict[str, Optional[float]]]:
-    """tgw row -> its ratios over the floors and over Flask."""
-    def ratio(a: str, b: str, key: str) -> Optional[float]:
-        x, y = _value(rows.get(a), key), _value(rows.get(b), key)
-        return x / y if x is not None and y else None
-    return {t: {"tgw_over_floor_throughput": ratio(t, "floor", "rows_per_s"),
-                "tgw_over_floor_from_host_throughput": ratio(t, "floor_from_host", "rows_per_s"),
-                "tgw_over_flask_throughput": ratio(t, "flask", "throughput_rps"),
-                "tgw_over_flask_p50": ratio(t, "flask", "p50"),
-                "tgw_over_flask_p99": ratio(t, "flask", "p99")}
-            for t in rows if t.startswith("tgw")}
-
-
-def met(name: str, value: Optional[float]) -> Optional[bool]:
-    _, op, goal = TARGETS[name]
-    return None if value is None else (value >= goal if op == ">=" else value <= goal)
-
-
-def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per tgw row: its key ratios against their targets (what scripts/gpu-check.sh prints)."""
-    lines = []
-    for t, r in result["ratios"].items():
-        parts = []
-        for name, (label, op, goal) in TARGETS.items():
-            ok = met(name, r[name])
-            verdict = "-" if ok is None else "met" if ok else "MISSED"
-            parts.append(f"{label} {report._f(r[name])} ({op} {goal:g}: {verdict})")
-        lines.append(f"{t}: " + ", ".join(parts))
-    return lines
-
-
-def table(rows: dict[str, Any], concurrency: int) -> list[list[str]]:
-    labels = {"floor": "in-process floor (inputs on the device)",
-              "floor_from_host": "in-process floor (host -> device per batch)",
-              "flask": "Flask+gunicorn"}
-    out = [["row", "req/s", "rows/s", "p50 ms", "p99 ms", "batch", "errors"]]
-    for key, row in rows.items():
-        name = labels.get(key, "tgw native" + key[3:].replace("[", " ["))
-        if key.startswith("floor"):
-            name += ", one max batch per call"
-        else:
-            name = report.label("flask", row) if key == "flask" and "error" not in row else name
-            name += f" c={concurrency}"
-        if "error" in row:
-            out.append([name, "-", "-", "-", "-", "-", row["error"].splitlines()[0][:60]])
-            continue
-        batch = row["batch"] if key.startswith("floor") else (row.get("broker_stats") or {}).get("mean_batch_rows")
-        errs = ", ".join(f"{k} x {v}" for k, v in row.get("errors", {}).items()) or "0"
-        out.append([name, report._f(row["throughput_rps"], "{:,.0f}"), report._f(row["rows_per_s"], "{:,.0f}"),
-                    report._f(row["latency_ms"]["p50"], "{:.3f}"), report._f(row["latency_ms"]["p99"], "{:.3f}"),
-                    report._f(batch, "{:.1f}"), errs])
-    return out
-
-
-def copy_table(copies: dict[str, Any]) -> list[list[str]]:
-    labels = {"pageable": "pageable (a shared-memory mapping, as the ring)",
-              "registered": "the same mapping after cudaHostRegister",
-              "staging": "memcpy into pinned staging, then the copy"}
-    out = [["host memory", "us/batch", "GB/s", "p99 us", "wall us"]]
-    for key, label in labels.items():
-        r = copies.get(key) or {"error": "not run"}
-        if "error" in r:
-            out.append([label, r["error"][:60], "-", "-", "-"])
-        else:
-            out.append([label + (f" ({r['memcpy_us']:.0f} + {r['h2d_us']:.0f} us)" if key == "staging" else ""),
-                        *(f"{r[k]:.{d}f}" for k, d in (("us_per_batch", 1), ("gb_per_s", 2), ("p99_us", 1),
-                                                       ("wall_us", 1)))])
-    return out
-
-
-def failed(result: dict[str, Any]) -> list[str]:
-    """What makes the exit status 1: rows with an error or failed requests, unclean broker stops."""
-    bad = [f"interrupted (exit {result['interrupted']}): the rows after the last one here were not run"] \
-        if "interrupted" in result else []
-    bad += [f"{k}: {r['error'].splitlines()[0]}" for k, r in result["rows"].items() if "error" in r]
-    bad += [f"{k}: {r['requests_failed']} requests failed" for k, r in result["rows"].items()
-            if "error" not in r and r.get("requests_failed")]
-    bad += [f"{k}: served no request" for k, r in result["rows"].items()
-            if "error" not in r and not k.startswith("floor") and not r.get("requests_ok")]
-    bad += [f"{k}: broker exit status {r['broker']['exit_status']}, leftovers {r['broker']['shm_leftovers']}"
-            for k, r in result["rows"].items() if "broker" in r
-            and (r["broker"]["exit_status"] != 0 or r["broker"]["shm_leftovers"])]
-    copies = result.get("copies") or {}
-    bad += [f"copies: {copies['error'].splitlines()[0]}"] if "error" in copies else \
-        [f"copy {k}: {copies[k]['error']}" for k in ("pageable", "registered", "staging")
-         if "error" in copies.get(k, {})]
-    return bad
-
-
-def write(path: Optional[str], result: dict[str, Any]) -> None:
-    if path:
-        report.write_json(path, result)
-        print(f"wrote {path}")
-
-
 def run(argv: Optional[list[str]] = None) -> tuple[int, dict[str, Any]]:
     p = make_parser("python -m tgw.bench.gpu_bench", __doc__)
     p.add_argument("--device", default="cuda:0", help="cuda:N, or cpu to run the plumbing on the CPU (default cuda:0)")
@@ -375,7 +160,7 @@ def run(argv: Optional[list[str]] = None) -> tuple[int, dict[str, Any]]:
     t0 = time.monotonic()
     result: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                               "command": " ".join(["python -m tgw.bench.gpu_bench", *(argv or sys.argv[1:])]),
-                              "device": a.device, "cuda": in_subprocess("probe", a.device), "machine": report.machine()}
+                              "device": a.device, "cuda": gpu_probe.in_subprocess("probe", a.device), "machine": report.machine()}
     c = result["cuda"]
     log(f"torch {c['torch']}, CUDA {c['cuda']}, {c['device_count']} device(s)"
         + (f"; {a.device}: {c['name']}" if c["name"] else ""))
@@ -397,7 +182,7 @@ def run(argv: Optional[list[str]] = None) -> tuple[int, dict[str, Any]]:
         if a.device != "cpu":
             log(f"host -> device copies of one max batch ({batch_bytes:,} bytes), {a.copies} each")
             try:
-                result["copies"] = in_subprocess("copy_rows", a.device, batch_bytes, a.copies)
+                result["copies"] = gpu_probe.in_subprocess("copy_rows", a.device, batch_bytes, a.copies)
             except Exception as exc:  # noqa: BLE001 - recorded, the other rows still run
                 result["copies"] = {"error": f"{type(exc).__name__}: {exc}"}
                 log(f"copies FAILED: {result['copies']['error']}")
