@@ -25,7 +25,8 @@ from tgw.bench.baselines import EchoServer, floor_row, run_floors
 from tgw.bench.flask_baseline import FlaskServer
 from tgw.broker.child import BrokerProc, finish_run
 from tgw.bench.loadgen import LoadSpec
-from tgw.bench.measure import WRK_INSTALL_HINT, loadgen_drive, measure, wrk_drive
+from tgw.bench.measure import loadgen_drive, measure
+from tgw.bench.wrk import WRK_INSTALL_HINT, wrk_drive
 from tgw.bench.grpc_target import GrpcStreamTarget, GrpcTarget
 from tgw.bench.targets import HttpTarget, TgwTarget, ZmqEchoTarget, tensor_bytes, v2_body, v2_target
 

@@ -22,7 +22,8 @@ from tgw.bench import cli, comparison, ratios, report
 from tgw.bench.baselines import EchoServer, floor_row, run_floors
 from tgw.broker.child import BrokerProc
 from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
-from tgw.bench.measure import loadgen_drive, measure, parse_wrk, stats_diff, wrk_lua
+from tgw.bench.measure import loadgen_drive, measure, stats_diff
+from tgw.bench.wrk import parse_wrk, wrk_lua
 from tgw.bench.targets import HEADER_LENGTH, CallError, HttpTarget, ZmqEchoTarget, make_inputs, v2_body
 from tgw.shm.segment import list_segments
 
