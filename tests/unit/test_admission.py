@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import unloaded_model
+from fake_clock import Clock
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.breaker import State
@@ -17,14 +18,6 @@ from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, TensorMeta
 
 X = {"name": "x", "dtype": "float32", "shape": [4]}
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Frame(bytes):

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from fake_clock import Clock
 from tgw.broker.sched.breaker import Breaker, State
 from tgw.broker.sched.concurrency import WINDOW_S, AdaptiveLimit
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.config.schema import BreakerDecl, TenantDecl
 from tgw.broker.sched.tenants import Tenants, TokenBucket
 from tgw.shm.errors import Code, TgwError
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # ---- cost model -----------------------------------------------------------------------------

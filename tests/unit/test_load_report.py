@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import unloaded_model
+from fake_clock import Clock
 from tgw.broker.config.load import parse_config
 from tgw.broker.observe import status
 from tgw.broker.observe.load import LoadReport, parse, quantile, text
@@ -19,14 +20,6 @@ from tgw.shm.wire import Heartbeat
 ARENA = 1 << 20
 IO = {"inputs": [{"name": "x", "dtype": "float32", "shape": [4]}],
       "outputs": [{"name": "y", "dtype": "float32", "shape": [4]}], "max_batch_size": 4}
-
-
-class Clock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

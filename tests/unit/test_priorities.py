@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from fake_clock import Clock
 from tgw.broker.sched.batcher import Batcher, Pending
 from tgw.broker.sched.costmodel import CostModel
 from tgw.shm.errors import Code, TgwError
 
 BIG = 1 << 30
 _ids = iter(range(1, 10 ** 9))
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(clock, priority=0, rows=1, deadline_s=30.0, version="1", model="m") -> Pending:
