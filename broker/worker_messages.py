@@ -83,7 +83,7 @@ class WorkerMessages:
             for k, (p, views) in enumerate(worker.output_rows(done, batch, part), done.first):
                 if type(p) is Gone:   # computed, nobody waits: dropped
                     continue
-                if done.failed and k in done.failed:   # a stage failed this request's rows: its error, not its rows
+                if k in done.failed:   # a stage failed this request's rows: its error, not its rows
                     self.b.door.fail(p, error_from_body(done.failed[k]))
                     continue
                 answered.append((p, views))

@@ -186,7 +186,7 @@ class FrontDoor:
             cuda = None
             # a pipeline's step (pipeline/run.py) names a model and carries frames the broker holds:
             # no region, CUDA handle or pipeline to look for
-            if type(ident) is bytes or not is_step(ident):   # bytes: a socket's caller, never a step
+            if not is_step(ident):
                 if self.regions.named(msg):   # region tensors: their slices stand in for the (empty) frames
                     tensor_frames = self.regions.resolve(msg, header, tensor_frames)
                 if self.pipelines is not None and msg.model in self.pipelines.table:
@@ -194,8 +194,7 @@ class FrontDoor:
                 cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
                                                          header)  # CUDA tensors by handle
             p = self.deps.admit(ident, msg, tensor_frames)
-            if cuda is not None:
-                cuda_route.bind(self.deps.models, p, cuda)
+            cuda_route.bind(self.deps.models, p, cuda)
             self.abandon.track(p)
             self.deps.schedule()
         except TgwError as err:
@@ -245,8 +244,7 @@ class FrontDoor:
                 continue
             placed = regions.write(p, views) if p.output_region is not None else None
             metas, payload = placed if placed is not None else reply_tensors(p, views)
-            if p.cuda is not None:
-                cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
+            cuda_route.mark_outputs(p, metas, payload)   # outputs written into the caller's CUDA buffers
             # p.trace: the broker's request span when tracing is on (set by leave), else the caller's own
             reply(client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                      outputs=metas, traceparent=p.trace), *payload)

@@ -82,7 +82,7 @@ class Admission:
         """Queue the request (or raise the TgwError that answers it)."""
         # a pipeline's step (pipeline/run.py): its run was admitted at the pipeline's entry, which
         # counted it against its caller's cap and its tenant, and a draining broker lets it finish
-        internal = type(client) is not bytes and is_step(client)   # bytes: a socket's caller
+        internal = is_step(client)
         if not self.open and not internal:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         if not internal:
@@ -255,9 +255,8 @@ class Admission:
         model, version = first.model, first.version
         paid = self.callers.paid
         for p in ps:
-            client = p.client
-            if type(client) is bytes or not getattr(client, "internal", False):   # not is_step: a step owes nothing
-                paid(client)
+            if not is_step(p.client):   # a step owes nothing (admit)
+                paid(p.client)
             if p.tenant is not None:
                 p.tenant.inflight -= 1
             record = p.record
