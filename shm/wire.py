@@ -20,7 +20,7 @@ from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, M
                            Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
-                          UnloadModel, Withdraw, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot)
+                          UnloadModel, Withdraw, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot)
 
 # ---- client -> broker ------------------------------------------------------------------------
 
@@ -257,8 +257,8 @@ Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, Stat
 
 
 ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw]
-FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, Done, Heartbeat, WorkerSnapshot, LoaderHello, ModelLoaded,
-                   ModelUnloaded]
+FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, WorkerFault, Done, Heartbeat, WorkerSnapshot, LoaderHello,
+                   ModelLoaded, ModelUnloaded]
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

@@ -95,6 +95,15 @@ class WorkerFailed(Struct, tag_field="op", tag="w_failed"):
     error: str
 
 
+class WorkerFault(Struct, tag_field="op", tag="w_fault"):
+    """A sticky CUDA error (illegal memory access, device-side assert, ...): this worker's CUDA
+    context is broken, so it answers nothing more and exits; the broker retries what it held."""
+    worker_id: int
+    batch_id: Optional[int]         # the batch whose work raised it (None: outside any batch)
+    error: str                      # torch's message, bounded
+    kind: str = ""                  # the marker matched (workers/cuda_faults.py STICKY)
+
+
 class Batch(Struct, tag_field="op", tag="w_batch"):
     batch_id: int
     model: str

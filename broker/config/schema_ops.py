@@ -20,6 +20,14 @@ class CrashLoopDecl(Strict):
     backoff_s: Annotated[float, Field(gt=0)] = 30.0  # its models are unavailable on it this long
 
 
+class CudaFaultDecl(Strict):
+    """A sticky CUDA error poisons its worker (replaced at once, its requests retried); this many
+    on one GPU within the window take that GPU out of service (no worker on it) for a while."""
+    faults: Annotated[int, Field(ge=1)] = 3
+    window_s: Annotated[float, Field(gt=0)] = 600.0
+    out_of_service_s: Annotated[float, Field(gt=0)] = 600.0   # then one worker is started again as a probe
+
+
 class LeakDecl(Strict):
     """When a worker's memory counts as leaking: a snapshot, then a graceful recycle."""
     window_s: Annotated[float, Field(gt=0)] = 120.0       # RSS history judged
@@ -37,6 +45,7 @@ class SupervisorDecl(Strict):
     batch_timeout_s: Annotated[float, Field(gt=0)] = 60.0     # a batch computing longer than
     batch_timeout_factor: Annotated[float, Field(ge=1)] = 20.0  # max(this, factor x its predicted time)
     crash_loop: CrashLoopDecl = CrashLoopDecl()
+    cuda_faults: CudaFaultDecl = CudaFaultDecl()
     leak: LeakDecl = LeakDecl()
     snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots
     shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
