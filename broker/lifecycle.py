@@ -54,6 +54,7 @@ class Lifecycle:
         self.changed = asyncio.Event()       # a worker became ready, failed, or exited: look again
         self.exits: ExitWatch | None = None  # made on the loop, in run
         broker.handshake.on_ready = self._on_ready
+        supervisor.hold = broker.faults.held_until   # a device out of service starts no worker
         broker.handshake.on_failed = lambda w: self.changed.set()
 
     def on_stop_signal(self) -> None:
@@ -175,7 +176,15 @@ class Lifecycle:
         self.broker.tick(now)
         for w, reason in self.hangs.hung(self.broker.roster, now):
             self.supervisor.kill(w, reason)
+        faults = self.broker.faults.to_kill
+        while faults:   # poisoned: it exits by itself, unless its broken CUDA context hangs it
+            w = faults.pop()
+            if w.faulted:
+                self.supervisor.kill(w, w.faulted)
         serving = self.broker.is_serving()
+        back = getattr(self.broker, "back", None)
+        if back is not None and self.supervisor.any_exited():   # its last words first (a fault, a failed load)
+            back.drain()
         for w in self.supervisor.reap():
             self.broker.remove_worker(w)
             self.changed.set()

@@ -23,6 +23,7 @@ from tgw.shm.wire import Release, Stop, encode, model_key
 
 from tgw.broker.config.load import Config
 from tgw.broker.fleet.handshake import Handshake, death_error
+from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import FrontDoor
@@ -85,6 +86,8 @@ class Broker:
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,
                                    self.placement.budget)
         self.memory = MemoryWatch(cfg.supervisor, self.send)
+        self.faults = CudaFaults(cfg.supervisor.cuda_faults, clock,   # sticky CUDA errors (worker_messages)
+                                 self.memory.snapshots.write_fault)
         self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives

@@ -64,7 +64,8 @@ def observe_view(b) -> BrokerView:
                       abandoned=_door(b, lambda door: dict(door.abandon.counts)),
                       cancelled=_door(b, lambda door: door.abandon.cancelled_by_model()),
                       regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
-                      pipelines=b.pipelines, latencies=lambda: {m: s.e2e for m, s in b.metrics.series.items()})
+                      pipelines=b.pipelines, latencies=lambda: {m: s.e2e for m, s in b.metrics.series.items()},
+                      faults=b.faults.as_dict)
 
 
 def _door(b, read):

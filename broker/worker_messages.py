@@ -4,15 +4,15 @@ Completions answer their requests (those a stage failed, Done.failed, with their
 feed the stats and the cost model; a withdrawn request (state/inflight.py) is never answered,
 and counted by where it was: "staged" when the worker took it out before launch, "computing"
 when its batch had launched (its rows dropped); heartbeats feed the memory watch and the breakers; the
-handshake's messages go to fleet/handshake.py, the loader thread's to models/placement.py. Part of the core: it works on the Broker itself.
+handshake's messages go to fleet/handshake.py, a sticky CUDA error's to fleet/faults.py, the loader thread's to models/placement.py. Part of the core: it works on the Broker itself.
 """
 from __future__ import annotations
 
 import logging
 
 from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.wire import DecodeError, Done, Heartbeat, WorkerFailed, WorkerHello, WorkerReady, WorkerSnapshot, \
-    encode, from_worker_decoder
+from tgw.shm.wire import DecodeError, Done, Heartbeat, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, \
+    WorkerSnapshot, encode, from_worker_decoder
 
 from tgw.broker.state.inflight import Gone
 from tgw.broker.state.pool import WorkerHandle
@@ -26,6 +26,7 @@ class WorkerMessages:
         self.handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
                          WorkerReady: self._on_ready, WorkerFailed: b.handshake.failed,
                          WorkerSnapshot: lambda w, m: b.memory.on_snapshot(w, m, b.clock()),
+                         WorkerFault: lambda w, m: b.faults.on_fault(w, m),
                          **{t: self._on_loader for t in b.placement.messages}}
 
     def on_message(self, frames: list) -> None:

@@ -21,7 +21,8 @@ def model_dict(m) -> dict:
 
 
 def health_dict(r) -> dict:
-    return {"live": r.live, "ready": r.ready, "models": dict(r.models), "workers": dict(r.workers)}
+    return {"live": r.live, "ready": r.ready, "models": dict(r.models), "workers": dict(r.workers),
+            "devices": dict(r.devices)}
 
 
 def stats_dict(r) -> dict:
@@ -33,4 +34,4 @@ def stats_dict(r) -> dict:
 def status_dict(r) -> dict:
     return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
             "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http,
-            "grpc": r.grpc, "pipelines": r.pipelines}
+            "grpc": r.grpc, "pipelines": r.pipelines, "devices": r.devices, "cuda_faults": r.cuda_faults}

@@ -199,6 +199,9 @@ class HealthReply(Struct, tag_field="op", tag="health"):
     ready: bool
     models: dict[str, bool] = {}
     workers: dict[str, str] = {}
+    # per device (cuda:N, cpu): state (serving, starting, restarting, faulted, out_of_service), uuid,
+    # workers, faults, reason, models_lost (those served without it while it does not serve)
+    devices: dict[str, dict[str, Any]] = {}
 
 
 class StatsReply(Struct, tag_field="op", tag="stats"):
@@ -243,6 +246,9 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # sent, ok, failed, latency_ms {mean, p99}
     pipelines: dict[str, dict[str, Any]] = {}
     grpc: str = ""                      # the gRPC face's address (host:port); "" when off
+    devices: dict[str, dict[str, Any]] = {}   # as HealthReply.devices
+    # sticky CUDA errors: total, by_device, out_of_service {device: reason, left_s}, recent [records]
+    cuda_faults: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

@@ -2,6 +2,7 @@
 registers two custom ops, callable from TorchScript, that stand in for a deployment's native ops.
 
     tgw_test::crash_if(Tensor x, float trigger) -> Tensor   aborts the process on a poison input
+    tgw_test::cuda_fault_if(Tensor x, float trigger)        raises a sticky CUDA error's message on it
     tgw_test::leak(Tensor x, int nbytes) -> Tensor          leaks nbytes per call
     tgw_test::wait_gate(Tensor x, str path) -> Tensor       holds a batch until the test opens a gate
     tgw_test::gpu_memory(Tensor x, int max_rows) -> Tensor  runs out of GPU memory past max_rows rows
@@ -26,6 +27,19 @@ LEAKED: list[bytes] = []
 def crash_if(x: Tensor, trigger: float) -> Tensor:
     if bool((x == trigger).any()):
         os.abort()  # a native crash: no exception, no Done, the process is gone
+    return x.clone()
+
+
+STICKY_TEXT = ("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
+               "reported at some other API call, so the stacktrace below might be incorrect.")
+
+
+@torch.library.custom_op("tgw_test::cuda_fault_if", mutates_args=())
+def cuda_fault_if(x: Tensor, trigger: float) -> Tensor:
+    """Raises what torch raises after an illegal memory access (a sticky CUDA error) on a poison
+    input: the CUDA fault path without a GPU. The process goes on; its worker must not."""
+    if bool((x == trigger).any()):
+        raise RuntimeError(STICKY_TEXT)
     return x.clone()
 
 
@@ -89,6 +103,17 @@ class CrashOn(nn.Module):
         return torch.ops.tgw_test.crash_if(x, self.trigger) + 0
 
 
+class FaultOn(nn.Module):
+    """x float32 [batch, 1] -> 2x; a simulated sticky CUDA error if any element equals `trigger`."""
+
+    def __init__(self, trigger: float = POISON):
+        super().__init__()
+        self.trigger = trigger
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.tgw_test.cuda_fault_if(x, self.trigger) * 2
+
+
 class Leaky(nn.Module):
     """x float32 [batch, 1] -> x; leaks `nbytes` of Python memory per call."""
 
@@ -102,7 +127,7 @@ class Leaky(nn.Module):
 
 IO = {"inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
       "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}]}
-MODELS = {"crash_on": (CrashOn, IO), "leaky": (Leaky, IO), "gpu_hungry": (GpuHungry, IO)}
+MODELS = {"crash_on": (CrashOn, IO), "fault_on": (FaultOn, IO), "leaky": (Leaky, IO), "gpu_hungry": (GpuHungry, IO)}
 
 
 def save(name: str, path: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import Batch, Done
 
+from .cuda_faults import fault_of
 from .oom import is_oom, oom_text
 
 
@@ -13,7 +14,11 @@ def error_done(batch: Batch, code: Code, message: str, **details) -> Done:
 
 def failed(batch: Batch, exc: BaseException) -> Done:
     """The answer to a batch (or part) whose forward raised `exc`: out of GPU memory, the
-    requests' own fault (a dim outside the program's range), or a model bug."""
+    requests' own fault (a dim outside the program's range), or a model bug. A sticky CUDA
+    error is none of these: it raises CudaFault, and the batch is not answered (cuda_faults.py)."""
+    fault = fault_of(exc, batch.batch_id)
+    if fault is not None:
+        raise fault from None
     if is_oom(exc):
         return error_done(batch, Code.OUT_OF_GPU_MEMORY, oom_text(exc))
     if isinstance(exc, TgwError):

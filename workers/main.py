@@ -21,6 +21,7 @@ from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
     to_worker_decoder
 
+from .cuda_faults import CudaFault
 from .device_identity import device_memory, device_uuid
 from .heartbeat import Beacon
 from .progress import Progress
@@ -31,6 +32,7 @@ from .stage_runner import make_runner
 from .tracing import Observer, death_notice, setup_logging
 
 PR_SET_PDEATHSIG = 1
+FAULT_EXIT = 3   # a sticky CUDA error ended the worker (WorkerFault sent first)
 
 
 def _prctl(option: int, arg) -> None:
@@ -134,7 +136,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         failure = _preload(start)
         # made before the hello, which reports its ring's page-locking as it is in effect
         server = Server(sock, segment, start.input_bytes, start.output_bytes, runners, progress, observer, device,
-                        start.host_memory)
+                        start.host_memory, worker_id=start.worker_id)
         sock.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=start.worker_id, pid=os.getpid(),
                                      device_uuid=device_uuid(device), device_memory=device_memory(device),
                                      host_memory=server.host_memory)))
@@ -147,6 +149,10 @@ def run_worker(argv: list[str] | None = None) -> int:
             return 1
         server.serve()
         return 0
+    except CudaFault as fault:   # told to the broker already; this process's CUDA context is broken
+        print(f"tgw worker {start.worker_id}: sticky CUDA error in batch {fault.batch_id}, exiting: {fault.error}",
+              file=sys.stderr)
+        return FAULT_EXIT
     except Exception:
         death_notice("worker failed")  # the supervisor logs our stderr and restarts us
         return 1

@@ -15,6 +15,7 @@ Withdrawn requests (the broker's Withdraw, read by the mailbox) are taken out of
 launches: the rest run as a smaller batch (withdrawn.py), on the CPU, a GPU and a stage alike.
 A batch with CUDA tensors by IPC handle is run whole instead (its callers' buffers are opened per
 request; the broker drops the answers of the withdrawn ones), as is a batch already launched.
+A sticky CUDA error ends the loop unanswered (cuda_faults.py).
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ import zmq
 
 from tgw.shm.errors import Code
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, model_key
+from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, WorkerFault, model_key
 
 from . import cuda_ipc
 from .answers import error_done, failed
+from .cuda_faults import fault_of
 from .device_identity import device_uuid
 from .device_io import MAX_SLOTS, DeviceIO, Slot
 from .mailbox import Mailbox
@@ -49,8 +51,7 @@ SPIN_S = 50e-6         # between looks at a launched batch's CUDA event and at t
 
 
 class Launched:
-    """A batch whose work is queued (on its device, when a CUDA worker); its completion is sent
-    once that work is done."""
+    """A batch whose work is queued (on its device, when a CUDA worker), until it is answered."""
     __slots__ = ("batch", "t0", "start_ns", "done", "slot", "shrunk")
 
     def __init__(self, batch: Batch, start_ns: int):
@@ -64,8 +65,8 @@ class Server:
     def __init__(self, sock: zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
                  runners: dict[str, ModelRunner], progress: Progress | None = None, observer: Observer | None = None,
                  device: torch.device = torch.device("cpu"), host_memory: str = "register",
-                 overlap: bool | None = None):
-        self.sock, self.segment, self.runners = sock, segment, runners
+                 overlap: bool | None = None, worker_id: int = 0):
+        self.sock, self.segment, self.runners, self.worker_id = sock, segment, runners, worker_id
         self.observer = observer        # spans and slow/failed batch lines (workers/tracing.py), or None
         self.progress = progress or Progress()  # read by the beacon thread
         self.mail = Mailbox(sock)
@@ -86,11 +87,12 @@ class Server:
 
     @property
     def host_memory(self) -> str:
-        """How the ring is page-locked for copies as it is in effect (register, staging or
-        pageable; a failed registration falls back to staging), "" on a CPU worker."""
+        """The ring's page-locking in effect (register, staging or pageable), "" on a CPU worker."""
         return self.io.mode if self.io is not None else ""
 
     def serve(self) -> None:
+        """Until Stop; raises CudaFault after telling the broker of a sticky CUDA error (the
+        batches it holds are not answered: the broker retries them on a fresh worker)."""
         self.serving = True
         try:
             while self.serving:
@@ -101,11 +103,19 @@ class Server:
                 handler = self.handlers.get(type(msg))
                 if handler is not None:
                     handler(msg)
+        except Exception as exc:
+            # blamed: the batch launching, else the oldest launched (its event or copies were waited on)
+            item = self.running or (self.launched[0] if self.launched else None)
+            fault = fault_of(exc, item.batch.batch_id if item is not None else None)
+            if fault is None:
+                raise
+            self.mail.send(WorkerFault(worker_id=self.worker_id, batch_id=fault.batch_id, error=fault.error,
+                                       kind=fault.kind))
+            raise fault from None
         finally:
             self.close()
 
-    def close(self) -> None:
-        """Unregister the ring (a CUDA worker's), so the segment can be unmapped; again: nothing."""
+    def close(self) -> None:   # unregister a CUDA worker's ring, so the segment can be unmapped
         if self.io is not None:
             self.io.close()
 

@@ -98,11 +98,12 @@ class Handshake:
 
 def death_error(w: WorkerHandle, p: Pending) -> TgwError:
     """The answer to a request given up after `lost`: a likely poison at its second death."""
+    fault = {"cuda_fault": True} if w.faulted else {}
     if p.attempts >= 2:
         return fail(Code.WORKER_DIED, f"in flight at {p.attempts} worker deaths ({w.name}: {w.last_death}); "
-                    "not run again: it is likely what kills them", worker_deaths=p.attempts, poison=True)
+                    "not run again: it is likely what kills them", worker_deaths=p.attempts, poison=True, **fault)
     return fail(Code.WORKER_DIED, f"{w.name} died while running this request ({w.last_death})",
-                worker_deaths=p.attempts)
+                worker_deaths=p.attempts, **fault)
 
 
 def fingerprint(p: Pending) -> str:

@@ -90,25 +90,36 @@ class Snapshots:
             done(path)
 
     def _write(self, t: Taking, msg: WorkerSnapshot) -> str:
-        w = t.worker
-        doc = {
-            "worker": w.name, "pid": w.pid, "device": w.device, "reason": t.reason,
-            "taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "heartbeat": msgspec.to_builtins(w.beat) if w.beat is not None else None,
-            "rss_history": self.leaks.samples(w.identity),
+        return self._file(t.worker, t.reason, str(msg.snapshot_id), {
             "tracemalloc": {"traced_bytes": msg.traced_bytes, "tracing_for_s": round(time.monotonic() - msg.tracing_since, 3),
                             "growth": msgspec.to_builtins(msg.growth)},
-            "cuda": msg.cuda,
+            "cuda": msg.cuda})
+
+    def write_fault(self, w: WorkerHandle, record: dict) -> str | None:
+        """A sticky CUDA error's file, written by the broker alone: the worker's context is broken,
+        so nothing is asked of it. None (logged) when the directory cannot be written."""
+        try:
+            return self._file(w, f"CUDA fault: {record['error']}", "fault", {"fault": record})
+        except OSError as exc:
+            log.error("cannot write the CUDA fault snapshot of %s: %s", w.name, exc)
+            return None
+
+    def _file(self, w: WorkerHandle, reason: str, tag: str, figures: dict) -> str:
+        doc = {
+            "worker": w.name, "pid": w.pid, "device": w.device, "reason": reason,
+            "taken_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "heartbeat": msgspec.to_builtins(w.beat) if w.beat is not None else None,
+            "rss_history": self.leaks.samples(w.identity), **figures,
             "ring": {"segment": w.segment.name, "input_capacity": w.input_bytes, "input_used": w.inputs.used_bytes,
                      "input_live_blocks": w.inputs.live_blocks, "output_capacity": w.output_bytes,
                      "inflight_batches": len(w.inflight), "output_releases_pending": len(w.releases)},
             "dev_shm": shm_listing(),
         }
         os.makedirs(self.dir, mode=0o750, exist_ok=True)
-        path = os.path.join(self.dir, f"{time.strftime('%Y%m%d-%H%M%S')}-{w.name}-{msg.snapshot_id}.json")
+        path = os.path.join(self.dir, f"{time.strftime('%Y%m%d-%H%M%S')}-{w.name}.{w.generation}-{tag}.json")
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
-        log.warning("snapshot of %s (%s) written to %s", w.name, t.reason, path)
+        log.warning("snapshot of %s (%s) written to %s", w.name, reason[:200], path)
         self.recent = (self.recent + [path])[-20:]
         return path
 

@@ -58,6 +58,8 @@ class Supervisor:
         self.workers: list[WorkerHandle] = []       # the roster: changed in place only (the broker holds it)
         self.restarts = Restarts(watch.crash_loop)  # backoff and the crash-loop guard
         self._restart_at: dict[int, float] = {}     # worker id -> when its next life starts
+        # device -> until when no worker may start on it (the CUDA fault rule's; faults.py)
+        self.hold: Callable[[str], float | None] = lambda device: None
 
     def prepare(self) -> list[str]:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
@@ -131,6 +133,11 @@ class Supervisor:
         """The handshake made `w` ready (its life's uptime is judged from here; see restarts.py)."""
         self.restarts.ready(w.worker_id, self.clock())
 
+    def any_exited(self) -> bool:
+        """Some worker's process ended and reap() has not seen it yet."""
+        return any(w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None
+                   for w in self.workers)
+
     def reap(self) -> list[WorkerHandle]:
         """Workers whose process has exited since the last look (now DEAD). A worker that
         reached READY is no longer benched (a successful start); whether its death counts for
@@ -141,7 +148,7 @@ class Supervisor:
                 self.restarts.ready(w.worker_id, self.clock())   # no-op once the handshake said so
                 w.benched = ""
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
-                w.last_death = w.kill_reason or exit_reason(w.proc.returncode)
+                w.last_death = w.faulted or w.kill_reason or exit_reason(w.proc.returncode)
                 log.warning("%s pid %d ended: %s", w.name, w.pid, w.last_death,
                             extra={"event": "worker_died", "worker": w.name, "pid": w.pid, "reason": w.last_death})
                 w.exited()
@@ -162,7 +169,14 @@ class Supervisor:
                          f"(last: {w.last_death}), each before it served; next start in {delay:g} s")
             log.error("%s", w.benched, extra={"event": "crash_loop", "worker": w.name, "deaths": looping,
                                               "backoff_s": delay})
-        self._restart_at[w.worker_id] = now + delay
+        self._restart_at[w.worker_id] = max(now + delay, self._held(w) or 0.0)
+
+    def _held(self, w: WorkerHandle) -> float | None:
+        """Until when `w`'s device is out of service (benched meanwhile), None if it is not."""
+        until = self.hold(w.device)
+        if until is not None:
+            w.benched = f"{w.device} out of service (repeated CUDA faults): next start in {until - self.clock():.0f} s"
+        return until
 
     def restart_at(self, w: WorkerHandle) -> float | None:
         """When a dead worker's next life is due (the supervisor's clock), None if none is."""
@@ -173,9 +187,13 @@ class Supervisor:
         now = self.clock()
         due = [w for w in self.workers if w.state is WorkerState.DEAD and self._restart_at.get(w.worker_id, now + 1) <= now]
         for w in due:
+            held = self._held(w)   # a fault after its restart was scheduled may hold its device now
+            if held is not None:
+                self._restart_at[w.worker_id] = held
+                continue
             del self._restart_at[w.worker_id]
             self.spawn(w)
-        return due
+        return [w for w in due if w.worker_id not in self._restart_at]
 
     def all_ready(self) -> bool:
         return all(w.state is WorkerState.READY for w in self.workers)

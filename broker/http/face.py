@@ -24,6 +24,7 @@ from tgw.shm.wire import ErrorReply, Infer, InferReply
 from tgw.broker.config.schema_ops import HttpDecl
 from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe import status
+from tgw.broker.observe.devices import missing
 from tgw.broker.observe.load import HEADER as LOAD_HEADER, LoadReport
 from tgw.broker.observe.status import BrokerView
 
@@ -243,7 +244,10 @@ class HttpFace:
 
     async def ready(self, request: web.Request) -> web.Response:
         health = status.health(self.deps.view)
-        return json_response({"ready": health.ready, "models": health.models}, 200 if health.ready else 400)
+        doc = {"ready": health.ready, "models": health.models,
+               "devices": {d: {k: v[k] for k in ("state", "uuid", "reason", "models_lost")}
+                           for d, v in health.devices.items()}, "missing": missing(health.devices)}
+        return json_response(doc, 200 if health.ready else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],

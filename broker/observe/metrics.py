@@ -79,6 +79,7 @@ class Metrics(Collector):
         yield from metrics_state.scheduler_families(view)
         yield from metrics_state.pipeline_families(view)
         yield from metrics_gpu.families(view.roster)
+        yield from metrics_gpu.device_families(view)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;

@@ -1,5 +1,5 @@
 """GPU figures for /metrics: memory, utilisation, temperature and power of each GPU worker's
-device, and the CUDA out-of-memory errors its serving loop met.
+device, the CUDA out-of-memory errors its serving loop met, and each device's state and faults.
 
 The broker reads no NVML for them: each GPU worker reads NVML for its own device, found by
 UUID (workers/gpu_readings.py), and sends the figures in its heartbeat; the families show the
@@ -12,8 +12,9 @@ from typing import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .devices import DEVICE_STATES, device_states
 from .metrics_state import WORKER
-from .status import gpu_status
+from .status import BrokerView, gpu_status
 
 # name, help, GpuReading field
 READINGS: list[tuple[str, str, str]] = [
@@ -46,3 +47,20 @@ def families(workers: Iterable) -> Iterator:
                 fam.add_metric(labels, float(figure))
     yield from fams
     yield ooms
+
+
+def device_families(view: BrokerView) -> Iterator:
+    """Each device's state (devices.py) one-hot, and the sticky CUDA errors met on it."""
+    state = GaugeMetricFamily("tgw_device_state", "The device's state (1 for the current one): serving, starting, "
+                              "restarting, faulted (its worker met a sticky CUDA error and is being replaced), "
+                              "out_of_service (repeated faults: no worker starts there for a while)",
+                              labels=["device", "uuid", "state"])
+    faults = CounterMetricFamily("tgw_worker_cuda_faults", "Sticky CUDA errors (illegal memory access, "
+                                 "device-side assert, launch failure, ECC, ...) that ended a worker on the device "
+                                 "since the broker started", labels=["device", "uuid"])
+    for device, d in device_states(view).items():
+        for s in DEVICE_STATES:
+            state.add_metric([device, d["uuid"], s], 1.0 if s == d["state"] else 0.0)
+        faults.add_metric([device, d["uuid"]], d["faults"])
+    yield state
+    yield faults

@@ -16,6 +16,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloRepl
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 from tgw.broker.models.registry import ModelEntry
+from .devices import device_states
 
 if TYPE_CHECKING:
     from tgw.broker.front.callers import Callers
@@ -66,6 +67,7 @@ class BrokerView:
     grpc_address: Callable[[], str] = lambda: ""   # the gRPC face's address (host:port; "" without one)
     cancelled: Callable[[], dict] = dict   # withdrawn requests: model -> where -> n (front/abandon.py)
     latencies: Callable[[], dict] = dict   # model -> its end-to-end seconds histogram (metrics.ModelSeries.e2e)
+    faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -135,11 +137,13 @@ def models(view: BrokerView, req_id: int) -> ModelsReply:
 def health(view: BrokerView, req_id: int = 0) -> HealthReply:
     """Live: the loop answers. Ready: serving (not starting, not in the drain notice, not
     stopping) and every model servable now (`serving`: a ready worker holds its default version
-    and its breaker lets requests through); docs/OPERATIONS.md#health-readiness-and-load."""
+    and its breaker lets requests through); each device's state beside (devices.py).
+    docs/OPERATIONS.md#health-readiness-and-load."""
     ready_models = {m.name: serving(view, m) for m in listed(view)}
     return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True,
                        ready=view.phase() == READY_PHASE and all(ready_models.values()),
-                       models=ready_models, workers={w.name: w.state.value for w in view.roster})
+                       models=ready_models, workers={w.name: w.state.value for w in view.roster},
+                       devices=device_states(view))
 
 
 def stats(view: BrokerView, req_id: int) -> StatsReply:
@@ -189,7 +193,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
-                       http=view.http_address(), grpc=view.grpc_address(),
+                       http=view.http_address(), grpc=view.grpc_address(), devices=device_states(view),
+                       cuda_faults=view.faults(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 

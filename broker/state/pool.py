@@ -71,7 +71,8 @@ class WorkerHandle:
     restarts: int = 0
     last_death: str = ""              # why the previous life ended
     kill_reason: str = ""             # set when the supervisor kills this life
-    benched: str = ""                 # why its models are unavailable on it (crash loop)
+    benched: str = ""                 # why its models are unavailable on it (crash loop, device out of service)
+    faulted: str = ""                 # this life met a sticky CUDA error (fleet/faults.py): serving no more
     successor: "WorkerHandle | None" = None   # its replacement, while it is being recycled
     retiring: bool = False            # the successor serves: this one takes no new batches
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
@@ -116,6 +117,7 @@ class WorkerHandle:
         if self._state is not WorkerState.DEAD:
             raise IllegalTransition(f"{self.name}: renewed while {self._state.value}")
         self.generation += 1
+        self.faulted = ""
         self.models.clear()
         self.inflight.clear()
         self._use_ring(segment)
