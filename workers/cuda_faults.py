@@ -28,8 +28,7 @@ MAX_ERROR_CHARS = 2000
 
 def sticky_kind(exc: BaseException) -> str:
     """The marker of a sticky CUDA error in `exc`'s message, "" for any other error."""
-    if not isinstance(exc, RuntimeError):   # torch.AcceleratorError and torch.cuda errors are RuntimeErrors
-        return ""
+    # torch.AcceleratorError is a RuntimeError, TorchScript's torch.jit.Error is not: by message alone
     text = str(exc)
     if "CUDA" not in text and "cuda" not in text:
         return ""

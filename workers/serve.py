@@ -91,8 +91,7 @@ class Server:
         return self.io.mode if self.io is not None else ""
 
     def serve(self) -> None:
-        """Until Stop; raises CudaFault after telling the broker of a sticky CUDA error (the
-        batches it holds are not answered: the broker retries them on a fresh worker)."""
+        """Until Stop; after a sticky CUDA error, raises CudaFault once the broker is told."""
         self.serving = True
         try:
             while self.serving:
@@ -111,6 +110,7 @@ class Server:
                 raise
             self.mail.send(WorkerFault(worker_id=self.worker_id, batch_id=fault.batch_id, error=fault.error,
                                        kind=fault.kind))
+            self.io = None   # unregistering the ring on a broken context fails too: the exit unmaps it
             raise fault from None
         finally:
             self.close()
