@@ -5,7 +5,8 @@ is torch's `cuda:N` in the worker, which inherits the variable.
 
 CUDA's rules: unset, every GPU; a comma-separated list of indices or UUIDs (`GPU-...`, a unique
 prefix is enough; `MIG-...` instances) makes those visible, in that order, up to the first
-entry that is invalid (an unknown index or UUID, a repeat); empty, none.
+entry that is invalid (an unknown index or UUID, a repeat); empty, none. A MIG instance is a
+device of its own here (mig_instances): one worker each.
 """
 from __future__ import annotations
 
@@ -44,11 +45,12 @@ def nvml_uuids() -> Optional[list[str]]:
             pass
 
 
-def visible_count(uuids: list[str], env: Optional[str]) -> int:
-    """How many of the GPUs with these UUIDs CUDA_VISIBLE_DEVICES=`env` (None: unset) leaves."""
+def visible_entries(uuids: list[str], env: Optional[str]) -> list[str]:
+    """The GPUs (their UUIDs) and MIG instances (MIG-...) CUDA_VISIBLE_DEVICES=`env` (None: unset)
+    leaves, in CUDA's order: cuda:N is the N-th."""
     if env is None:
-        return len(uuids)
-    seen: set[str] = set()
+        return list(uuids)
+    seen: list[str] = []
     for entry in (e.strip() for e in env.split(",")):
         if entry.isdigit():
             found = uuids[int(entry)] if int(entry) < len(uuids) else None
@@ -60,8 +62,13 @@ def visible_count(uuids: list[str], env: Optional[str]) -> int:
             found = hits[0] if len(hits) == 1 else None
         if found is None or found in seen:
             break
-        seen.add(found)
-    return len(seen)
+        seen.append(found)
+    return seen
+
+
+def visible_count(uuids: list[str], env: Optional[str]) -> int:
+    """How many of the GPUs with these UUIDs CUDA_VISIBLE_DEVICES=`env` (None: unset) leaves."""
+    return len(visible_entries(uuids, env))
 
 
 _FROM_ENV = object()
@@ -86,3 +93,17 @@ def plan_devices(decl: WorkersDecl, uuids: Optional[list[str]] = None, env=_FROM
             raise StartupError(f"workers.devices.{k}: {device} is not a GPU this broker can use: {visible} "
                                f"visible{where}; cuda:N counts the visible GPUs from 0")
     return list(decl.devices)
+
+
+def mig_instances(devices: list[str], env=_FROM_ENV, uuids: Optional[list[str]] = None) -> dict[str, str]:
+    """Planned device (cuda:N) -> its MIG instance's UUID, for those that are MIG instances.
+
+    A CUDA process enumerates at most one MIG instance, so each of these workers is started
+    with CUDA_VISIBLE_DEVICES set to its instance alone, and runs on its cuda:0."""
+    if env is _FROM_ENV:
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or "MIG-" not in env.upper():
+        return {}
+    entries = visible_entries(uuids if uuids is not None else nvml_uuids() or [], env)
+    return {d: entries[int(d[5:])] for d in devices
+            if d.startswith("cuda:") and int(d[5:]) < len(entries) and entries[int(d[5:])].upper().startswith("MIG-")}

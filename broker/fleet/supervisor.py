@@ -22,7 +22,7 @@ from tgw.shm.wire_start import WorkerStart, encode_start
 from tgw.broker.config.load import SupervisorDecl, WorkersDecl
 from tgw.broker.models.roles import roles_for
 from tgw.broker.state.pool import WorkerHandle, WorkerState
-from .gpus import plan_devices
+from .gpus import mig_instances, plan_devices
 from .restarts import Restarts
 
 log = logging.getLogger("tgw.supervisor")
@@ -55,6 +55,7 @@ class Supervisor:
         # one worker each (NVML is asked once, here), then workers.stage_workers CPU workers for stages
         self.devices = plan_devices(decl) + ["cpu"] * decl.stage_workers
         self.roles = roles_for(self.devices[:len(self.devices) - decl.stage_workers], decl.stage_workers)
+        self.mig = mig_instances(self.devices)   # cuda:N -> MIG-uuid: its workers see that instance alone
         self.workers: list[WorkerHandle] = []       # the roster: changed in place only (the broker holds it)
         self.restarts = Restarts(watch.crash_loop)  # backoff and the crash-loop guard
         self._restart_at: dict[int, float] = {}     # worker id -> when its next life starts
@@ -104,16 +105,22 @@ class Supervisor:
         """What (this life of) `w` is told at its start."""
         return WorkerStart(worker_id=w.worker_id, identity=w.identity.decode(), segment=w.segment.name,
                            input_bytes=w.input_bytes, output_bytes=w.output_bytes, endpoint=self.endpoint,
-                           device=w.device, threads=self.decl.threads_per_worker, cpus=list(w.cpus),
+                           device="cuda:0" if w.device in self.mig else w.device,
+                           threads=self.decl.threads_per_worker, cpus=list(w.cpus),
                            heartbeat_s=self.watch.heartbeat_s, preload=list(self.decl.preload),
                            host_memory=self.decl.cuda_host_memory, **self.observe)
 
     def spawn(self, w: WorkerHandle) -> None:
         cmd = [sys.executable, "-m", "tgw.workers", encode_start(self.start_for(w))]
         self.restarts.spawned(w.worker_id)
-        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL), self.clock())
+        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.spawn_env(w)), self.clock())
         log.info("spawned %s pid %d", w.name, w.pid, extra={"event": "worker_spawned", "worker": w.name,
                                                              "pid": w.pid})
+
+    def spawn_env(self, w: WorkerHandle) -> dict[str, str] | None:
+        """The environment of `w`'s process: the broker's (None), but only its MIG instance visible."""
+        mig = self.mig.get(w.device)
+        return None if mig is None else {**os.environ, "CUDA_VISIBLE_DEVICES": mig}
 
     def spawn_all(self) -> list[WorkerHandle]:
         for w in self.workers:

@@ -9,8 +9,12 @@ import pytest
 from conftest import EXT, base_config, wait_until
 from tgw.broker.config.load import ConfigError, parse_config
 from tgw.broker.config.startup import StartupError
-from tgw.broker.fleet.gpus import plan_devices, visible_count
+from tgw.broker.fleet.gpus import mig_instances, plan_devices, visible_count
+from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.config.schema import WorkersDecl
+from tgw.broker.config.load import SupervisorDecl
+from tgw.broker.state.pool import WorkerHandle
+from tgw.shm.segment import Segment, new_name
 from tgw.client import Client, OutOfGpuMemoryError
 
 UUIDS = ["GPU-1111aaaa-0000-0000-0000-000000000000", "GPU-2222bbbb-0000-0000-0000-000000000000",
@@ -101,3 +105,27 @@ def test_the_memory_trip_reads_a_gpu_workers_heartbeat():
     beat.gpu = None
     assert memory_fraction("cuda:0", beat, 40 << 30) == 0.25
     assert memory_fraction("cuda:0", beat) == memory_fraction("cpu", beat) == (1 << 30) / host_memory()
+
+
+MIGS = ["MIG-5e7c4d2a-aaaa-bbbb-cccc-000000000000", "MIG-5e7c4d2a-aaaa-bbbb-cccc-000000000001"]
+
+
+def test_each_mig_instance_is_a_worker_that_sees_it_alone(tmp_path):
+    env = ",".join(MIGS)
+    devices = plan_devices(WorkersDecl(devices="auto"), UUIDS, env)
+    assert devices == ["cuda:0", "cuda:1"]
+    assert mig_instances(devices, env, UUIDS) == {"cuda:0": MIGS[0], "cuda:1": MIGS[1]}
+    assert mig_instances(devices, "0,1", UUIDS) == {} and mig_instances(devices, None, UUIDS) == {}
+    sup = Supervisor(WorkersDecl(devices=["cpu"], input_arena_mb=1, output_arena_mb=1),
+                     SupervisorDecl(snapshot_dir=str(tmp_path)), "ipc:///nowhere")
+    sup.mig = mig_instances(devices, env, UUIDS)
+    seg = Segment.create(new_name("ring"), 4096)
+    try:
+        second = WorkerHandle(1, "cuda:1", [], seg, 2048, 2048)
+        start = sup.start_for(second)
+        assert start.device == "cuda:0"            # its one visible device ...
+        assert sup.spawn_env(second)["CUDA_VISIBLE_DEVICES"] == MIGS[1]   # ... is its instance
+        assert sup.spawn_env(WorkerHandle(0, "cpu", [], seg, 2048, 2048)) is None
+    finally:
+        seg.close()
+        seg.unlink()
