@@ -11,13 +11,8 @@ serve lists the models that lose capacity with it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tgw.broker.models.roles import serves
 from tgw.broker.state.pool import WorkerState
-
-if TYPE_CHECKING:
-    from .status import BrokerView
 
 DEVICE_STATES = ("serving", "starting", "restarting", "faulted", "out_of_service")
 RANK = {"serving": 3, "faulted": 2, "restarting": 1, "starting": 0}
@@ -32,9 +27,10 @@ def worker_device_state(w) -> str:
     return "starting" if w.generation == 0 and not w.last_death else "restarting"
 
 
-def device_states(view: "BrokerView") -> dict[str, dict]:
+def device_states(view) -> dict[str, dict]:
     """Device -> state, uuid, its workers, faults since start, why it does not serve, and the
-    models that lose capacity while it does not."""
+    models that lose capacity while it does not. `view`: status.BrokerView (roster, models,
+    faults), not imported: status imports this module."""
     faults = view.faults()
     out_of_service, counts = faults.get("out_of_service", {}), faults.get("by_device", {})
     out: dict[str, dict] = {}

@@ -56,15 +56,17 @@ def test_a_sticky_cuda_error_poisons_the_worker_not_its_batch_mates(model_files,
         t0 = time.monotonic()
         err = poison.call(c.infer, "fault_on", {"x": np.full((1, 1), POISON, np.float32)})
         blamed_s = time.monotonic() - t0
+        wait_until(lambda: all(w["state"] == "ready" for w in c.status()["workers"]), 60, "the replaced workers to serve")
+        recovered_s = time.monotonic() - t0
         served_before = len(load.results)
         wait_until(lambda: len(load.results) > served_before + 100, 60, "traffic to flow after the faults")
-        status = wait_until(lambda: (s := c.status()) and all(w["state"] == "ready" for w in s["workers"]) and s,
-                            60, "the replaced workers to serve")
+        status = c.status()
         metrics = get(f"{status['http']}/metrics")[1]
     load.finish()
     faults = status["cuda_faults"]
     row(mates, f"{len(wrong)} wrong answers")
-    row(poison, f"blamed after {faults['total']} fault(s), {blamed_s:.2f} s; {getattr(err, 'message', err)!r}")
+    row(poison, f"blamed after {faults['total']} fault(s) in {blamed_s:.2f} s; every worker serving again "
+                f"{recovered_s:.2f} s after it was sent; {getattr(err, 'message', err)[:90]!r}")
     assert isinstance(err, TgwError) and err.code is Code.WORKER_DIED
     assert err.details["poison"] is True and err.details["cuda_fault"] is True
     assert mates.counts == {"ok": mates.sent} and wrong == []
