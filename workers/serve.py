@@ -116,8 +116,7 @@ class Server:
             self.close()
 
     def close(self) -> None:   # unregister a CUDA worker's ring, so the segment can be unmapped
-        if self.io is not None:
-            self.io.close()
+        self.io is not None and self.io.close()
 
     def _on_batch(self, batch: Batch) -> None:
         self.blocks.release(batch)

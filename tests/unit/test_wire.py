@@ -15,7 +15,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           Scrape, ScrapeReply, Cancel, CancelReply, CudaIpc, Goodbye, RegionReply, RegionSlice,
                           RegisterRegion, UnregisterRegion,
                           Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
-                          StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
+                          StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed, WorkerFault,
                           WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
 from tgw.shm.wire_worker import GpuReading, Withdraw
@@ -109,6 +109,7 @@ FROM_WORKER = [
     WorkerHello(v=V, worker_id=0, pid=1234),
     WorkerReady(worker_id=0, models=["mlp"]),
     WorkerFailed(worker_id=1, model="mlp", error="RuntimeError: x"),
+    WorkerFault(worker_id=1, batch_id=4, error="CUDA error: misaligned address", kind="misaligned address"),
     Done(batch_id=1, outputs=[BlockTensor(name="y", dtype="float32", shape=[2, 10], offset=0, nbytes=80)],
          block=0, compute_us=75),
     Done(batch_id=2, error=ErrorBody(code="MODEL_EXECUTION_ERROR", message="bad")),
