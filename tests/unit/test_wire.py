@@ -15,8 +15,9 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           Scrape, ScrapeReply, Cancel, CancelReply, CudaIpc, Goodbye, RegionReply, RegionSlice,
                           RegisterRegion, UnregisterRegion,
                           Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
-                          StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed, WorkerFault,
-                          WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder, from_worker_decoder,
+                          StatusReply, Stop, TensorMeta, UnloadModel, UnloadVersion, VersionInfo, WorkerFailed,
+                          WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot, encode, envelope_decoder,
+                          from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
 from tgw.shm.wire_worker import GpuReading, Withdraw
 
