@@ -28,6 +28,7 @@ from .handshake import fingerprint
 log = logging.getLogger("tgw.supervisor")
 RECORDS_KEPT = 50
 SUSPECTS_KEPT = 16   # fingerprints recorded of a faulted batch's requests
+FAULT_PREFIX = "sticky CUDA error"   # how a faulted worker's end begins (WorkerHandle.faulted, last_death)
 
 
 class CudaFaults:
@@ -49,7 +50,7 @@ class CudaFaults:
         requests = list(batch.requests) if batch is not None else []
         # a retry runs alone (fleet/handshake.py): at its fault, that one input is to blame
         blamed = fingerprint(requests[0]) if len(requests) == 1 and requests[0].alone else None
-        w.faulted = f"sticky CUDA error ({msg.kind}): {msg.error}"
+        w.faulted = f"{FAULT_PREFIX} ({msg.kind}): {msg.error}"
         if w.state is WorkerState.READY:
             w.told_to_stop()   # routing takes no new batch to it; its death retries what it holds
         self.to_kill.append(w)

@@ -11,12 +11,12 @@ serve lists the models that lose capacity with it.
 """
 from __future__ import annotations
 
+from tgw.broker.fleet.faults import FAULT_PREFIX
 from tgw.broker.models.roles import serves
 from tgw.broker.state.pool import WorkerState
 
 DEVICE_STATES = ("serving", "starting", "restarting", "faulted", "out_of_service")
 RANK = {"serving": 3, "faulted": 2, "restarting": 1, "starting": 0}
-FAULT_PREFIX = "sticky CUDA error"   # how fleet/faults.py words a faulted worker's end (WorkerHandle.faulted)
 
 
 def worker_device_state(w) -> str:
