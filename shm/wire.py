@@ -18,7 +18,7 @@ from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSI
                         split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
-from .wire_worker import (Batch, BlockTensor, Done, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
+from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
                           UnloadModel, Withdraw, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot)
 

@@ -73,6 +73,7 @@ class VersionInfo(Struct):
     evictions: int = 0
     last_load_ms: float = 0.0
     format: str = "torchscript"         # what the file holds (shm/model_format.py)
+    footprint: dict[str, Any] = {}      # measured memory: weights, activation_peak, by_batch, measured_on ({}: not yet)
 
 
 class ModelMetadata(Struct):

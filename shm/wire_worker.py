@@ -49,10 +49,24 @@ class LoadModels(Struct, tag_field="op", tag="w_load"):
     models: list[ModelSpec]
 
 
+class Footprint(Struct):
+    """One loaded version's memory on its device as the worker measured it (workers/footprint.py):
+    on cuda the allocator's figures, on cpu the process's RSS."""
+    weights: int = 0                # growth at load, before warm-up
+    activation_peak: int = 0        # the largest of by_batch
+    by_batch: dict[int, int] = {}   # warm-up batch size -> peak above what was allocated before it
+    measured_on: str = ""           # cuda or cpu ("": not measured)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activation_peak
+
+
 class WorkerReady(Struct, tag_field="op", tag="w_ready"):
     worker_id: int
     models: list[str]
     sizes: dict[str, int] = {}      # model key -> parameter and buffer bytes
+    footprints: dict[str, Footprint] = {}   # model key -> measured at its load and warm-up
 
 
 # Runtime loads go over the worker's loader socket (identity: the worker's + b"~load"), served
@@ -80,6 +94,7 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     rss_before: int = 0
     rss_after: int = 0
     load_ms: float = 0.0
+    footprint: Optional[Footprint] = None   # measured at load and warm-up (None: failed, or an old worker)
 
 
 class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
@@ -185,6 +200,7 @@ class Heartbeat(Struct, tag_field="op", tag="w_beat"):
     output_used: int = 0             # bytes of its output arena in unreleased blocks
     gpu: Optional[GpuReading] = None  # GPU workers where NVML answers; None on the CPU
     gpu_ooms: int = 0                # CUDA out-of-memory errors met since start, recovered ones included
+    rss_anon: int = 0                # bytes of anonymous RSS: without the ring's shared pages and mapped files
 
 
 class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):

@@ -21,6 +21,7 @@ from tgw.shm.model_format import ModelFormatError
 from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, UnloadModel, \
     encode, model_key, to_worker_decoder
 
+from .footprint import Gauge, warm_measured
 from .formats import FormatMismatch
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
@@ -81,7 +82,8 @@ class Loader(SideThread):
         loaded = self.runners.get(key)
         if loaded is not None:
             rss = rss_bytes()
-            return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss)
+            return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss,
+                               footprint=loaded.footprint)
         rss_before, t0 = rss_bytes(), time.perf_counter()
         try:
             runner = self._build(spec)
@@ -90,7 +92,7 @@ class Loader(SideThread):
         else:
             self.runners[key] = runner  # before the reply: once the broker reads it, batches come
             reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,
-                                load_ms=(time.perf_counter() - t0) * 1000)
+                                load_ms=(time.perf_counter() - t0) * 1000, footprint=runner.footprint)
         if reply.error is not None:
             log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
             release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
@@ -98,12 +100,14 @@ class Loader(SideThread):
         return reply
 
     def _build(self, spec: ModelSpec) -> ModelRunner:
+        gauge = Gauge(self.device)   # its memory measured as it loads and warms up (footprint.py)
         try:
-            runner = (StageRunner if spec.format == "stage" else ModelRunner)(spec, self.device)
+            runner, weights = gauge.load(lambda: (StageRunner if spec.format == "stage" else ModelRunner)(
+                spec, self.device))
         except Exception as exc:
             raise LoadFailed(_reason(exc, "load"), exc) from None
         try:
-            runner.warm_up()
+            warm_measured(runner, gauge, weights)
         except Exception as exc:
             raise LoadFailed(_reason(exc, "warmup"), exc) from None
         return runner

@@ -23,6 +23,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello
 
 from .cuda_faults import CudaFault
 from .device_identity import device_memory, device_uuid
+from .footprint import measure_load
 from .heartbeat import Beacon
 from .progress import Progress
 from .loader import MAX_ERROR_CHARS, Loader, error_text
@@ -96,16 +97,16 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
     The answer names only these: the loader thread reports its own loads."""
     loaded = {}
     for spec in msg.models:
-        try:
-            runner = make_runner(spec, device)   # a model file's, or a stage's
-            runner.warm_up()
+        try:   # a model file's runner, or a stage's; its memory measured as it loads and warms up
+            runner = measure_load(lambda: make_runner(spec, device), device)
         except Exception as exc:
             return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
                                 error=error_text(exc))
         loaded[runner.key] = runner
     runners.update(loaded)
     return WorkerReady(worker_id=worker_id, models=sorted(loaded),
-                       sizes={key: runner.nbytes for key, runner in loaded.items()})
+                       sizes={key: runner.nbytes for key, runner in loaded.items()},
+                       footprints={key: runner.footprint for key, runner in loaded.items()})
 
 
 def run_worker(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import torch
 from tgw.shm.model_format import detect
 from tgw.shm.wire import IOSpec, ModelSpec, model_key
 
+from .footprint import Gauge
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
 from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.module, self.nbytes = self.program.call, self.program.nbytes
         self.outputs = spec.outputs
         self.min_batch = 1   # the program's smallest batch (an AOTInductor package's, found at warm-up)
+        self.footprint = None   # its measured memory (footprint.warm_measured), once warmed up
 
     @property
     def key(self) -> str:
@@ -52,10 +54,11 @@ class ModelRunner:
     def _refused(self, why: str) -> FormatMismatch:
         return FormatMismatch(f"{self.spec.path} cannot serve {self.key} as declared: {why}")
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> dict[int, int]:
         """Run each warm-up batch size once; also proves the outputs match the declaration. An
         AOTInductor package also runs at the batch and -1 dims' edges (shape_checks.aoti_edges),
-        which finds its smallest batch: smaller ones are padded up to it."""
+        which finds its smallest batch: smaller ones are padded up to it. Returns each size's
+        activation peak on the device ({} for a package: its edges are measured as one)."""
         if self.program.fmt == "aoti":
             try:
                 self.min_batch = aoti_edges(
@@ -66,9 +69,9 @@ class ModelRunner:
                 log.info("model %s version %s: the AOTInductor package takes batches of %d rows or more; smaller "
                          "batches are padded to %d rows, the padding dropped from the outputs",
                          self.spec.name, self.spec.version, self.min_batch, self.min_batch)
-            return
-        for rows in self.spec.warmup_batch_sizes or [1]:
-            self.run(self.examples(rows), rows)
+            return {}
+        return Gauge(self.device).per_batch(self.spec.warmup_batch_sizes or [1],
+                                            lambda rows: self.run(self.examples(rows), rows))
 
     def examples(self, rows: int, change: tuple[int, int, int] | None = None) -> list[torch.Tensor]:
         """Warm-up inputs: zeros (the least likely to trip a model's own input checks); a -1 dim

@@ -90,6 +90,7 @@ class StageRunner:
         # a cuda stage runs on this worker's GPU; a cpu stage on the CPU even on a GPU worker
         self.device = device if spec.device == "cuda" else torch.device("cpu")
         self.nbytes, self.min_batch = 0, 1
+        self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
         cls = load_class(spec.handler, spec.sha256)
         try:
             self.module = cls()

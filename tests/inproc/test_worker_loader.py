@@ -240,6 +240,8 @@ def test_start_up_load_reports_sizes_and_checks_digests(affine):
     path, sha256, _ = affine
     runners: dict[str, ModelRunner] = {}
     ready = _load(LoadModels(models=[spec(path, sha256=sha256)]), CPU, 2, runners)
+    fp = ready.footprints.pop("affine:1")   # measured as it loaded and warmed up (workers/footprint.py)
+    assert fp.measured_on == "cpu" and fp.weights >= AFFINE_BYTES and set(fp.by_batch) == {1}
     assert ready == WorkerReady(worker_id=2, models=["affine:1"], sizes={"affine:1": AFFINE_BYTES})
     assert list(runners) == ["affine:1"]
     bad = _load(LoadModels(models=[spec(path, name="good"), spec(path, name="other", sha256="00" * 32)]), CPU, 2,
