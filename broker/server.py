@@ -75,7 +75,7 @@ class Broker:
         self.roster: list[WorkerHandle] = [] if roster is None else roster
         self._enrols = roster is None
         self.placement = Placement(self.registry, self.roster, self.send, clock,  # which worker holds which version
-                                   cfg.workers.max_model_memory)
+                                   cfg.workers.max_model_memory, cfg.workers.placement)
         answer_error = lambda p, err: self.door.fail(p, err)   # noqa: E731 - the door is made in attach
         self.unserved = Unserved(self.batcher, self.roster, answer_error,
                                  self.placement.resident)   # answers for requests no worker will run

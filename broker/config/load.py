@@ -17,11 +17,12 @@ from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
-from .schema_ops import CrashLoopDecl, CudaFaultDecl, GrpcDecl, HttpDecl, LeakDecl, ObservabilityDecl, SupervisorDecl
+from .schema_ops import CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, LeakDecl, \
+    ObservabilityDecl, SupervisorDecl
 
 # the rest of the broker imports the schema from here
-__all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "HttpDecl", "LeakDecl", "ModelDecl",
-           "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
+__all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",
+           "ModelDecl", "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
            "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config",
            "parse_config"]
 

@@ -34,6 +34,9 @@ class WorkersDecl(Strict):
     cuda_host_memory: Literal["register", "staging", "pageable"] = "register"
     # each worker's budget for loaded models: bytes (int) or share of its device's memory (float in (0, 1])
     max_model_memory: Optional[Union[int, float]] = None
+    # where on-demand versions load (docs/MEMORY.md): spread = the worker with the most budget left;
+    # pack = the fullest one they still fit on, so whole devices stay free
+    placement: Literal["spread", "pack"] = "spread"
     # CPU workers that serve only stages (device cpu); 0: cpu stages go on the CPU workers with the models
     stage_workers: Annotated[int, Field(ge=0, le=64)] = 0
     # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)

@@ -39,6 +39,20 @@ class LeakDecl(Strict):
     recycle: bool = True                                    # replace the worker after the snapshot
 
 
+class FragmentationDecl(Strict):
+    """After an unload, memory a worker keeps beyond what its models need (cuda: reserved less
+    allocated; cpu: anonymous RSS above the fresh worker's plus its models' footprints): past
+    both bounds set, for `beats` heartbeats in a row, a graceful recycle (docs/MEMORY.md)."""
+    max_mb: Optional[Annotated[float, Field(ge=0)]] = 1024.0   # MiB kept beyond need ...
+    max_share: Optional[Annotated[float, Field(ge=0, le=1)]] = 0.25   # ... and this share of what it holds
+    beats: Annotated[int, Field(ge=1)] = 3                    # in a row: a batch's passing peak is no waste
+    recycle: bool = True                                      # false: logged only
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_mb is not None or self.max_share is not None
+
+
 class SupervisorDecl(Strict):
     heartbeat_s: Annotated[float, Field(gt=0, le=60)] = 1.0
     hang_timeout_s: Annotated[float, Field(gt=0)] = 10.0      # silent this long: killed and replaced
@@ -47,6 +61,7 @@ class SupervisorDecl(Strict):
     crash_loop: CrashLoopDecl = CrashLoopDecl()
     cuda_faults: CudaFaultDecl = CudaFaultDecl()
     leak: LeakDecl = LeakDecl()
+    fragmentation: FragmentationDecl = FragmentationDecl()
     snapshot_dir: Optional[str] = None   # default $STATE_DIRECTORY/snapshots, else <runtime dir>/snapshots
     shutdown_grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
 

@@ -53,10 +53,11 @@ class Handshake:
             return False
         w.became_ready(msg.models, now)
         w.sizes.update(msg.sizes)
+        w.footprints.update(msg.footprints)
         for key in msg.models:
             rec = self.registry.record(key)
             if rec is not None:
-                rec.served_by(msg.sizes.get(key, 0))
+                rec.served_by(msg.sizes.get(key, 0), msg.footprints.get(key))
         log.info("%s ready with %s", w.name, ", ".join(msg.models),
                  extra={"event": "worker_ready", "worker": w.name, "pid": w.pid, "models": msg.models})
         self.on_ready(w)

@@ -93,12 +93,12 @@ class Repository:
         if plan is not None:
             return [triton_docs.pipeline_stats(plan, self.view.pipelines.counters.get(plan.name))]
         entry, version = self.version_of(model, version)
-        return triton_docs.model_stats(entry, self.view.stats.models.get(entry.name), version)
+        return triton_docs.model_stats(entry, self.view.stats.models.get(entry.name), version, self.view.roster)
 
     def all_stats(self) -> list[dict]:
         """Every model's versions, then every pipeline."""
-        rows = [row for entry in listed(self.view)
-                for row in triton_docs.model_stats(entry, self.view.stats.models.get(entry.name))]
+        rows = [row for entry in listed(self.view) for row in
+                triton_docs.model_stats(entry, self.view.stats.models.get(entry.name), roster=self.view.roster)]
         return rows + [triton_docs.pipeline_stats(plan, self.view.pipelines.counters.get(plan.name))
                        for plan in self.view.pipelines.table.values()]
 

@@ -149,7 +149,20 @@ def timed(t: Timed | None) -> dict:
     return {"count": t.count, "ns": t.ns} if t is not None else {"count": 0, "ns": 0}
 
 
-def version_stats(name: str, alias: str, v: VersionCounters | None) -> dict:
+def memory_usage(roster, key: str) -> list[dict]:
+    """Triton's MemoryUsage entries of one version: its measured footprint on each device that
+    holds it (type GPU or CPU, id the device's index)."""
+    out = []
+    for w in roster:
+        fp = w.footprints.get(key)
+        if key in w.models and fp is not None and fp.measured_on:
+            gpu = w.device.startswith("cuda")
+            index = int(w.device.partition(":")[2] or 0) if gpu else 0
+            out.append({"type": "GPU" if gpu else "CPU", "id": index, "byte_size": fp.total})
+    return out
+
+
+def version_stats(name: str, alias: str, v: VersionCounters | None, memory: list[dict] | None = None) -> dict:
     """One version's entry of Triton's model_stats. compute_infer is the batch's compute as the
     worker measured it, given to each of its requests; tgw does not time input and output
     copies apart from it (their counts follow compute_infer's, their ns is 0)."""
@@ -165,15 +178,17 @@ def version_stats(name: str, alias: str, v: VersionCounters | None) -> dict:
             "batch_stats": [{"batch_size": rows, "compute_input": {"count": t.count, "ns": 0},
                              "compute_infer": timed(t), "compute_output": {"count": t.count, "ns": 0}}
                             for rows, t in sorted(v.batch_compute.items())],
-            "memory_usage": []}
+            "memory_usage": memory or []}
 
 
-def model_stats(entry: ModelEntry, counters: ModelCounters | None, version: str | None = None) -> list[dict]:
-    """Triton's model_stats entries of a model: each of its versions, or the one asked for."""
+def model_stats(entry: ModelEntry, counters: ModelCounters | None, version: str | None = None,
+                roster=()) -> list[dict]:
+    """Triton's model_stats entries of a model: each of its versions, or the one asked for; the
+    memory each takes on the workers of `roster` that hold it."""
     aliases = numeric_aliases(entry.records)
     counted = counters.versions if counters is not None else {}
-    return [version_stats(entry.name, alias, counted.get(v)) for v, alias in aliases.items()
-            if version is None or v == version]
+    return [version_stats(entry.name, alias, counted.get(v), memory_usage(roster, entry.records[v].key))
+            for v, alias in aliases.items() if version is None or v == version]
 
 
 def pipeline_stats(plan: Plan, counters) -> dict:

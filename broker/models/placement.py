@@ -35,10 +35,11 @@ LOAD_RETRY_S = 10.0   # after an on-demand load failed, requests are refused thi
 
 class Placement:
     def __init__(self, registry: Registry, roster: list[WorkerHandle], send: Callable[[bytes, object], None],
-                 clock: Callable[[], float] = time.monotonic, model_memory: int | float | None = None):
+                 clock: Callable[[], float] = time.monotonic, model_memory: int | float | None = None,
+                 policy: str = "spread"):
         self.registry, self.roster, self.send, self.clock = registry, roster, send, clock
         self.model_memory = model_memory  # workers.max_model_memory: each worker's budget (a reload may change it)
-        self.residency = Residency(registry.record, self.note)
+        self.residency = Residency(registry.record, self.note, policy)   # policy: workers.placement
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
         self.failures: dict[str, list[tuple[WorkerHandle, ModelLoaded]]] = {}  # key -> failed loads, for waiters
         self.watching: set[str] = set()   # keys a rollout waits on (their failures are kept for it)
@@ -168,11 +169,14 @@ class Placement:
         else:
             w.models.add(msg.key)
             w.sizes[msg.key] = msg.bytes
+            if msg.footprint is not None:
+                w.footprints[msg.key] = msg.footprint
             w.holding.used_at[msg.key] = self.clock()
             if rec is not None:
-                rec.loaded(msg.bytes, msg.load_ms)
+                rec.loaded(msg.bytes, msg.load_ms, msg.footprint)
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
-                      rss_after=msg.rss_after)
+                      rss_after=msg.rss_after, footprint=self.residency.size(w, msg.key))
+            self.residency.settle(w, msg.key)
             log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
                      extra={"event": "model_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
                             "bytes": msg.bytes})
@@ -197,7 +201,9 @@ class Placement:
     def on_unloaded(self, w: WorkerHandle, msg: ModelUnloaded) -> None:
         w.holding.unloading.discard(msg.key)
         freed = w.sizes.pop(msg.key, 0)
+        w.footprints.pop(msg.key, None)
         w.holding.used_at.pop(msg.key, None)
+        w.holding.unloads += 1
         self.note("unload", msg.key, w, bytes=freed, rss_before=msg.rss_before, rss_after=msg.rss_after)
         log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20,
                  extra={"event": "model_unload", "worker": w.name, "key": msg.key, "bytes": freed,

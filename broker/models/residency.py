@@ -7,6 +7,12 @@ only if none is idle, the least recently used busy one, which takes no new batch
 worker and unloads once its batches in flight are done. The load waits for the memory to be
 returned. Always-resident versions count against the budget but are never evicted, so a
 worker exceeds its budget by at most the one model that could not fit beside them.
+
+A version counts what its worker measured at its load (weights + activation peak:
+workers/footprint.py), else what it measured at an earlier load, else its parameter bytes
+(docs/MEMORY.md). A load measured larger than counted evicts what no longer fits beside it.
+Placement is `spread` (the worker with the most budget left) or `pack` (the fullest worker it
+still fits on, so whole devices stay free).
 """
 from __future__ import annotations
 
@@ -33,12 +39,20 @@ def budget_bytes(max_model_memory: int | float | None, device: str, device_total
 
 
 class Residency:
-    def __init__(self, record: Callable[[str], VersionRecord | None], note: Callable[..., None]):
+    def __init__(self, record: Callable[[str], VersionRecord | None], note: Callable[..., None],
+                 policy: str = "spread"):
         self.record = record      # key -> its version record (None: gone)
         self.note = note          # records a lifecycle event (status, metadata)
+        self.policy = policy      # workers.placement: spread or pack
 
     def size(self, w: WorkerHandle, key: str) -> int:
+        """Bytes `key` takes on `w`: measured there, else measured elsewhere, else parameter bytes."""
+        fp = w.footprints.get(key)
+        if fp is not None and fp.measured_on:
+            return fp.total
         rec = self.record(key)
+        if rec is not None and rec.footprint is not None and rec.footprint.measured_on:
+            return rec.size()
         return w.sizes.get(key) or (rec.size() if rec is not None else 0)
 
     def used(self, w: WorkerHandle) -> int:
@@ -56,12 +70,18 @@ class Residency:
         return None
 
     def place(self, rec: VersionRecord, roster: list[WorkerHandle]) -> WorkerHandle | None:
-        """Give the version to the live worker with the most budget left; None when no worker
-        is live (a restart will come; the requests wait, bounded by their deadlines)."""
+        """Give the version to a live worker (spread: the most budget left; pack: the least left
+        that still fits it, else as spread); None when no worker is live (a restart will come;
+        the requests wait, bounded by their deadlines)."""
         live = [w for w in roster if w.state is WorkerState.READY and not w.retiring]
         if not live:
             return None
-        w = max(live, key=lambda w: (float("inf") if w.budget is None else w.budget - self.used(w), -len(w.inflight)))
+        left = {id(w): float("inf") if w.budget is None else w.budget - self.used(w) for w in live}
+        fits = [w for w in live if left[id(w)] >= self.size(w, rec.key)] if self.policy == "pack" else []
+        if fits:
+            w = min(fits, key=lambda w: (left[id(w)], -self.used(w), len(w.inflight)))
+        else:
+            w = max(live, key=lambda w: (left[id(w)], -len(w.inflight)))
         w.holding.wanted.add(rec.key)
         return w
 
@@ -78,6 +98,19 @@ class Residency:
         evictable = [k for k in w.models if k != key and k not in h.evicting and k in h.wanted]
         if not evictable and not h.evicting:
             return True   # only always-resident models are left: this one may exceed the budget alone
+        self._evict_for(w, evictable, over)
+        return False
+
+    def settle(self, w: WorkerHandle, key: str) -> None:
+        """`key` finished loading on `w`, measured: evict what no longer fits beside it (its
+        measured footprint may exceed the parameter bytes it was let in by)."""
+        if w.budget is None or (over := self.used(w) - w.budget) <= 0:
+            return
+        h = w.holding
+        self._evict_for(w, [k for k in w.models if k != key and k not in h.evicting and k in h.wanted], over)
+
+    def _evict_for(self, w: WorkerHandle, evictable: list[str], over: int) -> None:
+        h = w.holding
         freeing = sum(self.size(w, k) for k in h.evicting)
         # idle first, then least recently used
         for victim in sorted(evictable, key=lambda k: (self._busy(k), h.used_at.get(k, 0.0))):
@@ -85,7 +118,6 @@ class Residency:
                 break
             self.evict(w, victim)
             freeing += self.size(w, victim)
-        return False
 
     def _busy(self, key: str) -> bool:
         rec = self.record(key)

@@ -203,11 +203,16 @@ def worker_status(w, now: float) -> dict:
            "inflight": len(w.inflight), "restarts": w.restarts, "last_death": w.last_death, "benched": w.benched,
            "heartbeat_age_s": round(now - w.beat_at, 3) if w.beat is not None else None,
            "model_bytes": sum(w.sizes.get(k, 0) for k in w.models), "budget": w.budget,
-           "host_memory": w.host_memory, "role": w.role}   # models, stages or both (roles.py)
+           "host_memory": w.host_memory, "role": w.role,   # models, stages or both (roles.py)
+           # each held version's memory as measured at its load (docs/MEMORY.md)
+           "footprints": {k: {"weights": fp.weights, "activation_peak": fp.activation_peak, "bytes": fp.total,
+                              "measured_on": fp.measured_on}
+                          for k, fp in sorted(w.footprints.items()) if k in w.models}}
     if w.beat is not None:
         beat = w.beat
-        out.update(rss=beat.rss, cpu_s=round(beat.cpu_s, 3), fds=beat.fds, threads=beat.threads,
-                   batches=beat.batches, busy_s=round(now - beat.batch_since, 3) if beat.batch_id is not None else 0.0)
+        out.update(rss=beat.rss, rss_anon=beat.rss_anon, cpu_s=round(beat.cpu_s, 3), fds=beat.fds,
+                   threads=beat.threads, batches=beat.batches,
+                   busy_s=round(now - beat.batch_since, 3) if beat.batch_id is not None else 0.0)
         if beat.cuda_reserved:
             out.update(cuda_allocated=beat.cuda_allocated, cuda_reserved=beat.cuda_reserved)
         out.update(gpu_status(w))

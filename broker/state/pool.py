@@ -12,7 +12,7 @@ from enum import Enum
 
 from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
-from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Heartbeat, IOSpec, Withdraw, model_key
+from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Footprint, Heartbeat, IOSpec, Withdraw, model_key
 
 from . import cuda
 from .inflight import Gone, Inflight, drop_from, left_out, take_out  # noqa: F401 - Inflight: its home for callers
@@ -50,6 +50,7 @@ class Holding:
     evicting: set[str] = field(default_factory=set)   # loaded, no longer wanted: no new batches, unloaded once idle
     wanted: set[str] = field(default_factory=set)     # on-demand versions placed on it
     used_at: dict[str, float] = field(default_factory=dict)  # key -> last batch dispatched (LRU goes first)
+    unloads: int = 0                                  # unloads done in this life (fragmentation is judged after one)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class WorkerHandle:
         self.releases: list[int] = []  # output blocks replied from, not yet told to the worker
         self.holding = Holding()              # run-time loads and unloads (models/placement.py)
         self.sizes: dict[str, int] = {}       # key -> parameter and buffer bytes of what it loaded
+        self.footprints: dict[str, Footprint] = {}   # key -> its memory as measured there (docs/MEMORY.md)
 
     def take_releases(self) -> list[int]:
         out, self.releases = self.releases, []

@@ -12,7 +12,7 @@ import os
 from dataclasses import InitVar, dataclass
 from enum import Enum
 
-from tgw.shm.wire import IOSpec, ModelSpec, VersionInfo, model_key
+from tgw.shm.wire import Footprint, IOSpec, ModelSpec, VersionInfo, as_builtins, model_key
 
 from tgw.broker.config.schema import VersionDecl
 from .pool import IllegalTransition
@@ -47,6 +47,7 @@ class VersionRecord:
     seen: bool = False         # some worker has had it loaded: admitted while a worker restarts
     active: int = 0            # admitted, not yet answered
     bytes: int = 0             # parameter and buffer bytes, measured at its first load
+    footprint: Footprint | None = None   # its memory as last measured at a load (weights + activation peak)
     loads: int = 0
     evictions: int = 0
     last_load_ms: float = 0.0
@@ -87,13 +88,15 @@ class VersionRecord:
         self.active -= 1
         return not self.active and self._state is VersionState.DRAINING
 
-    def served_by(self, nbytes: int) -> None:
+    def served_by(self, nbytes: int, footprint: Footprint | None = None) -> None:
         """A worker reported it loaded at start-up (the handshake): admitted while workers restart."""
         self.seen, self.bytes = True, self.bytes or nbytes
+        self.footprint = footprint or self.footprint
 
-    def loaded(self, nbytes: int, load_ms: float) -> None:
+    def loaded(self, nbytes: int, load_ms: float, footprint: Footprint | None = None) -> None:
         """A runtime load finished (placement)."""
         self.bytes, self.loads, self.last_load_ms, self.error = nbytes, self.loads + 1, load_ms, ""
+        self.footprint = footprint or self.footprint
 
     def load_failed(self, why: str, at: float) -> None:
         """A runtime load failed (placement): not retried on demand for a while."""
@@ -113,8 +116,14 @@ class VersionRecord:
         return self.decl.format or "torchscript"
 
     def size(self) -> int:
-        """Bytes it takes loaded: measured, else the file's size (weights dominate a TorchScript file);
-        a stage's is what its worker measured (0 unless it reports some)."""
+        """Bytes it takes loaded (what residency counts): its measured footprint, else param_bytes."""
+        if self.footprint is not None and self.footprint.measured_on:
+            return self.footprint.total
+        return self.param_bytes()
+
+    def param_bytes(self) -> int:
+        """Parameter and buffer bytes as measured, else the file's size (weights dominate a
+        TorchScript file); a stage's is what its worker measured (0 unless it reports some)."""
         if self.bytes or self.decl.path is None:
             return self.bytes
         try:
@@ -137,6 +146,6 @@ class VersionRecord:
 
     def info(self, workers: dict[str, str]) -> VersionInfo:
         return VersionInfo(version=self.version, path=self.source, state=self.state.value, weight=self.weight,
-                           sha256=self.decl.sha256, workers=workers, bytes=self.size(), loads=self.loads,
+                           sha256=self.decl.sha256, workers=workers, bytes=self.param_bytes(), loads=self.loads,
                            evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
-                           format=self.format)
+                           format=self.format, footprint=as_builtins(self.footprint) if self.footprint else {})
