@@ -177,11 +177,11 @@ def unload_rss(address: str, model: str, version: str, path: str) -> dict:
 def residency(address: str, models: list[str], rounds: int = 4, timeout_s: float = 30.0) -> dict:
     """Round robin over `models`, one request at a time; what the broker loaded and evicted."""
     x = np.zeros((1, WIDTH), np.float32)
-    cold, warm, failed, over = [], [], Counter(), []
+    cold, warm, failed, over, over_fp = [], [], Counter(), [], []
     events: dict[int, dict] = {}   # seq -> event: the broker keeps only its recent ones
     with Client(address) as c:
         since = max((e["seq"] for e in c.status()["events"]), default=0)   # this call's events only
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for m in models:
                 t0 = time.perf_counter()
                 try:
@@ -197,12 +197,16 @@ def residency(address: str, models: list[str], rounds: int = 4, timeout_s: float
                 for w in status["workers"]:
                     if w["budget"] is not None and w["model_bytes"] > w["budget"]:
                         over.append(w["model_bytes"] - w["budget"])
+                    held = sum(fp["bytes"] for fp in w.get("footprints", {}).values())   # as measured
+                    if w["budget"] is not None and held > w["budget"]:
+                        over_fp.append({"round": round_, "model": m, "over": held - w["budget"]})
     ordered = [events[k] for k in sorted(events)]
     return {"requests": rounds * len(models), "failed": dict(failed),
             "load_ms": _summary([e["ms"] for e in ordered if e["event"] == "load"]),
             "loads": [e["model"] for e in ordered if e["event"] == "load"],
             "evictions": [e["model"] for e in ordered if e["event"] == "evict"],
-            "cold_ms": _summary(cold), "warm_ms": _summary(warm), "over_budget_bytes": over}
+            "cold_ms": _summary(cold), "warm_ms": _summary(warm), "over_budget_bytes": over,
+            "over_budget_footprint": over_fp}
 
 
 def _summary(ms: list[float]) -> dict:
