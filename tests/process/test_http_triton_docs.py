@@ -95,7 +95,8 @@ def test_statistics(broker, triton):
     assert one["inference_count"] == 5 and one["execution_count"] == 3 and one["last_inference"] > 1.6e12
     assert {b["batch_size"]: b["compute_infer"]["count"] for b in one["batch_stats"]} == {1: 2, 3: 1}
     # its footprint on the one CPU worker, as measured at load (docs/MEMORY.md)
-    assert [(m["type"], m["id"]) for m in one["memory_usage"]] == [("CPU", 0)] and one["memory_usage"][0]["byte_size"] > 0
+    usage = one["memory_usage"]
+    assert [(m["type"], m["id"]) for m in usage] == [("CPU", 0)] and usage[0]["byte_size"] > 0
     assert inf["cache_hit"] == {"count": 0, "ns": 0}
     assert beta["inference_stats"]["success"]["count"] == 1 and beta["inference_count"] == 2
     assert triton.get_inference_statistics("mlp", "2")["model_stats"] == [beta]
