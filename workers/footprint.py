@@ -9,6 +9,7 @@ Readings are process-wide: batches of other models computing meanwhile can only 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Callable, Iterable, TypeVar
 
@@ -17,6 +18,7 @@ import torch
 from tgw.shm.wire import Footprint
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 R = TypeVar("R")
 
 
@@ -37,9 +39,15 @@ def _status(field: str) -> int:
         return status_bytes(f.read(), field)
 
 
-def rss() -> int:
+def rss_bytes() -> int:
     with open("/proc/self/statm", "rb") as f:
         return int(f.read().split()[1]) * PAGE_SIZE
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them for reuse otherwise)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def reset_rss_peak() -> bool:
@@ -75,14 +83,15 @@ class Gauge:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.memory_allocated(self.device)
-        return rss()
+        return rss_bytes()
 
     def reset_peak(self) -> int:
         """Start a peak; returns the baseline it is measured from."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        else:   # freed heap still resident would be reused unseen by RSS: give it back first
+            trim_heap()
             self._peaks = reset_rss_peak()
         return self.now()
 
@@ -90,7 +99,7 @@ class Gauge:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
-        now = rss()
+        now = rss_bytes()
         return max(now, _status("VmHWM")) if self._peaks else now
 
     def load(self, build: Callable[[], R]) -> tuple[R, int]:

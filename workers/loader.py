@@ -7,10 +7,8 @@ broker sends UnloadModel only once no batch of that model is in flight here.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
-import os
 import time
 import weakref
 
@@ -21,7 +19,7 @@ from tgw.shm.model_format import ModelFormatError
 from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, UnloadModel, \
     encode, model_key, to_worker_decoder
 
-from .footprint import Gauge, warm_measured
+from .footprint import Gauge, rss_bytes, trim_heap, warm_measured
 from .formats import FormatMismatch
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
@@ -30,8 +28,6 @@ from .stage_runner import StageRunner
 log = logging.getLogger("tgw.worker")
 LOAD_SUFFIX = b"~load"
 MAX_ERROR_CHARS = 4000
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
 
 def error_text(exc: BaseException) -> str:
@@ -152,10 +148,4 @@ def release_memory(device: torch.device, collect: bool = True) -> None:
         gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * PAGE_SIZE
+    trim_heap()

@@ -2,10 +2,14 @@
 thread's each) and a wake pipe, so stop() interrupts its poll. The beacon and the loader are two."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import zmq
+
+log = logging.getLogger("tgw.worker")
+SIDE_THREAD_DIED = 70   # the worker's exit status when a side thread raised (EX_SOFTWARE)
 
 
 class SideThread:
@@ -16,7 +20,7 @@ class SideThread:
         self.sock.connect(endpoint)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)  # stop() interrupts the poll
         self._stopped = False
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._guarded, name=name, daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -63,6 +67,17 @@ class SideThread:
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    def _guarded(self) -> None:
+        """A side thread that raises ends the worker: a worker whose loader or beacon is gone
+        would hang every load or look hung; its death is seen, its batches retried, a fresh
+        worker started."""
+        try:
+            self._run()
+        except BaseException:
+            log.critical("worker side thread %s died; the worker exits", self.thread.name, exc_info=True)
+            logging.shutdown()
+            os._exit(SIDE_THREAD_DIED)
 
     def _close(self) -> None:
         self.sock.close()
