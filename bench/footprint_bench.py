@@ -1,10 +1,12 @@
 """Measured footprints (docs/MEMORY.md): the demo models' as their worker measured them at load,
 beside their parameter bytes; then on-demand models whose activations dwarf their weights under
-a budget that fits two by footprint (three by parameter bytes), round robin.
+a budget that fits two by footprint (three by parameter bytes), round robin; then four of them
+asked for once each on two CPU workers with that budget each, under `placement: spread` and
+`pack` (which worker holds what after each request).
 
     python -m tgw.bench.footprint_bench [--out bench/results/footprints-DATE.json] [--rounds 4]
 
-Each part starts a broker of its own with one CPU worker.
+Each part starts a broker of its own.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ import shlex
 import sys
 import tempfile
 
-from tgw.bench.lifecycle import model_decl, residency
+import numpy as np
+
+from tgw.bench.lifecycle import WIDTH, model_decl, residency
 from tgw.broker.child import BrokerProc
 from tgw.broker.demo import model_entry
 from tgw.client import Client
+from tgw.shm.errors import TgwError
 from tgw.workers.demo_models import DEMO_MODELS, build_demo_models
 
 MIB = 1 << 20
@@ -101,6 +106,30 @@ def budget_run(work: str, rounds: int) -> dict:
             "fits_by_param_bytes": budget // fp["param_bytes"], **r}
 
 
+def placement_run(work: str, policy: str, budget: int) -> dict:
+    """Four wide on-demand models asked for once each, in turn, on two CPU workers."""
+    d = os.path.join(work, "wide")
+    os.makedirs(d, exist_ok=True)
+    b = BrokerProc({"model_roots": [d], "models": wide_decls(d, "abcd"),
+                    "workers": {"devices": ["cpu", "cpu"], "input_arena_mb": 4, "output_arena_mb": 4,
+                                "max_model_memory": budget, "placement": policy}},
+                   tempfile.mkdtemp(prefix="tgwf-", dir="/tmp")).start()
+    held, failed = [], 0
+    try:
+        with Client(b.address) as c:
+            for m in "abcd":
+                try:
+                    c.infer(m, {"x": np.zeros((1, WIDTH), np.float32)}, timeout=60)
+                except TgwError:
+                    failed += 1
+                held.append({w["name"]: w["models"] for w in c.status()["workers"]})
+            evictions = [e["model"] for e in c.status()["events"] if e["event"] == "evict"]
+    finally:
+        b.stop()
+    return {"policy": policy, "budget_per_worker": budget, "failed": failed, "evictions": evictions,
+            "held_after_each": held, "workers_holding_nothing": sum(not ms for ms in held[-1].values())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tgw.bench.footprint_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=f"bench/results/footprints-{datetime.date.today()}.json")
@@ -109,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tgwfp-") as work:
         result = {"command": "python -m tgw.bench.footprint_bench " + shlex.join(argv or sys.argv[1:]),
                   "demo": demo_footprints(work), "budget": budget_run(work, a.rounds)}
+        result["placement"] = [placement_run(work, policy, result["budget"]["budget"]) for policy in ("spread", "pack")]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
     b = result["budget"]
     late = [o for o in b["over_budget_footprint"] if o["round"] > 0]   # round 0 loads unmeasured versions
-    return 0 if not b["failed"] and not late else 1
+    return 0 if not b["failed"] and not late and not any(p["failed"] for p in result["placement"]) else 1
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ returned. Always-resident versions count against the budget but are never evicte
 worker exceeds its budget by at most the one model that could not fit beside them.
 
 A version counts what its worker measured at its load (weights + activation peak:
-workers/footprint.py), else what it measured at an earlier load, else its parameter bytes
-(docs/MEMORY.md). A load measured larger than counted evicts what no longer fits beside it.
+workers/footprint.py), else what it measured at an earlier load, else its parameter bytes plus
+the largest activation peak measured on that worker (docs/MEMORY.md). A load measured larger than counted evicts what no longer fits beside it.
 Placement is `spread` (the worker with the most budget left) or `pack` (the fullest worker it
 still fits on, so whole devices stay free).
 """
@@ -38,6 +38,11 @@ def budget_bytes(max_model_memory: int | float | None, device: str, device_total
     return int(max_model_memory)
 
 
+def largest_activation(w: WorkerHandle) -> int:
+    """The largest activation peak among the versions measured on `w` (0: none)."""
+    return max((fp.activation_peak for fp in w.footprints.values() if fp.measured_on), default=0)
+
+
 class Residency:
     def __init__(self, record: Callable[[str], VersionRecord | None], note: Callable[..., None],
                  policy: str = "spread"):
@@ -46,14 +51,16 @@ class Residency:
         self.policy = policy      # workers.placement: spread or pack
 
     def size(self, w: WorkerHandle, key: str) -> int:
-        """Bytes `key` takes on `w`: measured there, else measured elsewhere, else parameter bytes."""
+        """Bytes `key` takes on `w`: measured there, else measured elsewhere, else its parameter
+        bytes plus the largest activation peak measured on `w` (a guess on the safe side: a load
+        counted low evicts only once it is in, and on a GPU may run out of memory first)."""
         fp = w.footprints.get(key)
         if fp is not None and fp.measured_on:
             return fp.total
         rec = self.record(key)
         if rec is not None and rec.footprint is not None and rec.footprint.measured_on:
             return rec.size()
-        return w.sizes.get(key) or (rec.size() if rec is not None else 0)
+        return (w.sizes.get(key) or (rec.size() if rec is not None else 0)) + largest_activation(w)
 
     def used(self, w: WorkerHandle) -> int:
         """Bytes its models take, counting those loading and those still unloading."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from tgw.bench.footprint_bench import WARMUP_ROWS, WIDE, wide_decls
+from tgw.bench.footprint_bench import WARMUP_ROWS, WIDE, placement_run, wide_decls
 from tgw.bench.fragmentation_bench import config as fragmentation_config, scenario
 from tgw.bench.lifecycle import WIDTH, residency
 from tgw.broker.child import BrokerProc
@@ -55,6 +55,15 @@ def test_a_budget_counts_measured_footprints_not_parameter_bytes(wide_broker):
     assert all(o["over"] <= total for o in r["over_budget_footprint"])   # at most the one model allowance
     assert set(worker["footprints"]) <= {"a:1", "b:1", "c:1"} and worker["footprints"]
     assert all(f["measured_on"] == "cpu" and f["bytes"] >= ACTIVATION for f in worker["footprints"].values())
+
+
+def test_pack_fills_one_worker_by_measured_footprint_before_the_next(tmp_path):
+    # two CPU workers, each with room for two models by footprint (for dozens by parameter bytes)
+    r = placement_run(str(tmp_path), "pack", int(2.5 * FOOTPRINT_GUESS))
+    first, second = r["held_after_each"][1], r["held_after_each"][3]
+    assert r["failed"] == 0 and r["evictions"] == [], r
+    assert sorted(first.values()) == [[], ["a:1", "b:1"]], r   # the other worker still free
+    assert sorted(second.values()) == [["a:1", "b:1"], ["c:1", "d:1"]], r   # c counted by a's ratio: no eviction
 
 
 def _cycle_until_recycled(address: str, first: str, limit: int = 60) -> tuple[int, list[str]]:

@@ -93,6 +93,20 @@ def test_a_measured_load_larger_than_counted_evicts_what_no_longer_fits():
     assert w.holding.evicting == {"old:1"}
 
 
+def test_a_version_never_measured_counts_its_parameters_plus_the_workers_largest_activation():
+    from tgw.broker.config.schema import VersionDecl
+    from tgw.broker.state.versions import VersionRecord, VersionState
+    rec = VersionRecord("new", VersionDecl(version="1", path="/m/new.pt"), VersionState.READY, True)
+    rec.bytes = 2 * MIB   # parameter bytes, from an earlier load that measured nothing
+    w = W("held", 10 * MIB, 100 * MIB)
+    res = Residency({rec.key: rec}.get, lambda *a, **k: None)
+    assert res.size(w, "new:1") == 2 * MIB    # nothing measured shows an activation yet
+    w.footprints["held:1"] = Footprint(weights=10 * MIB, activation_peak=60 * MIB, measured_on="cpu")
+    assert res.size(w, "new:1") == 62 * MIB   # a batch of it may well need what one of held:1's did
+    rec.footprint = Footprint(weights=3 * MIB, activation_peak=1 * MIB, measured_on="cpu")
+    assert res.size(w, "new:1") == 4 * MIB    # once measured anywhere, that
+
+
 def test_triton_memory_usage_lists_each_device_holding_the_version():
     gpu, cpu = W("m", 5, None, device="cuda:1"), W("m", 7, None)
     assert memory_usage([gpu, cpu], "m:1") == [{"type": "GPU", "id": 1, "byte_size": 5},
