@@ -12,6 +12,8 @@ from tgw.shm.model_format import FORMATS
 from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata,
                           Reload, SetTraffic, UnloadVersion)
 
+from . import cli_rollout
+
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
 TRAFFIC_WAIT_S = 60.0    # instant, but control ops run one at a time: it may wait behind a load
@@ -90,6 +92,10 @@ def add_verbs(sub, broker_verb) -> None:
     load.add_argument("--weight", type=non_negative_int,
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
+    cli_rollout.add_load_flags(load)
+    diff = cli_rollout.Diff()
+    model_verb("diff", "a shadow's outputs against the serving version's, and the model's guarded rollout",
+               QUERY_WAIT_S, diff.request, diff)
     unload = model_verb("unload", "drain and unload a version (default: every version of the model)",
                         CONTROL_WAIT_S, lambda args: UnloadVersion(v=PROTOCOL_VERSION, model=args.model,
                                                                    version=args.version), print_control)
@@ -108,7 +114,8 @@ def add_verbs(sub, broker_verb) -> None:
 
 def load_request(args) -> LoadVersion:
     return LoadVersion(v=PROTOCOL_VERSION, model=args.model, version=args.version, path=args.path,
-                       sha256=args.sha256, weight=args.weight, format=args.format, handler=args.handler)
+                       sha256=args.sha256, weight=args.weight, format=args.format, handler=args.handler,
+                       shadow=args.shadow, policy=args.policy)
 
 
 # ---- printing --------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ import zmq
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import Release, Stop, encode, model_key
 
+from tgw.broker.canary.guards import Guards
+from tgw.broker.canary.shadow import Shadows
 from tgw.broker.config.load import Config
 from tgw.broker.fleet.handshake import Handshake, death_error
 from tgw.broker.fleet.faults import CudaFaults
@@ -92,6 +94,9 @@ class Broker:
         self.max_inflight = cfg.server.max_inflight_batches_per_worker
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
         self.pipelines = Pipelines(wiring.pipeline_deps(self), cfg.pipelines)   # names served as DAGs of steps
+        self.shadows = Shadows(self.registry.models, wiring.admit_copy(self), self.admission.copies.withdraw, clock)
+        self.guards = Guards(self.shadows, clock, wiring.decide(self))   # guarded canaries and shadows
+        self.admission.on_finished.append(self.guards.exits)
         self.phase = Phase.STARTING
         self.started_at = clock()
         self.view = wiring.observe_view(self)   # what status, /metrics and the HTTP face read
@@ -140,6 +145,7 @@ class Broker:
         self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
+        self.guards.check(now)
 
     def abandon(self, message: str) -> None:
         self.unserved.everything(message)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from tgw.shm.wire import PROTOCOL_VERSION, Cancel
 
+from tgw.broker.canary.policy import checked
 from tgw.broker.front.frontdoor import DoorDeps
 from tgw.broker.http.face import FaceDeps
 from tgw.broker.http.triton_shm import TritonShm
+from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import OperatorDeps
 from tgw.broker.models.reload import ReloadDeps
 from tgw.broker.models.rollout import RolloutDeps
@@ -29,7 +31,7 @@ def door_deps(b) -> DoorDeps:
                     on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
                     query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
                     snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer),
-                    pipelines=b.pipelines, withdraw=b.withdraw)
+                    pipelines=b.pipelines, withdraw=b.withdraw, answered=b.shadows.sample)
 
 
 def pipeline_deps(b) -> PipelineDeps:
@@ -65,7 +67,7 @@ def observe_view(b) -> BrokerView:
                       cancelled=_door(b, lambda door: door.abandon.cancelled_by_model()),
                       regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
                       pipelines=b.pipelines, latencies=lambda: {m: s.e2e for m, s in b.metrics.series.items()},
-                      faults=b.faults.as_dict)
+                      faults=b.faults.as_dict, rollouts=b.guards.status)
 
 
 def _door(b, read):
@@ -105,7 +107,38 @@ def rollout_deps(b) -> RolloutDeps:
     return RolloutDeps(registry=b.registry, placement=b.placement, clock=b.clock,
                        declare_breakers=breakers.declare, forget_breakers=breakers.forget,
                        unserved=b.unserved.versions, pipelines_blocking=b.pipelines.blocking,
-                       pipeline_metadata=lambda name: b.pipelines.metadata(name, pipeline_ready(b)))
+                       pipeline_metadata=lambda name: b.pipelines.metadata(name, pipeline_ready(b)),
+                       guards=guard_hooks(b))
+
+
+def guard_hooks(b) -> GuardHooks:
+    shadows, guards = b.shadows, b.guards
+
+    def shadow_of(model: str):
+        watch = shadows.active.get(model)
+        return watch.version if watch is not None else None
+
+    return GuardHooks(check_policy=checked, shadow_of=shadow_of, guarded=guards.guarded,
+                      start_shadow=lambda model, version, fraction: shadows.start(model, version, fraction) and None,
+                      watch=guards.watch, gone=guards.gone)
+
+
+def admit_copy(b):
+    """Shadow copies (canary/shadow.py) into the queues; the pump is due for each one queued."""
+    def admit(p) -> bool:
+        queued = b.admission.copies.admit(p)
+        if queued:
+            b.schedule()
+        return queued
+    return admit
+
+
+def decide(b):
+    """The guards' verdicts go to the operator (main.py attaches it; none in the test rigs)."""
+    def carry_out(*verdict) -> None:
+        if b.operator is not None:
+            b.operator.decide(*verdict)
+    return carry_out
 
 
 def reload_deps(b) -> ReloadDeps:

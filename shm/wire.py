@@ -17,7 +17,7 @@ from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSI
                         CudaIpc, ErrorBody, IOSpec, Struct, TensorMeta, as_builtins, model_key, nbytes_of,
                         split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
-                           Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
+                           RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
                           UnloadModel, Withdraw, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot)
@@ -249,6 +249,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     devices: dict[str, dict[str, Any]] = {}   # as HealthReply.devices
     # sticky CUDA errors: total, by_device, out_of_service {device: reason, left_s}, recent [records]
     cuda_faults: dict[str, Any] = {}
+    # shadows (active, and the last ended) with their comparisons, guarded rollouts, their decisions
+    rollouts: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

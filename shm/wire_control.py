@@ -10,6 +10,22 @@ from .wire_base import IOSpec, Struct
 
 # ---- operator control (docs/PROTOCOL.md §5.8): refused on a tcp:// listener without server.auth_token_file
 
+class RolloutPolicy(Struct):
+    """A guard on a canary or shadow version (docs/ROLLOUT.md): promoted once `promote_after_*` is
+    reached with every bound kept, rolled back (unloaded) the moment one is broken. None: that
+    bound (or that way to promote) is not used. Rates and p99 are judged from `min_requests` on."""
+    promote_after_requests: Optional[int] = None   # answered (canary) or compared (shadow)
+    promote_after_s: Optional[float] = None        # since the version took traffic or copies
+    min_requests: int = 20
+    max_error_rate: Optional[float] = 0.01         # failed share of its requests
+    max_p99_ms: Optional[float] = None             # canary: end to end; shadow: its batches' compute
+    max_p99_ratio: Optional[float] = None          # ... against the serving version's, same window
+    max_abs_diff: Optional[float] = None           # shadow: any float output element, any request
+    max_rel_error: Optional[float] = None          # shadow: max |diff| / max |serving| of a request
+    min_top1_agreement: Optional[float] = None     # shadow: rows whose score outputs agree on the top class
+    min_exact_agreement: Optional[float] = None    # shadow: rows whose integer, bool or bytes outputs are equal
+
+
 class LoadVersion(Struct, tag_field="op", tag="load"):
     """Load `version` of a declared model on every worker serving it; answered once done.
     weight None: a hot swap (the new version takes every request that names no version, the
@@ -26,6 +42,10 @@ class LoadVersion(Struct, tag_field="op", tag="load"):
     # a stage's class instead of a path: "/abs/file.py:Class" inside model_roots, or "module:Class";
     # None: the handler the config declared (a model takes path, a stage handler)
     handler: Optional[str] = None
+    # a shadow (docs/ROLLOUT.md): no traffic of its own; this fraction (0, 1] of the requests the
+    # serving versions answer is copied to it and the outputs compared. Excludes `weight`.
+    shadow: Optional[float] = None
+    policy: Optional[RolloutPolicy] = None   # a guarded canary or shadow: promoted or rolled back by it
 
 
 class UnloadVersion(Struct, tag_field="op", tag="unload"):

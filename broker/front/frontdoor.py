@@ -17,7 +17,7 @@ from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, Cancel, DecodeError, Err
 
 from tgw.broker.config.schema import ServerDecl
 from tgw.broker.state.complaints import Complaints
-from tgw.broker.state.pending import Pending, is_step
+from tgw.broker.state.pending import Pending, is_shadow, is_step
 from tgw.broker.state.stats import Stats
 
 from . import cuda_route
@@ -112,6 +112,7 @@ class DoorDeps:
     snapshot: Callable[[Any, Callable], None]    # a memory snapshot request; raises TgwError
     pipelines: Any = None                        # pipeline.executor.Pipelines: names in its `table` go to its start
     withdraw: Callable[[Callable], list] = lambda wanted: []   # requests on workers nobody waits for (abandon.py)
+    answered: Callable[[list, float], None] = lambda answered, now: None   # a batch's answers sent (shadow copies)
 
 
 class FrontDoor:
@@ -229,6 +230,8 @@ class FrontDoor:
     def fail(self, p: Pending, err: TgwError) -> None:
         """Answer an admitted request with an error."""
         self.deps.finished(p, err.code.value, self.deps.clock())
+        if is_shadow(p.client):   # a copy: its shadow counts it (finished), nobody is answered
+            return
         err.details.setdefault("model", p.model)
         self.error(p.client, p.req_id, err, p.model, p.trace)   # the broker's span by now, as answer's
 
@@ -248,6 +251,7 @@ class FrontDoor:
             # p.trace: the broker's request span when tracing is on (set by leave), else the caller's own
             reply(client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                      outputs=metas, traceparent=p.trace), *payload)
+        self.deps.answered(answered, now)   # while the views are valid: a shadow copies the outputs
 
     def close(self) -> None:
         self.gate.stop()

@@ -11,11 +11,12 @@ from __future__ import annotations
 import ipaddress
 from typing import Awaitable, Callable
 
+import msgspec
 import orjson
 from aiohttp import web
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, UnloadVersion, model_key
+from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, RolloutPolicy, UnloadVersion, model_key
 
 from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe.status import BrokerView, listed, pipeline_ready, serving
@@ -26,7 +27,18 @@ from . import kserve, triton_docs
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
+               "shadow": float, "policy": str,   # a shadow's fraction; a rollout policy as a JSON object's text
                "unload_dependents": bool}   # tritonclient sends it; tgw models have no dependents
+
+
+def rollout_policy(text: str | None) -> RolloutPolicy | None:
+    """parameters.policy: a JSON object of RolloutPolicy's fields (docs/ROLLOUT.md)."""
+    if text is None:
+        return None
+    try:
+        return msgspec.json.decode(text, type=RolloutPolicy)
+    except msgspec.DecodeError as exc:   # ValidationError included: names the field
+        raise fail(Code.INVALID_ARGUMENT, f"parameter policy: {exc}", parameter="policy") from None
 
 
 def loopback(host: str) -> bool:
@@ -169,7 +181,8 @@ class Repository:
     async def load_model(self, model: str, parameters: dict) -> str:
         """parameters: version (default: the config's default version), path (a model's; default:
         the config's), handler (a stage's; default: the config's), sha256, weight (a canary beside
-        what serves; none: a hot swap), format. The operator's message."""
+        what serves; none: a hot swap), format, shadow (a fraction: a shadow), policy (a rollout
+        policy, docs/ROLLOUT.md, as JSON text). The operator's message."""
         self.control_allowed()
         entry = self.entry(model)
         params = self.params(parameters)
@@ -178,7 +191,8 @@ class Repository:
             return f"{model_key(entry.name, version)} is already loaded"
         msg = LoadVersion(v=PROTOCOL_VERSION, model=entry.name, version=version, path=params.get("path"),
                           sha256=params.get("sha256"), weight=params.get("weight"), format=params.get("format"),
-                          handler=params.get("handler"))
+                          handler=params.get("handler"), shadow=params.get("shadow"),
+                          policy=rollout_policy(params.get("policy")))
         reply, _ = await self.ask(msg)
         return reply.message
 
@@ -207,7 +221,8 @@ class Repository:
         return doc
 
     @staticmethod
-    def params(params: dict, allowed=("version", "path", "handler", "sha256", "weight", "format")) -> dict:
+    def params(params: dict, allowed=("version", "path", "handler", "sha256", "weight", "format", "shadow",
+                                       "policy")) -> dict:
         for key, value in params.items():
             want = LOAD_PARAMS.get(key) if key in allowed else None
             if want is None and (key == "config" or key.startswith("file:")):
@@ -217,6 +232,11 @@ class Repository:
             if want is None:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown parameter {key!r}: tgw takes {', '.join(allowed)}",
                            parameter=key)
+            if want is float and type(value) in (int, str):   # JSON's 1 for 1.0; gRPC's repository
+                try:                                             # parameters have no double: "0.1"
+                    params[key] = value = float(value)
+                except ValueError:
+                    pass   # refused below, as given
             if type(value) is not want:
                 raise fail(Code.INVALID_ARGUMENT, f"parameter {key} must be a {want.__name__}, got {value!r}",
                            parameter=key)

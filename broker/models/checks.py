@@ -68,6 +68,10 @@ def route(model: ModelEntry, req: Infer) -> VersionRecord:
         why = " (it is being unloaded)" if rec is not None else ""
         raise fail(Code.VERSION_NOT_FOUND, f"model {req.model!r} has no version {version!r}{why}",
                    model=req.model, version=version, available=model.routable())
+    if rec.shadow:
+        raise fail(Code.INVALID_ARGUMENT, f"model {req.model!r} version {version!r} is a shadow: it answers nobody "
+                   "(copies of the serving versions' requests are compared with their answers); name another "
+                   "version or none", model=req.model, version=version, reason="shadow_version")
     if rec.state is VersionState.LOADING or not (rec.seen or rec.on_demand):
         raise fail(Code.MODEL_NOT_READY, f"model {req.model!r} version {version!r} is not loaded yet",
                    model=req.model, version=version)

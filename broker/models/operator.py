@@ -17,6 +17,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, ErrorReply, LoadVersion
     SetTraffic, UnloadVersion
 
 from tgw.broker.config.load import Config, ServerDecl
+from .guarded import Decision
 from .reload import ReloadDeps, Reloader
 from .rollout import Rollout, RolloutDeps
 
@@ -72,6 +73,10 @@ class Operator:
         log.info("SIGHUP: reloading %s", self.reloader.path or "(no config file)")
         self.spawn(self.run(None, Reload(v=PROTOCOL_VERSION)))
 
+    def decide(self, decision: str, model: str, version: str, why: str, figures: dict) -> None:
+        """A guard's verdict (canary/guards.py): carried out as an op, in turn with the others."""
+        self.spawn(self.run(None, Decision(decision, model, version, why, figures)))
+
     def spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
@@ -103,6 +108,8 @@ class Operator:
             return self.rollout.traffic(msg)
         if isinstance(msg, Reload):
             return await self.reloader.reload(msg)
+        if isinstance(msg, Decision):
+            return await self.rollout.decide(msg)
         raise fail(Code.INVALID_ARGUMENT, f"not a control op: {type(msg).__name__}")
 
     def answer_error(self, ident: bytes, req_id: int, err: TgwError) -> None:

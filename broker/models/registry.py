@@ -133,6 +133,11 @@ class Registry:
         self._changed(entry)
         return drained
 
+    def mark_shadow(self, name: str, version: str, shadow: bool) -> None:
+        """A shadow version answers nobody (checks.route refuses naming it); promoted, it is not one."""
+        self._model(name).records[version].shadow = shadow
+        self._changed()
+
     def retire(self, name: str, records: Iterable[VersionRecord]) -> list[VersionRecord]:
         """Drain these versions: what was admitted for them finishes, nothing new is. Those
         draining already stay so, those forgotten meanwhile are left out. Returns the records."""

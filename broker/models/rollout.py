@@ -25,6 +25,8 @@ from tgw.broker.config.roots import ModelFileError, PathRefused, check_file, che
     split_handler
 from tgw.broker.config.schema import ModelDecl, VersionDecl
 from tgw.broker.state.versions import VersionRecord, VersionState
+from . import guarded
+from .guarded import Decision, GuardHooks
 from .placement import Placement
 from .registry import FULL_WEIGHT, ModelEntry, Registry
 
@@ -54,6 +56,7 @@ class RolloutDeps:
     # why unloading these versions (model, versions, the ready ones left) would break a pipeline ("": it would not)
     pipelines_blocking: Callable[[str, list[str], list[str]], str] = lambda model, versions, left: ""
     pipeline_metadata: Callable[[Optional[str]], list] = lambda name: []   # a pipeline's (None: every one)
+    guards: Optional[GuardHooks] = None   # shadows and guarded rollouts (canary/); None: refused
 
 
 class Rollout:
@@ -105,8 +108,16 @@ class Rollout:
         if msg.weight is None:   # a swap drains what has weight: not a version a pipeline is pinned to
             self.check_pipelines(entry, [r.version for r in entry.records.values()
                                          if r.state is VersionState.READY and r.weight > 0], decl.version)
+        if msg.shadow is not None or msg.policy is not None:
+            if self.d.guards is None:
+                raise fail(Code.INVALID_ARGUMENT, "this broker has no shadows or rollout policies", model=entry.name)
+            guarded.check_load(self.d.guards, entry, msg)
         rec = await self.load_beside(entry, decl)
-        if msg.weight is None:   # a swap: the versions that had weight drain
+        if msg.shadow is not None:   # no traffic of its own, and no caller may name it: copies only
+            self.registry.mark_shadow(entry.name, rec.version, True)
+            self.registry.flip(entry.name, guarded.weights_with(entry, rec, 0))
+            message = guarded.started(self.d.guards, entry, rec, msg)
+        elif msg.weight is None:   # a swap: the versions that had weight drain
             replaced = self.registry.flip(entry.name, {rec.version: FULL_WEIGHT})
             await self.retire(entry, replaced)
             message = f"{rec.key} serves every request that names no version" + (
@@ -116,7 +127,13 @@ class Rollout:
                                                if r.state is VersionState.READY}, rec.version: msg.weight})
             share = entry.traffic.share(rec.version)
             message = f"{rec.key} loaded with weight {msg.weight} ({share:.1%} of unnamed requests)"
+            if msg.policy is not None:
+                message += guarded.started(self.d.guards, entry, rec, msg)
         return self.reply(msg, entry, message, since)
+
+    async def decide(self, d: Decision) -> ControlReply:
+        """A guard's verdict: promote (a swap to it) or roll back (drained and unloaded)."""
+        return await guarded.carry_out(self, d)
 
     async def checked_decl(self, entry: ModelEntry, version: str, path: str | None, sha256: str | None,
                            fmt: str | None = None, handler: str | None = None) -> VersionDecl:
@@ -224,6 +241,8 @@ class Rollout:
     async def drop(self, entry: ModelEntry, records: list[VersionRecord]) -> None:
         """Forget these versions and wait until no worker holds them."""
         keys = [r.key for r in records]
+        if self.d.guards is not None:   # no more copies to them, no guard watching them
+            self.d.guards.gone(entry.name, [r.version for r in records])
         self.registry.forget(entry.name, [r.version for r in records])
         for r in records:
             self.d.forget_breakers(entry.name, r.version)
@@ -250,7 +269,7 @@ class Rollout:
         entry = self.registry.entry(msg.model)
         since = self.placement.seq
         ready = entry.routable()
-        unknown = [v for v in msg.weights if v not in ready]
+        unknown = [v for v in msg.weights if v not in ready or entry.records[v].shadow]   # a shadow answers nobody
         if unknown:
             raise fail(Code.VERSION_NOT_FOUND, f"model {entry.name!r} has no ready version {unknown}; ready: {ready}",
                        model=entry.name, version=unknown[0], available=ready)

@@ -21,7 +21,7 @@ from prometheus_client.utils import floatToGoString
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.stats import Buckets
 
-from . import metrics_gpu, metrics_state
+from . import metrics_gpu, metrics_rollout, metrics_state
 from .status import BrokerView
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
@@ -80,6 +80,7 @@ class Metrics(Collector):
         yield from metrics_state.pipeline_families(view)
         yield from metrics_gpu.families(view.roster)
         yield from metrics_gpu.device_families(view)
+        yield from metrics_rollout.families(view)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;

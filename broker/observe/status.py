@@ -68,6 +68,7 @@ class BrokerView:
     cancelled: Callable[[], dict] = dict   # withdrawn requests: model -> where -> n (front/abandon.py)
     latencies: Callable[[], dict] = dict   # model -> its end-to-end seconds histogram (metrics.ModelSeries.e2e)
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
+    rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -194,7 +195,7 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
                        http=view.http_address(), grpc=view.grpc_address(), devices=device_states(view),
-                       cuda_faults=view.faults(),
+                       cuda_faults=view.faults(), rollouts=view.rollouts(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 

@@ -17,12 +17,13 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
 from tgw.shm.wire import BYTES, Infer, nbytes_of
 
-from tgw.broker.state.pending import Pending, is_step
+from tgw.broker.state.pending import Pending, is_shadow, is_step
 
 from .batcher import Batcher
 from .breaker import FAILURES, Breakers
 from tgw.broker.front.callers import Callers
 from .concurrency import AdaptiveLimit
+from .copies import Copies
 from tgw.broker.config.load import Config, ModelDecl
 from tgw.broker.front.inbound import CheckedFrame, tensor_bytes
 from tgw.broker.front.limits import check_declared
@@ -63,6 +64,7 @@ class Admission:
         # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
         self.pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
         self.limits: dict[str, AdaptiveLimit] = {}
+        self.copies = Copies(batcher, lambda: self.open, drained)   # shadow versions' copies (canary/)
         for m in cfg.models:
             self.declare(m)
         self.open = True
@@ -252,6 +254,8 @@ class Admission:
         is accounted: their callers paid, their tenants, version, limit and breaker. The model's
         limit, breaker and counters are looked up once for all of them."""
         first = ps[0]
+        if is_shadow(first.client):   # copies: a batch of them holds nothing else (shadow.py)
+            return self.copies.left(ps, code)
         model, version = first.model, first.version
         paid = self.callers.paid
         for p in ps:
@@ -278,6 +282,7 @@ class Admission:
         self.stats.left(model, version, ps, code is None, now)
         for hook in self.on_finished:
             hook(ps, code, now)
+
 
 
 def _no_bytes_into_region(entry: ModelEntry, outputs: list[str]) -> None:

@@ -14,7 +14,9 @@ first queued request's deadline minus the predicted compute of the batch it wait
 Requests whose deadline has passed - or that no batch could finish in time even if dispatched
 now - are taken out and handed back for a DEADLINE_EXCEEDED reply; they never reach a worker.
 When a queue is full the youngest request of the lowest level present makes room for a request
-of a higher level (shed, answered OVERLOADED).
+of a higher level (shed, answered OVERLOADED). Below every level is the shadow level: copies for
+a shadow version (canary/shadow.py), which never age, so they go only when nothing else waits,
+and are shed first.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ class ModelQueue:
     def __init__(self, name: str, max_batch_size: int, max_queue: int, levels: int = 1, max_delay_us: int = 0,
                  preferred: list[int] | tuple = (), aging_batches: float = 8.0):
         self.name, self.max_batch_size, self.max_queue = name, max_batch_size, max_queue
-        self.levels: list[deque[Pending]] = [deque() for _ in range(levels)]
+        self.levels: list[deque[Pending]] = [deque() for _ in range(levels + 1)]   # the last: shadow copies
+        self.shadow_level = levels
         self.max_delay = max_delay_us / 1e6
         self.preferred = sorted(set(preferred))
         self.aging_batches = aging_batches
@@ -81,7 +84,9 @@ class Batcher:
         return sum(q.count for q in self.queues.values())
 
     def queued_by_level(self, model: str) -> list[int]:
-        return [len(q) for q in self.queues[model].levels]
+        """Callers' requests per priority level (shadow copies are not callers')."""
+        q = self.queues[model]
+        return [len(level) for level in q.levels[:q.shadow_level]]
 
     def push(self, p: Pending, front: bool = False) -> Pending | None:
         """Queue `p`; a full queue sheds its youngest lowest-level request for a higher-level one
@@ -186,7 +191,7 @@ class Batcher:
             if step <= 0:  # no batch time yet: nothing ages
                 return level
             p = items[0]
-            effective = max(0, level - int((now - p.arrived) / step))
+            effective = level if level == q.shadow_level else max(0, level - int((now - p.arrived) / step))
             key = (effective, p.arrived)  # at an equal level, the one that arrived first
             if best_key is None or key < best_key:
                 best, best_key = level, key

@@ -47,6 +47,11 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
         return (self.version, self.shape_key)
 
 
+def is_shadow(client: Any) -> bool:
+    """Whether a request is a shadow version's copy of another's (canary/shadow.py ShadowCaller)."""
+    return type(client) is not bytes and getattr(client, "shadow", False)
+
+
 def is_step(client: Any) -> bool:
     """Whether a request's client is a pipeline's step (pipeline/run.py StepCaller), not a caller:
     its run was admitted, counted and charged at the pipeline's entry. A socket identity is bytes."""

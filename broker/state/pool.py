@@ -16,7 +16,7 @@ from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Footprint, Heartbeat, 
 
 from . import cuda
 from .inflight import Gone, Inflight, drop_from, left_out, take_out  # noqa: F401 - Inflight: its home for callers
-from .pending import Pending
+from .pending import Pending, is_shadow
 
 
 class WorkerState(str, Enum):
@@ -165,7 +165,7 @@ class WorkerHandle:
                 (self.holding.evicting and model_key in self.holding.evicting) or \
                 (head is not None and not cuda.fits(self, head)):
             return False
-        if suspect:
+        if suspect or (head is not None and is_shadow(head.client)):   # a copy waits for an idle worker
             return not self.inflight
         return len(self.inflight) < max_inflight and not any(b.suspect for b in self.inflight.values())
 

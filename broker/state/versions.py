@@ -53,6 +53,7 @@ class VersionRecord:
     last_load_ms: float = 0.0
     error: str = ""            # why its last load failed ...
     failed_at: float = 0.0     # ... and when (an on-demand load is not retried for a while)
+    shadow: bool = False       # answers nobody: only copies of others' requests (canary/shadow.py)
 
     def __post_init__(self, initial: VersionState) -> None:
         self._state = initial

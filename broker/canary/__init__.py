@@ -1,0 +1,1 @@
+"""Safe change: shadow versions that compare outputs, and guarded rollouts (docs/ROLLOUT.md)."""
