@@ -16,7 +16,7 @@ now - are taken out and handed back for a DEADLINE_EXCEEDED reply; they never re
 When a queue is full the youngest request of the lowest level present makes room for a request
 of a higher level (shed, answered OVERLOADED). Below every level is the shadow level: copies for
 a shadow version (canary/shadow.py), which never age, so they go only when nothing else waits,
-and are shed first.
+are held for a full batch (up to SHADOW_HOLD_S) and are shed first.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from .costmodel import CostModel
 from tgw.broker.state.pending import Pending
 
 __all__ = ["Batcher", "ModelQueue", "Pending"]
+SHADOW_HOLD_S = 0.05   # shadow copies wait this long for a full batch (they answer nobody)
 
 
 class ModelQueue:
@@ -202,7 +203,14 @@ class Batcher:
         (max_delay_us); None: dispatch now. Never later than the first deadline among the
         requests it would carry minus the predicted compute of the batch it waits for."""
         q = self.queues[model]
-        if q.max_delay <= 0 or not q.count:
+        if not q.count:
+            return None
+        copies = q.levels[q.shadow_level]
+        if copies and len(copies) == q.count:   # only shadow copies wait: go in full batches, each
+            now = self.clock() if now is None else now   # batch's fixed cost paid by many copies
+            until = copies[0].arrived + SHADOW_HOLD_S
+            return None if len(copies) >= q.max_batch_size or until <= now else until
+        if q.max_delay <= 0:
             return None
         now = self.clock() if now is None else now
         head = q.levels[self._head_level(q, now)][0]
