@@ -81,7 +81,7 @@ class WarmupDecl(Strict):
     # to workers that load a new version - a privacy choice, so off
     replay_payloads: bool = False
     samples: Annotated[int, Field(ge=1, le=1024)] = 32     # distinct (shape, batch rows) kept per model, newest
-    payload_mb: Annotated[int, Field(ge=1, le=4096)] = 16  # with replay_payloads: MiB of bytes kept per model
+    payload_mb: Annotated[int, Field(ge=1, le=1024)] = 16  # with replay_payloads: MiB of bytes kept per model
     max_s: Annotated[float, Field(gt=0)] = 30.0            # then the version is ready, settled or not
 
 

@@ -1,11 +1,14 @@
 """The replay warm-up's sample (broker/models/replay.py), pure: per model each distinct (shape,
 batch rows) seen, bounded and newest kept; payloads only with warmup.replay_payloads, bounded in
-bytes; settings a reload changes take effect at once; what a load's Replay carries."""
+bytes; settings a reload changes take effect at once; what a load's Replay carries; and the
+config's bound on max_s."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tgw.broker.config.load import ModelDecl, WarmupDecl
+from conftest import unloaded_model
+from tgw.broker.config.load import ConfigError, ModelDecl, WarmupDecl, parse_config
 from tgw.broker.models.entry import ModelEntry
 from tgw.broker.models.replay import ReplayRecorder, summary
 from tgw.broker.state.cuda import TAG
@@ -120,3 +123,12 @@ def test_the_summary_names_rounds_batches_p99_and_the_outcome():
     assert summary(as_builtins(report)) == ("replay warm-up: 3 round(s) of 0 batch(es), p99 201.5 -> 0.4 -> 0.41 "
                                             "ms, settled in 0.62 s")
     assert "not settled within warmup.max_s" in summary(as_builtins(ReplayReport(rounds=1, p99_ms=[5.0])))
+
+
+def test_max_s_must_leave_the_load_time_within_start_timeout_s(tmp_path):
+    unloaded_model(tmp_path / "m.pt")
+    model = {"name": "m", "versions": [{"version": "1", "path": "m.pt"}], "outputs": OUT,
+             "inputs": [{"name": "x", "dtype": "float32", "shape": [-1]}]}
+    assert parse_config({"models": [model], "warmup": {"max_s": 60}}, base_dir=str(tmp_path)).warmup.max_s == 60
+    with pytest.raises(ConfigError, match=r"warmup.max_s \(120\) must be less than workers.start_timeout_s \(120\)"):
+        parse_config({"models": [model], "warmup": {"max_s": 120}}, base_dir=str(tmp_path))
