@@ -1,8 +1,9 @@
 """A model slow on its first call per (batch rows, shape) in each process and version: what a
 TorchScript model under the profiling executor, a kernel autotuner or lazy allocations do, made
 deterministic. Its forward calls a custom op that sleeps `ms` the first time it sees a shape
-under the model's tag (each saved file has its own). For bench/warmup_bench.py and the warm-up
-tests; a worker preloads it as `tgw.bench.slow_first` (workers.preload).
+under the model's tag (each saved file has its own), and says so on stderr (FIRST_CALL: which
+thread paid it - a worker's loader thread, or its serving loop). For bench/warmup_bench.py and
+the warm-up tests; a worker preloads it as `tgw.bench.slow_first` (workers.preload).
 
     tgw_bench::first_call_sleep(Tensor x, str tag, float ms) -> Tensor
 
@@ -10,6 +11,7 @@ Importing the module registers the op (once per process; a second registration w
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 CALLS: Counter = Counter()   # (tag, shape with the batch dim) -> calls in this process
 _calls_lock = threading.Lock()   # the serving loop and the loader thread may call at once
+FIRST_CALL = "slow_first: first call"   # then tag=..., shape=..., thread=...
 IO = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1]}],
       "outputs": [{"name": "y", "dtype": "float32", "shape": [-1]}]}
 
@@ -30,6 +33,8 @@ def first_call_sleep(x: Tensor, tag: str, ms: float) -> Tensor:
         CALLS[key] += 1
         first = CALLS[key] == 1
     if first:
+        print(f"{FIRST_CALL} tag={tag} shape={','.join(map(str, x.shape))} thread={threading.current_thread().name}",
+              file=sys.stderr, flush=True)
         time.sleep(ms / 1000)
     return x.clone()
 
@@ -51,6 +56,16 @@ def save_slow_first(path: str, k: float, ms: float = 200.0, pad_floats: int = 1)
     """A TorchScript SlowFirst file; its tag is its path, so each file is cold in a new process."""
     torch.jit.save(torch.jit.script(SlowFirst(float(k), path, float(ms), pad_floats)), path)
     return path
+
+
+def first_calls(log: str, tag: str) -> list[tuple[str, str]]:
+    """(shape, thread) of each first call of the model saved at `tag` that a log shows."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith(FIRST_CALL) and f" tag={tag} " in line:
+            fields = dict(part.split("=", 1) for part in line[len(FIRST_CALL):].split())
+            out.append((fields["shape"], fields["thread"]))
+    return out
 
 
 def calls(tag: str) -> dict[tuple, int]:
