@@ -12,6 +12,8 @@ from tgw.shm.model_format import FORMATS
 from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata,
                           Reload, SetTraffic, UnloadVersion)
 
+from tgw.broker.models.replay import summary as replay_summary
+
 from . import cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
@@ -178,6 +180,7 @@ def event_line(event: dict[str, Any]) -> str:
     figures += [mib(event["bytes"])] if event.get("bytes") else []
     if "rss_before" in event and "rss_after" in event:
         figures.append(f"RSS {event['rss_before'] / 2**20:.0f} -> {event['rss_after'] / 2**20:.0f} MiB")
+    figures += [replay_summary(event["replay"])] if event.get("replay") else []
     return with_message(", ".join([head, *figures]), event.get("message"))
 
 

@@ -32,6 +32,7 @@ from tgw.broker.front.frontdoor import FrontDoor
 from tgw.broker.front.sockets import Pump
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
+from tgw.broker.models.replay import ReplayRecorder
 from tgw.broker.observe.metrics import Metrics
 from tgw.broker.pipeline.executor import Pipelines
 from tgw.broker.sched.admission import Admission
@@ -76,8 +77,9 @@ class Broker:
         # a broker made without one (the test rigs) enrols workers itself, in add_worker
         self.roster: list[WorkerHandle] = [] if roster is None else roster
         self._enrols = roster is None
+        self.replay = ReplayRecorder(cfg.warmup)   # each model's recent batches, for versions loaded later
         self.placement = Placement(self.registry, self.roster, self.send, clock,  # which worker holds which version
-                                   cfg.workers.max_model_memory, cfg.workers.placement)
+                                   cfg.workers.max_model_memory, cfg.workers.placement, self.replay)
         answer_error = lambda p, err: self.door.fail(p, err)   # noqa: E731 - the door is made in attach
         self.unserved = Unserved(self.batcher, self.roster, answer_error,
                                  self.placement.resident)   # answers for requests no worker will run
@@ -267,11 +269,13 @@ class Broker:
         if not live:
             return True
         self.batch_seq += 1
-        msg = worker.stage(self.batch_seq, live, self.registry.models[model].inputs)
+        entry = self.registry.models[model]
+        msg = worker.stage(self.batch_seq, live, entry.inputs)
         if msg is None:  # input arena full until a completion frees a block
             for p in reversed(live):
                 self.batcher.push(p, front=True)
             return False
+        self.replay.record(entry, live)
         self.back.send([worker.identity, encode(msg)])
         worker.free_at = done_by
         worker.holding.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)

@@ -67,7 +67,7 @@ def observe_view(b) -> BrokerView:
                       cancelled=_door(b, lambda door: door.abandon.cancelled_by_model()),
                       regions=_door(b, lambda door: door.regions.as_dict()), scrape=lambda: b.metrics.render(),
                       pipelines=b.pipelines, latencies=lambda: {m: s.e2e for m, s in b.metrics.series.items()},
-                      faults=b.faults.as_dict, rollouts=b.guards.status)
+                      faults=b.faults.as_dict, rollouts=b.guards.status, replay=b.replay.as_dict)
 
 
 def _door(b, read):
@@ -152,7 +152,8 @@ def reload_deps(b) -> ReloadDeps:
 
     return ReloadDeps(registry=b.registry, placement=b.placement, uptime=lambda: b.clock() - b.started_at,
                       declare=declare, set_max_queue=set_max_queue,
-                      pipelines=lambda cfg: b.pipelines.configure(cfg.pipelines))
+                      pipelines=lambda cfg: b.pipelines.configure(cfg.pipelines),
+                      warmup=lambda cfg: b.replay.configure(cfg.warmup, [m.name for m in cfg.models]))
 
 
 def operator_deps(b) -> OperatorDeps:

@@ -19,8 +19,9 @@ from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSI
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
-                          LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, SnapshotRequest, Stop,
-                          UnloadModel, Withdraw, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot)
+                          LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, Replay, ReplayBatch,
+                          ReplayReport, SnapshotRequest, Stop, UnloadModel, Withdraw, WorkerFailed, WorkerFault,
+                          WorkerHello, WorkerReady, WorkerSnapshot)
 
 # ---- client -> broker ------------------------------------------------------------------------
 

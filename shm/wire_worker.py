@@ -10,6 +10,31 @@ from .wire_base import CudaIpc, ErrorBody, IOSpec, Struct
 
 # ---- broker <-> worker -----------------------------------------------------------------------
 
+class ReplayBatch(Struct):
+    """One batch the model served lately, to warm a new version with (broker/models/replay.py)."""
+    rows: int
+    shapes: list[list[int]]          # each declared input's shape without the batch dim, in declared order
+    payload: list[bytes] = []        # each input's bytes, as the ring held them; []: zeros (warmup.replay_payloads off)
+
+
+class Replay(Struct):
+    """A sample of a model's recent batches: a version loaded while the model serves runs each
+    until its compute p99 settles (workers/replay.py), bounded by max_s."""
+    batches: list[ReplayBatch]
+    max_s: float = 30.0
+
+
+class ReplayReport(Struct):
+    """What a replay warm-up did (ModelLoaded.replay)."""
+    rounds: int = 0
+    covered: list[ReplayBatch] = []  # the batches replayed (rows and shapes; no payloads)
+    p99_ms: list[float] = []         # each round's compute p99 (with under 100 batches: its slowest)
+    settled: bool = False            # False: max_s ran out first (or every batch raised)
+    seconds: float = 0.0
+    payloads: bool = False           # the requests' own bytes were replayed, not zeros
+    failed: list[str] = []           # batches that raised (left out of later rounds), bounded
+
+
 class ModelSpec(Struct):
     name: str
     version: str
@@ -23,6 +48,7 @@ class ModelSpec(Struct):
     device: str = ""               # a stage's declared device kind: cpu or cuda
     options: dict[str, Any] = {}   # a stage's `options:`, given to its setup(context)
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
+    replay: Optional[Replay] = None   # run-time loads of a model that served: warm up on its recent batches too
 
 
 class BlockTensor(Struct):
@@ -95,6 +121,7 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     rss_after: int = 0
     load_ms: float = 0.0
     footprint: Optional[Footprint] = None   # measured at load and warm-up (None: failed, or an old worker)
+    replay: Optional[ReplayReport] = None   # the replay warm-up's figures (None: the spec had no replay)
 
 
 class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):

@@ -16,11 +16,12 @@ import torch
 import zmq
 
 from tgw.shm.model_format import ModelFormatError
-from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, UnloadModel, \
-    encode, model_key, to_worker_decoder
+from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, ReplayReport, \
+    UnloadModel, encode, model_key, to_worker_decoder
 
 from .footprint import Gauge, rss_bytes, trim_heap, warm_measured
 from .formats import FormatMismatch
+from .replay import warm_replay
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
 from .stage_runner import StageRunner
@@ -82,21 +83,23 @@ class Loader(SideThread):
                                footprint=loaded.footprint)
         rss_before, t0 = rss_bytes(), time.perf_counter()
         try:
-            runner = self._build(spec)
+            runner, replayed = self._build(spec)
         except LoadFailed as failed:
             reply = ModelLoaded(worker_id=self.worker_id, key=key, error=str(failed), reason=failed.reason)
         else:
             self.runners[key] = runner  # before the reply: once the broker reads it, batches come
             reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,
-                                load_ms=(time.perf_counter() - t0) * 1000, footprint=runner.footprint)
+                                load_ms=(time.perf_counter() - t0) * 1000, footprint=runner.footprint, replay=replayed)
         if reply.error is not None:
             log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
             release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
         reply.rss_before, reply.rss_after = rss_before, rss_bytes()
         return reply
 
-    def _build(self, spec: ModelSpec) -> ModelRunner:
-        gauge = Gauge(self.device)   # its memory measured as it loads and warms up (footprint.py)
+    def _build(self, spec: ModelSpec) -> tuple[ModelRunner, ReplayReport | None]:
+        """The runner, warmed up: on the declared sizes (measured: footprint.py), then on the
+        model's recent batches when the broker sent them (replay.py); and what the replay did."""
+        gauge = Gauge(self.device)
         try:
             runner, weights = gauge.load(lambda: (StageRunner if spec.format == "stage" else ModelRunner)(
                 spec, self.device))
@@ -104,9 +107,10 @@ class Loader(SideThread):
             raise LoadFailed(_reason(exc, "load"), exc) from None
         try:
             warm_measured(runner, gauge, weights)
+            replayed = warm_replay(runner, spec.replay) if spec.replay and isinstance(runner, ModelRunner) else None
         except Exception as exc:
             raise LoadFailed(_reason(exc, "warmup"), exc) from None
-        return runner
+        return runner, replayed
 
     def unload(self, key: str) -> ModelUnloaded:
         """Drop one model and give its memory back; a model not loaded is answered all the same."""

@@ -18,13 +18,13 @@ from .roots import ModelFileError, PathRefused, check_file, check_handler_file, 
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
 from .schema_ops import CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, LeakDecl, \
-    ObservabilityDecl, SupervisorDecl
+    ObservabilityDecl, SupervisorDecl, WarmupDecl
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",
            "ModelDecl", "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
-           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WorkersDecl", "file_sha256", "load_config",
-           "parse_config"]
+           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WarmupDecl", "WorkersDecl", "file_sha256",
+           "load_config", "parse_config"]
 
 
 class ConfigError(ValueError):

@@ -12,7 +12,7 @@ from tgw.shm.paths import ADDRESS_FORMS, address_problem
 
 from .pipelines import PipelineDecl, PipelineError, StepDecl, problems as pipeline_problems  # noqa: F401
 from .schema_models import BreakerDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
-from .schema_ops import GrpcDecl, HttpDecl, ObservabilityDecl, Strict, SupervisorDecl
+from .schema_ops import GrpcDecl, HttpDecl, ObservabilityDecl, Strict, SupervisorDecl, WarmupDecl
 
 
 Device = Annotated[str, Field(pattern=r"^(cpu|cuda:\d+)$")]
@@ -150,6 +150,7 @@ class Config(Strict):
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
+    warmup: WarmupDecl = WarmupDecl()              # replay warm-up of versions loaded while serving
     http: Optional[HttpDecl] = None                # the KServe v2 HTTP face; None: off
     grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
@@ -167,6 +168,9 @@ class Config(Strict):
             raise ValueError(f"default_tenant {self.default_tenant!r} is not one of tenants {sorted(self.tenants)}")
         if self.require_tenant and not self.tenants:
             raise ValueError("require_tenant needs at least one entry in tenants")
+        if self.warmup.max_s >= self.workers.start_timeout_s:
+            raise ValueError(f"warmup.max_s ({self.warmup.max_s:g}) must be less than workers.start_timeout_s "
+                             f"({self.workers.start_timeout_s:g}): a load, its warm-up included, gets that long")
         names = {m.name: m for m in self.models}
         for m in self.models:
             fallback = m.breaker.fallback if m.breaker else None

@@ -1,4 +1,4 @@
-"""The schema's operational sections: supervision, the HTTP face, observability.
+"""The schema's operational sections: supervision, warm-up, the HTTP face, observability.
 
 Split from schema.py (which re-exports them) to keep each module small.
 """
@@ -71,6 +71,18 @@ class SupervisorDecl(Strict):
             raise ValueError(f"hang_timeout_s ({self.hang_timeout_s}) must be at least twice heartbeat_s "
                              f"({self.heartbeat_s}): one late beat is not a hang")
         return self
+
+
+class WarmupDecl(Strict):
+    """Replay warm-up (docs/OPERATIONS.md#warm-up): a version loaded while its model serves runs
+    the model's recent batches until its compute p99 settles, before it takes traffic."""
+    replay: bool = True              # false: only models[].warmup_batch_sizes, as at start-up
+    # keep the requests' bytes too, not only their shapes: real data held in the broker and sent
+    # to workers that load a new version - a privacy choice, so off
+    replay_payloads: bool = False
+    samples: Annotated[int, Field(ge=1, le=1024)] = 32     # distinct (shape, batch rows) kept per model, newest
+    payload_mb: Annotated[int, Field(ge=1, le=1024)] = 16  # with replay_payloads: MiB of bytes kept per model
+    max_s: Annotated[float, Field(gt=0)] = 30.0            # then the version is ready, settled or not
 
 
 class HttpDecl(Strict):

@@ -20,11 +20,12 @@ from collections import deque
 from typing import Callable
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import LoaderHello, LoadModel, ModelLoaded, ModelUnloaded, UnloadModel
+from tgw.shm.wire import LoaderHello, LoadModel, ModelLoaded, ModelUnloaded, UnloadModel, as_builtins
 
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.state.versions import VersionRecord
 from .registry import Registry
+from .replay import ReplayRecorder, summary
 from .residency import Residency, budget_bytes
 from .roles import serves
 
@@ -36,8 +37,9 @@ LOAD_RETRY_S = 10.0   # after an on-demand load failed, requests are refused thi
 class Placement:
     def __init__(self, registry: Registry, roster: list[WorkerHandle], send: Callable[[bytes, object], None],
                  clock: Callable[[], float] = time.monotonic, model_memory: int | float | None = None,
-                 policy: str = "spread"):
+                 policy: str = "spread", replay: ReplayRecorder | None = None):
         self.registry, self.roster, self.send, self.clock = registry, roster, send, clock
+        self.replay = replay   # recent batches per model: run-time loads warm up on them (replay.py)
         self.model_memory = model_memory  # workers.max_model_memory: each worker's budget (a reload may change it)
         self.residency = Residency(registry.record, self.note, policy)   # policy: workers.placement
         self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
@@ -84,7 +86,7 @@ class Placement:
                 rec = self.registry.record(key)
                 if rec is not None and (not rec.on_demand or self.residency.room(w, key)):
                     h.loading[key] = self.clock()
-                    self.send(w.loader_identity, LoadModel(spec=self.registry.models[rec.model].spec(rec)))
+                    self.send(w.loader_identity, LoadModel(spec=self.spec(rec)))
             h.evicting |= w.models - want
             for key in list(h.evicting):
                 if not w.holds(key):
@@ -93,6 +95,15 @@ class Placement:
                     h.unloading.add(key)
                     self.send(w.loader_identity, UnloadModel(key=key))
         self.wake()
+
+    def spec(self, rec: VersionRecord):
+        """What a worker is asked to load at run time: the version, and the model's recent batches to
+        warm up on when it has served some (start-up loads, in handshake.py, have none to replay)."""
+        entry = self.registry.models[rec.model]
+        spec = entry.spec(rec)
+        if self.replay is not None:
+            spec.replay = self.replay.replay(entry)
+        return spec
 
     def place(self, rec: VersionRecord) -> WorkerHandle | None:
         """An on-demand version loading at run time: on the live worker with the most room."""
@@ -174,12 +185,14 @@ class Placement:
             w.holding.used_at[msg.key] = self.clock()
             if rec is not None:
                 rec.loaded(msg.bytes, msg.load_ms, msg.footprint)
+            replay = {"replay": as_builtins(msg.replay)} if msg.replay is not None else {}
             self.note("load", msg.key, w, ms=round(msg.load_ms, 1), bytes=msg.bytes, rss_before=msg.rss_before,
-                      rss_after=msg.rss_after, footprint=self.residency.size(w, msg.key))
+                      rss_after=msg.rss_after, footprint=self.residency.size(w, msg.key), **replay)
             self.residency.settle(w, msg.key)
-            log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
+            log.info("%s loaded %s in %.0f ms (%d bytes)%s", w.name, msg.key, msg.load_ms, msg.bytes,
+                     f"; {summary(replay['replay'])}" if replay else "",
                      extra={"event": "model_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
-                            "bytes": msg.bytes})
+                            "bytes": msg.bytes, **replay})
             self.on_resize(w)
         if started is None:
             log.warning("%s: load answer for %s that was not asked of this life", w.name, msg.key)

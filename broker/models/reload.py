@@ -1,16 +1,17 @@
 """SIGHUP and `tgw-broker reload`: re-read the config file and apply the difference.
 
 What may change while serving: models added or removed, versions added or removed, weights
-and default_version, a model's timeout_ms and max_queue, model_roots, and
-workers.max_model_memory. Anything else that differs needs a restart, and the reload refuses
-as a whole, naming it. A version's source is fixed: a model file's path or sha256, a stage's
-handler, its sha256 or its handler file's content (hashed as each config is read), and a
-stage's options for the versions it keeps serving: the change is refused, new code or options
-come as new versions (with none of the served ones kept, the new versions load with the new
-options). A stage's device picks its workers: a restart. The reload is one transaction: every
-new version is loaded first (beside what serves); if any load fails, what was loaded is taken
-out again and nothing has changed. Then routing flips for every model in one step, and the versions and models left
-out drain and unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
+and default_version, a model's timeout_ms and max_queue, model_roots, workers.max_model_memory,
+and the warmup section (for the loads after the reload's own). Anything else that differs
+needs a restart, and the reload refuses as a whole, naming it. A version's source is fixed: a
+model file's path or sha256, a stage's handler, its sha256 or its handler file's content
+(hashed as each config is read), and a stage's options for the versions it keeps serving: the
+change is refused, new code or options come as new versions (with none of the served ones
+kept, the new versions load with the new options). A stage's device picks its workers: a
+restart. The reload is one transaction: every new version is loaded first (beside what
+serves); if any load fails, what was loaded is taken out again and nothing has changed. Then
+routing flips for every model in one step, and the versions and models left out drain and
+unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
 """
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ class ReloadDeps:
     declare: Callable[[ModelDecl], None]         # a new model's queue, counters and limits
     set_max_queue: Callable[[str, int], None]    # a served model's queue bound (models[].max_queue)
     pipelines: Callable[[Config], None] = lambda cfg: None   # the new config's pipelines served (after the flip)
+    warmup: Callable[[Config], None] = lambda cfg: None      # the new warmup section (the replay recorder's)
 
 
 class Reloader:
@@ -206,7 +208,9 @@ class Reloader:
             registry.forget(name)
         return {"models added": [m.name for m in added], "models removed": removed,
                 "versions loaded": [rec.key for _, rec in loaded],
-                "versions unloaded": [r.key for _, records in retiring for r in records]}
+                "versions unloaded": [r.key for _, records in retiring for r in records],
+                "warmup changed": [k for k in type(new.warmup).model_fields
+                                   if getattr(new.warmup, k) != getattr(self.cfg.warmup, k)]}
 
     def _declare(self, m: ModelDecl) -> None:
         """A new model: routable once its versions are loaded."""
@@ -234,5 +238,6 @@ class Reloader:
         self.d.pipelines(new)   # validated with the new models: they are declared as of now
         self.rollout.roots = new.model_roots
         self.d.placement.set_model_memory(new.workers.max_model_memory)
+        self.d.warmup(new)
         self.d.placement.reconcile()
         return retiring

@@ -69,6 +69,7 @@ class BrokerView:
     latencies: Callable[[], dict] = dict   # model -> its end-to-end seconds histogram (metrics.ModelSeries.e2e)
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
     rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
+    replay: Callable[[str], dict] = lambda model: {}   # its replay warm-up sample (models/replay.py as_dict)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -190,7 +191,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "weights": {n: r.weight for n, r in m.records.items() if r.weight},
                           "residency": m.decl.residency, "ready": serving(view, m),
                           "queued": view.batcher.queued(m.name),
-                          "requests": c.requests, "replies": c.replies, "errors": dict(c.errors)}
+                          "requests": c.requests, "replies": c.replies, "errors": dict(c.errors),
+                          "replay": view.replay(m.name)}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),

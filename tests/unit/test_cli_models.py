@@ -222,6 +222,12 @@ def test_status_reload_line_variants():
     assert cli_models.event_line({"at_s": 2.0, "event": "load_failed", "model": "big", "version": "2",
                                   "worker": "worker1[cpu]", "reason": "checksum", "message": "sha256 differs"}) == \
         "at 2.0 s load_failed big:2 on worker1[cpu] (checksum): sha256 differs"
+    replayed = {"rounds": 3, "covered": [{"rows": 4, "shapes": [[16]]}], "p99_ms": [201.5, 0.4, 0.41],
+                "settled": True, "seconds": 0.62}
+    assert cli_models.event_line({"at_s": 3.0, "event": "load", "model": "big", "version": "3", "ms": 700.0,
+                                  "replay": replayed}) == ("at 3.0 s load big:3, 700 ms, replay warm-up: 3 round(s) "
+                                                           "of 1 batch(es), p99 201.5 -> 0.4 -> 0.41 ms, settled in "
+                                                           "0.62 s")
 
 
 def test_status_without_reload_or_events_prints_neither(capsys):

@@ -177,7 +177,8 @@ def test_defaults_quoted_in_the_docs_are_the_schemas():
     30000)" (a key without its section: the one key that ends so), equals the schema's; and every
     full key path the docs name in backticks exists."""
     rows = {k: default for k, _, default in config_table().keys()}
-    sections = ("server.", "workers.", "supervisor.", "http.", "observability.", "models[].", "tenants.NAME.")
+    sections = ("server.", "workers.", "supervisor.", "warmup.", "http.", "observability.", "models[].",
+                "tenants.NAME.")
     quoted, unknown, wrong = 0, [], []
     for path in DOCS:
         text = read(path)
