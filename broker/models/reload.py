@@ -1,7 +1,7 @@
 """SIGHUP and `tgw-broker reload`: re-read the config file and apply the difference.
 
 What may change while serving: models added or removed, versions added or removed, weights
-and default_version, a model's timeout_ms and max_queue, model_roots, and
+and default_version, a model's timeout_ms, max_queue and cache, model_roots, and
 workers.max_model_memory. Anything else that differs needs a restart, and the reload refuses
 as a whole, naming it. A version's source is fixed: a model file's path or sha256, a stage's
 handler, its sha256 or its handler file's content (hashed as each config is read), and a
@@ -30,7 +30,7 @@ from .placement import Placement
 from .registry import ModelEntry, Registry
 from .rollout import Rollout
 
-HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
+HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue", "cache"}   # cache: starts empty
 STAGE_KEYS = {"options", "device"}   # a stage's: stage_changes() says when they may change
 
 
