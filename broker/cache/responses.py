@@ -28,17 +28,23 @@ from tgw.broker.state.pending import Pending
 KEY_BYTES = 16   # blake2b digest size: collisions are out of reach at any number of entries
 
 
+LAYOUTS_MAX = 1024   # distinct output layouts shared between entries; past it the table starts over
+
+
 class Held(NamedTuple):
     """An output as the answer path reads it (in place of the ring's BlockTensor): dtype and shape."""
     dtype: str
-    shape: list
+    shape: tuple
 
 
 class Entry:
-    __slots__ = ("version", "views", "nbytes", "expires")
+    """One kept answer: its outputs' bytes in one object, and where each lies in it (`layout`:
+    (name, Held, start, end) per output, one tuple shared by every entry of that layout), so
+    an entry costs a few small objects, whatever its outputs; the views are made per hit."""
+    __slots__ = ("version", "data", "layout", "expires")
 
-    def __init__(self, version: str, views: dict, nbytes: int, expires: float | None):
-        self.version, self.views, self.nbytes, self.expires = version, views, nbytes, expires
+    def __init__(self, version: str, data: bytes, layout: tuple, expires: float | None):
+        self.version, self.data, self.layout, self.expires = version, data, layout, expires
 
 
 def response_key(p: Pending, msg: Infer, order: list[int]) -> bytes:
@@ -65,10 +71,11 @@ class ResponseCache:
         self.epoch = 0               # bumped by every drop: a lookup made before one stores nothing
         self.hits = self.misses = self.bypassed = 0
         self.evictions: Counter = Counter()   # reason (entries, bytes, expired, invalidated) -> entries
+        self.layouts: dict[tuple, tuple] = {}  # each layout once, shared by the entries that have it
 
     def lookup(self, p: Pending, msg: Infer, order: list[int], now: float) -> bool:
-        """Whether a kept answer answers `p` (then p.cache_hit holds its outputs); on a miss,
-        p.cache_miss says where its computed answer is to be kept."""
+        """Whether a kept answer answers `p` (then p.cache_hit holds its outputs, as the answer
+        path takes a computed one's); on a miss, p.cache_miss says where its answer is to be kept."""
         if by_handle(msg):
             self.bypassed += 1
             return False
@@ -83,7 +90,8 @@ class ResponseCache:
             return False
         self.entries.move_to_end(key)
         self.hits += 1
-        p.cache_hit = entry.views
+        data = memoryview(entry.data)
+        p.cache_hit = {name: (held, data[start:end]) for name, held, start, end in entry.layout}
         return True
 
     def store(self, key: bytes, epoch: int, p: Pending, views: dict, now: float) -> None:
@@ -91,12 +99,13 @@ class ResponseCache:
         arena)) unless a drop came since its lookup, or it alone exceeds max_bytes."""
         if epoch != self.epoch or key in self.entries:   # a twin computed alongside is kept already
             return
-        held, nbytes = {}, KEY_BYTES
+        layout, parts, at = [], [], 0
         for name in p.outputs:
             t, raw = views[name]
-            data = memoryview(bytes(raw))   # the arena's block is released after the reply
-            held[name] = (Held(t.dtype, [p.rows, *t.shape[1:]]), data)
-            nbytes += data.nbytes
+            layout.append((name, Held(t.dtype, (p.rows, *t.shape[1:])), at, at + raw.nbytes))
+            parts.append(raw)
+            at += raw.nbytes
+        nbytes = at + KEY_BYTES
         if nbytes > self.max_bytes:
             return
         entries = self.entries
@@ -104,11 +113,17 @@ class ResponseCache:
             self._evict(next(iter(entries)), "entries")
         while self.nbytes + nbytes > self.max_bytes:
             self._evict(next(iter(entries)), "bytes")
-        entries[key] = Entry(p.version, held, nbytes, None if self.ttl_s is None else now + self.ttl_s)
+        entries[key] = Entry(p.version, b"".join(parts), self._shared(tuple(layout)),   # the arena's block
+                             None if self.ttl_s is None else now + self.ttl_s)          # goes after the reply
         self.nbytes += nbytes
 
+    def _shared(self, layout: tuple) -> tuple:
+        if len(self.layouts) >= LAYOUTS_MAX and layout not in self.layouts:
+            self.layouts.clear()
+        return self.layouts.setdefault(layout, layout)
+
     def _evict(self, key: bytes, reason: str) -> None:
-        self.nbytes -= self.entries.pop(key).nbytes
+        self.nbytes -= len(self.entries.pop(key).data) + KEY_BYTES
         self.evictions[reason] += 1
 
     def drop(self, versions: Iterable[str]) -> None:

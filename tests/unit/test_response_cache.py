@@ -31,7 +31,7 @@ def request(data: bytes = bytes(16), version: str = "1", dtype: str = "float32",
 
 
 def answer(fill: int = 7, nbytes: int = OUT) -> dict:
-    return {"y": (Held("float32", [1, nbytes // 4]), memoryview(bytes([fill]) * nbytes))}
+    return {"y": (Held("float32", (1, nbytes // 4)), memoryview(bytes([fill]) * nbytes))}
 
 
 def cache(entries: int = 100, max_bytes: int = 1 << 20, ttl_s: float | None = None) -> ResponseCache:
@@ -55,8 +55,16 @@ def test_a_stored_answer_is_given_again_as_the_answer_path_reads_it():
     miss_then_store(c, b"\x01" * 16)
     views = hit(c, b"\x01" * 16)
     held, data = views["y"]
-    assert held.dtype == "float32" and held.shape[1:] == [4] and bytes(data) == b"\x01" * OUT and data.nbytes == OUT
+    assert held.dtype == "float32" and held.shape == (1, 4) and bytes(data) == b"\x01" * OUT and data.nbytes == OUT
     assert (c.hits, c.misses) == (1, 1) and c.nbytes == OUT + KEY_BYTES
+
+
+def test_entries_of_one_layout_share_it_and_keep_one_bytes_object_each():
+    c = cache()
+    miss_then_store(c, b"a" * 16)
+    miss_then_store(c, b"b" * 16)
+    first, second = c.entries.values()
+    assert first.layout is second.layout and type(first.data) is bytes and first.data == b"a" * OUT
 
 
 def test_least_recently_used_goes_first_under_the_entry_bound():
