@@ -56,7 +56,7 @@ def test_a_stored_answer_is_given_again_as_the_answer_path_reads_it():
     views = hit(c, b"\x01" * 16)
     held, data = views["y"]
     assert held.dtype == "float32" and held.shape == (1, 4) and bytes(data) == b"\x01" * OUT and data.nbytes == OUT
-    assert (c.hits, c.misses) == (1, 1) and c.nbytes == OUT + KEY_BYTES
+    assert (c.hits, c.misses) == (1, 1) and c.nbytes == OUT + KEY_BYTES and [len(k) for k in c.entries] == [KEY_BYTES]
 
 
 def test_entries_of_one_layout_share_it_and_keep_one_bytes_object_each():
@@ -253,3 +253,9 @@ def test_a_stage_may_not_declare_a_cache(tmp_path):
     with pytest.raises(ConfigError) as info:
         config(tmp_path, stage)
     assert "cache is a model's key" in str(info.value)
+
+
+def test_a_reload_may_change_the_cache_section(tmp_path):
+    from tgw.broker.models.reload import restart_only
+    old, new = config(tmp_path, model()), config(tmp_path, model(**CACHED))
+    assert restart_only(old, new) == [] and restart_only(new, old) == []
