@@ -99,6 +99,9 @@ def print_status(address: str, reply) -> None:
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
               f"{m['errors'] or ''}")
+    for name, m in reply.models.items():
+        if m.get("cache"):
+            print(cache_line(name, m["cache"]))
     for name, p in reply.pipelines.items():
         print(f"pipeline {name}: {p['requests']} requests, {p['replies']} replies, {p['inflight']} in flight"
               + (f", errors {p['errors']}" if p["errors"] else ""))
@@ -113,6 +116,12 @@ def print_status(address: str, reply) -> None:
         print("recent model events:")
         for event in reply.events[-RECENT_EVENTS:]:
             print(f"  {cli_models.event_line(event)}")
+
+
+def cache_line(model: str, c: dict) -> str:
+    """A model's response cache: "cache mlp: 812 entries, 0.8/64.0 MiB, 1500 hits, 812 misses, evictions {}"."""
+    return (f"cache {model}: {c['entries']} entries, {c['bytes'] / 2**20:.1f}/{c['max_bytes'] / 2**20:.1f} MiB, "
+            f"{c['hits']} hits, {c['misses']} misses, evictions {c['evictions']}")
 
 
 def gpu_line(w: dict) -> str:

@@ -234,7 +234,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # per worker: name, pid, device, state, models, inflight, restarts, last_death, benched,
     # heartbeat_age_s, and from its last heartbeat rss, cpu_s, fds, threads, batches, busy_s
     workers: list[dict[str, Any]]
-    # per model: default_version, versions, ready, queued, requests, replies, errors
+    # per model: default_version, versions, ready, queued, requests, replies, errors, and its
+    # response cache (null: off): entries, bytes, hits, misses, evictions by reason, ...
     models: dict[str, dict[str, Any]]
     snapshots: list[str] = []           # the most recent snapshot files, newest last
     # the config file and the last reload (SIGHUP or `reload`): path, at_s (uptime), ok, message

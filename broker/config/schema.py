@@ -11,7 +11,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from tgw.shm.paths import ADDRESS_FORMS, address_problem
 
 from .pipelines import PipelineDecl, PipelineError, StepDecl, problems as pipeline_problems  # noqa: F401
-from .schema_models import BreakerDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
+from .schema_models import BreakerDecl, CacheDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
 from .schema_ops import GrpcDecl, HttpDecl, ObservabilityDecl, Strict, SupervisorDecl, WarmupDecl
 
 

@@ -70,6 +70,14 @@ class BreakerDecl(Strict):
     fallback: Optional[Annotated[str, Field(min_length=1)]] = None  # a model with the same inputs and outputs
 
 
+class CacheDecl(Strict):
+    """A model's response cache (broker/cache/responses.py, docs/CACHE.md): answers to inputs seen
+    before, per version, given by the broker without a worker; least recently used go first."""
+    entries: Annotated[int, Field(ge=1)]          # answers kept at most ...
+    max_bytes: Annotated[int, Field(ge=1)]        # ... and their outputs' bytes (plus 16 per key) at most
+    ttl_s: Optional[Annotated[float, Field(gt=0)]] = None   # an answer older than this is not given; None: no limit
+
+
 class ModelDecl(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
     versions: Annotated[list[VersionDecl], Field(min_length=1)]
@@ -94,6 +102,7 @@ class ModelDecl(Strict):
     # stages only (versions with a handler): where it runs, and what its setup(context) is given
     device: Optional[Literal["cpu", "cuda"]] = None   # None: cpu
     options: dict[str, Any] = {}
+    cache: Optional[CacheDecl] = None   # models only: a response cache; None: off
 
     @property
     def is_stage(self) -> bool:
@@ -132,6 +141,9 @@ class ModelDecl(Strict):
             if carried:
                 raise ValueError(f"tensors {carried} are bytes: only stages (versions with a handler) take or "
                                  "return bytes tensors; a model's tensors are numeric")
+        elif self.cache is not None:
+            raise ValueError(f"cache is a model's key: stage {self.name!r} runs handler code that need not give the "
+                             "same outputs for the same inputs (docs/CACHE.md)")
         if self.breaker and self.breaker.fallback == self.name:
             raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
         return self

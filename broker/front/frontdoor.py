@@ -195,6 +195,8 @@ class FrontDoor:
                 cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
                                                          header)  # CUDA tensors by handle
             p = self.deps.admit(ident, msg, tensor_frames)
+            if p.cache_hit is not None:   # its model's response cache answers: no queue, no worker
+                return self._cached(p)
             cuda_route.bind(self.deps.models, p, cuda)
             self.abandon.track(p)
             self.deps.schedule()
@@ -206,6 +208,10 @@ class FrontDoor:
             self.complaints.note("broker_error", type(exc).__name__, f"request {msg.id} for {msg.model!r} failed "
                                  "inside the broker", exc_info=True)
             self.error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), msg.model)
+
+    def _cached(self, p: Pending) -> None:
+        self.answer([(p, p.cache_hit)], self.deps.clock())
+        self.deps.stats.models[p.model].replies += 1
 
     def tick(self) -> None:
         self.outbox.settle_all()
@@ -241,6 +247,9 @@ class FrontDoor:
         self.deps.leave([p for p, _ in answered], None, now)
         regions, reply = self.regions, self.reply
         for p, views in answered:
+            if p.cache_miss is not None:   # computed for a model with a response cache: kept for the next asker
+                cache, key, epoch = p.cache_miss
+                cache.store(key, epoch, p, views, now)
             client = p.client
             if is_step(client):
                 client.outputs(p, views)   # a pipeline's step: its run copies the rows it reads, once

@@ -1,4 +1,5 @@
-"""One declared model as the broker serves it: its declaration, its versions' records, the split.
+"""One declared model as the broker serves it: its declaration, its versions' records, the split,
+its response cache.
 
 Read by everything that serves; written only by the registry (registry.py), which rebuilds
 the traffic split after each write.
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 from tgw.shm.wire import BYTES, IOSpec, ModelInfo, ModelSpec, nbytes_of
 
+from tgw.broker.cache.responses import ResponseCache
 from tgw.broker.config.load import ModelDecl
+from tgw.broker.config.schema import CacheDecl
 from tgw.broker.state.versions import VersionRecord, VersionState
 from .routing import Traffic
 
@@ -36,6 +39,8 @@ class ModelEntry:
                                                     weight=weights.get(v.version, 0))
         self.traffic = Traffic({})
         self.retraffic()
+        self.cache: ResponseCache | None = None   # its response cache (models[].cache); None: off
+        self.recache(decl.cache)
 
     @property
     def name(self) -> str:
@@ -61,6 +66,12 @@ class ModelEntry:
         if ready and not any(r.weight for r in ready):
             ready[-1].weight = FULL_WEIGHT
         self.traffic = Traffic({v: r.weight for v, r in self.records.items() if r.state is VersionState.READY})
+
+    def recache(self, decl: CacheDecl | None) -> None:
+        """A response cache as declared, empty (the registry's, when the declaration changes it)."""
+        if self.cache is not None:
+            self.cache.clear()   # its answers go now; a computed answer still due stores nothing
+        self.cache = ResponseCache(decl) if decl is not None else None
 
     def output_bytes(self, rows: int) -> list[int] | None:
         """Bytes of each declared output (the worker writes them all) for `rows` rows; None when

@@ -6,7 +6,8 @@ write before it makes any of it (a refused write changes nothing), rebuilds the 
 traffic split and bumps `generation`, so what is memoised on the models (admission's header
 checks) is dropped by keying on it. The checks of requests live in checks.py. Not routing, so
 not here: a record's load figures (placement's), `active` (admission's), and `seen` as a
-worker's ready message marks it (the handshake's).
+worker's ready message marks it (the handshake's). A version that stops serving (drained,
+forgotten) or a model removed loses its response cache's answers here, at once.
 """
 from __future__ import annotations
 
@@ -70,8 +71,12 @@ class Registry:
         return entry
 
     def redeclare(self, decl: ModelDecl) -> None:
-        """A served model's new declaration (a reload checked that only hot keys differ)."""
-        self._model(decl.name).decl = decl
+        """A served model's new declaration (a reload checked that only hot keys differ); a changed
+        cache section starts its response cache afresh."""
+        entry = self._model(decl.name)
+        if decl.cache != entry.decl.cache:
+            entry.recache(decl.cache)
+        entry.decl = decl
         self._changed()
 
     def remove(self, name: str) -> list[VersionRecord]:
@@ -79,6 +84,7 @@ class Registry:
         it is forgotten. Returns its versions."""
         entry = self._model(name)
         entry.removed = True
+        _uncache(entry)
         self._changed()
         return list(entry.records.values())
 
@@ -91,8 +97,10 @@ class Registry:
         if versions is None:
             del self.models[name]
         else:
+            versions = list(versions)
             for v in versions:
                 entry.records.pop(v, None)
+        _uncache(entry, versions)
         self._changed(entry)
 
     # ---- writes: versions --------------------------------------------------------------------
@@ -130,6 +138,7 @@ class Registry:
                 r.weight = 0
         for r in drained:
             r.drain()
+        _uncache(entry, [r.version for r in drained])
         self._changed(entry)
         return drained
 
@@ -149,6 +158,7 @@ class Registry:
         mine = [r.version for r in records if entry.records.get(r.version) is r]
         for v in self._to_drain(entry, mine):
             entry.records[v].drain()
+        _uncache(entry, mine)
         self._changed(entry)
         return records
 
@@ -188,3 +198,13 @@ class Registry:
         if entry is not None:
             entry.retraffic()
         self.generation += 1
+
+
+def _uncache(entry: ModelEntry, versions: list[str] | None = None) -> None:
+    """Versions that serve no more (None: every one) lose their kept answers at once."""
+    if entry.cache is None or versions == []:
+        return
+    if versions is None:
+        entry.cache.clear()
+    else:
+        entry.cache.drop(versions)

@@ -1,17 +1,17 @@
 """SIGHUP and `tgw-broker reload`: re-read the config file and apply the difference.
 
 What may change while serving: models added or removed, versions added or removed, weights
-and default_version, a model's timeout_ms and max_queue, model_roots, workers.max_model_memory,
-and the warmup section (for the loads after the reload's own). Anything else that differs
-needs a restart, and the reload refuses as a whole, naming it. A version's source is fixed: a
-model file's path or sha256, a stage's handler, its sha256 or its handler file's content
-(hashed as each config is read), and a stage's options for the versions it keeps serving: the
-change is refused, new code or options come as new versions (with none of the served ones
-kept, the new versions load with the new options). A stage's device picks its workers: a
-restart. The reload is one transaction: every new version is loaded first (beside what
-serves); if any load fails, what was loaded is taken out again and nothing has changed. Then
-routing flips for every model in one step, and the versions and models left out drain and
-unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
+and default_version, a model's timeout_ms, max_queue and cache, model_roots,
+workers.max_model_memory, and the warmup section (for the loads after the reload's own).
+Anything else that differs needs a restart, and the reload refuses as a whole, naming it. A
+version's source is fixed: a model file's path or sha256, a stage's handler, its sha256 or its
+handler file's content (hashed as each config is read), and a stage's options for the versions
+it keeps serving: the change is refused, new code or options come as new versions (with none
+of the served ones kept, the new versions load with the new options). A stage's device picks
+its workers: a restart. The reload is one transaction: every new version is loaded first
+(beside what serves); if any load fails, what was loaded is taken out again and nothing has
+changed. Then routing flips for every model in one step, and the versions and models left out
+drain and unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from .placement import Placement
 from .registry import ModelEntry, Registry
 from .rollout import Rollout
 
-HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue"}
+HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue", "cache"}   # cache: starts empty
 STAGE_KEYS = {"options", "device"}   # a stage's: stage_changes() says when they may change
 
 

@@ -78,6 +78,7 @@ class Metrics(Collector):
         yield from metrics_state.version_families(view, now)
         yield from metrics_state.scheduler_families(view)
         yield from metrics_state.pipeline_families(view)
+        yield from metrics_state.cache_families(view)
         yield from metrics_gpu.families(view.roster)
         yield from metrics_gpu.device_families(view)
         yield from metrics_rollout.families(view)

@@ -151,6 +151,32 @@ def scheduler_families(view: BrokerView) -> Iterator:
     yield from (limited, admitted, inflight, limit)
 
 
+def cache_families(view: BrokerView) -> Iterator:
+    """Each model's response cache (models[].cache): lookups answered or not, entries dropped, what it holds."""
+    hits = CounterMetricFamily("tgw_cache_hits", "Requests answered from the model's response cache, without a "
+                               "worker", labels=["model"])
+    misses = CounterMetricFamily("tgw_cache_misses", "Requests of a model with a response cache that found no "
+                                 "answer kept (computed, then kept)", labels=["model"])
+    evictions = CounterMetricFamily("tgw_cache_evictions", "Answers dropped from the response cache, by reason: "
+                                    "entries or bytes (its bounds, least recently used first), expired (ttl_s), "
+                                    "invalidated (a version retired, the model removed or its cache redeclared)",
+                                    labels=["model", "reason"])
+    entries = GaugeMetricFamily("tgw_cache_entries", "Answers the response cache holds now", labels=["model"])
+    held = GaugeMetricFamily("tgw_cache_bytes", "Bytes the response cache holds now: outputs and keys "
+                             "(what max_bytes bounds)", labels=["model"])
+    for m in listed(view):
+        cache = m.cache
+        if cache is None:
+            continue
+        hits.add_metric([m.name], cache.hits)
+        misses.add_metric([m.name], cache.misses)
+        for reason, n in cache.evictions.items():
+            evictions.add_metric([m.name, reason], n)
+        entries.add_metric([m.name], len(cache.entries))
+        held.add_metric([m.name], cache.nbytes)
+    yield from (hits, misses, evictions, entries, held)
+
+
 def pipeline_families(view: BrokerView) -> Iterator:
     """Each pipeline's answers by code, its runs in flight, and the seconds of each step."""
     requests = CounterMetricFamily("tgw_pipeline_requests", "Requests naming a pipeline, by outcome code (OK: "

@@ -192,7 +192,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "residency": m.decl.residency, "ready": serving(view, m),
                           "queued": view.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors),
-                          "replay": view.replay(m.name)}
+                          "replay": view.replay(m.name),
+                          "cache": m.cache.as_dict() if m.cache is not None else None}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),

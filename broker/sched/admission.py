@@ -4,9 +4,10 @@ when it leaves (finished).
 In order: the cheap structural checks (limits, declaration, sizes), the circuit breaker of the
 version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, whether
 the deadline can be met at all (predicted compute of its own rows), the tenant's quota
-(RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, then a place in the queue: the
-model's adaptive concurrency limit and its queue bound shed from the lowest priority first
-(OVERLOADED). Every refusal is a TgwError raised here; the caller answers it.
+(RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, the model's response cache (a hit
+is never queued: the front door answers it), then a place in the queue: the model's adaptive
+concurrency limit and its queue bound shed from the lowest priority first (OVERLOADED). Every
+refusal is a TgwError raised here; the caller answers it.
 """
 from __future__ import annotations
 
@@ -117,10 +118,13 @@ class Admission:
         tenant = self.tenants.resolve(msg.tenant) if self.tenants.in_use and not internal else None
         if tenant is not None:
             self.tenants.admit(tenant, now, self.costs.recent.get(model.name, 0.001))
-        counters = self.stats.models[model.name]
+        counters, limit, cache = self.stats.models[model.name], self.limits.get(model.name), checked.model.cache
         try:
             p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
-            self._enqueue(p, self.limits.get(model.name), counters)
+            if cache is None or not cache.lookup(p, msg, checked.order, now):
+                self._enqueue(p, limit, counters)
+            elif limit is not None:   # a hit (p.cache_hit, answered by the front door) leaves as every request
+                limit.inflight += 1
         except BaseException:
             if tenant is not None:
                 self.tenants.unadmit(tenant)
@@ -271,7 +275,8 @@ class Admission:
             limit.inflight -= len(ps)
             if code is None:
                 for p in ps:
-                    limit.record(now - p.arrived, now)
+                    if p.dispatched:   # a cache hit never was: it says nothing of the compute path's latency
+                        limit.record(now - p.arrived, now)
         if self.breakers.by_key:
             breaker = self.breakers.get(model, version)
             if breaker is not None:

@@ -36,6 +36,10 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
     trace: Optional[str] = None     # its W3C traceparent, when the caller sent one
     cuda: Any = None                # its GPU binding (state/cuda.py CudaRequest), if any
     output_region: Any = None       # the caller's RegionSlice for its outputs (regions.py)
+    # its model's response cache (cache/responses.py): the outputs a hit answers with (never queued),
+    # or on a miss (the cache, key, epoch) its computed answer is kept under
+    cache_hit: Optional[dict] = None
+    cache_miss: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         self.nbytes = nbytes = [len(t) for t in self.tensors]
