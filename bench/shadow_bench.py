@@ -26,7 +26,7 @@ import time
 
 from tgw.bench.shadow_scenarios import Callers, control, decision, save_scorer, scorer_decl
 from tgw.broker.child import BrokerProc
-from tgw.shm.wire import LoadVersion, RolloutPolicy, UnloadVersion
+from tgw.shm.wire import LoadVersion, RolloutPolicy, UnloadVersion, as_builtins
 
 
 def phase(address: str, model: str, callers: int, seconds: float, load=None) -> dict:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = [c["p99_off_vs_previous_off"] for c in cost if c["p99_off_vs_previous_off"] is not None]
     result = {"command": "python -m tgw.bench.shadow_bench " + shlex.join(argv or sys.argv[1:]),
               "callers": a.callers, "fraction": a.fraction,
-              "policy": {k: getattr(policy, k) for k in policy.__struct_fields__},
+              "policy": as_builtins(policy),
               "p99_on_vs_off": {"each": [c["p99_on_vs_off"] for c in cost], "median": ratios[len(ratios) // 2]},
               "p99_off_vs_off": noise, "cost": cost, "decided": decided}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

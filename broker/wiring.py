@@ -112,15 +112,8 @@ def rollout_deps(b) -> RolloutDeps:
 
 
 def guard_hooks(b) -> GuardHooks:
-    shadows, guards = b.shadows, b.guards
-
-    def shadow_of(model: str):
-        watch = shadows.active.get(model)
-        return watch.version if watch is not None else None
-
-    return GuardHooks(check_policy=checked, shadow_of=shadow_of, guarded=guards.guarded,
-                      start_shadow=lambda model, version, fraction: shadows.start(model, version, fraction) and None,
-                      watch=guards.watch, gone=guards.gone)
+    return GuardHooks(check_policy=checked, shadow_of=b.shadows.shadow_of, guarded=b.guards.guarded,
+                      start_shadow=b.shadows.start, watch=b.guards.watch, gone=b.guards.gone)
 
 
 def admit_copy(b):

@@ -13,9 +13,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from tgw.shm.wire import RolloutPolicy
+from tgw.shm.wire import RolloutPolicy, as_builtins
 
-from .policy import PROMOTE, ROLLBACK, WAIT, Observed, verdict
+from .policy import PROMOTE, WAIT, Observed, verdict
 from .shadow import TIMES_KEPT, Shadows, ShadowWatch, p99_ms
 
 log = logging.getLogger("tgw.broker")
@@ -63,8 +63,8 @@ class Guards:
         if not self.active:
             return
         first = ps[0]
-        guard = self.active.get(first.model)
-        if guard is None or guard.kind != "canary" or getattr(first.client, "shadow", False):
+        guard = self.active.get(first.model)   # (shadow copies never reach these hooks: sched/copies.py)
+        if guard is None or guard.kind != "canary":
             return
         if first.version == guard.version:
             guard.requests += len(ps)
@@ -95,9 +95,10 @@ class Guards:
         if watch is None or watch.version != g.version:
             return seen
         failed = sum(watch.failures.values())
+        summary = watch.summary()
         seen.requests, seen.errors = watch.compared_n + failed, failed
-        seen.p99_ms, seen.serving_p99_ms = p99_ms(watch.shadow_us, 1e-3), p99_ms(watch.serving_us, 1e-3)
-        for k, v in watch.summary()["worst"].items():
+        seen.p99_ms, seen.serving_p99_ms = summary["compute_p99_ms"]["shadow"], summary["compute_p99_ms"]["serving"]
+        for k, v in summary["worst"].items():
             setattr(seen, k, v)
         return seen
 
@@ -122,15 +123,9 @@ class Guards:
         shadows = [{**w.summary(), "for_s": round(now - w.started, 3)} for w in self.shadows.active.values()]
         watching = [{"model": g.model, "version": g.version, "kind": g.kind, "state": g.state,
                      "since_s": round(now - g.started, 3), "observed": g.seen.figures(),
-                     "policy": {k: v for k, v in _fields(g.policy).items() if v is not None}}
+                     "policy": {k: v for k, v in as_builtins(g.policy).items() if v is not None}}
                     for g in self.active.values()]
         return {"shadows": shadows, "ended_shadows": list(self.shadows.ended), "guarded": watching,
                 "decisions": list(self.decisions),
                 "decisions_total": [{"model": m, "decision": d, "n": n} for (m, d), n in sorted(self.counts.items())]}
 
-
-def _fields(policy: RolloutPolicy) -> dict:
-    return {name: getattr(policy, name) for name in policy.__struct_fields__}
-
-
-__all__ = ["Guards", "PROMOTE", "ROLLBACK"]

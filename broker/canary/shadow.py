@@ -101,6 +101,11 @@ class Shadows:
         watch = self.active[model] = ShadowWatch(model, version, fraction, self.clock())
         return watch
 
+    def shadow_of(self, model: str) -> Optional[str]:
+        """The model's shadow version (None: it has none)."""
+        watch = self.active.get(model)
+        return watch.version if watch is not None else None
+
     def stop(self, model: str, versions: list[str] | None = None, why: str = "") -> None:
         """No more copies (the shadow promoted, unloaded, or its model gone): those queued go, its
         final figures are kept among the ended."""

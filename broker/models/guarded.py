@@ -4,7 +4,6 @@ unload, retire) does the moving; this module says what to move and answers in wo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -23,7 +22,7 @@ class GuardHooks:
     check_policy: Callable[[RolloutPolicy, bool], RolloutPolicy]   # raises INVALID_ARGUMENT (canary/policy.py)
     shadow_of: Callable[[str], Optional[str]]                      # the model's shadow version, if any
     guarded: Callable[[str], Optional[str]]                        # the version its guard watches, if any
-    start_shadow: Callable[[str, str, float], None]                # (model, version, fraction)
+    start_shadow: Callable[[str, str, float], object]              # (model, version, fraction)
     watch: Callable[[str, str, str, RolloutPolicy], None]          # (model, version, canary|shadow, policy)
     gone: Callable[..., None]       # (model, versions, why): they left or one was promoted - copies and guard end
 
@@ -45,7 +44,7 @@ def check_load(hooks: GuardHooks, entry: ModelEntry, msg: LoadVersion) -> None:
         if msg.weight is not None:
             raise fail(Code.INVALID_ARGUMENT, "a shadow takes no traffic of its own: give --shadow or --weight, "
                        "not both", model=entry.name, reason="shadow_and_weight")
-        if not (isinstance(msg.shadow, (int, float)) and not math.isnan(msg.shadow) and 0 < msg.shadow <= 1):
+        if not 0 < msg.shadow <= 1:   # NaN too
             raise fail(Code.INVALID_ARGUMENT, f"shadow must be a fraction in (0, 1], got {msg.shadow!r}",
                        model=entry.name, reason="bad_shadow")
         if entry.decl.is_stage:

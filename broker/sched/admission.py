@@ -289,7 +289,6 @@ class Admission:
             hook(ps, code, now)
 
 
-
 def _no_bytes_into_region(entry: ModelEntry, outputs: list[str]) -> None:
     """A request that names an output region may not ask for a bytes output: those travel in frames."""
     carried = [t.name for t in entry.outputs if t.dtype == BYTES and t.name in outputs]
