@@ -213,7 +213,7 @@ class Lifecycle:
                     log.error("cannot recycle %s: %s", w.name, exc)
         for w in list(self.supervisor.workers):
             if w.successor is not None and w.successor.state is WorkerState.READY:
-                w.retiring = True
+                w.retire()
             if w.retiring and not w.inflight:
                 self.broker.stop_worker(w)
 

@@ -277,8 +277,7 @@ class Broker:
             return False
         self.replay.record(entry, live)
         self.back.send([worker.identity, encode(msg)])
-        worker.free_at = done_by
-        worker.holding.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)
+        worker.batch_sent(msg.batch_id, done_by, now)   # its version's last use: least recently used goes first
         return True
 
     # ---- worker side -------------------------------------------------------------------------

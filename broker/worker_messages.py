@@ -47,7 +47,7 @@ class WorkerMessages:
         handler(worker, msg)
 
     def _on_beat(self, worker: WorkerHandle, msg: Heartbeat) -> None:
-        worker.beat, worker.beat_at = msg, self.b.clock()
+        worker.beat_came(msg, self.b.clock())
         self.b.memory.on_beat(worker, msg, worker.beat_at)
         self.b.admission.breakers.on_beat(worker, msg, worker.beat_at)
 
@@ -93,7 +93,7 @@ class WorkerMessages:
                 self.b.stats.models[batch.model].replies += len(answered)
             # safe right after the replies: each send copied its frames out of the ring
             if done.block is not None:
-                worker.releases.append(done.block)
+                worker.release_later(done.block)
         computed = sum(type(p) is Gone for p in part)
         if computed:
             abandon.withdrawn(batch.model, "computing", computed)
@@ -101,8 +101,8 @@ class WorkerMessages:
             self.b.stats.batch(batch.model, batch.rows, done.compute_us, batch.key[len(batch.model) + 1:])
             self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         if done.final:  # what the worker holds now starts computing now
-            worker.free_at = now + sum(self.b.costs.predict(staged.model, staged.rows, worker.worker_id)
-                                       for staged in worker.inflight.values())
+            worker.busy_until(now + sum(self.b.costs.predict(staged.model, staged.rows, worker.worker_id)
+                                        for staged in worker.inflight.values()))
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.b.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         if worker.holding.evicting:  # a version it no longer holds may have finished its last batch

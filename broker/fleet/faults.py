@@ -50,9 +50,7 @@ class CudaFaults:
         requests = list(batch.requests) if batch is not None else []
         # a retry runs alone (fleet/handshake.py): at its fault, that one input is to blame
         blamed = fingerprint(requests[0]) if len(requests) == 1 and requests[0].alone else None
-        w.faulted = f"{FAULT_PREFIX} ({msg.kind}): {msg.error}"
-        if w.state is WorkerState.READY:
-            w.told_to_stop()   # routing takes no new batch to it; its death retries what it holds
+        w.met_fault(f"{FAULT_PREFIX} ({msg.kind}): {msg.error}")   # routing takes no new batch to it
         self.to_kill.append(w)
         self.counts[w.device, w.device_uuid] += 1
         record = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "worker": w.name, "pid": w.pid, "device": w.device,

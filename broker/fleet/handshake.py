@@ -39,10 +39,9 @@ class Handshake:
         self.on_failed: Callable[[WorkerHandle], None] = lambda w: None
 
     def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
-        w.pid, w.device_uuid, w.device_memory = msg.pid, msg.device_uuid, msg.device_memory
-        w.host_memory = msg.host_memory   # its ring's page-locking in effect (status shows it)
+        w.introduced(msg.pid, msg.device_uuid, msg.device_memory, msg.host_memory)
         if self.budget is not None:
-            w.budget = self.budget(w)
+            w.budgeted(self.budget(w))
         return LoadModels(models=[s for s in self.registry.startup_specs()
                                   if serves(w.role, w.device, s.format == "stage", s.device)])
 
@@ -51,9 +50,7 @@ class Handshake:
         if w.state is not WorkerState.STARTING:
             log.info("%s ready while %s: ignored", w.name, w.state.value)
             return False
-        w.became_ready(msg.models, now)
-        w.sizes.update(msg.sizes)
-        w.footprints.update(msg.footprints)
+        w.became_ready(msg.models, now, msg.sizes, msg.footprints)
         for key in msg.models:
             rec = self.registry.record(key)
             if rec is not None:
@@ -81,7 +78,7 @@ class Handshake:
         requests batched with it down again; one that was in flight at two deaths is likely
         the cause, is never run again, and its fingerprint is logged."""
         again, gone = [], []
-        for batch in w.inflight.values():
+        for batch in w.drop_inflight():
             for p in batch.requests:
                 p.attempts += 1
                 if p.attempts >= 2:
@@ -93,7 +90,6 @@ class Handshake:
                     again.append(p)
                 else:
                     gone.append(p)
-        w.inflight.clear()
         return again, gone
 
 

@@ -89,7 +89,7 @@ class Supervisor:
                            old.input_bytes, old.output_bytes, role=old.role)
         self.workers.append(new)
         self.spawn(new)
-        old.successor = new
+        old.replaced_by(new)
         log.warning("%s is being recycled: %s starts in its place", old.name, new.name)
         return new
 
@@ -133,7 +133,7 @@ class Supervisor:
             return
         log.error("%s pid %d: %s; killing it", w.name, w.pid, reason,
                   extra={"event": "worker_kill", "worker": w.name, "pid": w.pid, "reason": reason})
-        w.kill_reason = reason
+        w.killing(reason)
         w.proc.kill()
 
     def ready(self, w: WorkerHandle) -> None:
@@ -153,12 +153,11 @@ class Supervisor:
         for w in self.workers:
             if w.state is WorkerState.READY:
                 self.restarts.ready(w.worker_id, self.clock())   # no-op once the handshake said so
-                w.benched = ""
+                w.unbench()
             if w.proc is not None and w.state is not WorkerState.DEAD and w.proc.poll() is not None:
-                w.last_death = w.faulted or w.kill_reason or exit_reason(w.proc.returncode)
+                w.exited(w.faulted or w.kill_reason or exit_reason(w.proc.returncode))
                 log.warning("%s pid %d ended: %s", w.name, w.pid, w.last_death,
                             extra={"event": "worker_died", "worker": w.name, "pid": w.pid, "reason": w.last_death})
-                w.exited()
                 out.append(w)
         return out
 
@@ -170,10 +169,9 @@ class Supervisor:
         w.renew(Segment.create(shm_segment.new_name("ring"), w.input_bytes + w.output_bytes))
         now, loop = self.clock(), self.watch.crash_loop
         delay, looping = self.restarts.died(w.worker_id, now)
-        w.restarts += 1
         if looping:
-            w.benched = (f"crash loop: {w.name} died {looping} times in {loop.window_s:g} s "
-                         f"(last: {w.last_death}), each before it served; next start in {delay:g} s")
+            w.bench(f"crash loop: {w.name} died {looping} times in {loop.window_s:g} s "
+                    f"(last: {w.last_death}), each before it served; next start in {delay:g} s")
             log.error("%s", w.benched, extra={"event": "crash_loop", "worker": w.name, "deaths": looping,
                                               "backoff_s": delay})
         self._restart_at[w.worker_id] = max(now + delay, self._held(w) or 0.0)
@@ -182,7 +180,7 @@ class Supervisor:
         """Until when `w`'s device is out of service (benched meanwhile), None if it is not."""
         until = self.hold(w.device)
         if until is not None:
-            w.benched = f"{w.device} out of service (repeated CUDA faults): next start in {until - self.clock():.0f} s"
+            w.bench(f"{w.device} out of service (repeated CUDA faults): next start in {until - self.clock():.0f} s")
         return until
 
     def restart_at(self, w: WorkerHandle) -> float | None:

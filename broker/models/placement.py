@@ -85,14 +85,12 @@ class Placement:
             for key in want - w.models - h.loading.keys() - h.unloading:
                 rec = self.registry.record(key)
                 if rec is not None and (not rec.on_demand or self.residency.room(w, key)):
-                    h.loading[key] = self.clock()
+                    w.load_sent(key, self.clock())
                     self.send(w.loader_identity, LoadModel(spec=self.spec(rec)))
-            h.evicting |= w.models - want
+            w.keep_only(want)
             for key in list(h.evicting):
                 if not w.holds(key):
-                    h.evicting.discard(key)
-                    w.models.discard(key)
-                    h.unloading.add(key)
+                    w.unload_sent(key)
                     self.send(w.loader_identity, UnloadModel(key=key))
         self.wake()
 
@@ -115,7 +113,7 @@ class Placement:
     def unwant(self, keys: list[str]) -> None:
         """Versions forgotten: no worker is to load them on demand any more."""
         for w in self.roster:
-            w.holding.wanted.difference_update(keys)
+            w.unwant(keys)
 
     def budget(self, w: WorkerHandle) -> int | None:
         """Bytes its models may take, once its hello told its device's memory."""
@@ -124,7 +122,7 @@ class Placement:
     def set_model_memory(self, model_memory: int | float | None) -> None:
         self.model_memory = model_memory
         for w in self.roster:
-            w.budget = self.budget(w)
+            w.budgeted(self.budget(w))
 
     def demand(self, rec: VersionRecord, wait_s: float) -> None:
         """An on-demand version was asked for: have it loaded if no live worker has it. Refuses
@@ -159,14 +157,13 @@ class Placement:
     # ---- worker messages ---------------------------------------------------------------------
 
     def on_loader_hello(self, w: WorkerHandle, msg: LoaderHello) -> None:
-        w.holding.loader_ready = True
+        w.loader_said_hello()
         self.reconcile()
 
     def on_loaded(self, w: WorkerHandle, msg: ModelLoaded) -> None:
-        started = w.holding.loading.pop(msg.key, None)
         rec = self.registry.record(msg.key)
         if msg.error is not None:
-            w.holding.wanted.discard(msg.key)
+            started = w.load_failed(msg.key)
             log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error,
                       extra={"event": "model_load_failed", "worker": w.name, "key": msg.key, "reason": msg.reason,
                              "error": msg.error})
@@ -178,11 +175,7 @@ class Placement:
             else:
                 self.on_failed(msg.key, msg.reason, msg.error)
         else:
-            w.models.add(msg.key)
-            w.sizes[msg.key] = msg.bytes
-            if msg.footprint is not None:
-                w.footprints[msg.key] = msg.footprint
-            w.holding.used_at[msg.key] = self.clock()
+            started = w.loaded(msg.key, msg.bytes, msg.footprint, self.clock())
             if rec is not None:
                 rec.loaded(msg.bytes, msg.load_ms, msg.footprint)
             replay = {"replay": as_builtins(msg.replay)} if msg.replay is not None else {}
@@ -212,11 +205,7 @@ class Placement:
         self.reconcile()
 
     def on_unloaded(self, w: WorkerHandle, msg: ModelUnloaded) -> None:
-        w.holding.unloading.discard(msg.key)
-        freed = w.sizes.pop(msg.key, 0)
-        w.footprints.pop(msg.key, None)
-        w.holding.used_at.pop(msg.key, None)
-        w.holding.unloads += 1
+        freed = w.unloaded(msg.key)
         self.note("unload", msg.key, w, bytes=freed, rss_before=msg.rss_before, rss_after=msg.rss_after)
         log.info("%s unloaded %s (RSS %d -> %d MiB)", w.name, msg.key, msg.rss_before >> 20, msg.rss_after >> 20,
                  extra={"event": "model_unload", "worker": w.name, "key": msg.key, "bytes": freed,

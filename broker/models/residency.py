@@ -89,7 +89,7 @@ class Residency:
             w = min(fits, key=lambda w: (left[id(w)], -self.used(w), len(w.inflight)))
         else:
             w = max(live, key=lambda w: (left[id(w)], -len(w.inflight)))
-        w.holding.wanted.add(rec.key)
+        w.want(rec.key)
         return w
 
     def room(self, w: WorkerHandle, key: str) -> bool:
@@ -131,8 +131,7 @@ class Residency:
         return rec is not None and rec.active > 0
 
     def evict(self, w: WorkerHandle, key: str) -> None:
-        w.holding.wanted.discard(key)
-        w.holding.evicting.add(key)
+        w.evict(key)
         rec = self.record(key)
         if rec is not None:
             rec.evicted()

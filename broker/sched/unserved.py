@@ -67,7 +67,5 @@ class Unserved:
 
     def everything(self, message: str) -> None:
         """Answer everything still queued or in flight (the shutdown grace ran out)."""
-        for p in self.batcher.take_all() + [p for w in self.roster for batch in w.inflight.values() for p in batch.requests]:
+        for p in self.batcher.take_all() + [p for w in self.roster for batch in w.drop_inflight() for p in batch.requests]:
             self.answer_error(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
-        for w in self.roster:
-            w.inflight.clear()

@@ -42,8 +42,9 @@ class IllegalTransition(RuntimeError):
 
 @dataclass
 class Holding:
-    """What one life of a worker is doing with run-time versions: placement's and residency's
-    (models/), which alone write it; the core only stamps `used_at` as it dispatches."""
+    """What one life of a worker is doing with run-time versions. Read by placement and residency
+    (models/); changed only through WorkerHandle's methods (what each load, unload, eviction and
+    dispatch did), like every field of the handle."""
     loader_ready: bool = False                                  # its loader thread said hello
     loading: dict[str, float] = field(default_factory=dict)     # key -> when its load was sent
     unloading: set[str] = field(default_factory=set)
@@ -55,7 +56,9 @@ class Holding:
 
 @dataclass
 class WorkerHandle:
-    """One worker's state; `state` changes only through the methods below (see _NEXT)."""
+    """One worker's state. Every field changes only through the methods below, each named for
+    what happened (the supervisor spawned it, its hello came, a load finished, ...): this module
+    is the one writer, the other wings read. `state` moves only along _NEXT."""
     worker_id: int
     device: str
     cpus: list[int]
@@ -97,31 +100,154 @@ class WorkerHandle:
             raise IllegalTransition(f"{self.name}: {self._state.value} -> {to.value}")
         self._state = to
 
+    # ---- its life (the supervisor's and the handshake's events) -------------------------------
+
     def spawned(self, proc: subprocess.Popen | None, now: float = 0.0) -> None:
         self._move(WorkerState.STARTING)
         self.proc, self.pid = proc, proc.pid if proc is not None else 0
         self.beat, self.beat_at, self.kill_reason = None, now, ""
 
-    def became_ready(self, models: list[str], now: float = 0.0) -> None:
+    def introduced(self, pid: int, device_uuid: str, device_memory: int, host_memory: str) -> None:
+        """Its hello: its process id, its GPU's UUID and memory, its ring's page-locking."""
+        self.pid, self.device_uuid, self.device_memory, self.host_memory = pid, device_uuid, device_memory, host_memory
+
+    def budgeted(self, budget: int | None) -> None:
+        """Its model budget (workers.max_model_memory), known once its hello told its device's size."""
+        self.budget = budget
+
+    def became_ready(self, models: list[str], now: float = 0.0, sizes: dict[str, int] | None = None,
+                     footprints: dict[str, Footprint] | None = None) -> None:
+        """Its start-up loads are in: `models`, their bytes and measured footprints."""
         self._move(WorkerState.READY)
         self.models = set(models)
+        self.sizes.update(sizes or {})
+        self.footprints.update(footprints or {})
         self.beat_at = max(self.beat_at, now)  # silence is judged from here on
+
+    def beat_came(self, beat: Heartbeat, now: float) -> None:
+        self.beat, self.beat_at = beat, now
 
     def told_to_stop(self) -> None:
         self._move(WorkerState.STOPPING)
 
-    def exited(self) -> None:
+    def met_fault(self, why: str) -> None:
+        """A sticky CUDA error (fleet/faults.py): this life serves no more; its death retries what it holds."""
+        self.faulted = why
+        if self._state is WorkerState.READY:
+            self.told_to_stop()
+
+    def killing(self, reason: str) -> None:
+        """The supervisor kills this life, for `reason`."""
+        self.kill_reason = reason
+
+    def exited(self, why: str = "") -> None:
+        """Its process ended (`why`: how, for its next life and the requests it held)."""
         self._move(WorkerState.DEAD)
+        if why:
+            self.last_death = why
+
+    def bench(self, why: str) -> None:
+        """Its models are unavailable on it (a crash loop, its device out of service)."""
+        self.benched = why
+
+    def unbench(self) -> None:
+        self.benched = ""
+
+    def replaced_by(self, successor: "WorkerHandle") -> None:
+        """Recycled: `successor` starts in its place; this one serves until it is retired."""
+        self.successor = successor
+
+    def retire(self) -> None:
+        """Its successor serves: no new batches come to it."""
+        self.retiring = True
 
     def renew(self, segment: Segment) -> None:
         """A dead worker's next life: a fresh ring and identity, nothing loaded, nothing owed."""
         if self._state is not WorkerState.DEAD:
             raise IllegalTransition(f"{self.name}: renewed while {self._state.value}")
         self.generation += 1
+        self.restarts += 1
         self.faulted = ""
         self.models.clear()
         self.inflight.clear()
         self._use_ring(segment)
+
+    def drop_inflight(self) -> list[Inflight]:
+        """Its batches in flight, taken away (it died, or the shutdown grace ran out)."""
+        batches = list(self.inflight.values())
+        self.inflight.clear()
+        return batches
+
+    # ---- run-time versions (placement and residency, models/) ---------------------------------
+
+    def loader_said_hello(self) -> None:
+        self.holding.loader_ready = True
+
+    def load_sent(self, key: str, now: float) -> None:
+        self.holding.loading[key] = now
+
+    def want(self, key: str) -> None:
+        """An on-demand version placed on it."""
+        self.holding.wanted.add(key)
+
+    def unwant(self, keys) -> None:
+        """Versions forgotten: not to be loaded here on demand any more."""
+        self.holding.wanted.difference_update(keys)
+
+    def keep_only(self, wanted: set[str]) -> None:
+        """What it holds beyond `wanted` takes no new batches and unloads once idle."""
+        self.holding.evicting |= self.models - wanted
+
+    def evict(self, key: str) -> None:
+        """An on-demand version evicted to make room: no new batches, unloaded once idle."""
+        self.holding.wanted.discard(key)
+        self.holding.evicting.add(key)
+
+    def unload_sent(self, key: str) -> None:
+        """An evicted version is idle: it is no longer served here, and its unload is asked."""
+        self.holding.evicting.discard(key)
+        self.models.discard(key)
+        self.holding.unloading.add(key)
+
+    def loaded(self, key: str, nbytes: int, footprint: Footprint | None, now: float) -> float | None:
+        """A run-time load finished; returns when it was sent (None: not asked of this life)."""
+        started = self.holding.loading.pop(key, None)
+        self.models.add(key)
+        self.sizes[key] = nbytes
+        if footprint is not None:
+            self.footprints[key] = footprint
+        self.holding.used_at[key] = now
+        return started
+
+    def load_failed(self, key: str) -> float | None:
+        """A run-time load failed; returns when it was sent (None: not asked of this life)."""
+        started = self.holding.loading.pop(key, None)
+        self.holding.wanted.discard(key)
+        return started
+
+    def unloaded(self, key: str) -> int:
+        """An unload finished; returns the parameter bytes it freed."""
+        self.holding.unloading.discard(key)
+        freed = self.sizes.pop(key, 0)
+        self.footprints.pop(key, None)
+        self.holding.used_at.pop(key, None)
+        self.holding.unloads += 1
+        return freed
+
+    # ---- batches (the core) -------------------------------------------------------------------
+
+    def batch_sent(self, batch_id: int, done_by: float, now: float) -> None:
+        """A staged batch went to it: predicted done by `done_by`; its version was used now (LRU)."""
+        self.free_at = done_by
+        self.holding.used_at[self.inflight[batch_id].key] = now
+
+    def busy_until(self, done_by: float) -> None:
+        """When the batches it holds are predicted to be done (the cost model's, at a completion)."""
+        self.free_at = done_by
+
+    def release_later(self, block: int) -> None:
+        """An output block replied from: freed with the next message to the worker."""
+        self.releases.append(block)
 
     def _use_ring(self, segment: Segment) -> None:
         self.segment = segment

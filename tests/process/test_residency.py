@@ -49,17 +49,15 @@ def records(*names: str, on_demand: bool = True) -> dict[str, VersionRecord]:
 
 
 def hold(w: WorkerHandle, recs: dict, key: str, used_at: float, on_demand: bool = True) -> None:
-    w.models.add(key)
-    w.sizes[key] = recs[key].bytes
-    w.holding.used_at[key] = used_at
+    w.loaded(key, recs[key].bytes, None, now=used_at)
     if on_demand:
-        w.holding.wanted.add(key)
+        w.want(key)
 
 
 def test_room_evicts_the_least_recently_used_idle_model_first(worker):
     recs = records("a", "b", "c", "d")
     res = Residency(recs.get, lambda *a, **k: None)
-    worker.budget = 30 * MIB
+    worker.budgeted(30 * MIB)
     hold(worker, recs, "a:1", used_at=1.0)
     hold(worker, recs, "b:1", used_at=2.0)
     hold(worker, recs, "c:1", used_at=3.0)
@@ -73,7 +71,7 @@ def test_room_evicts_the_least_recently_used_idle_model_first(worker):
 def test_a_busy_model_is_evicted_only_when_none_is_idle(worker):
     recs = records("a", "b", "c")
     res = Residency(recs.get, lambda *a, **k: None)
-    worker.budget = 20 * MIB
+    worker.budgeted(20 * MIB)
     hold(worker, recs, "a:1", used_at=2.0)
     hold(worker, recs, "b:1", used_at=1.0)
     recs["a:1"].active = recs["b:1"].active = 3
@@ -83,7 +81,7 @@ def test_a_busy_model_is_evicted_only_when_none_is_idle(worker):
 def test_memory_on_its_way_back_is_waited_for(worker):
     recs = records("a", "b")
     res = Residency(recs.get, lambda *a, **k: None)
-    worker.budget = 15 * MIB
+    worker.budgeted(15 * MIB)
     worker.holding.unloading.add("a:1")
     worker.sizes["a:1"] = 10 * MIB
     assert not res.room(worker, "b:1") and not worker.holding.evicting
@@ -95,7 +93,7 @@ def test_memory_on_its_way_back_is_waited_for(worker):
 def test_beside_always_resident_models_one_model_may_exceed_the_budget(worker):
     always, demand = records("big", on_demand=False), records("x")
     res = Residency({**always, **demand}.get, lambda *a, **k: None)
-    worker.budget = 15 * MIB
+    worker.budgeted(15 * MIB)
     hold(worker, always, "big:1", used_at=1.0, on_demand=False)
     assert res.room(worker, "x:1")          # nothing evictable: it loads, over by at most itself
     assert not worker.holding.evicting

@@ -140,8 +140,7 @@ def test_supervisor_starts_no_worker_on_a_device_out_of_service(tmp_path):
 
 def test_each_devices_state_and_the_missing_capacity(workers):
     a, b = workers(0, "cuda:0"), workers(1, "cuda:1")
-    b.faulted = "sticky CUDA error (misaligned address): CUDA error: misaligned address"
-    b.told_to_stop()
+    b.met_fault("sticky CUDA error (misaligned address): CUDA error: misaligned address")
     model = SimpleNamespace(name="m", removed=False, decl=SimpleNamespace(is_stage=False, device=None))
     faults = {"by_device": {"cuda:1": 1}, "out_of_service": {}}
     view = SimpleNamespace(roster=[a, b], models={"m": model}, faults=lambda: faults)

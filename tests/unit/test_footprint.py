@@ -8,6 +8,7 @@ from tgw.broker.config.load import FragmentationDecl
 from tgw.broker.fleet.fragmentation import FragmentationJudge, cuda_waste, need, over_bounds
 from tgw.broker.http.triton_docs import memory_usage
 from tgw.broker.models.residency import Residency
+from tgw.broker.state.pool import WorkerHandle
 from tgw.shm.wire import Footprint, ModelLoaded, WorkerReady, encode, from_worker_decoder
 from tgw.workers.footprint import Gauge, compose, grown, status_bytes
 
@@ -58,7 +59,9 @@ def test_cpu_waste_is_the_rise_over_the_lowest_level_beyond_one_batchs_activatio
     assert need([Footprint(weights=3, activation_peak=7), Footprint(weights=4, activation_peak=2)]) == (7, 7)
 
 
-class W:   # the fields of a WorkerHandle that placement reads
+class W:   # the fields of a WorkerHandle that placement reads, and the methods that change them
+    want, evict = WorkerHandle.want, WorkerHandle.evict
+
     def __init__(self, name, used, budget, device="cpu"):
         from tgw.broker.state.pool import Holding, WorkerState
         self.name, self.budget, self.device, self.state, self.retiring, self.inflight = name, budget, device, \
