@@ -22,7 +22,7 @@ from typing import Callable
 from tgw.shm.wire import WorkerFault
 
 from tgw.broker.config.load import CudaFaultDecl
-from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.state.pool import WorkerHandle
 from .handshake import fingerprint
 
 log = logging.getLogger("tgw.supervisor")
