@@ -264,7 +264,7 @@ class Broker:
                                        else "its batch is predicted to finish after its deadline",
                                        predicted_ms=round((done_by - now) * 1000, 3)))
             else:
-                p.dispatched = now
+                p.dispatch(now)
                 live.append(p)
         if not live:
             return True

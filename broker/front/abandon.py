@@ -133,7 +133,7 @@ class Abandonment:
         if taken:
             now = self.clock()
             for p in taken:
-                p.dispatched = 0.0   # its latency is nobody's: the breaker and latency figures skip it
+                p.take_back()   # its latency is nobody's: the breaker and latency figures skip it
                 self.finished_by(p, "ABANDONED", now)
             self.schedule()
         return len(taken)

@@ -80,7 +80,7 @@ class SlowRequests:
             return
         self.lines += 1
         left_out, self.left_out = self.left_out, 0
-        queue = (p.dispatched or now) - p.arrived
+        queue = (now if p.dispatched is None else p.dispatched) - p.arrived
         fields = {"event": "slow_request", "request_id": p.req_id, "model": p.model, "version": p.version,
                   "code": code or "OK", "trace_id": p.trace[3:35] if p.trace else None, "rows": p.rows,
                   "priority": p.priority, "queue_ms": round(queue * 1000, 3),

@@ -61,7 +61,7 @@ class Metrics(Collector):
         s.outcomes[first.version, code] += len(ps)
         if code is None:
             s.e2e.observe_each([now - p.arrived for p in ps])
-            s.queue.observe_each([p.dispatched - p.arrived for p in ps if p.dispatched])
+            s.queue.observe_each([p.dispatched - p.arrived for p in ps if p.dispatched is not None])
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -104,9 +104,11 @@ class Tracer:
             return s
 
         child("admission", p.arrived, p.arrived)
-        child("queue", p.arrived, p.dispatched or now, **{"tgw.dispatched": bool(p.dispatched)})
-        if p.dispatched and p.compute_us:   # the compute ended before the broker took the completion
-            child("compute", max(p.dispatched, now - p.compute_us / 1e6), now, **{"tgw.compute_us": p.compute_us})
+        dispatched = p.dispatched   # None: never handed to a worker (a cache hit, withdrawn)
+        child("queue", p.arrived, now if dispatched is None else dispatched,
+              **{"tgw.dispatched": dispatched is not None})
+        if dispatched is not None and p.compute_us:   # the compute ended before the broker took the completion
+            child("compute", max(dispatched, now - p.compute_us / 1e6), now, **{"tgw.compute_us": p.compute_us})
         self.replying.append((child("reply", now), span))
         if self.loop is None:
             self.end_replies()

@@ -275,14 +275,14 @@ class Admission:
             limit.inflight -= len(ps)
             if code is None:
                 for p in ps:
-                    if p.dispatched:   # a cache hit never was: it says nothing of the compute path's latency
+                    if p.dispatched is not None:   # a cache hit never was: it tells nothing of compute latency
                         limit.record(now - p.arrived, now)
         if self.breakers.by_key:
             breaker = self.breakers.get(model, version)
             if breaker is not None:
                 failed = code in FAILURES
                 for p in ps:
-                    if p.dispatched:
+                    if p.dispatched is not None:
                         breaker.record(failed, now - p.dispatched, now)
         self.stats.left(model, version, ps, code is None, now)
         for hook in self.on_finished:

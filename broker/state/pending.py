@@ -31,7 +31,9 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
     out_total: Optional[int] = None
     attempts: int = 0               # dispatches lost to a dying worker
     alone: bool = False             # runs in a batch of its own (a retry after a death)
-    dispatched: float = 0.0         # clock seconds it was handed to a worker (0: queued)
+    # clock seconds it was handed to a worker; None: never (queued, a cache hit) or taken back from
+    # one (withdrawn: its latency is nobody's, so latency figures and the breaker skip it)
+    dispatched: Optional[float] = None
     compute_us: int = 0             # its batch's compute time, as the worker measured it
     trace: Optional[str] = None     # its W3C traceparent, when the caller sent one
     cuda: Any = None                # its GPU binding (state/cuda.py CudaRequest), if any
@@ -46,6 +48,14 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
         self.in_total = sum(nbytes)
         out = self.out_nbytes
         self.out_total = None if out is None else sum(out)
+
+    def dispatch(self, now: float) -> None:
+        """Handed to a worker in a batch, now."""
+        self.dispatched = now
+
+    def take_back(self) -> None:
+        """Withdrawn from its batch on a worker: it counts as never dispatched."""
+        self.dispatched = None
 
     def group(self) -> tuple:
         return (self.version, self.shape_key)

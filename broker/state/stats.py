@@ -142,7 +142,7 @@ class Stats:
 
     def left(self, model: str, version: str, ps: list, ok: bool, now: float) -> None:
         """Admitted requests of one version leave (admission's `leave`): answered with outputs
-        (`ok`) or an error. Clock seconds; a request's `dispatched` 0: never handed to a worker."""
+        (`ok`) or an error. Clock seconds; a request's `dispatched` None: never handed to a worker."""
         v = self.version(model, version)
         v.last_inference_ms = time.time_ns() // 1_000_000
         n, total_ns = len(ps), 0
@@ -154,7 +154,7 @@ class Stats:
         queue_ns = compute_us = rows = 0
         for p in ps:
             total_ns += int((now - p.arrived) * 1e9)
-            if p.dispatched:
+            if p.dispatched is not None:
                 queue_ns += int((p.dispatched - p.arrived) * 1e9)
             compute_us += p.compute_us
             rows += p.rows

@@ -152,7 +152,7 @@ def test_finished_feeds_limit_tenant_and_breaker(tmp_path):
                          tenants={"t": {"rate": 100, "burst": 10}})
     ps = [infer(adm, tenant="t") for _ in range(2)]
     for p in adm.batcher.next_batch("m", 1 << 20):
-        p.dispatched = clock()
+        p.dispatch(clock())
     clock.t += 0.01
     for p in ps:
         adm.finished(p, "MODEL_EXECUTION_ERROR", clock())

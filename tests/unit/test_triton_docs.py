@@ -38,7 +38,7 @@ def test_model_config_document():
     assert "dynamic_batching" not in td.model_config(entry(max_batch_size=1), None, [])
 
 
-def leaving(rows: int, arrived: float, dispatched: float = 0.0, compute_us: int = 0) -> Pending:
+def leaving(rows: int, arrived: float, dispatched: float | None = None, compute_us: int = 0) -> Pending:
     p = Pending(client=b"c", req_id=1, model="m", version="a", rows=rows, shape_key=(), tensors=[], outputs=[],
                 deadline=9.0, arrived=arrived)
     p.dispatched, p.compute_us = dispatched, compute_us
