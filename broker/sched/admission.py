@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
+from msgspec.structs import replace
+
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
 from tgw.shm.wire import BYTES, Infer, nbytes_of
@@ -189,14 +191,12 @@ class Admission:
             return intake
         fallback = self.breakers.fallback.get(msg.model)
         if fallback is not None:
-            original = msg.model
-            msg.model, msg.version = fallback, None
-            routed = self._intake(msg, sizes)  # same declaration; its own rows limit and readiness
+            # the fallback is asked as a copy of the request: the decoded message stays the caller's
+            routed = self._intake(replace(msg, model=fallback, version=None), sizes)  # its own rows limit, readiness
             other = self.breakers.get(fallback, routed.checked.version)
             if other is None or other.allow(now):
-                self.stats.models[original].fallbacks += 1
+                self.stats.models[msg.model].fallbacks += 1
                 return routed
-            msg.model = original
         raise fail(Code.CIRCUIT_OPEN, f"circuit breaker of {breaker.name} is {breaker.state.value} "
                    f"({breaker.reason})" + (f"; fallback {fallback!r} is open too" if fallback else ""),
                    model=msg.model, version=checked.version,

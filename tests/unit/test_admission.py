@@ -127,8 +127,11 @@ def test_open_breaker_routes_to_the_fallback_or_answers_circuit_open(tmp_path):
                                                      "memory_fraction": 0.5}),
                          model("backup"), model("alone", breaker={"memory_fraction": 0.5, "cooldown_s": 2}))
     adm.breakers.get("m", "1").memory(0.9, "worker0", clock())
-    p = infer(adm, "m")
+    msg = Infer(v=PROTOCOL_VERSION, id=next(_ids), model="m", version="1",
+                inputs=[TensorMeta(name="x", dtype="float32", shape=[1, 4])])
+    p = adm.admit(b"c", msg, [Frame(bytes(16))])
     assert p.model == "backup" and adm.stats.models["m"].fallbacks == 1
+    assert (msg.model, msg.version) == ("m", "1")               # the decoded message is never rewritten
     adm.breakers.get("alone", "1").memory(0.9, "worker0", clock())
     err = code_of(lambda: infer(adm, "alone"))
     assert err.code is Code.CIRCUIT_OPEN and err.http_status == 503 and err.retryable
