@@ -27,7 +27,7 @@ from tgw.broker.front.endpoints import backend_address, bind, remove_socket_file
 from tgw.broker.http.face import HttpFace
 from . import wiring
 from .lifecycle import Lifecycle
-from tgw.broker.observe.logs import format_in_use, install_slow
+from tgw.broker.observe.logs import format_in_use, slow_requests
 from tgw.broker.models.operator import Operator
 from tgw.broker.models.roles import placement_problems
 from .server import Broker
@@ -56,8 +56,8 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     broker.operator = Operator(wiring.operator_deps(broker), cfg, address, config_path)
     loop = asyncio.get_running_loop()
     # observability: hooks on each request's end only for what is configured
-    install_slow(obs.slow_request_ms, broker.admission.on_finished)
-    tracer = tracing.install(obs.tracing, broker.admission.on_finished, loop, base_dir)
+    tracer = tracing.tracer(obs.tracing, loop, base_dir)
+    broker.admission.on_finished += [h for h in (slow_requests(obs.slow_request_ms), tracer) if h is not None]
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lifecycle.on_stop_signal)
     loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)

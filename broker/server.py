@@ -102,7 +102,8 @@ class Broker:
         self.phase = Phase.STARTING
         self.started_at = clock()
         self.view = wiring.observe_view(self)   # what status, /metrics and the HTTP face read
-        self.metrics = Metrics(self.view, self.admission.on_finished)   # hooks admission
+        self.metrics = Metrics(self.view)
+        self.admission.on_finished.append(self.metrics.finished)
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
         self.workers_side = WorkerMessages(self)   # what workers send, by one table
@@ -112,6 +113,7 @@ class Broker:
         self.loop = loop
         self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
         self.door = FrontDoor(wiring.door_deps(self), loop, front, zap)
+        self.admission.on_finished.append(self.door.abandon.finished)
         self.back = Pump(loop, back, self.workers_side.on_message, after=self.flush)
 
     def operate(self, ident, msg) -> None:

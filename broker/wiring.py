@@ -28,7 +28,7 @@ def door_deps(b) -> DoorDeps:
     return DoorDeps(server=b.server, token=b.token, clock=b.clock, complaints=b.complaints, callers=b.callers,
                     stats=b.stats, roster=b.roster, models=b.registry.models, admit=a.admit, finished=a.finished,
                     leave=a.leave,
-                    on_finished=a.on_finished, batcher=b.batcher, schedule=b.schedule, flush=b.flush,
+                    batcher=b.batcher, schedule=b.schedule, flush=b.flush,
                     query=lambda msg: status.ANSWERS[type(msg)](b.view, msg.id), operate=b.operate,
                     snapshot=lambda msg, answer: b.memory.request(b.roster, msg, b.clock(), answer),
                     pipelines=b.pipelines, withdraw=b.withdraw, answered=b.shadows.sample)

@@ -103,7 +103,6 @@ class DoorDeps:
     admit: Callable[[Any, Infer, list], Pending]  # admission: raises the TgwError that refuses it
     finished: Callable[[Pending, str | None, float], None]  # a request leaves (admission's accounting)
     leave: Callable[[list, str | None, float], None]        # requests of one batch leave alike (the same)
-    on_finished: list                            # hooks run by `finished` (abandonment keeps its table)
     batcher: Any                                 # its queues: cancelled and abandoned requests leave them
     schedule: Callable[[], None]                 # the pump is due
     flush: Callable[[], None]                    # the end of a drain pass
@@ -126,7 +125,6 @@ class FrontDoor:
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
         self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply,
                                    deps.withdraw)
-        deps.on_finished.append(self.abandon.finished)
         self.pipelines = deps.pipelines
         self.abandon.runs = deps.pipelines   # a cancel or a caller gone stops its pipeline runs too
         self.handlers = {RegisterRegion: self._region, UnregisterRegion: self._region}

@@ -43,13 +43,12 @@ def histogram(fam: HistogramMetricFamily, labels: list[str], buckets: Buckets) -
 
 
 class Metrics(Collector):
-    def __init__(self, view: BrokerView, on_finished: list):
-        """`on_finished`: admission's hooks on each request's end; this one counts outcomes."""
+    def __init__(self, view: BrokerView):
+        """Its exit hook, `finished`, is registered on admission by the assembly."""
         self.view = view
         self.series: dict[str, ModelSeries] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        on_finished.append(self.finished)
 
     def finished(self, ps: list[Pending], code: str | None, now: float) -> None:
         """Admitted requests of one model and version leave (code None: answered with outputs) -

@@ -133,14 +133,13 @@ def for_workers(decl: TracingDecl | None, base_dir: str) -> dict | None:
     return None if decl is None else resolve(decl, base_dir).model_dump()
 
 
-def install(decl: TracingDecl | None, hooks: list, loop: Any, base_dir: str) -> Tracer | None:
-    """Tracing on: a Tracer hooked on each request's end (the workers learn it from for_workers)."""
+def tracer(decl: TracingDecl | None, loop: Any, base_dir: str) -> Tracer | None:
+    """Tracing on: a Tracer, the exit hook that builds each request's spans (the assembly
+    registers it on admission; the workers learn the setting from for_workers). None: off."""
     if decl is None:
         return None
     decl = resolve(decl, base_dir)
     try:
-        tracer = Tracer(decl, loop)
+        return Tracer(decl, loop)
     except (OSError, ImportError) as exc:
         raise StartupError(f"observability.tracing ({decl.exporter}): {exc}") from None
-    hooks.append(tracer)
-    return tracer

@@ -12,7 +12,7 @@ refusal is a TgwError raised here; the caller answers it.
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from msgspec.structs import replace
 
@@ -38,6 +38,9 @@ from tgw.broker.state.versions import VersionRecord
 
 
 MEMO_MAX = 1024  # header shapes remembered by _intake
+# what each request's exit is told (metrics, traces, the slow log, abandonment, guarded rollouts):
+# the requests of one exit, their error code (None: answered with outputs), the clock
+ExitHook = Callable[[list[Pending], "str | None", float], None]
 
 
 class Intake(NamedTuple):
@@ -51,7 +54,7 @@ class Admission:
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
                  shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
                  demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
-                 drained: Callable[[VersionRecord], None] = lambda rec: None):
+                 drained: Callable[[VersionRecord], None] = lambda rec: None, on_finished: Iterable[ExitHook] = ()):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
         self.callers, self.server = callers, cfg.server
@@ -71,8 +74,9 @@ class Admission:
         for m in cfg.models:
             self.declare(m)
         self.open = True
-        # metrics, traces, slow log: each gets the requests of one exit (leave)
-        self.on_finished: list[Callable[[list[Pending], str | None, float], None]] = []
+        # each gets the requests of one exit (leave); the assembly registers them all, in one place:
+        # here, or by setting this once when the last of their owners is built
+        self.on_finished: list[ExitHook] = list(on_finished)
         self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
         self._memo_generation = registry.generation
 
