@@ -16,9 +16,9 @@ from tgw.shm.model_format import FORMATS
 from . import arenas
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
-from .schema import BreakerDecl, Config, ModelDecl, ServerDecl, TenantDecl, TensorDecl, VersionDecl, WorkersDecl
-from .schema_ops import CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, LeakDecl, \
-    ObservabilityDecl, SupervisorDecl, WarmupDecl
+from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, \
+    LeakDecl, ModelDecl, ObservabilityDecl, ServerDecl, SupervisorDecl, TenantDecl, TensorDecl, VersionDecl, \
+    WarmupDecl, WorkersDecl
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",

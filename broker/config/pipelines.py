@@ -15,7 +15,7 @@ from pydantic import Field
 from tgw.shm.wire import IOSpec
 
 from .schema_models import ModelDecl, TensorDecl
-from .schema_ops import Strict
+from .strict import Strict
 
 # step names and pipeline inputs hold no ".": a source "<step>.<output>" is split at its first one
 LocalName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]

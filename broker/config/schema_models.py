@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tgw.shm.wire import BYTES, DTYPES, WIRE_DTYPES
 
-from .schema_ops import Strict
+from .strict import Strict
 
 
 class TensorDecl(Strict):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from tgw.broker.state.pending import Pending
 from tgw.broker.config.startup import StartupError
-from tgw.broker.config.schema_ops import TracingDecl
+from tgw.broker.config.schema import TracingDecl
 
 def resolve(decl: TracingDecl, base_dir: str) -> TracingDecl:
     """The file exporter's path made absolute against `base_dir` (the config file's folder)."""

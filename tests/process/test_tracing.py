@@ -155,7 +155,7 @@ def test_untraced_broker_echoes_and_loads_no_opentelemetry(make_broker, model_fi
 
 
 def test_tracing_config_is_checked(model_files, monkeypatch):
-    from tgw.broker.config import schema_ops
+    from tgw.broker.config import schema
     from tgw.broker.config.load import ConfigError, parse_config
 
     def check(tracing: dict) -> str:
@@ -166,9 +166,9 @@ def test_tracing_config_is_checked(model_files, monkeypatch):
 
     assert "path is required" in check({"exporter": "file"})
     assert "sample_ratio" in check({"exporter": "console", "sample_ratio": 2})
-    if not schema_ops._importable("opentelemetry.exporter.otlp"):   # this venv: no OTLP exporter
+    if not schema._importable("opentelemetry.exporter.otlp"):   # this venv: no OTLP exporter
         assert "pip install opentelemetry-exporter-otlp" in check({"exporter": "otlp"})
-    monkeypatch.setattr(schema_ops, "_importable", lambda module: False)   # as without tgw[tracing]
+    monkeypatch.setattr(schema, "_importable", lambda module: False)   # as without tgw[tracing]
     assert "pip install 'tgw[tracing]'" in check({"exporter": "console"})
 
 

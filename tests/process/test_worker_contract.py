@@ -12,7 +12,7 @@ import pytest
 
 from conftest import base_config
 from tgw.broker.config.load import SupervisorDecl, WorkersDecl, parse_config
-from tgw.broker.config.schema_ops import TracingDecl
+from tgw.broker.config.schema import TracingDecl
 from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.observe import logs, tracing

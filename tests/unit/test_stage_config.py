@@ -121,7 +121,9 @@ def test_stages_nobody_would_hold_are_start_up_errors(base):
 
 
 class FakeWorker:
-    """What the handshake and placement read of a worker."""
+    """What the handshake and placement read of a worker, and the methods that change it."""
+    from tgw.broker.state.pool import WorkerHandle
+    introduced, budgeted = WorkerHandle.introduced, WorkerHandle.budgeted
 
     def __init__(self, role: str, device: str = "cpu"):
         from tgw.broker.state.pool import Holding, WorkerState
