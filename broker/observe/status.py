@@ -226,7 +226,7 @@ def worker_status(w, now: float) -> dict:
 def gpu_status(w) -> dict:
     """A GPU worker's `gpu` (its device's figures from NVML at its last heartbeat: a dict with
     a None per figure the device does not report, or None where NVML cannot say) and `gpu_ooms`;
-    {} for a CPU worker and before the first heartbeat. /metrics (metrics_gpu.py) shows the same."""
+    {} for a CPU worker and before the first heartbeat. /metrics (metrics.py gpu_families) shows the same."""
     beat = w.beat
     if beat is None:
         return {}

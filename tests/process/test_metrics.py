@@ -16,7 +16,7 @@ import pytest
 from conftest import base_config, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from tgw.broker.observe.metrics_gpu import READINGS
+from tgw.broker.observe.metrics import READINGS
 from tgw.broker.state.stats import Buckets
 from tgw.client import Client, TgwError
 

@@ -1,6 +1,6 @@
 """GPU figures in heartbeats: the worker's NVML reader (workers/gpu_readings.py) on this box and
 against a stand-in pynvml module, and the broker's rendering of heartbeats that carry them
-(broker/observe/metrics_gpu.py, status.gpu_status, the `status` printout). The CPU broker's scrape and
+(broker/observe/metrics.py gpu_families, status.gpu_status, the `status` printout). The CPU broker's scrape and
 status without them: tests/process/test_metrics.py; the wire: tests/unit/test_wire.py."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from tgw.broker import cli
-from tgw.broker.observe.metrics_gpu import READINGS, families
+from tgw.broker.observe.metrics import READINGS, gpu_families
 from tgw.broker.observe.status import gpu_status
 from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, StatusReply
 from tgw.shm.wire_worker import GpuReading
@@ -161,9 +161,9 @@ def samples(fams) -> dict:
 
 
 def test_gpu_families_from_heartbeats():
-    fams = list(families(WORKERS))
+    fams = list(gpu_families(WORKERS))
     assert [f.name for f in fams] == NAMES + ["tgw_worker_gpu_oom"]
-    assert all(f.samples == [] for f in families(WORKERS[3:]))        # CPU, or no beat: families, no samples
+    assert all(f.samples == [] for f in gpu_families(WORKERS[3:]))        # CPU, or no beat: families, no samples
     assert samples(fams) == {
         ("tgw_gpu_memory_used_bytes", "worker0[cuda:0]", "cuda:0"): 3 << 30,
         ("tgw_gpu_memory_total_bytes", "worker0[cuda:0]", "cuda:0"): 80 << 30,
