@@ -1,7 +1,9 @@
 """The dependency rule of docs/ARCHITECTURE.md ("Dependency rule"), checked in fresh interpreters, and the module
-size budget: 300 lines for every product module."""
+size: past 500 lines a product module is a smell to explain (in its docstring, and listed in EXPLAINED), never a
+reason to split one concept into parts."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -11,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("broker", "workers", "shm", "client")
+MAX_LINES = 500
+# modules past MAX_LINES, each with its docstring saying why (none today)
+EXPLAINED: set[str] = set()
 
 PROBE = """
 import importlib, json, sys
@@ -78,5 +83,8 @@ def test_module_size_budget():
         for f in files:
             with open(f, encoding="utf-8") as fh:
                 sizes[str(f.relative_to(ROOT))] = sum(1 for _ in fh)
-    over = {k: v for k, v in sizes.items() if v > 300}
-    assert over == {}, f"product modules over 300 lines: {over}"
+    over = {k: v for k, v in sizes.items() if v > MAX_LINES}
+    assert set(over) - EXPLAINED == set(), f"product modules over {MAX_LINES} lines, unexplained: {over}"
+    for path in EXPLAINED:
+        doc = ast.get_docstring(ast.parse((ROOT / path).read_text(encoding="utf-8"))) or ""
+        assert f"{MAX_LINES} lines" in doc, f"{path} is listed in EXPLAINED but its docstring does not say why"

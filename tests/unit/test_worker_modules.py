@@ -1,5 +1,5 @@
 """The worker package's shape: no module imports another that imports it back (counting imports
-inside functions, the usual way a circle is hidden), and every module stays under 300 lines."""
+inside functions, the usual way a circle is hidden), and every module stays within 500 lines (a smell to explain, not a reason to split)."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKERS = os.path.join(ROOT, "workers")
-MAX_LINES = 300
+MAX_LINES = 500
 
 
 def modules() -> dict[str, str]:
@@ -61,9 +61,9 @@ def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
 
 
-def test_every_worker_module_is_under_300_lines():
+def test_every_worker_module_is_within_500_lines():
     sizes = {}
     for name, path in modules().items():
         with open(path, encoding="utf-8") as f:
             sizes[name] = sum(1 for _ in f)
-    assert {name: n for name, n in sizes.items() if n >= MAX_LINES} == {}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
