@@ -84,7 +84,7 @@ class Broker:
         self.unserved = Unserved(self.batcher, self.roster, answer_error,
                                  self.placement.resident)   # answers for requests no worker will run
         self.placement.on_failed = self.unserved.load_failed
-        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
+        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers.owed, clock,
                                    self.unserved.unavailable, shed=answer_error, workers=workers,
                                    demand=self.placement.demand, drained=lambda rec: self.placement.wake())
         self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,

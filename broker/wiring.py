@@ -41,7 +41,7 @@ def pipeline_deps(b) -> PipelineDeps:
                         reply=lambda ident, msg, *frames: b.door.reply(ident, msg, *frames),
                         cancel_step=lambda caller, req_id: b.door.abandon.cancel(
                             caller, Cancel(v=PROTOCOL_VERSION, id=0, ids=[req_id])),
-                        callers=b.callers, tenants=b.admission.tenants, is_open=lambda: b.admission.open,
+                        owed=b.callers.owed, tenants=b.admission.tenants, is_open=lambda: b.admission.open,
                         note=b.complaints.note)
 
 

@@ -157,7 +157,7 @@ class Abandonment:
             self._recheck_until = now + RECHECK_S
         elif now > self._recheck_until:
             return
-        owed = self.callers.owed
+        owed = self.callers.owed.by_caller
         gone = {ident for ident, (pid, start) in self.processes.items()
                 if ident in owed and process_start(pid) != start}
         served = self.callers.served

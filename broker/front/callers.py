@@ -1,4 +1,5 @@
-"""The callers connected to the front socket: how many, which ones are served, what each is owed.
+"""The callers connected to the front socket: how many, which ones are served; what each is owed
+is admission's count (sched/owed.py), held here beside them.
 
 ZeroMQ hides connections behind a ROUTER, so they are counted from its monitor events. Past
 `max_clients` a caller that has not been served before is answered OVERLOADED (reason
@@ -20,6 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 from tgw.shm.errors import Code, fail
 
 from tgw.broker.config.schema import ServerDecl
+from tgw.broker.sched.owed import Owed
 
 log = logging.getLogger("tgw.broker")
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
@@ -56,10 +58,9 @@ class Callers:
     def __init__(self, server: ServerDecl, max_clients: int, clock: Callable[[], float]):
         self.max_clients, self.clock = max_clients, clock
         self.close_at = max_clients + headroom(max_clients)
-        self.max_owed = server.max_inflight_per_client
         self.connected = 0
         self.served: dict[bytes, float] = {}   # callers let in -> when last seen
-        self.owed: dict[bytes, int] = {}       # caller -> requests admitted and not yet answered
+        self.owed = Owed(server.max_inflight_per_client)   # requests admitted and not yet answered, per caller
         self.denied = 0                        # connections closed at the handshake (past the headroom)
         self.disconnects = 0                   # connections closed, ever (abandon.py looks after each)
 
@@ -100,23 +101,3 @@ class Callers:
         one forgotten here is let in again by the count alone."""
         keep = sorted(self.served.items(), key=lambda kv: kv[1])[len(self.served) // 2:]
         self.served = dict(keep)
-
-    # ---- requests owed -----------------------------------------------------------------------
-
-    def check_owed(self, ident: bytes) -> None:
-        """OVERLOADED when this caller already has max_inflight_per_client requests unanswered."""
-        if self.owed.get(ident, 0) >= self.max_owed:
-            raise fail(Code.OVERLOADED, f"this caller already has {self.owed[ident]} requests in flight "
-                       f"(server.max_inflight_per_client)", reason="client_inflight", limit=self.max_owed)
-
-    def owe(self, ident: bytes) -> None:
-        owed = self.owed
-        owed[ident] = owed.get(ident, 0) + 1
-
-    def paid(self, ident: bytes) -> None:
-        owed = self.owed
-        n = owed.get(ident, 0) - 1
-        if n > 0:
-            owed[ident] = n
-        else:
-            owed.pop(ident, None)

@@ -6,14 +6,23 @@ exactly, so workers never see malformed tensors.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec
+from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, TensorMeta, nbytes_of
 
-from tgw.broker.front.inbound import wire_nbytes
 from tgw.broker.state.versions import VersionRecord, VersionState
 from .entry import ModelEntry
+
+
+def wire_nbytes(meta: TensorMeta) -> int:
+    """The bytes of `meta`'s tensor as sent (before any compression): its declared dtype's, or
+    2 per element at a reduced wire precision (sched/inbound.py widens them back)."""
+    size = WIRE_DTYPES.get(meta.wire_dtype) if meta.wire_dtype is not None else None
+    if size is None:
+        return nbytes_of(meta.dtype, meta.shape)
+    return size * math.prod(meta.shape)
 
 
 @dataclass(slots=True)

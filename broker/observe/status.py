@@ -163,7 +163,7 @@ def stats(view: BrokerView, req_id: int) -> StatsReply:
                       errors=dict(view.stats.unrouted_errors), refused=seen.get("refused", {}),
                       dropped=seen.get("dropped", {}), abandoned=view.abandoned(),
                       clients={"connected": view.callers.connected, "max_clients": view.callers.max_clients,
-                               "denied": view.callers.denied, "owed": sum(view.callers.owed.values())},
+                               "denied": view.callers.denied, "owed": view.callers.owed.total()},
                       regions=view.regions(), cancelled=view.cancelled())
 
 

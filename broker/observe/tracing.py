@@ -1,7 +1,7 @@
 """Trace context on the native face, and OpenTelemetry spans per request (observability.tracing).
 
 A request may carry a W3C `traceparent` (docs/PROTOCOL.md 5.2; checked at the door by
-front/traceparent.py); a valid one becomes the
+sched/traceparent.py); a valid one becomes the
 request's `Pending.trace`, travels to the worker in its batch (`Batch.traces`) and comes back
 in the reply. An invalid one is ignored, as W3C says (a new trace starts), and counted in a log
 line at most once every 10 s.

@@ -30,7 +30,7 @@ class PipelineDeps:
     infer: Callable[[Any, Infer, list], None]    # the front door's infer: a step goes in as a request
     reply: Callable[..., None]                   # the front door's reply(ident, msg, *frames)
     cancel_step: Callable[[Any, int], None]      # take a step request out of its queue, unrun (abandon.py)
-    callers: Any                                 # front.callers.Callers: the per-caller in-flight cap
+    owed: Any                                    # sched.owed.Owed: the per-caller in-flight cap
     tenants: Any                                 # sched.tenants.Tenants: the tenant's quota
     is_open: Callable[[], bool]                  # False once the broker is stopping
     note: Callable[..., None]                    # complaints.note: a broker bug, logged rate-limited
@@ -63,7 +63,7 @@ class Pipelines:
         try:
             values = self._checked(plan, msg, frames)
             now = self.deps.clock()
-            self.deps.callers.check_owed(ident)
+            self.deps.owed.check(ident)
             tenants = self.deps.tenants
             tenant = tenants.resolve(msg.tenant) if tenants.in_use else None
             if tenant is not None:
@@ -74,7 +74,7 @@ class Pipelines:
             return self.deps.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=msg.id, error=err.to_body()))
         timeout_ms = plan.timeout_ms if msg.timeout_ms is None else min(plan.timeout_ms, msg.timeout_ms)
         run = Run(self, plan, counters, ident, msg, values, now + timeout_ms / 1000.0, tenant)
-        self.deps.callers.owe(ident)
+        self.deps.owed.owe(ident)
         self.runs[ident, msg.id] = run
         counters.requests += 1
         counters.inflight += 1
@@ -124,7 +124,7 @@ class Pipelines:
         key = (run.ident, run.msg.id)
         if self.runs.get(key) is run:
             del self.runs[key]
-        self.deps.callers.paid(run.ident)
+        self.deps.owed.paid(run.ident)
         if run.tenant is not None:
             run.tenant.inflight -= 1
         c = run.counters

@@ -18,7 +18,7 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorBody, ErrorReply, Infer, InferReply, TensorMeta
 
 from tgw.broker.front.outbound import packed
-from tgw.broker.front.inbound import CheckedFrame
+from tgw.broker.sched.inbound import CheckedFrame
 
 from .counters import PipelineCounters, StepCounters
 from .plan import Plan, StepPlan

@@ -24,16 +24,16 @@ from tgw.broker.state.pending import Pending, is_shadow, is_step
 
 from .batcher import Batcher
 from .breaker import FAILURES, Breakers
-from tgw.broker.front.callers import Callers
 from .concurrency import AdaptiveLimit
 from .copies import Copies
+from .inbound import CheckedFrame, tensor_bytes
+from .limits import check_declared
+from .owed import Owed
 from tgw.broker.config.load import Config, ModelDecl
-from tgw.broker.front.inbound import CheckedFrame, tensor_bytes
-from tgw.broker.front.limits import check_declared
 from tgw.broker.models.registry import Checked, ModelEntry, Registry
 from tgw.broker.state.stats import Stats
 from .tenants import Tenants
-from tgw.broker.front.traceparent import check_traceparent
+from .traceparent import check_traceparent
 from tgw.broker.state.versions import VersionRecord
 
 
@@ -50,14 +50,14 @@ class Intake(NamedTuple):
 
 
 class Admission:
-    def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, callers: Callers,
+    def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, owed: Owed,
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
                  shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
                  demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
                  drained: Callable[[VersionRecord], None] = lambda rec: None, on_finished: Iterable[ExitHook] = ()):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
-        self.callers, self.server = callers, cfg.server
+        self.owed, self.server = owed, cfg.server   # owed: what each caller is owed (its in-flight cap)
         self.unavailable = unavailable  # why no worker may serve now ("" while one may)
         self.shed = shed                # answers a queued request shed to make room for a higher level
         self.demand = demand            # an on-demand version asked for: load it if no worker has it
@@ -95,7 +95,7 @@ class Admission:
         if not self.open and not internal:
             raise fail(Code.MODEL_NOT_READY, "broker is shutting down", reason="shutting_down")
         if not internal:
-            self.callers.check_owed(client)
+            self.owed.check(client)
         sizes = [len(f) for f in tensor_frames]
         intake = self._intake(msg, sizes)
         why = self.unavailable()
@@ -136,7 +136,7 @@ class Admission:
                 self.tenants.unadmit(tenant)
             raise
         if not internal:
-            self.callers.owe(client)
+            self.owed.owe(client)
         record.admitted()
         counters.requests += 1
         return p
@@ -265,7 +265,7 @@ class Admission:
         if is_shadow(first.client):   # copies: a batch of them holds nothing else (shadow.py)
             return self.copies.left(ps, code)
         model, version = first.model, first.version
-        paid = self.callers.paid
+        paid = self.owed.paid
         for p in ps:
             if not is_step(p.client):   # a step owes nothing (admit)
                 paid(p.client)

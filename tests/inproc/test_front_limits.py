@@ -11,7 +11,7 @@ import zmq
 
 from tgw.broker.front.callers import Callers, fit_max_clients, headroom
 from tgw.broker.state.complaints import INTERVAL_S, Complaints
-from tgw.broker.front.limits import check_declared
+from tgw.broker.sched.limits import check_declared
 from tgw.broker.config.schema import ServerDecl
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, TensorMeta
@@ -96,18 +96,18 @@ def test_callers_past_max_clients_are_refused_then_denied_and_let_in_once_room_i
 
 
 def test_requests_owed_per_caller():
-    callers = Callers(ServerDecl(max_inflight_per_client=2), 10, Clock())
-    callers.owe(b"a")
-    callers.owe(b"a")
+    owed = Callers(ServerDecl(max_inflight_per_client=2), 10, Clock()).owed   # admission's count (sched/owed.py)
+    owed.owe(b"a")
+    owed.owe(b"a")
     with pytest.raises(TgwError) as info:
-        callers.check_owed(b"a")
+        owed.check(b"a")
     assert info.value.details["reason"] == "client_inflight"
-    callers.check_owed(b"b")
-    callers.paid(b"a")
-    callers.check_owed(b"a")
-    callers.paid(b"a")
-    callers.paid(b"unknown")   # never owed: nothing to pay, no error
-    assert not callers.owed
+    owed.check(b"b")
+    owed.paid(b"a")
+    owed.check(b"a")
+    owed.paid(b"a")
+    owed.paid(b"unknown")   # never owed: nothing to pay, no error
+    assert not owed.by_caller and owed.total() == 0
 
 
 def test_max_clients_shrinks_to_fit_the_open_file_limit(caplog):

@@ -16,7 +16,8 @@ import zmq
 from conftest import base_config, unloaded_model
 from tgw.broker.child import BrokerProc
 from tgw.broker.config.load import ConfigError, parse_config
-from tgw.broker.front.inbound import tensor_bytes, widen, wire_nbytes
+from tgw.broker.models.checks import wire_nbytes
+from tgw.broker.sched.inbound import tensor_bytes, widen
 from tgw.broker.models.registry import Registry
 from tgw.client import Client, InvalidArgumentError, InvalidInputDtypeError
 from tgw.client.request import prepare

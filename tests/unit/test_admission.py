@@ -1,5 +1,5 @@
 """Admission (broker/sched/admission.py) as a pure class under an injected clock: the order of the
-scheduler's checks and what each refusal says. A real Config, registry, batcher and callers;
+scheduler's checks and what each refusal says. A real Config, registry, batcher and owed count;
 no processes, no sockets."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fake_clock import Clock
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.breaker import State
-from tgw.broker.front.callers import Callers
+from tgw.broker.sched.owed import Owed
 from tgw.broker.config.load import parse_config
 from tgw.broker.models.registry import Registry
 from tgw.broker.state.stats import Stats
@@ -44,7 +44,7 @@ def make(tmp_path, *models: dict, **top) -> tuple[Admission, Clock, list]:
     for m in cfg.models:
         batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels)
         stats.model(m.name)
-    adm = Admission(cfg, registry, batcher, stats, Callers(cfg.server, 100, clock), clock,
+    adm = Admission(cfg, registry, batcher, stats, Owed(cfg.server.max_inflight_per_client), clock,
                     shed=lambda p, err: (shed.append((p, err)), adm.finished(p, err.code.value, clock())))
     return adm, clock, shed
 

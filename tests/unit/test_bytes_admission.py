@@ -1,4 +1,4 @@
-"""bytes and bfloat16 tensors through the broker's checks (front/limits.py, front/inbound.py,
+"""bytes and bfloat16 tensors through the broker's checks (sched/limits.py, sched/inbound.py,
 models/checks.py, sched/admission.py), arena sizing (config/arenas.py), staging and reply slicing
 (state/pool.py): a real Config with stages, registry, batcher and a real segment; no processes."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from conftest import unloaded_model
 from tgw.broker.config.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
 from tgw.broker.config.load import parse_config
-from tgw.broker.front.callers import Callers
+from tgw.broker.sched.owed import Owed
 from tgw.broker.models.entry import ModelEntry
 from tgw.broker.models.registry import Registry
 from tgw.broker.sched.admission import Admission
@@ -62,7 +62,7 @@ def adm(tmp_path) -> Admission:
     for m in cfg.models:
         batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels)
         stats.model(m.name)
-    return Admission(cfg, registry, batcher, stats, Callers(cfg.server, 100, lambda: 0.0), lambda: 0.0)
+    return Admission(cfg, registry, batcher, stats, Owed(cfg.server.max_inflight_per_client), lambda: 0.0)
 
 
 _ids = iter(range(1, 10 ** 9))

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", "client": "tgw.client"}
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it
-WINGS = ["config", "state", "cache", "front", "models", "sched", "pipeline", "canary", "fleet", "observe", "http",
+WINGS = ["config", "state", "cache", "models", "sched", "front", "pipeline", "canary", "fleet", "observe", "http",
          "grpc_face"]
 CORE = "core"   # the modules at broker/'s top level: server, main, lifecycle, cli, wiring, ...
 

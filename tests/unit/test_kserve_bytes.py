@@ -13,7 +13,7 @@ import torch
 from tritonclient.utils import serialize_byte_tensor
 
 from tgw.broker.config.schema import ServerDecl
-from tgw.broker.front.inbound import tensor_bytes
+from tgw.broker.sched.inbound import tensor_bytes
 from tgw.broker.http import kserve
 from tgw.shm.bytes_tensor import pack
 from tgw.shm.errors import Code, TgwError

@@ -1,4 +1,4 @@
-"""A request's W3C `traceparent` (docs/PROTOCOL.md 5.2), read at the door: a valid one becomes
+"""A request's W3C `traceparent` (docs/PROTOCOL.md 5.2), read at admission: a valid one becomes
 the request's trace context; an invalid one is ignored, as W3C says (a new trace starts), and
 counted in a log line at most once every 10 s."""
 from __future__ import annotations

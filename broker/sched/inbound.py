@@ -18,7 +18,9 @@ import numpy as np
 
 from tgw.shm.bytes_tensor import PREFIX, BytesTensorError, starts
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import BYTES, WIRE_DTYPES, TensorMeta, nbytes_of
+from tgw.shm.wire import BYTES, TensorMeta
+
+from tgw.broker.models.checks import wire_nbytes
 
 
 class CheckedFrame:
@@ -33,15 +35,6 @@ class CheckedFrame:
 
     def __len__(self) -> int:
         return self.buffer.nbytes
-
-
-def wire_nbytes(meta: TensorMeta) -> int:
-    """The bytes of `meta`'s tensor as sent (before any compression): its declared dtype's, or
-    2 per element at a reduced wire precision."""
-    size = WIRE_DTYPES.get(meta.wire_dtype) if meta.wire_dtype is not None else None
-    if size is None:
-        return nbytes_of(meta.dtype, meta.shape)
-    return size * math.prod(meta.shape)
 
 
 def tensor_bytes(meta: TensorMeta, buf: memoryview, server=None) -> memoryview:
