@@ -138,7 +138,7 @@ class Placement:
             if w is None:
                 return  # no live worker: a restart comes; the request waits, bounded by its deadline
             self.reconcile()
-        if rec.key in w.models or not rec.last_load_ms:
+        if rec.key in w.models or rec.last_load_ms is None:   # never loaded: no time to judge the wait by
             return
         left = rec.last_load_ms / 1000 - (self.clock() - w.holding.loading.get(rec.key, self.clock()))
         if left > wait_s:

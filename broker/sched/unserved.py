@@ -50,7 +50,7 @@ class Unserved:
         if rec is not None and rec.on_demand and not self.resident(rec):
             return fail(Code.MODEL_NOT_READY, f"{rec.key} loads on demand and was not loaded within this request's "
                         "deadline: retry, or allow a longer timeout", reason="loading",
-                        load_ms=round(rec.last_load_ms, 1))
+                        load_ms=0.0 if rec.last_load_ms is None else round(rec.last_load_ms, 1))
         return fail(Code.DEADLINE_EXCEEDED, EXPIRED)
 
     def versions(self, records: list, message: str) -> None:

@@ -50,7 +50,7 @@ class VersionRecord:
     footprint: Footprint | None = None   # its memory as last measured at a load (weights + activation peak)
     loads: int = 0
     evictions: int = 0
-    last_load_ms: float = 0.0
+    last_load_ms: float | None = None   # its last run-time load's time; None: never loaded at run time
     error: str = ""            # why its last load failed ...
     failed_at: float = 0.0     # ... and when (an on-demand load is not retried for a while)
     shadow: bool = False       # answers nobody: only copies of others' requests (canary/shadow.py)
@@ -148,5 +148,6 @@ class VersionRecord:
     def info(self, workers: dict[str, str]) -> VersionInfo:
         return VersionInfo(version=self.version, path=self.source, state=self.state.value, weight=self.weight,
                            sha256=self.decl.sha256, workers=workers, bytes=self.param_bytes(), loads=self.loads,
-                           evictions=self.evictions, last_load_ms=round(self.last_load_ms, 3),
+                           evictions=self.evictions,
+                           last_load_ms=0.0 if self.last_load_ms is None else round(self.last_load_ms, 3),  # wire: 0 none
                            format=self.format, footprint=as_builtins(self.footprint) if self.footprint else {})
