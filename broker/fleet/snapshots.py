@@ -43,7 +43,7 @@ class Taking:
     reason: str
     asks_left: int                # 2 for a leak (start tracing, then read growth), else 1
     ask_at: float                 # when to ask (again)
-    asked_at: float = 0.0
+    asked_at: float | None = None   # when the worker was asked; None: not (yet, or again) asked
     snapshot_id: int = 0
     on_done: list[Callable[[str | None], None]] = field(default_factory=list)  # path, or None if lost
 
@@ -67,10 +67,10 @@ class Snapshots:
 
     def tick(self, now: float) -> None:
         for wid, t in list(self.taking.items()):
-            if t.asked_at and now - t.asked_at > ANSWER_S:
+            if t.asked_at is not None and now - t.asked_at > ANSWER_S:
                 log.warning("%s did not answer its snapshot request", t.worker.name)
                 self._finish(wid, None)
-            elif not t.asked_at and now >= t.ask_at and t.worker.beat is not None:
+            elif t.asked_at is None and now >= t.ask_at and t.worker.beat is not None:
                 # after a beat: the broker's socket knows the worker's control peer by then
                 t.snapshot_id, t.asked_at = next(self._ids), now
                 self.send(t.worker.control_identity, SnapshotRequest(snapshot_id=t.snapshot_id))
@@ -81,7 +81,7 @@ class Snapshots:
             return
         t.asks_left -= 1
         if t.asks_left:                   # tracing runs now; ask again for the growth since
-            t.asked_at, t.ask_at = 0.0, now + self.decl.leak.trace_s
+            t.asked_at, t.ask_at = None, now + self.decl.leak.trace_s
             return
         self._finish(w.worker_id, self._write(t, msg))
 
