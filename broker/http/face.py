@@ -52,6 +52,7 @@ class FaceDeps:
     withdraw: Callable[[Any, str], int]         # the caller gave up (reason): its requests leave, unrun
     shm: "TritonShm | None" = None              # Triton's client shared memory, shared with the gRPC face
     load: "LoadReport | None" = None            # the load report: its header on every response, /v2/load
+    scrape: Callable[[], tuple[bytes, str]] = lambda: (b"", "text/plain")   # the /metrics exposition and its type
 
 
 class HttpFace:
@@ -287,6 +288,6 @@ class HttpFace:
         return json_response(self.deps.load.doc if self.deps.load else {})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text, content_type = self.deps.view.scrape()
+        text, content_type = self.deps.scrape()
         return web.Response(body=text, headers={"Content-Type": content_type})
 

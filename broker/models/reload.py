@@ -115,9 +115,12 @@ class ReloadDeps:
 
 
 class Reloader:
-    def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None):
+    def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None, outcome: dict):
+        """`outcome`: the last reload's, which this reloader alone writes (status reads it)."""
         self.d, self.rollout, self.cfg, self.path = d, rollout, cfg, path
-        self.outcome: dict = {"path": path} if path else {}
+        self.outcome = outcome
+        if path:
+            outcome["path"] = path
         # the handler files' content as the served config was read (small files: read at start)
         self.digests = handler_digests(cfg) if path else {}
 

@@ -92,8 +92,7 @@ class SlowRequests:
                     f" ({left_out} more slow request(s) not logged)" if left_out else "", extra=fields)
 
 
-def install_slow(threshold_ms: float | None, hooks: list) -> None:
-    """Log slow requests (a hook only when a threshold is set); the workers get the threshold in
-    their WorkerStart, for slow batches."""
-    if threshold_ms is not None:
-        hooks.append(SlowRequests(threshold_ms))
+def slow_requests(threshold_ms: float | None) -> "SlowRequests | None":
+    """The hook that logs slow requests, only when a threshold is set; the workers get the
+    threshold in their WorkerStart, for slow batches."""
+    return None if threshold_ms is None else SlowRequests(threshold_ms)

@@ -43,13 +43,12 @@ def histogram(fam: HistogramMetricFamily, labels: list[str], buckets: Buckets) -
 
 
 class Metrics(Collector):
-    def __init__(self, view: BrokerView, on_finished: list):
-        """`on_finished`: admission's hooks on each request's end; this one counts outcomes."""
+    def __init__(self, view: BrokerView):
+        """`finished` is admission's hook on each request's end: it counts outcomes."""
         self.view = view
         self.series: dict[str, ModelSeries] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        on_finished.append(self.finished)
 
     def finished(self, ps: list[Pending], code: str | None, now: float) -> None:
         """Admitted requests of one model and version leave (code None: answered with outputs) -
@@ -62,6 +61,10 @@ class Metrics(Collector):
         if code is None:
             s.e2e.observe_each([now - p.arrived for p in ps])
             s.queue.observe_each([p.dispatched - p.arrived for p in ps if p.dispatched])
+
+    def latencies(self) -> dict:
+        """model -> its end-to-end seconds histogram (the load report's)."""
+        return {m: s.e2e for m, s in self.series.items()}
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

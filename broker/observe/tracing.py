@@ -131,8 +131,8 @@ def for_workers(decl: TracingDecl | None, base_dir: str) -> dict | None:
     return None if decl is None else resolve(decl, base_dir).model_dump()
 
 
-def install(decl: TracingDecl | None, hooks: list, loop: Any, base_dir: str) -> Tracer | None:
-    """Tracing on: a Tracer hooked on each request's end (the workers learn it from for_workers)."""
+def install(decl: TracingDecl | None, loop: Any, base_dir: str) -> Tracer | None:
+    """Tracing on: a Tracer, to be hooked on each request's end (the workers learn it from for_workers)."""
     if decl is None:
         return None
     decl = resolve(decl, base_dir)
@@ -140,5 +140,4 @@ def install(decl: TracingDecl | None, hooks: list, loop: Any, base_dir: str) -> 
         tracer = Tracer(decl, loop)
     except (OSError, ImportError) as exc:
         raise StartupError(f"observability.tracing ({decl.exporter}): {exc}") from None
-    hooks.append(tracer)
     return tracer

@@ -69,10 +69,20 @@ class Admission:
         for m in cfg.models:
             self.declare(m)
         self.open = True
-        # metrics, traces, slow log: each gets the requests of one exit (leave)
-        self.on_finished: list[Callable[[list[Pending], str | None, float], None]] = []
+        # metrics, traces, slow log, ...: each gets the requests of one exit (leave); given once, by
+        # the core's assembly (exits_to), when every part with a hook exists
+        self.on_finished: tuple[Callable[[list[Pending], str | None, float], None], ...] = ()
         self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
         self._memo_generation = registry.generation
+
+    def exits_to(self, *hooks: Callable[[list[Pending], str | None, float], None]) -> None:
+        """Who hears of each request's exit, in order; set once, at assembly."""
+        assert not self.on_finished, "exit hooks are registered once, at assembly"
+        self.on_finished = hooks
+
+    def is_open(self) -> bool:
+        """False once the broker is stopping."""
+        return self.open
 
     def declare(self, m: ModelDecl) -> None:
         """A model's adaptive limit and breakers (a model declared at run time gets them too)."""

@@ -11,7 +11,7 @@ PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", 
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it
 WINGS = ["config", "state", "cache", "front", "models", "sched", "pipeline", "canary", "fleet", "observe", "http",
          "grpc_face"]
-CORE = "core"   # the modules at broker/'s top level: server, main, lifecycle, cli, wiring, ...
+CORE = "core"   # broker/core/ and broker/cli/ (and anything else outside the wings): the assembly and the command line
 
 
 def module_name(path: Path) -> str:
@@ -112,7 +112,7 @@ def test_wings_import_only_downwards():
 
 def test_the_checker_sees_a_circle_and_an_upward_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert wing_of("tgw.broker.server") == CORE and wing_of("tgw.broker.front.door") == "front"
+    assert wing_of("tgw.broker.core.serving") == CORE and wing_of("tgw.broker.front.door") == "front"
     assert wing_of("tgw.client.client") is None
 
 

@@ -29,7 +29,7 @@ CASES = {
             ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", *SERVER_ONLY]),
     "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
                ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
-    "broker": (["tgw.broker", "tgw.broker.main", "tgw.broker.cli", "tgw.broker.server", "tgw.broker.lifecycle",
+    "broker": (["tgw.broker", "tgw.broker.core.run", "tgw.broker.cli", "tgw.broker.core.assembly", "tgw.broker.core.lifecycle",
                 "tgw.broker.sched.admission", "tgw.broker.fleet.handshake", "tgw.broker.observe.status", "tgw.broker.front.endpoints"],
                ["tgw.client", "tgw.workers", "torch"]),
     "workers": (["tgw.workers", "tgw.workers.main"],
@@ -61,7 +61,7 @@ def test_import_layering(package, tmp_path):
 
 
 def test_client_and_broker_together_import_no_torch(tmp_path):
-    loaded = loaded_modules(["tgw.client", "tgw.broker", "tgw.broker.main"], tmp_path)
+    loaded = loaded_modules(["tgw.client", "tgw.broker", "tgw.broker.core.run"], tmp_path)
     assert offenders(loaded, ["torch", "tgw.workers"]) == []
 
 

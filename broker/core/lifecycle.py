@@ -24,15 +24,15 @@ from collections.abc import Callable
 
 from tgw.shm.segment import ShmError
 
-from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.fleet.exits import ExitWatch
 from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.fleet.systemd import sd_notify
 from tgw.broker.state.pool import WorkerHandle, WorkerState
-from . import wiring
-from .server import Broker, Phase
+
+from .broker import Broker
+from .phase import Phase
 
 log = logging.getLogger("tgw.broker")
 MONITOR_S = 0.05  # serving: deadlines, hangs, restarts due (start-up waits on events instead)
@@ -40,13 +40,14 @@ WATCHDOG_S = 1.0  # systemd's WatchdogSec is tens of seconds: one ping a second 
 
 
 class Lifecycle:
-    def __init__(self, broker: Broker, supervisor: Supervisor, cfg: Config):
-        self.broker, self.supervisor = broker, supervisor
-        self.start_timeout_s = cfg.workers.start_timeout_s
-        self.grace_s = cfg.supervisor.shutdown_grace_s
-        self.notice_s = cfg.server.drain_notice_s
-        self.load = wiring.load_report(broker)   # refreshed on each look (observe/load.py)
-        self.hangs = HangJudge(cfg.supervisor, broker.costs, cfg.workers.start_timeout_s)
+    def __init__(self, broker: Broker, supervisor: Supervisor, start_timeout_s: float, grace_s: float,
+                 notice_s: float, hangs: HangJudge):
+        """`start_timeout_s`: workers.start_timeout_s; `grace_s`: supervisor.shutdown_grace_s;
+        `notice_s`: server.drain_notice_s."""
+        self.broker, self.supervisor, self.serving = broker, supervisor, broker.serving
+        self.start_timeout_s, self.grace_s, self.notice_s = start_timeout_s, grace_s, notice_s
+        self.load = broker.load   # refreshed on each look (observe/load.py)
+        self.hangs = hangs
         self.stop_event = asyncio.Event()    # first SIGTERM/SIGINT: the notice (if any), drain, then stop
         self.skip_event = asyncio.Event()    # a second one during the notice: drain now
         self.force_event = asyncio.Event()   # one more (a second, without a notice): stop now
@@ -55,10 +56,10 @@ class Lifecycle:
         self.exits: ExitWatch | None = None  # made on the loop, in run
         broker.handshake.on_ready = self._on_ready
         supervisor.hold = broker.faults.held_until   # a device out of service starts no worker
-        broker.handshake.on_failed = lambda w: self.changed.set()
+        broker.handshake.on_failed = self._on_failed
 
     def on_stop_signal(self) -> None:
-        if self.stop_event.is_set() and self.broker.phase is Phase.DRAINING and not self.skip_event.is_set():
+        if self.stop_event.is_set() and self.broker.phase.now is Phase.DRAINING and not self.skip_event.is_set():
             log.warning("second stop signal: ending the drain notice, draining now")
             self.skip_event.set()
         elif self.stop_event.is_set():
@@ -71,17 +72,18 @@ class Lifecycle:
         self.supervisor.ready(w)
         self.changed.set()
 
+    def _on_failed(self, w: WorkerHandle) -> None:
+        self.changed.set()
+
     def _on_exit(self) -> None:
         """A worker process exited: its last messages first (a load failure names the cause
         better than its exit code), while its route stands; then reap it now."""
-        back = getattr(self.broker, "back", None)
-        if back is not None:
-            back.drain()
+        self.broker.back.drain()
         self._step()
 
     def _enrol(self, w: WorkerHandle) -> None:
         """A new life of `w` was spawned: route to it, and wake on its exit."""
-        self.broker.add_worker(w)
+        self.serving.add_worker(w)
         if self.exits is not None:
             self.exits.add(w.proc)
 
@@ -100,10 +102,10 @@ class Lifecycle:
                 log.info("stopped during start-up")
                 return
             self._enter(self.broker.start_serving)
-            grpc = getattr(self.broker, "grpc", None)   # main.py attaches the gRPC face when configured
+            listening = self.broker.listening
             start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
-                     "models": sorted(self.broker.registry.models), "http": self.broker.http.address
-                     if self.broker.http else None, "grpc": grpc.address if grpc else None}
+                     "models": sorted(self.broker.registry.models), "http": listening.http or None,
+                     "grpc": listening.grpc or None}
             log.info("serving on %s with %d worker(s)%s%s", address, start["workers"],
                      f", HTTP on {start['http']}" if start["http"] else "",
                      f", gRPC on {start['grpc']}" if start["grpc"] else "", extra=start)
@@ -126,7 +128,7 @@ class Lifecycle:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
         self.broker.begin_stop()
         for w in self.supervisor.workers:
-            self.broker.stop_worker(w)
+            self.serving.stop_worker(w)
         self.supervisor.stop()
 
     async def _wait_ready(self) -> bool:
@@ -181,12 +183,11 @@ class Lifecycle:
             w = faults.pop()
             if w.faulted:
                 self.supervisor.kill(w, w.faulted)
-        serving = self.broker.is_serving()
-        back = getattr(self.broker, "back", None)
-        if back is not None and self.supervisor.any_exited():   # its last words first (a fault, a failed load)
-            back.drain()
+        serving = self.broker.phase.is_serving()
+        if self.supervisor.any_exited():   # its last words first (a fault, a failed load)
+            self.broker.back.drain()
         for w in self.supervisor.reap():
-            self.broker.remove_worker(w)
+            self.serving.remove_worker(w)
             self.changed.set()
             if w.retiring:   # gone for good: off the roster, ring unlinked
                 self.supervisor.forget(w)
@@ -196,7 +197,7 @@ class Lifecycle:
             self._recycle()
         for w in self.supervisor.due_restarts():
             self._enrol(w)
-        if self.broker.phase is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
+        if self.broker.phase.now is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")
         self.load.refresh(now)   # last: a failure here cannot keep the looks above from happening
@@ -215,7 +216,7 @@ class Lifecycle:
             if w.successor is not None and w.successor.state is WorkerState.READY:
                 w.retiring = True
             if w.retiring and not w.inflight:
-                self.broker.stop_worker(w)
+                self.serving.stop_worker(w)
 
     async def _notice(self) -> None:
         """Not ready for drain_notice_s (health only: requests are taken and served as before),
@@ -236,10 +237,10 @@ class Lifecycle:
         meanwhile); whatever is left then, or at a second signal, is answered, not dropped."""
         self._enter(self.broker.begin_stop)
         deadline = time.monotonic() + self.grace_s
-        while self.broker.busy() and time.monotonic() < deadline and not self.force_event.is_set():
+        while self.serving.busy() and time.monotonic() < deadline and not self.force_event.is_set():
             await asyncio.sleep(0.01)
-        if self.broker.busy():
+        if self.serving.busy():
             why = ("second stop signal" if self.force_event.is_set()
                    else f"shutdown_grace_s ({self.grace_s:g} s) ran out")
             log.warning("stopping with work left: %s", why)
-            self.broker.abandon(f"broker stopped before this request ran ({why})")
+            self.serving.abandon(f"broker stopped before this request ran ({why})")

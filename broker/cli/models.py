@@ -14,7 +14,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata,
 
 from tgw.broker.models.replay import summary as replay_summary
 
-from . import cli_rollout
+from . import rollout as cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0

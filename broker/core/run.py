@@ -1,8 +1,9 @@
-"""run_broker: the broker process's one entry function - it only wires things together.
+"""run_broker: the broker process's one entry function.
 
 Order: title, sockets, rings (sweeping stale ones), signals, then the lifecycle: spawn
 workers, wait for their ready handshake, serve until SIGTERM/SIGINT, drain; finally stop
-workers, unlink rings, close sockets and remove their files.
+workers, unlink rings, close sockets and remove their files. The parts themselves are built
+by assembly.py.
 """
 from __future__ import annotations
 
@@ -24,14 +25,13 @@ from tgw.broker.front.callers import fit_max_clients, raise_fd_limit
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.front.endpoints import backend_address, bind, remove_socket_files, zap_handler
-from tgw.broker.http.face import HttpFace
-from . import wiring
-from .lifecycle import Lifecycle
-from tgw.broker.observe.logs import format_in_use, install_slow
-from tgw.broker.models.operator import Operator
-from tgw.broker.models.roles import placement_problems
-from .server import Broker
+from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.fleet.supervisor import Supervisor
+from tgw.broker.models.roles import placement_problems
+from tgw.broker.observe.logs import format_in_use
+
+from .assembly import assemble
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("tgw.broker")
 
@@ -50,39 +50,29 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     if misplaced:   # a stage no worker would hold
         raise StartupError("; ".join(misplaced))
     max_clients = fit_max_clients(cfg.server.max_clients, fd_limit, len(supervisor.devices))
-    broker = Broker(cfg, max_clients=max_clients, token=token, workers=len(supervisor.devices),
-                    roster=supervisor.workers)   # one roster: the supervisor's
-    lifecycle = Lifecycle(broker, supervisor, cfg)
-    broker.operator = Operator(wiring.operator_deps(broker), cfg, address, config_path)
     loop = asyncio.get_running_loop()
-    # observability: hooks on each request's end only for what is configured
-    install_slow(obs.slow_request_ms, broker.admission.on_finished)
-    tracer = tracing.install(obs.tracing, broker.admission.on_finished, loop, base_dir)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lifecycle.on_stop_signal)
-    loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
-    loop.add_signal_handler(signal.SIGHUP, broker.operator.on_sighup)  # re-read the config, apply the difference
     ctx = zmq.Context()
     made: list[str] = []  # socket files this start created: removed on every way out
+    broker = None
     try:
         zap = zap_handler(ctx)
         front = bind(ctx, address, cfg.server, public=True)  # refuses first if a live broker has the address
         made.append(address)
         back = bind(ctx, supervisor.endpoint, cfg.server, public=False)
         made.append(supervisor.endpoint)
-        broker.attach(loop, front, back, zap)
-        if cfg.http is not None:
-            broker.http = HttpFace(wiring.face_deps(broker), cfg.http)
-        broker.grpc = None
-        if cfg.grpc is not None:   # imported only when configured: grpc is a large import
-            from tgw.broker.grpc_face.face import GrpcFace
-            broker.grpc = GrpcFace(wiring.face_deps(broker), cfg.grpc, cfg.server.max_request_bytes,
-                                   cfg.workers.output_bytes)
+        broker = assemble(cfg, loop, front, back, zap, token=token, max_clients=max_clients,
+                          workers=len(supervisor.devices), roster=supervisor.workers,   # one roster: the supervisor's
+                          address=address, config_path=config_path, base_dir=base_dir)
+        lifecycle = Lifecycle(broker, supervisor, cfg.workers.start_timeout_s, cfg.supervisor.shutdown_grace_s,
+                              cfg.server.drain_notice_s, HangJudge(cfg.supervisor, broker.costs,
+                                                                   cfg.workers.start_timeout_s))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lifecycle.on_stop_signal)
+        loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
+        loop.add_signal_handler(signal.SIGHUP, broker.operator.on_sighup)  # re-read the config, apply the difference
         try:
-            if broker.http is not None:
-                await broker.http.start()
-            if broker.grpc is not None:
-                await broker.grpc.start()
+            for name, face in broker.faces.items():
+                setattr(broker.listening, name, await face.start())
             try:
                 swept = supervisor.prepare()
             except ShmError as exc:
@@ -92,17 +82,15 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
             await lifecycle.run(address)
         finally:
             lifecycle.shutdown()
-            broker.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
-            if broker.http is not None:   # after the answers, so its handlers can write them
-                await broker.http.stop()
-            if broker.grpc is not None:
-                await broker.grpc.stop()
+            broker.serving.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
+            for face in broker.faces.values():   # after the answers, so their handlers can write them
+                await face.stop()
             broker.close()
     finally:
         ctx.destroy(linger=0)
         remove_socket_files(*made)
-        if tracer is not None:
-            tracer.shutdown()   # the last spans written (or sent)
+        if broker is not None and broker.tracer is not None:
+            broker.tracer.shutdown()   # the last spans written (or sent)
 
 
 def run_broker(cfg: Config, address: str | None = None, config_path: str | None = None) -> int:

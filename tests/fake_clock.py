@@ -1,4 +1,4 @@
-"""An injected clock for the unit tests: `clock()` reads `clock.t`, which a test moves by hand."""
+"""An injected clock for the tests: `clock()` reads `clock.t`, which a test moves by hand."""
 from __future__ import annotations
 
 

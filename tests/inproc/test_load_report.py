@@ -1,17 +1,20 @@
 """The load report (broker/observe/load.py) and the readiness rule (observe/status.py health) over
-a real Broker made in-process (no sockets, no processes) with a real worker handle on a real
-segment, under an injected clock: each figure from known counters, ORCA's text form as Envoy
+a real Broker assembled in-process (inproc sockets, no processes) with a real worker handle on a
+real segment, under an injected clock: each figure from known counters, ORCA's text form as Envoy
 reads it, and readiness through the phases and an open breaker."""
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import pytest
 
 from conftest import unloaded_model
 from fake_clock import Clock
+from rigs import assembled
 from tgw.broker.config.load import parse_config
 from tgw.broker.observe import status
 from tgw.broker.observe.load import LoadReport, parse, quantile, text
-from tgw.broker.server import Broker
+from tgw.broker.core.broker import Broker
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.pool import WorkerHandle
 from tgw.shm.segment import Segment, new_name
@@ -34,13 +37,25 @@ def worker():
             seg.unlink()
 
 
+@pytest.fixture(autouse=True)
+def _closes():
+    """Every broker a test made is closed after it (their sockets, their loop)."""
+    with ExitStack() as stack:
+        _made.append(stack)
+        yield
+    _made.clear()
+
+
+_made: list[ExitStack] = []
+
+
 def make(tmp_path, worker, **models) -> tuple[Broker, Clock]:
     unloaded_model(tmp_path / "m.pt")
     decls = [{"name": name, "versions": [{"version": "1", "path": "m.pt"}], **IO, **extra}
              for name, extra in (models or {"m": {}}).items()]
     cfg = parse_config({"models": decls, "workers": {"devices": ["cpu"]}}, str(tmp_path))
     clock = Clock()
-    return Broker(cfg, clock=clock, roster=[worker]), clock
+    return _made[-1].enter_context(assembled(cfg, clock=clock, roster=[worker])), clock
 
 
 def serve(b: Broker, worker: WorkerHandle, *keys: str) -> None:
@@ -86,7 +101,7 @@ def test_quantile_interpolates_in_its_bucket():
 
 def test_each_figure_from_known_counters(tmp_path, worker):
     b, clock = make(tmp_path, worker, m={"slo_p99_ms": 10.0, "adaptive_concurrency": False})
-    report = LoadReport(b.view, cpus=2)
+    report = LoadReport(b.view, b.metrics.latencies, cpus=2)
     report.refresh(clock.t)
     doc = report.doc   # no ready worker: no capacity, no room
     assert doc["application_utilization"] == 1.0 and doc["named_metrics"]["memory_headroom"] == 0.0
@@ -122,16 +137,16 @@ def test_each_figure_from_known_counters(tmp_path, worker):
 
 def test_ready_needs_the_serving_phase_and_every_model_servable(tmp_path, worker):
     b, clock = make(tmp_path, worker)
-    report = LoadReport(b.view, cpus=1)
+    report = LoadReport(b.view, b.metrics.latencies, cpus=1)
     assert not status.health(b.view).ready        # starting
     serve(b, worker)
     assert status.health(b.view).ready
     b.announce_stop()                              # the drain notice: served, not ready
-    assert b.is_serving() and not status.health(b.view).ready
+    assert b.phase.is_serving() and not status.health(b.view).ready
     report.refresh(clock.t)
     assert report.draining and report.doc["phase"] == "draining"
     b.begin_stop()
-    assert not b.is_serving() and not status.health(b.view).ready
+    assert not b.phase.is_serving() and not status.health(b.view).ready
 
 
 def test_an_open_breaker_makes_its_model_unservable_unless_its_fallback_serves(tmp_path, worker):

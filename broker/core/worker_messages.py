@@ -4,7 +4,8 @@ Completions answer their requests (those a stage failed, Done.failed, with their
 feed the stats and the cost model; a withdrawn request (state/inflight.py) is never answered,
 and counted by where it was: "staged" when the worker took it out before launch, "computing"
 when its batch had launched (its rows dropped); heartbeats feed the memory watch and the breakers; the
-handshake's messages go to fleet/handshake.py, a sticky CUDA error's to fleet/faults.py, the loader thread's to models/placement.py. Part of the core: it works on the Broker itself.
+handshake's messages go to fleet/handshake.py, a sticky CUDA error's to fleet/faults.py, the
+loader thread's to models/placement.py. Part of the core: it works on the serving core itself.
 """
 from __future__ import annotations
 
@@ -12,22 +13,25 @@ import logging
 
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.wire import DecodeError, Done, Heartbeat, WorkerFailed, WorkerFault, WorkerHello, WorkerReady, \
-    WorkerSnapshot, encode, from_worker_decoder
+    WorkerSnapshot, from_worker_decoder
 
+from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.state.inflight import Gone
 from tgw.broker.state.pool import WorkerHandle
+from tgw.broker.state.stats import Stats
+
+from .serving import Serving
 
 log = logging.getLogger("tgw.broker")
 
 
 class WorkerMessages:
-    def __init__(self, b):   # b: the server.Broker (not imported: server imports this module)
-        self.b = b
+    def __init__(self, core: Serving, faults: CudaFaults, stats: Stats):
+        self.core, self.stats = core, stats
         self.handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
-                         WorkerReady: self._on_ready, WorkerFailed: b.handshake.failed,
-                         WorkerSnapshot: lambda w, m: b.memory.on_snapshot(w, m, b.clock()),
-                         WorkerFault: lambda w, m: b.faults.on_fault(w, m),
-                         **{t: self._on_loader for t in b.placement.messages}}
+                         WorkerReady: self._on_ready, WorkerFailed: core.handshake.failed,
+                         WorkerSnapshot: self._on_snapshot, WorkerFault: faults.on_fault,
+                         **{t: self._on_loader for t in core.placement.messages}}
 
     def on_message(self, frames: list) -> None:
         ident = frames[0].bytes
@@ -36,7 +40,7 @@ class WorkerMessages:
         except (DecodeError, IndexError) as exc:
             log.error("undecodable message from worker %r: %s", ident, exc)
             return
-        worker = self.b.routes.get(ident)
+        worker = self.core.routes.get(ident)
         if worker is None:
             log.warning("message from unknown or replaced worker %r ignored", ident)
             return
@@ -47,50 +51,53 @@ class WorkerMessages:
         handler(worker, msg)
 
     def _on_beat(self, worker: WorkerHandle, msg: Heartbeat) -> None:
-        worker.beat, worker.beat_at = msg, self.b.clock()
-        self.b.memory.on_beat(worker, msg, worker.beat_at)
-        self.b.admission.breakers.on_beat(worker, msg, worker.beat_at)
+        worker.beat, worker.beat_at = msg, self.core.clock()
+        self.core.memory.on_beat(worker, msg, worker.beat_at)
+        self.core.admission.breakers.on_beat(worker, msg, worker.beat_at)
+
+    def _on_snapshot(self, worker: WorkerHandle, msg: WorkerSnapshot) -> None:
+        self.core.memory.on_snapshot(worker, msg, self.core.clock())
 
     def _on_hello(self, worker: WorkerHandle, msg: WorkerHello) -> None:
-        self.b.back.send([worker.identity, encode(self.b.handshake.hello(worker, msg))])
+        self.core.back.send(worker.identity, self.core.handshake.hello(worker, msg))
 
     def _on_ready(self, worker: WorkerHandle, msg: WorkerReady) -> None:
-        if self.b.handshake.ready(worker, msg, self.b.clock()):
-            self.b.placement.reconcile()
-            self.b.schedule()
+        if self.core.handshake.ready(worker, msg, self.core.clock()):
+            self.core.placement.reconcile()
+            self.core.schedule()
 
     def _on_loader(self, worker: WorkerHandle, msg) -> None:
         """Its loader thread: runtime loads and unloads."""
-        self.b.placement.messages[type(msg)](worker, msg)
-        self.b.schedule()
+        self.core.placement.messages[type(msg)](worker, msg)
+        self.core.schedule()
 
     def _complete(self, worker: WorkerHandle, done: Done) -> None:
         batch, part, left_out = worker.take_part(done)  # all of a batch, or a part of one too large for the output arena
         if batch is None:
             log.warning("completion for unknown batch %d from %s", done.batch_id, worker.name)
             return
-        abandon = self.b.door.abandon
+        abandon = self.core.door.abandon
         if left_out:   # taken out before launch: never computed
             abandon.withdrawn(batch.model, "staged", sum(type(e) is Gone for e in left_out))
             for p in (e for e in left_out if type(e) is not Gone):   # a worker bug: nobody asked
-                self.b.door.fail(p, fail(Code.INTERNAL, "the worker left this request out of its batch"))
-        now = self.b.clock()
+                self.core.door.fail(p, fail(Code.INTERNAL, "the worker left this request out of its batch"))
+        now = self.core.clock()
         if done.error is not None:
             for p in part:  # each its own exception: details are filled in per request
                 if type(p) is not Gone:
-                    self.b.door.fail(p, error_from_body(done.error))
+                    self.core.door.fail(p, error_from_body(done.error))
         else:
             answered = []
             for k, (p, views) in enumerate(worker.output_rows(done, batch, part), done.first):
                 if type(p) is Gone:   # computed, nobody waits: dropped
                     continue
                 if k in done.failed:   # a stage failed this request's rows: its error, not its rows
-                    self.b.door.fail(p, error_from_body(done.failed[k]))
+                    self.core.door.fail(p, error_from_body(done.failed[k]))
                     continue
                 answered.append((p, views))
             if answered:
-                self.b.door.answer(answered, now)
-                self.b.stats.models[batch.model].replies += len(answered)
+                self.core.door.answer(answered, now)
+                self.stats.models[batch.model].replies += len(answered)
             # safe right after the replies: each send copied its frames out of the ring
             if done.block is not None:
                 worker.releases.append(done.block)
@@ -98,13 +105,13 @@ class WorkerMessages:
         if computed:
             abandon.withdrawn(batch.model, "computing", computed)
         if done.final and batch.rows and (done.error is None or done.first):  # counted unless one error failed it whole
-            self.b.stats.batch(batch.model, batch.rows, done.compute_us, batch.key[len(batch.model) + 1:])
-            self.b.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
+            self.stats.batch(batch.model, batch.rows, done.compute_us, batch.key[len(batch.model) + 1:])
+            self.core.costs.observe(batch.model, worker.worker_id, batch.rows, done.compute_us)
         if done.final:  # what the worker holds now starts computing now
-            worker.free_at = now + sum(self.b.costs.predict(staged.model, staged.rows, worker.worker_id)
+            worker.free_at = now + sum(self.core.costs.predict(staged.model, staged.rows, worker.worker_id)
                                        for staged in worker.inflight.values())
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
-            self.b.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
+            self.core.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
         if worker.holding.evicting:  # a version it no longer holds may have finished its last batch
-            self.b.placement.reconcile()
-        self.b.schedule()
+            self.core.placement.reconcile()
+        self.core.schedule()

@@ -1,5 +1,5 @@
 """`tgw-broker`: start (with a config, or the embedded demo), check-config, status, snapshot, metrics, keygen,
-and the model lifecycle verbs of broker/cli_models.py (models ..., reload)."""
+and the model lifecycle verbs of cli/models.py (models ..., reload)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
-from . import cli_models
+from . import models as cli_models
 from tgw.broker.config.load import ConfigError, load_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
@@ -26,7 +26,7 @@ def query(args) -> int:
     from tgw.shm.wire import as_builtins
 
     from tgw.broker.front.auth import load_token
-    from .control import Unreachable, ask
+    from .ask import Unreachable, ask
     from tgw.broker.config.startup import StartupError
     address = args.address or default_address()
     try:
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     from tgw.broker.observe.logs import setup
     setup(args.log_format, args.log_level.upper())
     from .demo import demo_config
-    from .main import run_broker
+    from tgw.broker.core.run import run_broker
     try:
         cfg = load_config(args.config) if args.config else demo_config()
     except ConfigError as exc:

@@ -1,19 +1,17 @@
-"""The broker's serving core: client requests in, batches to workers, replies out.
+"""The broker's serving core: requests in the queues, batches to workers, workers' deaths.
 
-Everything here runs as plain callbacks on one uvloop loop: decode once, admit, queue, and
-let one pump per loop turn form batches for workers with room (so a burst drained from the
-socket becomes one batch, not many). It owns routing to workers (the roster it reads is the
-supervisor's), the phase and the batch sequence; queues live in batcher, checks in admission,
-the clients' side in frontdoor, what workers send in worker_messages, the worker handshake in
-handshake, versions on workers in placement, the answers no worker gives in unserved,
-read-only answers in status.
+Everything here runs as plain callbacks on one uvloop loop: one pump per loop turn forms
+batches for workers with room (so a burst drained from the socket becomes one batch, not
+many). It owns routing to workers (the roster it reads is the supervisor's), the batch
+sequence and the back socket; queues live in batcher, checks in admission, the clients' side
+in frontdoor, what workers send in worker_messages, the worker handshake in handshake,
+versions on workers in placement, the answers no worker gives in unserved. The phase is its
+own small part (phase.py), which the lifecycle alone moves.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from enum import Enum
 from typing import Callable
 
 import zmq
@@ -21,103 +19,70 @@ import zmq
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import Release, Stop, encode, model_key
 
-from tgw.broker.canary.guards import Guards
-from tgw.broker.canary.shadow import Shadows
-from tgw.broker.config.load import Config
 from tgw.broker.fleet.handshake import Handshake, death_error
-from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.memory import MemoryWatch
-from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import FrontDoor
 from tgw.broker.front.sockets import Pump
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
 from tgw.broker.models.replay import ReplayRecorder
-from tgw.broker.observe.metrics import Metrics
-from tgw.broker.pipeline.executor import Pipelines
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.alarm import Alarm
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.sched.unserved import Unserved
-from tgw.broker.state.complaints import Complaints
 from tgw.broker.state.pool import WorkerHandle, WorkerState
-from tgw.broker.state.stats import Stats as Counters
 
-from . import wiring
-from .worker_messages import WorkerMessages
+from .phase import BrokerPhase, Phase
 
 log = logging.getLogger("tgw.broker")
 
 
-class Phase(Enum):
-    STARTING = "starting"    # workers loading; requests for versions not yet ready are refused
-    SERVING = "serving"
-    DRAINING = "draining"    # the drain notice (server.drain_notice_s): not ready, still serving everything
-    STOPPING = "stopping"    # new requests refused; queued and in-flight ones finish
+class WorkerLink:
+    """The back socket: built with the sockets, so placement and the memory watch can be given
+    `send`; it listens once the core that handles what workers send exists."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket):
+        self.loop, self.sock = loop, sock
+        self.pump: Pump | None = None
+
+    def listen(self, handler: Callable[[list], None], after: Callable[[], None]) -> None:
+        self.pump = Pump(self.loop, self.sock, handler, after=after)
+
+    def send(self, ident: bytes, msg) -> None:
+        self.pump.send([ident, encode(msg)])
+
+    def drain(self) -> None:
+        """Read what workers sent now (a dying worker's last words before its death is handled)."""
+        if self.pump is not None:
+            self.pump.drain()
+
+    def close(self) -> None:
+        if self.pump is not None:
+            self.pump.close()
+        else:
+            self.sock.close(linger=0)
 
 
-class Broker:
-    operator = None   # operator.Operator: control ops and SIGHUP (main.py attaches it)
-    http = None       # http_face.HttpFace when configured (main.py attaches it)
-
-    def __init__(self, cfg: Config, clock: Callable[[], float] = time.monotonic, max_clients: int | None = None,
-                 token: str | None = None, workers: int = 1, roster: list[WorkerHandle] | None = None):
-        self.clock, self.server, self.token = clock, cfg.server, token
-        self.complaints = Complaints(clock)
-        self.callers = Callers(cfg.server, max_clients or cfg.server.max_clients, clock)
-        self.registry = Registry(cfg)
-        self.costs = CostModel()
-        self.batcher = Batcher(clock, self.costs)
-        self.stats = Counters()
-        for m in cfg.models:
-            self.batcher.declare(m)
-            self.stats.model(m.name)
-        # every worker, in any state: the supervisor's list, which it alone changes (main.py);
-        # a broker made without one (the test rigs) enrols workers itself, in add_worker
-        self.roster: list[WorkerHandle] = [] if roster is None else roster
-        self._enrols = roster is None
-        self.replay = ReplayRecorder(cfg.warmup)   # each model's recent batches, for versions loaded later
-        self.placement = Placement(self.registry, self.roster, self.send, clock,  # which worker holds which version
-                                   cfg.workers.max_model_memory, cfg.workers.placement, self.replay)
-        answer_error = lambda p, err: self.door.fail(p, err)   # noqa: E731 - the door is made in attach
-        self.unserved = Unserved(self.batcher, self.roster, answer_error,
-                                 self.placement.resident)   # answers for requests no worker will run
-        self.placement.on_failed = self.unserved.load_failed
-        self.admission = Admission(cfg, self.registry, self.batcher, self.stats, self.callers, clock,
-                                   self.unserved.unavailable, shed=answer_error, workers=workers,
-                                   demand=self.placement.demand, drained=lambda rec: self.placement.wake())
-        self.handshake = Handshake(self.registry, self.is_serving, self.placement.forget_failed,
-                                   self.placement.budget)
-        self.memory = MemoryWatch(cfg.supervisor, self.send)
-        self.faults = CudaFaults(cfg.supervisor.cuda_faults, clock,   # sticky CUDA errors (worker_messages)
-                                 self.memory.snapshots.write_fault)
-        self.placement.on_resize = lambda w: self.memory.forget(w)  # a load is no leak: judge afresh
-        self.max_inflight = cfg.server.max_inflight_batches_per_worker
+class Serving:
+    def __init__(self, *, clock: Callable[[], float], phase: BrokerPhase, roster: list[WorkerHandle],
+                 registry: Registry, batcher: Batcher, costs: CostModel, admission: Admission,
+                 placement: Placement, unserved: Unserved, handshake: Handshake, memory: MemoryWatch,
+                 replay: ReplayRecorder, door: FrontDoor, back: WorkerLink, loop: asyncio.AbstractEventLoop,
+                 max_inflight: int, enrols: bool = False):
+        self.clock, self.phase, self.roster = clock, phase, roster
+        self.registry, self.batcher, self.costs, self.admission = registry, batcher, costs, admission
+        self.placement, self.unserved, self.handshake, self.memory = placement, unserved, handshake, memory
+        self.replay, self.door, self.back = replay, door, back
+        self.max_inflight = max_inflight   # server.max_inflight_batches_per_worker
+        # the roster is the supervisor's list, which it alone changes; a core made without a
+        # supervisor (the test rigs) enrols workers itself, in add_worker
+        self._enrols = enrols
         self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
-        self.pipelines = Pipelines(wiring.pipeline_deps(self), cfg.pipelines)   # names served as DAGs of steps
-        self.shadows = Shadows(self.registry.models, wiring.admit_copy(self), self.admission.copies.withdraw, clock)
-        self.guards = Guards(self.shadows, clock, wiring.decide(self))   # guarded canaries and shadows
-        self.admission.on_finished.append(self.guards.exits)
-        self.phase = Phase.STARTING
-        self.started_at = clock()
-        self.view = wiring.observe_view(self)   # what status, /metrics and the HTTP face read
-        self.metrics = Metrics(self.view, self.admission.on_finished)   # hooks admission
+        self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
+        self.loop = loop
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
-        self.workers_side = WorkerMessages(self)   # what workers send, by one table
-
-    def attach(self, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
-               zap: zmq.Socket | None = None) -> None:
-        self.loop = loop
-        self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
-        self.door = FrontDoor(wiring.door_deps(self), loop, front, zap)
-        self.back = Pump(loop, back, self.workers_side.on_message, after=self.flush)
-
-    def operate(self, ident, msg) -> None:
-        if self.operator is None:
-            return self.door.error(ident, msg.id, fail(Code.INTERNAL, "this broker has no operator controls"))
-        self.operator.handle(ident, msg)
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 
@@ -134,7 +99,7 @@ class Broker:
         self.memory.forget(w)
         for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
             self.door.abandon.withdrawn(place.request.model, "computing")
-        again, gone = self.handshake.lost(w, retry=self.phase is not Phase.STOPPING)
+        again, gone = self.handshake.lost(w, retry=self.phase.now is not Phase.STOPPING)
         for p in reversed(again):
             self.batcher.push(p, front=True)
         for p in gone:
@@ -143,17 +108,24 @@ class Broker:
 
     def tick(self, now: float) -> None:
         """Periodic work: answer what expired or cannot run (unserved.py), breakers, snapshots."""
-        self.unserved.sweep(now, self.phase is Phase.STOPPING)
+        self.unserved.sweep(now, self.phase.now is Phase.STOPPING)
         self.admission.breakers.check(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
-        self.guards.check(now)
 
     def abandon(self, message: str) -> None:
         self.unserved.everything(message)
 
-    def send(self, ident: bytes, msg) -> None:
-        self.back.send([ident, encode(msg)])
+    def snapshot(self, msg, answer: Callable) -> None:
+        """A client's memory snapshot request (front door): of the workers it names."""
+        self.memory.request(self.roster, msg, self.clock(), answer)
+
+    def admit_copy(self, p) -> bool:
+        """A shadow copy (canary/shadow.py) into the queues; the pump is due for each one queued."""
+        queued = self.admission.copies.admit(p)
+        if queued:
+            self.schedule()
+        return queued
 
     def withdraw(self, wanted) -> list:
         """The requests on workers that `wanted(p)` picks, taken out of their batches (nobody waits
@@ -163,24 +135,9 @@ class Broker:
             if w.inflight:
                 hits, asks = w.withdraw(wanted)
                 for ask in asks:
-                    self.back.send([w.identity, encode(ask)])
+                    self.back.send(w.identity, ask)
                 taken += hits
         return taken
-
-    def is_serving(self) -> bool:
-        """Taking and serving requests: also during the drain notice, which only health hides."""
-        return self.phase is Phase.SERVING or self.phase is Phase.DRAINING
-
-    def start_serving(self) -> None:
-        self.phase = Phase.SERVING
-
-    def announce_stop(self) -> None:
-        """The drain notice: health says not ready, everything else goes on serving."""
-        self.phase = Phase.DRAINING
-
-    def begin_stop(self) -> None:
-        self.phase = Phase.STOPPING
-        self.admission.open = False
 
     def busy(self) -> bool:
         return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
@@ -193,7 +150,7 @@ class Broker:
     def stop_worker(self, w: WorkerHandle) -> None:
         if w.state in (WorkerState.STARTING, WorkerState.READY):
             w.told_to_stop()
-            self.back.send([w.identity, encode(Stop())])
+            self.back.send(w.identity, Stop())
 
     # ---- scheduling --------------------------------------------------------------------------
 
@@ -241,7 +198,7 @@ class Broker:
         for w in self.roster:
             # releases ride on the next batch; a busy worker with none coming may need the space
             if w.releases and w.inflight:
-                self.back.send([w.identity, encode(Release(blocks=w.take_releases()))])
+                self.back.send(w.identity, Release(blocks=w.take_releases()))
 
     def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
         best = None
@@ -276,9 +233,8 @@ class Broker:
                 self.batcher.push(p, front=True)
             return False
         self.replay.record(entry, live)
-        self.back.send([worker.identity, encode(msg)])
+        self.back.send(worker.identity, msg)
         worker.free_at = done_by
         worker.holding.used_at[worker.inflight[msg.batch_id].key] = now  # least recently used goes first (residency)
         return True
 
-    # ---- worker side -------------------------------------------------------------------------
