@@ -156,12 +156,6 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
         stats.model(m.name)
         admission.declare(m)
 
-    def serve_pipelines(new: Config) -> None:
-        pipelines.configure(new.pipelines)
-
-    def warmup(new: Config) -> None:
-        replay.configure(new.warmup, [m.name for m in new.models])
-
     hooks = GuardHooks(check_policy=checked, shadow_of=shadows.shadow_of, guarded=guards.guarded,
                        start_shadow=shadows.start, watch=guards.watch, gone=guards.gone)
     rollout = RolloutDeps(registry=registry, placement=placement, clock=clock,
@@ -170,7 +164,7 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
                           pipeline_metadata=partial(pipelines.metadata, ready=partial(status.pipeline_ready, view)),
                           guards=hooks)
     reload = ReloadDeps(registry=registry, placement=placement, uptime=phase.uptime, declare=declare,
-                        set_max_queue=batcher.set_max_queue, pipelines=serve_pipelines, warmup=warmup)
+                        set_max_queue=batcher.set_max_queue, pipelines=pipelines.configure, warmup=replay.configure)
     return OperatorDeps(rollout=rollout, reload=reload, reply=door.reply, serving=phase.is_serving, phase=phase.value)
 
 

@@ -48,7 +48,8 @@ class Operator:
         self.d = d
         self.rollout = Rollout(d.rollout, cfg.model_roots, cfg.workers.start_timeout_s,
                                cfg.supervisor.shutdown_grace_s)
-        self.reloader = Reloader(d.reload, self.rollout, cfg, config_path, {} if reload_outcome is None else reload_outcome)
+        outcome = {} if reload_outcome is None else reload_outcome
+        self.reloader = Reloader(d.reload, self.rollout, cfg, config_path, outcome)
         self.unauthenticated = unauthenticated(address, cfg.server)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()   # held so they are not collected while they run
