@@ -24,7 +24,7 @@ from tgw.broker.front.callers import fit_max_clients, raise_fd_limit
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.front.endpoints import backend_address, bind, remove_socket_files, zap_handler
-from tgw.broker.http.face import HttpFace
+from tgw.broker.faces.http.face import HttpFace
 from . import wiring
 from .lifecycle import Lifecycle
 from tgw.broker.observe.logs import format_in_use, install_slow
@@ -75,7 +75,7 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
             broker.http = HttpFace(wiring.face_deps(broker), cfg.http)
         broker.grpc = None
         if cfg.grpc is not None:   # imported only when configured: grpc is a large import
-            from tgw.broker.grpc_face.face import GrpcFace
+            from tgw.broker.faces.grpc.face import GrpcFace
             broker.grpc = GrpcFace(wiring.face_deps(broker), cfg.grpc, cfg.server.max_request_bytes,
                                    cfg.workers.output_bytes)
         try:

@@ -11,8 +11,8 @@ from tgw.shm.wire import PROTOCOL_VERSION, Cancel
 
 from tgw.broker.canary.policy import checked
 from tgw.broker.front.frontdoor import DoorDeps
-from tgw.broker.http.face import FaceDeps
-from tgw.broker.http.triton_shm import TritonShm
+from tgw.broker.protocol.door import DoorPort
+from tgw.broker.protocol.triton_shm import TritonShm
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import OperatorDeps
 from tgw.broker.models.reload import ReloadDeps
@@ -75,9 +75,9 @@ def _door(b, read):
     return lambda: read(b.door) if getattr(b, "door", None) is not None else {}
 
 
-def face_deps(b) -> FaceDeps:
+def face_deps(b) -> DoorPort:
     """The HTTP face's record: after attach, as the front door's methods are bound here."""
-    return FaceDeps(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
+    return DoorPort(token=b.token, view=b.view, entry=b.registry.entry, dispatch=b.door.dispatch,
                     infer=b.door.infer, count_error=b.stats.error, note=b.complaints.note,
                     withdraw=lambda caller, reason: b.door.abandon.drop_caller({caller}, reason), shm=client_shm(b),
                     load=load_report(b))
