@@ -27,8 +27,7 @@ from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
-from tgw.broker.http.face import FaceDeps, HttpFace
-from tgw.broker.http.triton_shm import TritonShm
+from tgw.broker.faces.http.face import HttpFace
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
 from tgw.broker.models.placement import Placement
@@ -41,6 +40,8 @@ from tgw.broker.observe.load import LoadReport
 from tgw.broker.observe.metrics import Metrics
 from tgw.broker.observe.status import BrokerView, Listening, ReadOnlyAnswers
 from tgw.broker.pipeline.executor import PipelineDeps, Pipelines
+from tgw.broker.protocol.door import DoorPort
+from tgw.broker.protocol.triton_shm import TritonShm
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
@@ -136,7 +137,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     admission.exits_to(*(hook for hook in (guards.exits, metrics.finished, slow, tracer, door.abandon.finished)
                          if hook is not None))
 
-    faces = _faces(cfg, FaceDeps(token=token, view=view, entry=registry.entry, dispatch=door.dispatch,
+    faces = _faces(cfg, DoorPort(token=token, view=view, entry=registry.entry, dispatch=door.dispatch,
                                  infer=door.infer, count_error=stats.error, note=complaints.note,
                                  withdraw=door.drop_caller, shm=TritonShm(server.max_region_bytes, roster),
                                  load=load, scrape=metrics.render))
@@ -168,12 +169,12 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
     return OperatorDeps(rollout=rollout, reload=reload, reply=door.reply, serving=phase.is_serving, phase=phase.value)
 
 
-def _faces(cfg: Config, deps: FaceDeps) -> dict:
+def _faces(cfg: Config, port: DoorPort) -> dict:
     """The faces configured by name ("http", "grpc"), not yet listening (run.py starts them)."""
     faces = {}
     if cfg.http is not None:
-        faces["http"] = HttpFace(deps, cfg.http)
+        faces["http"] = HttpFace(port, cfg.http)
     if cfg.grpc is not None:   # imported only when configured: grpc is a large import
-        from tgw.broker.grpc_face.face import GrpcFace
-        faces["grpc"] = GrpcFace(deps, cfg.grpc, cfg.server.max_request_bytes, cfg.workers.output_bytes)
+        from tgw.broker.faces.grpc.face import GrpcFace
+        faces["grpc"] = GrpcFace(port, cfg.grpc, cfg.server.max_request_bytes, cfg.workers.output_bytes)
     return faces

@@ -1,5 +1,5 @@
 """The dependency rule of docs/ARCHITECTURE.md ("Dependency rule"), checked in fresh interpreters, and the module
-size budget: 300 lines for every product module."""
+size budget: 500 lines for every product module (a smell to explain, never a reason to split one concept)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +21,9 @@ print(json.dumps(sorted(sys.modules)))
 
 TGW = ("tgw.shm", "tgw.client", "tgw.broker", "tgw.workers")
 SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic", "aiohttp", "prometheus_client", "orjson", "opentelemetry")
+GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf")
+PROTOCOL = ["tgw.broker.protocol", "tgw.broker.protocol.door", "tgw.broker.protocol.errors", "tgw.broker.protocol.kserve",
+            "tgw.broker.protocol.repository", "tgw.broker.protocol.triton_docs", "tgw.broker.protocol.triton_shm"]
 
 # package -> (modules to import, packages that must not be loaded)
 CASES = {
@@ -34,6 +37,15 @@ CASES = {
                ["tgw.client", "tgw.workers", "torch"]),
     "workers": (["tgw.workers", "tgw.workers.main"],
                 ["tgw.client", "tgw.broker"]),
+    # face-neutral: no face's framework, and no face (orjson is allowed: a JSON codec)
+    "protocol": (PROTOCOL, ["aiohttp", *GRPC, "tgw.broker.faces", "tgw.client", "tgw.workers", "torch"]),
+    # the faces stand beside each other: neither loads the other, nor its framework
+    "grpc_face": (["tgw.broker.faces.grpc", "tgw.broker.faces.grpc.face", "tgw.broker.faces.grpc.infer",
+                   "tgw.broker.faces.grpc.services", "tgw.broker.faces.grpc.status_codes", "tgw.broker.faces.grpc.tensors"],
+                  ["tgw.broker.faces.http", "aiohttp", "tgw.client", "tgw.workers", "torch"]),
+    "http_face": (["tgw.broker.faces.http", "tgw.broker.faces.http.face", "tgw.broker.faces.http.answers",
+                   "tgw.broker.faces.http.repository_routes", "tgw.broker.faces.http.shm_routes"],
+                  ["tgw.broker.faces.grpc", *GRPC, "tgw.client", "tgw.workers", "torch"]),
 }
 
 
@@ -58,6 +70,10 @@ def test_import_layering(package, tmp_path):
         assert "msgspec" in loaded and "numpy" in loaded
     if package == "workers":
         assert "torch" in loaded                     # workers are the one place torch lives
+    if package == "grpc_face":
+        assert "grpc" in loaded and "tgw.broker.protocol.kserve" in loaded   # not vacuous
+    if package == "http_face":
+        assert "aiohttp" in loaded and "tgw.broker.protocol.kserve" in loaded
 
 
 def test_client_and_broker_together_import_no_torch(tmp_path):
@@ -78,5 +94,5 @@ def test_module_size_budget():
         for f in files:
             with open(f, encoding="utf-8") as fh:
                 sizes[str(f.relative_to(ROOT))] = sum(1 for _ in fh)
-    over = {k: v for k, v in sizes.items() if v > 300}
-    assert over == {}, f"product modules over 300 lines: {over}"
+    over = {k: v for k, v in sizes.items() if v > 500}
+    assert over == {}, f"product modules over 500 lines: {over}"

@@ -6,8 +6,8 @@ call; BYTES from bytes_contents, packed in tgw's 4-byte-length layout, which is 
 layout too; FP16 and BF16 have no typed field, so they come raw only). Outputs go back as
 `raw_output_contents`, or into a client shared-memory region when an output names one.
 
-Request parameters are read as over HTTP (kserve.py): priority, timeout (microseconds) and
-routing_key; sequence batching and classification are refused by name; others are ignored.
+Request parameters are read as over HTTP (protocol/kserve.py): priority, timeout (microseconds)
+and routing_key; sequence batching and classification are refused by name; others are ignored.
 Everything wrong raises a TgwError naming the field.
 """
 from __future__ import annotations
@@ -22,8 +22,9 @@ from tgw.shm.errors import Code
 from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, TensorMeta
 
 from tgw.broker.front.regions import SliceFrame
-from tgw.broker.http import kserve
-from tgw.broker.http.kserve_tensors import DATATYPE_OF, bad, datatype
+from tgw.broker.protocol import kserve
+from tgw.broker.protocol.errors import bad
+from tgw.broker.protocol.kserve import DATATYPE_OF, SHM_REGION, datatype
 
 from .proto import grpc_service_pb2 as pb
 
@@ -31,9 +32,6 @@ from .proto import grpc_service_pb2 as pb
 TYPED = {"bool": "bool_contents", "int8": "int_contents", "int16": "int_contents", "int32": "int_contents",
          "int64": "int64_contents", "uint8": "uint_contents", "uint16": "uint_contents", "uint32": "uint_contents",
          "uint64": "uint64_contents", "float32": "fp32_contents", "float64": "fp64_contents", BYTES: "bytes_contents"}
-SHM_REGION = "shared_memory_region"
-# refused by name as over HTTP; shared-memory regions are this face's own business (deps.shm)
-UNOFFERED = {k: v for k, v in kserve.UNOFFERED.items() if not k.startswith("shared_memory")}
 
 
 class Decoded(NamedTuple):
@@ -65,9 +63,8 @@ def set_parameter(p, value) -> None:
 
 
 def refuse_unoffered(params: dict, where: str, **details) -> None:
-    for key, what in UNOFFERED.items():
-        if key in params:
-            raise bad(f"{where}parameter {key!r}: tgw does not offer {what}", parameter=key, **details)
+    """Refused by name as over HTTP; a shared-memory region is this face's own business (deps.shm)."""
+    kserve.refuse_unoffered(params, where, shm_allowed=True, **details)
 
 
 def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None,

@@ -1,10 +1,10 @@
 """Triton's shared-memory extensions on the HTTP face (docs/SHARED_MEMORY.md): the endpoints
-tritonclient.http's *_shared_memory calls use, and the infer path's part (CUDA regions routed,
-outputs written into their regions).
+tritonclient.http's *_shared_memory calls use, over the registry of protocol/triton_shm.py
+(which also holds the infer path's part: CUDA regions routed, outputs written into regions).
 
 Off unless `http.allow_client_shm`: every endpoint then answers INVALID_ARGUMENT (HTTP 400, as
 Triton answers a disabled extension; reason `client_shm_disabled`), and so does a request that
-names a region (kserve.py). Not UNAUTHENTICATED: no token would change the answer; not a
+names a region (protocol/kserve.py). Not UNAUTHENTICATED: no token would change the answer; not a
 retryable code: it is the broker's configuration, not a passing state.
 """
 from __future__ import annotations
@@ -20,15 +20,11 @@ from aiohttp import web
 
 from tgw.shm.errors import Code, fail
 
-from tgw.broker.front.cuda_route import REGISTERED
+from tgw.broker.protocol.triton_shm import Caller, TritonShm, tcp_peer_uid
 
 from .answers import json_response
-from .kserve import Decoded
-from .shm_access import Caller, tcp_peer_uid
-from .triton_shm import TritonShm
 
 SYSTEM, CUDA = "/v2/systemsharedmemory", "/v2/cudasharedmemory"
-EXTENSIONS = ["system_shared_memory", "cuda_shared_memory"]   # /v2's, when allowed
 
 
 def disabled():
@@ -117,28 +113,3 @@ class ShmRoutes:
         shm.register_cuda(request.match_info["name"], handle, doc["device_id"], doc["byte_size"],
                           caller_of(request, self.token))
         return web.Response(status=200)
-
-
-def route(decoded: Decoded) -> tuple:
-    """Ready a decoded request naming regions for the front door: outputs into CUDA regions
-    become output_cuda; the door's extra arguments (the REGISTERED header when a CUDA region is
-    named: the registry vouches for its handles, whichever transport the request came over)."""
-    msg = decoded.infer
-    for name, place in decoded.places.items():
-        if place.cuda is not None:
-            msg.output_cuda[name] = place.cuda
-    if msg.output_cuda or any(t.cuda is not None for t in msg.inputs):
-        return (REGISTERED,)
-    return ()
-
-
-def written(shm: TritonShm | None, decoded: Decoded, reply, frames: list) -> dict[str, dict]:
-    """The outputs written into their regions: {name: the reply's parameters for it}."""
-    if not decoded.places:
-        return {}
-    placed = {}
-    for meta, frame in zip(reply.outputs, frames):
-        place = decoded.places.get(meta.name)
-        if place is not None:
-            placed[meta.name] = shm.write_output(place, meta, frame)
-    return placed

@@ -1,37 +1,25 @@
 """What the HTTP face answers with: the caller that stands in for a socket identity, and its
-JSON and error responses (apart from face.py, so other faces and routes can use them)."""
+JSON and error responses (apart from face.py, so its routes modules can use them)."""
 from __future__ import annotations
-
-import asyncio
 
 import orjson
 from aiohttp import web
 
 from tgw.shm.errors import TgwError
 
-from . import kserve
+from tgw.broker.protocol import kserve
+from tgw.broker.protocol.door import AwaitedCaller
+from tgw.broker.protocol.errors import TRACEPARENT, error_body
 
-TRACEPARENT = "traceparent"
 
-
-class HttpCaller:
-    """One HTTP request's stand-in for a socket identity: the door's answer resolves its future.
-    The output bytes are copied out here, as the ring block is released right after."""
-    __slots__ = ("future",)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.future = loop.create_future()
-
-    def deliver(self, msg, frames) -> None:
-        if not self.future.done():   # the handler may be gone (its connection closed)
-            self.future.set_result((msg, [bytes(f) for f in frames]))
-
-    def __repr__(self) -> str:
-        return "http"
+class HttpCaller(AwaitedCaller):
+    """One HTTP request's stand-in for a socket identity (protocol/door.py)."""
+    __slots__ = ()
+    face = "http"
 
 
 def error_response(err: TgwError, trace: str | None = None) -> web.Response:
-    return web.Response(status=err.http_status, body=kserve.error_body(err), content_type="application/json",
+    return web.Response(status=err.http_status, body=error_body(err), content_type="application/json",
                         headers={TRACEPARENT: trace} if trace else None)
 
 

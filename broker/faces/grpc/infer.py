@@ -1,7 +1,7 @@
 """ModelInfer and ModelStreamInfer: gRPC requests through the broker's front door.
 
-Each request holds a caller object in place of a socket identity (as the HTTP face's
-HttpCaller): the door's answer comes back by `caller.deliver(msg, frames)`. A unary call awaits
+Each request holds a caller object in place of a socket identity (protocol/door.py): the
+door's answer comes back by `caller.deliver(msg, frames)`. A unary call awaits
 its caller's future. A stream reads requests as they come and hands each to the door at once,
 so the requests of one stream run concurrently (batched with everyone else's); each answer is
 queued as it arrives and one writer sends them in turn (a gRPC call takes one write at a time).
@@ -19,30 +19,22 @@ from itertools import count
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
-from tgw.broker.http import kserve
-from tgw.broker.http.shm_routes import route
+from tgw.broker.protocol import kserve
+from tgw.broker.protocol.door import AwaitedCaller
+from tgw.broker.protocol.errors import TRACEPARENT, details
+from tgw.broker.protocol.triton_shm import route
 
 from . import tensors
 from .proto import grpc_service_pb2 as pb
-from .status_codes import TRACEPARENT, abort, add_trailers, details
+from .status_codes import abort, add_trailers
 
 TENANT = "tgw-tenant"
 
 
-class GrpcCaller:
-    """One unary request's stand-in for a socket identity; its bytes are copied out at once,
-    as the ring block is released right after."""
-    __slots__ = ("future",)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.future = loop.create_future()
-
-    def deliver(self, msg, frames) -> None:
-        if not self.future.done():   # the call may be gone (cancelled)
-            self.future.set_result((msg, [bytes(f) for f in frames]))
-
-    def __repr__(self) -> str:
-        return "grpc"
+class GrpcCaller(AwaitedCaller):
+    """One unary request's stand-in for a socket identity (protocol/door.py)."""
+    __slots__ = ()
+    face = "grpc"
 
 
 def metadata(context) -> dict:
@@ -93,7 +85,7 @@ class Inference:
         caller = GrpcCaller(asyncio.get_running_loop())
         self.inflight += 1
         try:
-            # route: the door's extra argument when a CUDA region is named (shm_routes.py)
+            # route: the door's extra argument when a CUDA region is named (triton_shm.py)
             self.deps.infer(caller, decoded.infer, decoded.frames, *route(decoded))   # answers refusals itself
             reply, frames = await caller.future
         except asyncio.CancelledError:   # the client cancelled, or the deadline passed

@@ -1,6 +1,7 @@
-"""The faces' model answers: KServe v2 metadata and readiness, and the repository extension
-(index, load, unload) wired to the operator's lifecycle controls. The HTTP face routes its
-requests here; the gRPC face calls the same methods with parsed parameters.
+"""The faces' model answers: KServe v2 metadata and readiness, Triton's config and statistics of
+a model or pipeline, and the repository extension (index, load, unload) wired to the operator's
+lifecycle controls. Each face parses its request and calls these with plain values
+(faces/http/repository_routes.py, faces/grpc/services.py).
 
 Load and unload go through the operator exactly as `tgw-broker models load|unload` do: one at a
 time, answered once done. Like the native control ops they are refused where anyone on the
@@ -12,8 +13,6 @@ import ipaddress
 from typing import Awaitable, Callable
 
 import msgspec
-import orjson
-from aiohttp import web
 
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, RolloutPolicy, UnloadVersion, model_key
@@ -23,7 +22,8 @@ from tgw.broker.observe.status import BrokerView, listed, pipeline_ready, servin
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 
-from . import kserve, triton_docs
+from . import triton_docs
+from .kserve import DATATYPE_OF
 
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
@@ -51,17 +51,16 @@ def loopback(host: str) -> bool:
 
 
 def io(specs) -> list[dict]:
-    return [{"name": t.name, "datatype": kserve.DATATYPE_OF[t.dtype], "shape": [-1, *t.shape]} for t in specs]
+    return [{"name": t.name, "datatype": DATATYPE_OF[t.dtype], "shape": [-1, *t.shape]} for t in specs]
 
 
 class Repository:
     def __init__(self, view: BrokerView, entry: Callable[[str], ModelEntry], ask: Callable[..., Awaitable],
-                 read: Callable[..., Awaitable] | None, host: str = "127.0.0.1", token: str | None = None,
-                 face: str = "an HTTP face"):
+                 host: str = "127.0.0.1", token: str | None = None, face: str = "an HTTP face"):
         """`entry`: the registry's model by name (raises MODEL_NOT_FOUND); `ask`: a message through
-        the front door, answered; `read`: an HTTP request's body (None: another face, which calls
-        index_rows, load_model and unload_model itself); `face`: named in refusals."""
-        self.view, self.entry, self.ask, self.read, self.face = view, entry, ask, read, face
+        the front door, answered (door.ask); `host`, `token`: where the face listens and the
+        broker's token, which decide whether load and unload are open; `face`: named in refusals."""
+        self.view, self.entry, self.ask, self.face = view, entry, ask, face
         self.open_to_network = not loopback(host) and not token
 
     # ---- metadata and readiness --------------------------------------------------------------
@@ -147,10 +146,6 @@ class Repository:
 
     # ---- the repository extension ------------------------------------------------------------
 
-    async def index(self, request: web.Request) -> web.Response:
-        rows = self.index_rows((await self.body(request)).get("ready", False) is True)
-        return web.Response(body=orjson.dumps(rows), content_type="application/json")
-
     def index_rows(self, only_ready: bool) -> list[dict]:
         """Every model version and pipeline: name, version, state, reason."""
         rows = []
@@ -165,18 +160,6 @@ class Repository:
             if not only_ready or state == "READY":
                 rows.append({"name": plan.name, "version": plan.version, "state": state, "reason": ""})
         return rows
-
-    async def load(self, request: web.Request) -> web.Response:
-        self.control_allowed()   # before the body is read
-        doc = await self.body(request)
-        return self.done(await self.load_model(request.match_info["model"], kserve.mapping(doc.get("parameters"),
-                                                                                             "parameters")))
-
-    async def unload(self, request: web.Request) -> web.Response:
-        self.control_allowed()
-        doc = await self.body(request)
-        return self.done(await self.unload_model(request.match_info["model"],
-                                                 kserve.mapping(doc.get("parameters"), "parameters")))
 
     async def load_model(self, model: str, parameters: dict) -> str:
         """parameters: version (default: the config's default version), path (a model's; default:
@@ -208,18 +191,6 @@ class Repository:
             raise fail(Code.UNAUTHENTICATED, f"repository load and unload are refused on {self.face} listening "
                        "beyond loopback unless server.auth_token_file is configured")
 
-    async def body(self, request: web.Request) -> dict:
-        raw = await self.read(request)
-        if not raw:
-            return {}
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise fail(Code.INVALID_ARGUMENT, f"request body is not JSON: {exc}") from None
-        if not isinstance(doc, dict):
-            raise fail(Code.INVALID_ARGUMENT, "request body must be a JSON object")
-        return doc
-
     @staticmethod
     def params(params: dict, allowed=("version", "path", "handler", "sha256", "weight", "format", "shadow",
                                        "policy")) -> dict:
@@ -241,7 +212,3 @@ class Repository:
                 raise fail(Code.INVALID_ARGUMENT, f"parameter {key} must be a {want.__name__}, got {value!r}",
                            parameter=key)
         return params
-
-    @staticmethod
-    def done(message: str) -> web.Response:
-        return web.Response(body=orjson.dumps({"message": message}), content_type="application/json")

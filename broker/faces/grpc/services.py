@@ -1,8 +1,8 @@
 """The GRPCInferenceService RPCs other than inference: health, metadata, Triton's model config and
 statistics, the repository extension and the shared-memory extensions.
 
-Each answer is built from the same state and functions as the HTTP face's (http/repository.py,
-http/triton_docs.py, observe/status.py): the JSON documents Triton's HTTP clients read are the
+Each answer is built from the same state and functions as the HTTP face's (protocol/repository.py,
+protocol/triton_docs.py, observe/status.py): the JSON documents Triton's HTTP clients read are the
 protobuf JSON mapping of these messages, so ParseDict turns them into the replies gRPC clients
 read. TraceSetting and LogSettings are refused: tgw has its own (observability: in the config).
 """
@@ -11,16 +11,15 @@ from __future__ import annotations
 import grpc
 from google.protobuf.json_format import ParseDict
 
-from tgw.broker.http import triton_docs
-from tgw.broker.http.shm_access import Caller, tcp_peer_uid
 from tgw.broker.observe import status
+from tgw.broker.protocol import triton_docs
+from tgw.broker.protocol.triton_shm import EXTENSIONS as SHM_EXTENSIONS, Caller, tcp_peer_uid
 
 from . import tensors
 from .proto import grpc_service_pb2 as pb
 from .proto import model_config_pb2 as mc
 
 EXTENSIONS = ["binary_tensor_data", "model_repository", "metrics", "statistics"]
-SHM_EXTENSIONS = ["system_shared_memory", "cuda_shared_memory"]
 
 
 class Services:

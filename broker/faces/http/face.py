@@ -5,62 +5,47 @@ through the same front door: the same admission, queues, batches and answers. In
 socket identity the request holds an HttpCaller, whose future the door's answer resolves, so
 nothing in the serving core knows which face a request came from. Health, metadata and
 repository answers are built from the same state as the native ops (status.py, rollout.py,
-operator.py). Off unless configured (`http:` or `tgw-broker start --http-port`).
+operator.py), through broker/protocol/ as the gRPC face's are; the rest of the broker is reached
+only through the DoorPort (protocol/door.py). Off unless configured (`http:` or `tgw-broker
+start --http-port`).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-from dataclasses import dataclass
 from itertools import count
-from typing import Any, Callable
 
 from aiohttp import web
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import ErrorReply, Infer, InferReply
+from tgw.shm.wire import ErrorReply, InferReply
 
 from tgw.broker.config.schema_ops import HttpDecl
-from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe import status
 from tgw.broker.observe.devices import missing
-from tgw.broker.observe.load import HEADER as LOAD_HEADER, LoadReport
-from tgw.broker.observe.status import BrokerView
+from tgw.broker.observe.load import HEADER as LOAD_HEADER
+from tgw.broker.protocol import door, kserve, triton_docs, triton_shm
+from tgw.broker.protocol.door import DoorPort
+from tgw.broker.protocol.errors import TRACEPARENT
+from tgw.broker.protocol.repository import Repository
 
-from . import kserve, shm_routes, triton_docs
-from .answers import TRACEPARENT, HttpCaller, error_response, infer_response, json_response
-from .repository import Repository
-from .triton_shm import TritonShm
+from . import shm_routes
+from .answers import HttpCaller, error_response, infer_response, json_response
+from .repository_routes import RepositoryRoutes
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/v2/load")   # balancers probe these without the token
 
 
-@dataclass(frozen=True)
-class FaceDeps:
-    """What the HTTP face reads and calls of the rest of the broker (the core builds it:
-    wiring.face_deps, once the front door is attached)."""
-    token: str | None
-    view: BrokerView                            # health, readiness, the repository index, /metrics
-    entry: Callable[[str], ModelEntry]          # the registry's model by name; raises MODEL_NOT_FOUND
-    dispatch: Callable[[Any, Any], None]        # the front door: a decoded request other than infer
-    infer: Callable[[Any, Infer, list], None]   # the front door: an inference request (it answers refusals)
-    count_error: Callable[[str, str], None]     # stats.error(model, code): refusals before the door, counted
-    note: Callable[..., None]                   # complaints.note: a broker bug, logged rate-limited
-    withdraw: Callable[[Any, str], int]         # the caller gave up (reason): its requests leave, unrun
-    shm: "TritonShm | None" = None              # Triton's client shared memory, shared with the gRPC face
-    load: "LoadReport | None" = None            # the load report: its header on every response, /v2/load
-    scrape: Callable[[], tuple[bytes, str]] = lambda: (b"", "text/plain")   # the /metrics exposition and its type
-
-
 class HttpFace:
-    def __init__(self, deps: FaceDeps, decl: HttpDecl):
+    def __init__(self, deps: DoorPort, decl: HttpDecl):
         self.deps, self.decl = deps, decl
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
-        self.repository = Repository(deps.view, deps.entry, self.ask, self.body, decl.host, deps.token)
+        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token)
+        self.repository_routes = RepositoryRoutes(self.repository, self.body)
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
         self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
         self.runner: web.AppRunner | None = None
@@ -81,9 +66,10 @@ class HttpFace:
         for method, path, handler in (("GET", "/v2/health/live", self.live), ("GET", "/v2/health/ready", self.ready),
                                       ("GET", "/v2", self.server_metadata), ("GET", "/metrics", self.metrics),
                                       ("GET", "/v2/load", self.load),
-                                      ("POST", "/v2/repository/index", self.repository.index),
-                                      ("POST", "/v2/repository/models/{model}/load", self.repository.load),
-                                      ("POST", "/v2/repository/models/{model}/unload", self.repository.unload)):
+                                      ("POST", "/v2/repository/index", self.repository_routes.index),
+                                      ("POST", "/v2/repository/models/{model}/load", self.repository_routes.load),
+                                      ("POST", "/v2/repository/models/{model}/unload",
+                                       self.repository_routes.unload)):
             add(method, path, self.guarded(handler, open_path=path in OPEN_PATHS))
         for method, path, handler in self.shm_routes.routes():
             add(method, path, self.guarded(handler))
@@ -157,12 +143,7 @@ class HttpFace:
 
     async def ask(self, msg, caller: HttpCaller | None = None):
         """Send a message through the front door as a caller would; its answer."""
-        caller = caller or HttpCaller(asyncio.get_running_loop())
-        self.deps.dispatch(caller, msg)
-        reply, frames = await caller.future
-        if isinstance(reply, ErrorReply):
-            raise error_from_body(reply.error)
-        return reply, frames
+        return await door.ask(self.deps, msg, caller or HttpCaller(asyncio.get_running_loop()))
 
     # ---- inference ---------------------------------------------------------------------------
 
@@ -180,7 +161,7 @@ class HttpFace:
                 self.deps.count_error(model, err.code.value)
                 raise
             caller = HttpCaller(asyncio.get_running_loop())
-            self.deps.infer(caller, decoded.infer, decoded.frames, *shm_routes.route(decoded))   # answers refusals
+            self.deps.infer(caller, decoded.infer, decoded.frames, *triton_shm.route(decoded))   # answers refusals
             try:
                 reply, frames = await caller.future
             except asyncio.CancelledError:   # the client closed its connection: nobody waits for it
@@ -235,7 +216,7 @@ class HttpFace:
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
-        placed = shm_routes.written(self.shm, decoded, reply, frames)   # outputs into their regions
+        placed = triton_shm.written(self.shm, decoded, reply, frames)   # outputs into their regions
         return infer_response(request, reply, frames, decoded, placed)
 
     # ---- health and metadata -----------------------------------------------------------------
@@ -253,7 +234,7 @@ class HttpFace:
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
                               "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics",
-                                             *(shm_routes.EXTENSIONS if self.shm is not None else [])]})
+                                             *(triton_shm.EXTENSIONS if self.shm is not None else [])]})
 
     def named(self, request: web.Request) -> tuple[str, str | None]:
         """The path's model and version (a numeric alias turned into the version's name)."""

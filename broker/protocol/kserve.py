@@ -1,34 +1,206 @@
-"""KServe v2 / Open Inference Protocol tensors over HTTP: request bodies in, replies out.
+"""KServe v2 / Open Inference Protocol semantics both faces share: datatypes, one tensor's JSON
+data both ways, the request parameters tgw reads or refuses, and the JSON-and-binary body.
 
-A body is a JSON header, optionally followed by raw tensor bytes: the binary tensor extension
-gives the header's length in `Inference-Header-Content-Length` and each binary input's size in
-its `parameters.binary_data_size`, in input order. Binary inputs become memoryview slices of the
+Datatypes map to tgw dtypes one to one; `BYTES` is tgw's bytes (JSON strings, UTF-8; binary:
+each element a 4-byte little-endian length and its bytes, tgw's own layout, so a binary BYTES
+input goes to the ring as it came) and `BF16` is bfloat16 (JSON numbers, rounded to nearest
+even; binary: 2 bytes an element). No ml_dtypes here: bfloat16 is handled as its bit patterns.
+
+Parameters: priority, timeout (microseconds, as Triton's) and routing_key are read; sequence
+batching and classification are refused by name, never silently ignored. The gRPC face reads
+its typed parameters with the same functions.
+
+A body (the HTTP face's, as KServe's REST binding has it) is a JSON header, optionally followed
+by raw tensor bytes: the binary tensor extension gives the header's length in
+`Inference-Header-Content-Length` and each binary input's size in its
+`parameters.binary_data_size`, in input order. Binary inputs become memoryview slices of the
 body, so their bytes are copied once, into the ring, as native frames are. JSON `data` is parsed
-by orjson and converted by numpy from the (flat or nested) list in one call (kserve_tensors.py,
-with BYTES and BF16). Outputs go back as JSON (orjson writes numpy arrays itself) or as raw
-bytes after the JSON header.
+by orjson and converted by numpy from the (flat or nested) list in one call. Outputs go back as
+JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header. Over 300 lines:
+the three are one model (a body's tensors are read with the parameters beside them), kept whole.
 
-Everything wrong with a body raises a TgwError naming the field; the caller answers it.
+Everything wrong raises a TgwError naming the field; the face answers it in its own shape.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
-from tgw.shm.errors import Code, TgwError
-from tgw.shm.wire import PROTOCOL_VERSION, Infer, InferReply, TensorMeta
+from tgw.shm.bfloat16 import from_bfloat16_bits, to_bfloat16_bits
+from tgw.shm.bytes_tensor import BytesTensorError, pack, unpack
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, TensorMeta
 
 from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for a ZeroMQ frame
-from .kserve_tensors import DATATYPE_OF, bad, datatype, json_data, json_tensor
+
+from .errors import bad
+
+DATATYPES = {"BOOL": "bool", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
+             "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
+             "FP16": "float16", "FP32": "float32", "FP64": "float64", "BF16": "bfloat16", "BYTES": BYTES}
+DATATYPE_OF = {dtype: name for name, dtype in DATATYPES.items()}
+BFLOAT16 = "bfloat16"
+# the JSON element kinds numpy infers that each tensor kind takes: ints never take floats
+TAKES = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 ROUTING_HEADER = "tgw-routing-key"   # the routing key as a header (gRPC: metadata), for balancers to hash on too
 # request parameters tgw has no meaning for: refused rather than silently ignored
 UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
              "sequence_end": "sequence batching", "classification": "classification outputs"}
-SHM_REGION = "shared_memory_region"   # Triton's client shared memory: only with a registry (shm_routes.py)
+SHM_REGION = "shared_memory_region"   # Triton's client shared memory: only with a registry (triton_shm.py)
 
+
+# ---- datatypes and one tensor's JSON data ------------------------------------------------
+
+def datatype(value: Any, name: str) -> str:
+    dtype = DATATYPES.get(value) if isinstance(value, str) else None
+    if dtype is None:
+        raise bad(f"input {name!r}: datatype {value!r} must be one of {', '.join(DATATYPES)}",
+                  Code.INVALID_INPUT_DTYPE, input=name, got=value)
+    return dtype
+
+
+def json_tensor(data: Any, dtype: str, shape: list[int], name: str) -> memoryview:
+    """The raw bytes of a JSON tensor: flat or nested lists of numbers (true/false for BOOL,
+    strings for BYTES)."""
+    if not isinstance(data, list):
+        raise bad(f"input {name!r}: \"data\" must be a list", input=name)
+    if dtype == BYTES:
+        return json_bytes(data, shape, name)
+    want = math.prod(shape)
+    try:
+        found = np.asarray(data)
+    except ValueError as exc:   # ragged nesting
+        raise bad(f"input {name!r}: \"data\" is not a regular array: {exc}", Code.INVALID_INPUT_SHAPE,
+                  input=name) from None
+    if found.size != want:
+        raise bad(f"input {name!r}: \"data\" holds {found.size} values; shape {shape} needs {want}",
+                  Code.INVALID_INPUT_SHAPE, input=name, got=found.size, expected=want)
+    target = np.dtype("float32" if dtype == BFLOAT16 else dtype)   # bfloat16: rounded from float32
+    if want and found.dtype.kind not in TAKES[target.kind]:
+        raise bad(f"input {name!r}: {DATATYPE_OF[dtype]} data must be "
+                  f"{'true/false' if target.kind == 'b' else 'integers' if target.kind in 'iu' else 'numbers'}, "
+                  f"got {kinds(found.dtype.kind)}", Code.INVALID_INPUT_DTYPE, input=name)
+    try:
+        with np.errstate(over="ignore"):   # past a float type's range is infinity, as a cast has it
+            arr = found.astype(target, copy=False)
+    except OverflowError as exc:
+        raise bad(f"input {name!r}: {exc}", input=name) from None
+    if target.kind in "iu" and want and not np.array_equal(arr, found):
+        raise bad(f"input {name!r}: values out of the range of {DATATYPE_OF[dtype]}", input=name)
+    if dtype == BFLOAT16:
+        arr = to_bfloat16_bits(arr)
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
+
+
+def json_bytes(data: list, shape: list[int], name: str) -> memoryview:
+    """A BYTES tensor's JSON strings (flat or nested, row-major) in tgw's bytes layout, UTF-8."""
+    items: list = []
+    _strings(data, items, name)
+    want = math.prod(shape)
+    if len(items) != want:
+        raise bad(f"input {name!r}: \"data\" holds {len(items)} strings; shape {shape} needs {want}",
+                  Code.INVALID_INPUT_SHAPE, input=name, got=len(items), expected=want)
+    return memoryview(pack(items))
+
+
+def _strings(data: list, out: list, name: str) -> None:
+    for item in data:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            _strings(item, out, name)
+        else:
+            raise bad(f"input {name!r}: BYTES data must be strings (UTF-8 text; send other bytes with the binary "
+                      f"extension), got {type(item).__name__}", Code.INVALID_INPUT_DTYPE, input=name)
+
+
+def kinds(kind: str) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "floats"}.get(kind, "strings or objects")
+
+
+def json_data(name: str, dtype: str, shape: list[int], frame) -> Any:
+    """A reply's output as JSON `data`: a numpy array (orjson writes it), or a list of strings
+    for BYTES; refused when an element is no UTF-8 text (the binary extension carries it)."""
+    if dtype == BFLOAT16:   # as float64: its shortest repr is the bfloat16's exact value
+        return from_bfloat16_bits(np.frombuffer(frame, dtype="<u2")).astype(np.float64)
+    if dtype != BYTES:
+        return np.frombuffer(frame, dtype=dtype)
+    try:
+        items = unpack(frame, math.prod(shape))
+    except BytesTensorError as exc:   # the broker's own slice of a stage's output: a bug
+        raise fail(Code.INTERNAL, f"output {name!r} is not a well-formed bytes tensor: {exc}", output=name) from None
+    try:
+        return [item.decode("utf-8") for item in items]
+    except UnicodeDecodeError as exc:
+        raise bad(f"output {name!r} holds bytes that are not UTF-8 text ({exc.reason} at byte {exc.start} of an "
+                  "element), which JSON cannot carry: ask for it in binary (the output's parameters.binary_data: "
+                  "true, or the request's binary_data_output: true)", output=name, reason="bytes_not_utf8") from None
+
+
+# ---- request parameters ------------------------------------------------------------------
+
+def refuse_unoffered(params: dict, where: str, shm_allowed: bool = False, **details) -> None:
+    """A parameter tgw has no meaning for is refused by name, never silently ignored; so is a
+    shared memory region where the face does not allow client shared memory."""
+    for key, what in UNOFFERED.items():
+        if key in params:
+            raise bad(f"{where}parameter {key!r}: tgw does not offer {what}", parameter=key, **details)
+    if SHM_REGION in params and not shm_allowed:
+        raise bad(f"{where}parameter {SHM_REGION!r}: client shared-memory regions are off on this face "
+                  "(set http.allow_client_shm: true; docs/SHARED_MEMORY.md)", parameter=SHM_REGION,
+                  reason="client_shm_disabled", **details)
+
+
+def mapping(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad(f"{what} must be an object")
+    return value
+
+
+def int_param(params: dict, key: str, default: int) -> int:
+    value = params.get(key, default)
+    if type(value) is not int or value < 0:
+        raise bad(f"parameter {key} must be a non-negative integer, got {value!r}", parameter=key)
+    return value
+
+
+def str_param(params: dict, key: str) -> str | None:
+    value = params.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad(f"parameter {key} must be a string, got {value!r}", parameter=key)
+    return value
+
+
+def routing_key(param: str | None, given: str | None, where: str) -> str | None:
+    """The request's routing key: parameter routing_key, or the tgw-routing-key header or metadata
+    (`given`, named by `where`; empty counts as absent), or both when they agree - a balancer that
+    hashes on the header and the canary split then see the same key."""
+    if not given:
+        return param
+    if param is not None and param != given:
+        raise bad(f"parameter routing_key {param!r} and {where} {given!r} differ: send one of them, or the "
+                  "same key in both", parameter="routing_key")
+    return given
+
+
+def timeout_ms(params: dict) -> int | None:
+    """`timeout` is in microseconds, as Triton's; tgw deadlines are whole milliseconds (at least 1)."""
+    if "timeout" not in params:
+        return None
+    us = int_param(params, "timeout", 0)
+    if us == 0:
+        raise bad("parameter timeout must be positive (microseconds)", parameter="timeout")
+    return max(1, -(-us // 1000))
+
+
+# ---- the body: a JSON header and binary tensors ----------------------------------------------
 
 class Decoded(NamedTuple):
     infer: Infer
@@ -199,62 +371,6 @@ def requested_outputs(outputs: Any, params: dict, shm_allowed: bool = False) \
     return names, frozenset(binary), shm_outputs or None
 
 
-def refuse_unoffered(params: dict, where: str, shm_allowed: bool = False, **details) -> None:
-    """A parameter tgw has no meaning for is refused by name, never silently ignored; so is a
-    shared memory region where the face does not allow client shared memory."""
-    for key, what in UNOFFERED.items():
-        if key in params:
-            raise bad(f"{where}parameter {key!r}: tgw does not offer {what}", parameter=key, **details)
-    if SHM_REGION in params and not shm_allowed:
-        raise bad(f"{where}parameter {SHM_REGION!r}: client shared-memory regions are off on this face "
-                  "(set http.allow_client_shm: true; docs/SHARED_MEMORY.md)", parameter=SHM_REGION,
-                  reason="client_shm_disabled", **details)
-
-
-def mapping(value: Any, what: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad(f"{what} must be an object")
-    return value
-
-
-def int_param(params: dict, key: str, default: int) -> int:
-    value = params.get(key, default)
-    if type(value) is not int or value < 0:
-        raise bad(f"parameter {key} must be a non-negative integer, got {value!r}", parameter=key)
-    return value
-
-
-def str_param(params: dict, key: str) -> str | None:
-    value = params.get(key)
-    if value is not None and not isinstance(value, str):
-        raise bad(f"parameter {key} must be a string, got {value!r}", parameter=key)
-    return value
-
-
-def routing_key(param: str | None, given: str | None, where: str) -> str | None:
-    """The request's routing key: parameter routing_key, or the tgw-routing-key header or metadata
-    (`given`, named by `where`; empty counts as absent), or both when they agree - a balancer that
-    hashes on the header and the canary split then see the same key."""
-    if not given:
-        return param
-    if param is not None and param != given:
-        raise bad(f"parameter routing_key {param!r} and {where} {given!r} differ: send one of them, or the "
-                  "same key in both", parameter="routing_key")
-    return given
-
-
-def timeout_ms(params: dict) -> int | None:
-    """`timeout` is in microseconds, as Triton's; tgw deadlines are whole milliseconds (at least 1)."""
-    if "timeout" not in params:
-        return None
-    us = int_param(params, "timeout", 0)
-    if us == 0:
-        raise bad("parameter timeout must be positive (microseconds)", parameter="timeout")
-    return max(1, -(-us // 1000))
-
-
 def encode(reply: InferReply, frames: list, request_id: str | None, binary: frozenset[str] | bool,
            placed: dict | None = None) -> tuple[bytes, list]:
     """The JSON header of a reply and the raw outputs that follow it (none: a JSON-only reply).
@@ -274,9 +390,3 @@ def encode(reply: InferReply, frames: list, request_id: str | None, binary: froz
     if request_id is not None:
         doc["id"] = request_id
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
-
-
-def error_body(err: TgwError) -> bytes:
-    """Triton's error shape ({"error": message}) plus tgw's code, retryable flag and details."""
-    return orjson.dumps({"error": err.message, "code": err.code.value, "retryable": err.retryable,
-                         "details": err.details}, default=str)

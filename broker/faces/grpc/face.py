@@ -2,7 +2,8 @@
 and server reflection, on the broker's own loop.
 
 grpc.aio serves it on the uvloop loop that runs the native socket and the HTTP face, and its
-requests go through the same front door as theirs (infer.py), with the same FaceDeps record.
+requests go through the same front door as theirs (infer.py), through the same DoorPort
+(protocol/door.py); its semantics come from broker/protocol/, as the HTTP face's do.
 Measured before choosing (docs/GRPC.md has the script and figures): a grpc.aio server on
 uvloop, on the main thread, answered 2,000 sequential unary calls (p50 456-563 us, as on
 asyncio's own loop: 428-569 us), 4,000 calls at concurrency 64 (about 5,500 calls/s on both
@@ -23,14 +24,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import ErrorReply
+from tgw.shm.errors import Code, TgwError, fail
 
 from tgw.broker.config.schema_ops import GrpcDecl
-from tgw.broker.http.face import FaceDeps
-from tgw.broker.http.repository import Repository, loopback
 from tgw.broker.observe import status
 from tgw.broker.observe.load import HEADER as LOAD_HEADER
+from tgw.broker.protocol import door
+from tgw.broker.protocol.door import DoorPort
+from tgw.broker.protocol.repository import Repository, loopback
 
 from .infer import GrpcCaller, Inference
 from .proto import grpc_service_pb2 as pb
@@ -77,14 +78,14 @@ class Health(health.aio.HealthServicer):
 
 
 class GrpcFace:
-    def __init__(self, deps: FaceDeps, decl: GrpcDecl, max_request_bytes: int, max_reply_bytes: int):
+    def __init__(self, deps: DoorPort, decl: GrpcDecl, max_request_bytes: int, max_reply_bytes: int):
         """`max_request_bytes`: server.max_request_bytes; `max_reply_bytes`: the largest reply
         (a worker's output arena), the send limit."""
         self.deps, self.decl = deps, decl
         self.receive_limit = max_request_bytes + MESSAGE_OVERHEAD
         self.send_limit = max(max_request_bytes, max_reply_bytes) + MESSAGE_OVERHEAD
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
-        self.repository = Repository(deps.view, deps.entry, self.ask, None, decl.host, deps.token, "a gRPC face")
+        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token, "a gRPC face")
         # beyond loopback, control needs a token or callers that TLS identifies (client certificates)
         self.repository.open_to_network = not loopback(decl.host) and not deps.token and not decl.tls_client_ca_file
         self.inference = Inference(self)
@@ -181,12 +182,7 @@ class GrpcFace:
 
     async def ask(self, msg):
         """Send a message through the front door as a caller would; its answer."""
-        caller = GrpcCaller(asyncio.get_running_loop())
-        self.deps.dispatch(caller, msg)
-        reply, frames = await caller.future
-        if isinstance(reply, ErrorReply):
-            raise error_from_body(reply.error)
-        return reply, frames
+        return await door.ask(self.deps, msg, GrpcCaller(asyncio.get_running_loop()))
 
     # ---- grpc.health.v1 ----------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Triton's model configuration and statistics documents, as its clients parse them.
 
 Plain functions of the broker's state (a model's entry, a pipeline's plan, the counters in
-state/stats.py), so any face can serve them: the HTTP face's `/config` and `/stats` today.
+state/stats.py), so any face can serve them: the HTTP face's `/config` and `/stats` as JSON, the
+gRPC face's ModelConfig and ModelStatistics as their protobuf mapping (ParseDict).
 
 Triton's clients take versions for integers. A version whose name is a decimal integer is shown
 as itself; every other one gets a numeric alias: the smallest positive integer no numeric
@@ -19,7 +20,7 @@ from tgw.broker.models.entry import ModelEntry
 from tgw.broker.pipeline.plan import Plan
 from tgw.broker.state.stats import ModelCounters, Timed, VersionCounters
 
-from .kserve_tensors import DATATYPE_OF
+from .kserve import DATATYPE_OF
 
 # the platform each tgw format is served as: Triton's own name for TorchScript and ensembles;
 # tgw's names where Triton has none (export and AOTInductor archives, Python stages)
