@@ -1069,7 +1069,7 @@ def subcommands_of(target: str, prog: str) -> None:
     """Child: run the console script `target` with --help, catch its parser as it parses, print its subcommands."""
     import importlib
 
-    class Caught(Exception):
+    class Caught(BaseException):   # not an Exception: a main that catches those must not swallow it
         pass
 
     def catch(self, args=None, namespace=None):
@@ -1453,8 +1453,9 @@ def main(argv=None) -> int:
         subcommands_of(*a.subcommands_of)
         return 0
     t0 = time.monotonic()
-    fig = static_figures(a.root)
-    if not a.static and os.path.realpath(a.root) == os.path.realpath(ROOT):
+    here = os.path.realpath(a.root) == os.path.realpath(ROOT)
+    fig = static_figures(a.root, subcommands=here)   # the subcommands are read from the installed tgw
+    if not a.static and here:
         fig["crossed"] = crossed_files()
     commit = subprocess.run(["git", "-C", a.root, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "-C", a.root, "status", "--porcelain", "--untracked-files=no"],
