@@ -1,6 +1,6 @@
 """The house's figures (issue 38, "Measured"): what the code's shape is, read from the code itself.
 
-    .venv/bin/python scripts/house-figures.py                     # the table; about a minute
+    .venv/bin/python scripts/house-figures.py                     # the table; ~15 s on 2 cores
     .venv/bin/python scripts/house-figures.py --json out.json     # ... and every figure and list as JSON
     .venv/bin/python scripts/house-figures.py --static            # without the traced broker (seconds)
 
@@ -32,7 +32,7 @@ folder pyproject.toml's [tool.setuptools] package-dir names.
      `self.attr` it was assigned to (an attribute holds it for every method of the class), a
      name assigned into such an attribute (a reload's new config becomes the config), the result of
      a call to a function annotated `-> Config`, and names closed over by nested functions.
-     A "section" is `<the Config>.<field>` for a field of the class Config (cfg.server,
+     A "section" is `<the Config>.<field>` for a public field of the class Config (cfg.server,
      cfg.workers, cfg.models, ...) and the names and attributes it is assigned to; deeper values
      (cfg.server.port, a model of cfg.models) are neither.
    * calls are resolved to definitions in broker/: a name (nested def, module def, imported name,
@@ -53,12 +53,13 @@ folder pyproject.toml's [tool.setuptools] package-dir names.
    Calls that pass the Config to something unresolved are listed (not stays).
 6. files one request crosses (dynamic): a real broker (the `mlp` demo model, one CPU worker, an
    HTTP face on port 0) runs under `sys.setprofile`/`threading.setprofile`, counting Python
-   function calls per file of broker/. N=200 sequential native requests (tgw.client, each waits
-   for its answer), then an idle window as long; a file is crossed when its calls grew by at
-   least 0.95 N more in the request window than in the idle one (once a request, less the noise
-   of timers: a file each request calls exactly once must not drop out for one timer's call). Then the same for 200 sequential
-   KServe v2 HTTP infer requests (urllib). The broker is stopped by SIGTERM (its PID) and must
-   leave no segment in /dev/shm.
+   function calls per file of broker/. After 20 unmeasured requests of each kind, N=200
+   sequential native requests (tgw.client, each waits for its answer, so each is its own batch),
+   then an idle window as long; a file is crossed when its calls grew by at least 0.95 N more in
+   the request window than in the idle one (once a request, less timer noise: a file each request
+   calls exactly once must not drop out for one timer's call). Then the same for 200 sequential
+   KServe v2 HTTP infer requests (urllib, JSON). The broker is stopped by SIGTERM (its PID) and
+   must exit 0 and leave no segment in /dev/shm (both reported).
 7. bench: modules under bench/ (without bench/testing/); entry points = [project.scripts] entries
    into tgw.bench, modules with `if __name__ == "__main__"`; scenarios = the names `tgw-bench NAME`
    accepts (read from the console script's own argparse parser, in a child process).
@@ -91,10 +92,7 @@ import sys
 import time
 from collections import defaultdict
 
-try:
-    import tomllib
-except ImportError:  # pragma: no cover - python < 3.11
-    tomllib = None
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRODUCT = ("tgw.broker", "tgw.workers", "tgw.shm", "tgw.client")
@@ -113,7 +111,7 @@ BUILTINS = set(vars(builtins))
 def package_dirs(root: str) -> dict[str, str]:
     """tgw.X -> its folder (relative to root), from pyproject.toml's package-dir."""
     path = os.path.join(root, "pyproject.toml")
-    if tomllib is not None and os.path.exists(path):
+    if os.path.exists(path):
         with open(path, "rb") as f:
             data = tomllib.load(f)
         dirs = data.get("tool", {}).get("setuptools", {}).get("package-dir", {})
@@ -1043,7 +1041,7 @@ def bench_figure(tree: Tree) -> dict:
             mains.append(rel)
     scripts = {}
     path = os.path.join(tree.root, "pyproject.toml")
-    if tomllib is not None and os.path.exists(path):
+    if os.path.exists(path):
         with open(path, "rb") as f:
             scripts = tomllib.load(f).get("project", {}).get("scripts", {})
     bench_scripts = {k: v for k, v in scripts.items() if v.split(":")[0].startswith("tgw.bench")}
