@@ -22,7 +22,7 @@ import numpy as np
 
 from tgw.bench.lifecycle import WIDTH, model_decl, residency
 from tgw.broker.child import BrokerProc
-from tgw.broker.demo import model_entry
+from tgw.broker.cli.demo import model_entry
 from tgw.client import Client
 from tgw.shm.errors import TgwError
 from tgw.workers.demo_models import DEMO_MODELS, build_demo_models

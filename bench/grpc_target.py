@@ -24,7 +24,7 @@ STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 def infer_request(model: str, inputs: dict) -> Any:
-    from tgw.broker.grpc_face.proto import grpc_service_pb2 as pb
+    from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
     tensors = [pb.ModelInferRequest.InferInputTensor(name=k, datatype=v2_datatype(v.dtype), shape=list(v.shape))
                for k, v in inputs.items()]
     raw = [v.astype(v.dtype.newbyteorder("<"), copy=False).tobytes() for v in inputs.values()]
@@ -75,7 +75,7 @@ class GrpcTarget:
 
     def check(self, reply: bytes) -> None:
         """One reply in full: every declared output, with as many raw bytes as its shape says."""
-        from tgw.broker.grpc_face.proto import grpc_service_pb2 as pb
+        from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
         import numpy as np
         msg = pb.ModelInferResponse.FromString(reply)
         names = [o.name for o in msg.outputs]
@@ -98,7 +98,7 @@ class GrpcStreamTarget(GrpcTarget):
 
     async def async_caller(self, index: int) -> Callable[[], Awaitable[None]]:
         import grpc
-        from tgw.broker.grpc_face.proto import grpc_service_pb2 as pb
+        from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
         body = self.body(index)
         stream = self.channel().stream_stream(STREAM)()   # bytes both ways
         await stream.write(body)

@@ -21,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 
-from tgw.broker.control import ask
+from tgw.broker.cli.ask import ask
 from tgw.client import Client
 from tgw.shm.errors import TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, UnloadVersion

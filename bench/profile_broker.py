@@ -74,7 +74,7 @@ def run_profiled_broker(profile_path: str, argv: list[str]) -> None:
         split = cpu_split.Split()
         split.install()
         signal.signal(signal.SIGUSR2, lambda signum, frame: split.toggle(profile_path))
-        from tgw.broker.cli import main as broker_main
+        from tgw.broker.cli.main import main as broker_main
         return broker_main(argv)
     import cProfile
     prof = cProfile.Profile(time.thread_time) if os.environ.get("TGW_PROFILE_TIMER") == "cpu" else cProfile.Profile()
@@ -89,7 +89,7 @@ def run_profiled_broker(profile_path: str, argv: list[str]) -> None:
         os.replace(profile_path + ".tmp", profile_path)
         on.clear()
     signal.signal(signal.SIGUSR2, toggle)
-    from tgw.broker.cli import main as broker_main
+    from tgw.broker.cli.main import main as broker_main
     broker_main(argv)
 
 

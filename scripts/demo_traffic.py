@@ -121,7 +121,7 @@ def mismatches(records: list, models_dir: str, model: dict) -> int:
 def hot_swap(address: str, model: dict, models_dir: str, n: int) -> tuple[int, int, int, float, str]:
     """Drive `model` while `tgw-broker models load` swaps in version "2" (the same file, so the
     answers stay checkable); returns (requests, errors, mismatches, swap ms, the broker's message)."""
-    from tgw.broker.control import ask
+    from tgw.broker.cli.ask import ask
     from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion
 
     result: list = []

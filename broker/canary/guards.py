@@ -38,10 +38,8 @@ class Guard:
 
 
 class Guards:
-    def __init__(self, shadows: Shadows, clock: Callable[[], float],
-                 decide: Callable[[str, str, str, str, dict], None]):
+    def __init__(self, shadows: Shadows, clock: Callable[[], float]):
         self.shadows, self.clock = shadows, clock
-        self.decide = decide   # (promote or rollback, model, version, why, figures): the operator carries it out
         self.active: dict[str, Guard] = {}    # model -> its guard (one rollout at a time per model)
         self.decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self.counts: Counter = Counter()      # (model, decision) -> decisions taken
@@ -75,15 +73,18 @@ class Guards:
         elif code is None:
             guard.serving_s.extend(now - p.arrived for p in ps)
 
-    def check(self, now: float) -> None:
-        """The lifecycle's look: each watched version's verdict."""
+    def check(self, now: float) -> list[tuple[str, str, str, str, dict]]:
+        """The lifecycle's look: the verdicts reached now, each (promote or rollback, model,
+        version, why, figures), for the operator to carry out."""
+        verdicts = []
         for guard in list(self.active.values()):
             if guard.state != "watching":
                 continue
             guard.seen = self._observe(guard, now)
             what, why = verdict(guard.policy, guard.seen)
             if what != WAIT:
-                self._decided(guard, what, why, now)
+                verdicts.append(self._decided(guard, what, why, now))
+        return verdicts
 
     def _observe(self, g: Guard, now: float) -> Observed:
         seen = Observed(elapsed_s=now - g.started)
@@ -102,7 +103,7 @@ class Guards:
             setattr(seen, k, v)
         return seen
 
-    def _decided(self, g: Guard, what: str, why: str, now: float) -> None:
+    def _decided(self, g: Guard, what: str, why: str, now: float) -> tuple[str, str, str, str, dict]:
         g.state = "promoting" if what == PROMOTE else "rolling_back"
         figures = g.seen.figures()
         record = {"model": g.model, "version": g.version, "kind": g.kind, "decision": what, "why": why,
@@ -112,7 +113,7 @@ class Guards:
         (log.info if what == PROMOTE else log.warning)(
             "rollout of %s:%s (%s): %s - %s", g.model, g.version, g.kind, what, why,
             extra={"event": "rollout_" + what, "model": g.model, "version": g.version, "figures": figures})
-        self.decide(what, g.model, g.version, why, figures)
+        return what, g.model, g.version, why, figures
 
     def guarded(self, model: str) -> Optional[str]:
         guard = self.active.get(model)

@@ -56,6 +56,10 @@ class Snapshots:
         self.recent: list[str] = []              # files written, newest last
         self._ids = itertools.count(1)
 
+    def latest(self) -> list[str]:
+        """The snapshot files written lately, newest last (status)."""
+        return self.recent
+
     def take(self, w: WorkerHandle, reason: str, now: float, traced: bool = False,
              on_done: Callable[[str | None], None] | None = None) -> None:
         """Start a snapshot of `w` (joining one under way); `traced`: wait trace_s for growth."""

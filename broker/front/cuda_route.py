@@ -20,7 +20,7 @@ from tgw.broker.state.cuda import CudaRequest, on_device
 from .peers import is_local
 
 # the header a face passes for a request whose CUDA tensors are regions registered with the
-# broker (Triton's CUDA shared memory, http/triton_shm.py): the registry vouches that they are
+# broker (Triton's CUDA shared memory, protocol/triton_shm.py): the registry vouches that they are
 # this box's, whichever transport the request itself came over
 REGISTERED = object()
 

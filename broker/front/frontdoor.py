@@ -90,14 +90,9 @@ def _version_mismatch(version: int) -> TgwError:
 
 
 @dataclass(frozen=True)
-class DoorDeps:
-    """What the front door reads and calls of the rest of the broker (the core builds it)."""
-    server: ServerDecl
-    token: str | None
-    clock: Callable[[], float]
-    complaints: Complaints
-    callers: Callers
-    stats: Stats
+class DoorRoutes:
+    """Where the front door sends what it takes in (the core gives it when it opens the door,
+    once every part behind it exists)."""
     roster: list                                 # the workers (CUDA routing: which GPUs have one)
     models: dict                                 # the registry's model entries by name
     admit: Callable[[Any, Infer, list], Pending]  # admission: raises the TgwError that refuses it
@@ -109,28 +104,59 @@ class DoorDeps:
     query: Callable[[Any], Any]                  # the read-only answers (status, stats, health, ...)
     operate: Callable[[Any, Any], None]          # a control op (operator), answered by it
     snapshot: Callable[[Any, Callable], None]    # a memory snapshot request; raises TgwError
-    pipelines: Any = None                        # pipeline.executor.Pipelines: names in its `table` go to its start
-    withdraw: Callable[[Callable], list] = lambda wanted: []   # requests on workers nobody waits for (abandon.py)
-    answered: Callable[[list, float], None] = lambda answered, now: None   # a batch's answers sent (shadow copies)
+    pipelines: Any                               # pipeline.executor.Pipelines: names in its `table` go to its start
+    withdraw: Callable[[Callable], list]         # requests on workers nobody waits for (abandon.py)
+    answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
 
 
 class FrontDoor:
-    def __init__(self, deps: DoorDeps, loop, sock, zap=None):
-        self.deps = deps
-        self.complaints, self.callers, self.server, self.token = deps.complaints, deps.callers, deps.server, deps.token
-        self.pump = Pump(loop, sock, self.on_message, after=deps.flush)
-        self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
-        self.gate = Gatekeeper(self.callers, sock.get_monitor_socket(EVENTS), zap)
-        self.gate.start()
+    """Built first, from the client socket alone, so every part can be handed its answers
+    (reply, error, fail); opened last, with the routes to the parts behind it."""
+
+    def __init__(self, loop, sock, server: ServerDecl, token: str | None, clock: Callable[[], float],
+                 complaints: Complaints, callers: Callers, stats: Stats, zap=None):
+        self.loop, self.sock, self.zap = loop, sock, zap
+        self.server, self.token, self.clock = server, token, clock
+        self.complaints, self.callers, self.stats = complaints, callers, stats
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
-        self.abandon = Abandonment(deps.batcher, self.callers, deps.finished, deps.schedule, deps.clock, self.reply,
-                                   deps.withdraw)
-        self.pipelines = deps.pipelines
-        self.abandon.runs = deps.pipelines   # a cancel or a caller gone stops its pipeline runs too
+        self.routes: DoorRoutes | None = None   # until open: nothing is read from the socket before
+        self.pump: Pump | None = None
+        self.outbox: Outbox | None = None
+        self.abandon: Abandonment | None = None
+
+    def open(self, routes: DoorRoutes) -> None:
+        """Start taking requests: every part they reach exists now."""
+        self.routes = routes
+        self.pipelines = routes.pipelines
+        self.pump = Pump(self.loop, self.sock, self.on_message, after=routes.flush)
+        self.outbox = Outbox(self.pump, self.server.client_queue_bytes, self.complaints)
+        self.gate = Gatekeeper(self.callers, self.sock.get_monitor_socket(EVENTS), self.zap)
+        self.gate.start()
+        self.abandon = Abandonment(routes.batcher, self.callers, routes.finished, routes.schedule, self.clock,
+                                   self.reply, routes.withdraw)
+        self.abandon.runs = routes.pipelines   # a cancel or a caller gone stops its pipeline runs too
         self.handlers = {RegisterRegion: self._region, UnregisterRegion: self._region}
         self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
-            self.answers[op] = deps.operate
+            self.answers[op] = routes.operate
+
+    def cancel_step(self, caller, req_id: int) -> None:
+        """A pipeline's step request taken out of its queue, unrun (abandon.py)."""
+        self.abandon.cancel(caller, Cancel(v=PROTOCOL_VERSION, id=0, ids=[req_id]))
+
+    def drop_caller(self, caller, reason: str) -> int:
+        """A face's caller gave up (`reason`): its requests leave, unrun; how many."""
+        return self.abandon.drop_caller({caller}, reason)
+
+    # what status reads of the door
+    def abandoned(self) -> dict:
+        return dict(self.abandon.counts) if self.abandon is not None else {}
+
+    def cancelled(self) -> dict:
+        return self.abandon.cancelled_by_model() if self.abandon is not None else {}
+
+    def regions_held(self) -> dict:
+        return self.regions.as_dict()
 
     def on_message(self, frames: list) -> None:
         try:
@@ -171,11 +197,11 @@ class FrontDoor:
         if answer is not None:
             answer(ident, msg)
         else:
-            self.reply(ident, self.deps.query(msg))
+            self.reply(ident, self.routes.query(msg))
 
     def _snapshot(self, ident, msg: Snapshot) -> None:
         try:
-            self.deps.snapshot(msg, lambda reply: self.reply(ident, reply))
+            self.routes.snapshot(msg, lambda reply: self.reply(ident, reply))
         except TgwError as err:
             self.error(ident, msg.id, err)
 
@@ -190,14 +216,14 @@ class FrontDoor:
                     tensor_frames = self.regions.resolve(msg, header, tensor_frames)
                 if self.pipelines is not None and msg.model in self.pipelines.table:
                     return self.pipelines.start(ident, msg, tensor_frames)   # its steps come back through here
-                cuda, tensor_frames = cuda_route.inspect(self.deps.roster, self.deps.models, msg, tensor_frames,
+                cuda, tensor_frames = cuda_route.inspect(self.routes.roster, self.routes.models, msg, tensor_frames,
                                                          header)  # CUDA tensors by handle
-            p = self.deps.admit(ident, msg, tensor_frames)
+            p = self.routes.admit(ident, msg, tensor_frames)
             if p.cache_hit is not None:   # its model's response cache answers: no queue, no worker
                 return self._cached(p)
-            cuda_route.bind(self.deps.models, p, cuda)
+            cuda_route.bind(self.routes.models, p, cuda)
             self.abandon.track(p)
-            self.deps.schedule()
+            self.routes.schedule()
         except TgwError as err:
             if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
                 self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
@@ -208,12 +234,12 @@ class FrontDoor:
             self.error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), msg.model)
 
     def _cached(self, p: Pending) -> None:
-        self.answer([(p, p.cache_hit)], self.deps.clock())
-        self.deps.stats.models[p.model].replies += 1
+        self.answer([(p, p.cache_hit)], self.clock())
+        self.stats.models[p.model].replies += 1
 
     def tick(self) -> None:
         self.outbox.settle_all()
-        now = self.deps.clock()
+        now = self.clock()
         self.regions.tick(now)
         self.abandon.sweep(now)
 
@@ -228,12 +254,12 @@ class FrontDoor:
 
     def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None,
               trace: str | None = None) -> None:
-        self.deps.stats.error(model, err.code.value)
+        self.stats.error(model, err.code.value)
         self.reply(ident, ErrorReply(v=PROTOCOL_VERSION, id=req_id, error=err.to_body(), traceparent=trace))
 
     def fail(self, p: Pending, err: TgwError) -> None:
         """Answer an admitted request with an error."""
-        self.deps.finished(p, err.code.value, self.deps.clock())
+        self.routes.finished(p, err.code.value, self.clock())
         if is_shadow(p.client):   # a copy: its shadow counts it (finished), nobody is answered
             return
         err.details.setdefault("model", p.model)
@@ -242,7 +268,7 @@ class FrontDoor:
     def answer(self, answered: list[tuple[Pending, dict]], now: float) -> None:
         """Answer admitted requests of one batch with their rows of the outputs: (request, views
         into the output arena) pairs, accounted as they leave in one pass first."""
-        self.deps.leave([p for p, _ in answered], None, now)
+        self.routes.leave([p for p, _ in answered], None, now)
         regions, reply = self.regions, self.reply
         for p, views in answered:
             if p.cache_miss is not None:   # computed for a model with a response cache: kept for the next asker
@@ -258,8 +284,11 @@ class FrontDoor:
             # p.trace: the broker's request span when tracing is on (set by leave), else the caller's own
             reply(client, InferReply(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                      outputs=metas, traceparent=p.trace), *payload)
-        self.deps.answered(answered, now)   # while the views are valid: a shadow copies the outputs
+        self.routes.answered(answered, now)   # while the views are valid: a shadow copies the outputs
 
     def close(self) -> None:
+        if self.pump is None:   # never opened
+            self.sock.close(linger=0)
+            return
         self.gate.stop()
         self.pump.close()

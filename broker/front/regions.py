@@ -42,7 +42,7 @@ SEALS_NEEDED = fcntl.F_SEAL_SHRINK
 
 class SliceFrame:
     """Bytes that are no ZeroMQ frame, as admission reads a tensor frame: `.buffer`, and len() in
-    bytes. Region slices here; the HTTP face's tensors too (http/kserve.py), so one shape serves both."""
+    bytes. Region slices here; the HTTP face's tensors too (protocol/kserve.py), so one shape serves both."""
     __slots__ = ("buffer",)
 
     def __init__(self, buffer: memoryview):

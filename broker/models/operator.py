@@ -41,11 +41,15 @@ class OperatorDeps:
 
 
 class Operator:
-    def __init__(self, d: OperatorDeps, cfg: Config, address: str, config_path: str | None = None):
+    def __init__(self, d: OperatorDeps, cfg: Config, address: str, config_path: str | None = None,
+                 reload_outcome: dict | None = None):
+        """`cfg`: the served config, which a reload compares with the file's; `reload_outcome`:
+        where the last reload's outcome is kept (status reads it)."""
         self.d = d
         self.rollout = Rollout(d.rollout, cfg.model_roots, cfg.workers.start_timeout_s,
                                cfg.supervisor.shutdown_grace_s)
-        self.reloader = Reloader(d.reload, self.rollout, cfg, config_path)
+        outcome = {} if reload_outcome is None else reload_outcome
+        self.reloader = Reloader(d.reload, self.rollout, cfg, config_path, outcome)
         self.unauthenticated = unauthenticated(address, cfg.server)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()   # held so they are not collected while they run

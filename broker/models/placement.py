@@ -37,7 +37,9 @@ LOAD_RETRY_S = 10.0   # after an on-demand load failed, requests are refused thi
 class Placement:
     def __init__(self, registry: Registry, roster: list[WorkerHandle], send: Callable[[bytes, object], None],
                  clock: Callable[[], float] = time.monotonic, model_memory: int | float | None = None,
-                 policy: str = "spread", replay: ReplayRecorder | None = None):
+                 policy: str = "spread", replay: ReplayRecorder | None = None,
+                 on_failed: Callable[[str, str, str], None] = lambda key, reason, error: None,
+                 on_resize: Callable[[WorkerHandle], None] = lambda w: None):
         self.registry, self.roster, self.send, self.clock = registry, roster, send, clock
         self.replay = replay   # recent batches per model: run-time loads warm up on them (replay.py)
         self.model_memory = model_memory  # workers.max_model_memory: each worker's budget (a reload may change it)
@@ -46,8 +48,8 @@ class Placement:
         self.failures: dict[str, list[tuple[WorkerHandle, ModelLoaded]]] = {}  # key -> failed loads, for waiters
         self.watching: set[str] = set()   # keys a rollout waits on (their failures are kept for it)
         self.seq = 0                      # events noted so far
-        self.on_failed: Callable[[str, str, str], None] = lambda key, reason, error: None  # what waits fails
-        self.on_resize: Callable[[WorkerHandle], None] = lambda w: None  # a worker's memory changed on purpose
+        self.on_failed = on_failed   # (key, reason, error): a version failed to load; what waits for it fails
+        self.on_resize = on_resize   # a worker's memory changed on purpose (a load is no leak)
         self.started_at = clock()
         self._waiters: list[asyncio.Future] = []
         self.messages = {LoaderHello: self.on_loader_hello, ModelLoaded: self.on_loaded,
@@ -225,6 +227,10 @@ class Placement:
         return out
 
     # ---- waiting -----------------------------------------------------------------------------
+
+    def drained(self, rec: VersionRecord) -> None:
+        """A draining version's last admitted request left: a rollout waiting on it looks again."""
+        self.wake()
 
     def wake(self) -> None:
         waiters, self._waiters = self._waiters, []

@@ -16,7 +16,7 @@ from typing import Iterable
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import Infer, ModelSpec, split_model_key
 
-from tgw.broker.config.load import Config, ModelDecl
+from tgw.broker.config.load import ModelDecl
 from tgw.broker.config.schema import VersionDecl
 from tgw.broker.state.versions import IllegalVersionTransition, VersionRecord, VersionState
 from . import checks
@@ -27,8 +27,9 @@ __all__ = ["FULL_WEIGHT", "Checked", "IllegalVersionTransition", "ModelEntry", "
 
 
 class Registry:
-    def __init__(self, cfg: Config):
-        self.models: dict[str, ModelEntry] = {m.name: ModelEntry(m) for m in cfg.models}
+    def __init__(self, models: list[ModelDecl]):
+        """`models`: the config's models section."""
+        self.models: dict[str, ModelEntry] = {m.name: ModelEntry(m) for m in models}
         self.generation = 0    # bumped by every write below: memos keyed on it go
 
     # ---- reads -------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
-from tgw.broker.config.load import (Config, ConfigError, ModelDecl, file_sha256, load_config, with_grpc_port,
-                                     with_http_port)
+from tgw.broker.config.load import (Config, ConfigError, ModelDecl, WarmupDecl, file_sha256, load_config,
+                                     with_grpc_port, with_http_port)
 from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
@@ -110,14 +110,17 @@ class ReloadDeps:
     uptime: Callable[[], float]      # seconds since the broker started, as status counts uptime_s
     declare: Callable[[ModelDecl], None]         # a new model's queue, counters and limits
     set_max_queue: Callable[[str, int], None]    # a served model's queue bound (models[].max_queue)
-    pipelines: Callable[[Config], None] = lambda cfg: None   # the new config's pipelines served (after the flip)
-    warmup: Callable[[Config], None] = lambda cfg: None      # the new warmup section (the replay recorder's)
+    pipelines: Callable[[list], None] = lambda decls: None   # the new config's pipelines served (after the flip)
+    warmup: Callable[[WarmupDecl, list[str]], None] = lambda decl, models: None   # the new warmup section, its models
 
 
 class Reloader:
-    def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None):
+    def __init__(self, d: ReloadDeps, rollout: Rollout, cfg: Config, path: str | None, outcome: dict):
+        """`outcome`: the last reload's, which this reloader alone writes (status reads it)."""
         self.d, self.rollout, self.cfg, self.path = d, rollout, cfg, path
-        self.outcome: dict = {"path": path} if path else {}
+        self.outcome = outcome
+        if path:
+            outcome["path"] = path
         # the handler files' content as the served config was read (small files: read at start)
         self.digests = handler_digests(cfg) if path else {}
 
@@ -235,9 +238,9 @@ class Reloader:
                                  drain=[v for v in entry.records if v not in wanted])
             if gone:
                 retiring.append((entry, gone))
-        self.d.pipelines(new)   # validated with the new models: they are declared as of now
+        self.d.pipelines(new.pipelines)   # validated with the new models: they are declared as of now
         self.rollout.roots = new.model_roots
         self.d.placement.set_model_memory(new.workers.max_model_memory)
-        self.d.warmup(new)
+        self.d.warmup(new.warmup, [m.name for m in new.models])
         self.d.placement.reconcile()
         return retiring

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import psutil
 
@@ -52,8 +52,9 @@ class Sample(NamedTuple):
 
 
 class LoadReport:
-    def __init__(self, view: BrokerView, cpus: int | None = None):
-        self.view = view
+    def __init__(self, view: BrokerView, latencies: Callable[[], dict], cpus: int | None = None):
+        """`latencies`: model -> its end-to-end seconds histogram (Metrics.latencies)."""
+        self.view, self.latencies = view, latencies
         self.cpus = cpus or len(os.sched_getaffinity(0))
         self.samples: deque[Sample] = deque()
         self.beats: dict[int, tuple[int, float, float, float]] = {}   # worker id -> (pid, sent, cpu_s, rate)
@@ -71,7 +72,7 @@ class LoadReport:
         counters = view.stats.models.values()
         new = Sample(now, sum(c.compute_us for c in counters),
                      sum(c.replies + sum(c.errors.values()) for c in counters), time.process_time(),
-                     {m: tuple(h.counts) for m, h in view.latencies().items()})
+                     {m: tuple(h.counts) for m, h in self.latencies().items()})
         samples = self.samples
         samples.append(new)
         while len(samples) > 2 and now - samples[1].at >= WINDOW_S:

@@ -92,7 +92,7 @@ class SlowRequests:
                     f" ({left_out} more slow request(s) not logged)" if left_out else "", extra=fields)
 
 
-def slow_requests(threshold_ms: float | None) -> SlowRequests | None:
-    """The exit hook that logs slow requests, None when no threshold is set (nothing to hook); the
-    workers get the threshold in their WorkerStart, for slow batches."""
+def slow_requests(threshold_ms: float | None) -> "SlowRequests | None":
+    """The hook that logs slow requests, only when a threshold is set; the workers get the
+    threshold in their WorkerStart, for slow batches."""
     return None if threshold_ms is None else SlowRequests(threshold_ms)

@@ -49,7 +49,7 @@ def histogram(fam: HistogramMetricFamily, labels: list[str], buckets: Buckets) -
 
 class Metrics(Collector):
     def __init__(self, view: BrokerView):
-        """Its exit hook, `finished`, is registered on admission by the assembly."""
+        """`finished` is admission's hook on each request's end: it counts outcomes."""
         self.view = view
         self.series: dict[str, ModelSeries] = {}
         self.registry = CollectorRegistry(auto_describe=False)
@@ -66,6 +66,10 @@ class Metrics(Collector):
         if code is None:
             s.e2e.observe_each([now - p.arrived for p in ps])
             s.queue.observe_each([p.dispatched - p.arrived for p in ps if p.dispatched is not None])
+
+    def latencies(self) -> dict:
+        """model -> its end-to-end seconds histogram (the load report's)."""
+        return {m: s.e2e for m, s in self.series.items()}
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -33,12 +33,18 @@ SERVER_NAME = "tgw/0.1.0"
 READY_PHASE = "serving"   # the one phase health calls ready (not "draining": the notice hides it)
 
 
+@dataclass
+class Listening:
+    """Where each face listens: written once per face by the core as the face starts ("": off)."""
+    http: str = ""
+    grpc: str = ""
+
+
 @dataclass(frozen=True)
 class BrokerView:
     """What the read-only answers read of the broker: this module's, /metrics' (metrics*.py) and
-    the HTTP face's health and repository. The core fills it in (wiring.observe_view). What is
-    attached or replaced after construction (the front door, the operator, the HTTP face, the
-    phase) is read through callables, at call time."""
+    the faces' health and repository. The core's assembly fills it in, from parts built before it;
+    the callables are those parts' own methods, read at call time."""
     clock: Callable[[], float]
     started_at: float
     phase: Callable[[], str]            # the phase's value: "starting", "serving", "draining" or "stopping"
@@ -58,15 +64,12 @@ class BrokerView:
     workers_of: Callable[[str], dict]   # placement: what each worker holds of a version
     events: deque                       # placement's recent lifecycle events
     snapshots: Callable[[], list]       # the memory snapshots written lately
-    reload: Callable[[], dict]          # the last reload's outcome ({} without an operator)
-    http_address: Callable[[], str]     # the HTTP face's address ("" without one)
-    abandoned: Callable[[], dict]       # the front door's abandoned requests by reason ({} before it exists)
-    regions: Callable[[], dict]         # the front door's shared-memory regions ({} before it exists)
-    scrape: Callable[[], tuple[bytes, str]]   # the /metrics exposition and its content type
+    reload: dict                        # the last reload's outcome (the reloader writes it; {} before one)
+    listening: "Listening"              # where the faces listen
+    abandoned: Callable[[], dict]       # the front door's abandoned requests by reason ({} before it opens)
+    regions: Callable[[], dict]         # the front door's shared-memory regions
     pipelines: "Pipelines"              # the pipelines served (their table, counters)
-    grpc_address: Callable[[], str] = lambda: ""   # the gRPC face's address (host:port; "" without one)
     cancelled: Callable[[], dict] = dict   # withdrawn requests: model -> where -> n (front/abandon.py)
-    latencies: Callable[[], dict] = dict   # model -> its end-to-end seconds histogram (metrics.ModelSeries.e2e)
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
     rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
     replay: Callable[[str], dict] = lambda model: {}   # its replay warm-up sample (models/replay.py as_dict)
@@ -196,8 +199,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "cache": m.cache.as_dict() if m.cache is not None else None}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
-                       snapshots=list(view.snapshots()), reload=view.reload(), events=list(view.events),
-                       http=view.http_address(), grpc=view.grpc_address(), devices=device_states(view),
+                       snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
+                       http=view.listening.http, grpc=view.listening.grpc, devices=device_states(view),
                        cuda_faults=view.faults(), rollouts=view.rollouts(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
@@ -235,10 +238,18 @@ def gpu_status(w) -> dict:
     return {"gpu": as_builtins(beat.gpu) if beat.gpu is not None else None, "gpu_ooms": beat.gpu_ooms}
 
 
-def scrape(view: BrokerView, req_id: int) -> ScrapeReply:
-    """What GET /metrics serves (broker/observe/metrics.py), for `tgw-broker metrics`."""
-    return ScrapeReply(v=PROTOCOL_VERSION, id=req_id, text=view.scrape()[0].decode())
-
-
 # the read-only ops, by request type: each answers (view, request id)
-ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status, Scrape: scrape}
+ANSWERS = {Hello: hello, ListModels: models, Health: health, Stats: stats, Status: status}
+
+
+class ReadOnlyAnswers:
+    """The front door's answers to read-only ops: ANSWERS over the view, and the metrics
+    exposition (what GET /metrics serves, for `tgw-broker metrics`) from `scrape`."""
+
+    def __init__(self, view: BrokerView, scrape: Callable[[], tuple[bytes, str]]):
+        self.view, self.scrape = view, scrape
+
+    def answer(self, msg):
+        if type(msg) is Scrape:
+            return ScrapeReply(v=PROTOCOL_VERSION, id=msg.id, text=self.scrape()[0].decode())
+        return ANSWERS[type(msg)](self.view, msg.id)

@@ -1,6 +1,6 @@
 """Trace context on the native face, and OpenTelemetry spans per request (observability.tracing).
 
-A request may carry a W3C `traceparent` (docs/PROTOCOL.md 5.2; checked at the door by
+A request may carry a W3C `traceparent` (docs/PROTOCOL.md 5.2; checked at admission by
 sched/traceparent.py); a valid one becomes the
 request's `Pending.trace`, travels to the worker in its batch (`Batch.traces`) and comes back
 in the reply. An invalid one is ignored, as W3C says (a new trace starts), and counted in a log
@@ -133,13 +133,13 @@ def for_workers(decl: TracingDecl | None, base_dir: str) -> dict | None:
     return None if decl is None else resolve(decl, base_dir).model_dump()
 
 
-def tracer(decl: TracingDecl | None, loop: Any, base_dir: str) -> Tracer | None:
-    """Tracing on: a Tracer, the exit hook that builds each request's spans (the assembly
-    registers it on admission; the workers learn the setting from for_workers). None: off."""
+def install(decl: TracingDecl | None, loop: Any, base_dir: str) -> Tracer | None:
+    """Tracing on: a Tracer, to be hooked on each request's end (the workers learn it from for_workers)."""
     if decl is None:
         return None
     decl = resolve(decl, base_dir)
     try:
-        return Tracer(decl, loop)
+        tracer = Tracer(decl, loop)
     except (OSError, ImportError) as exc:
         raise StartupError(f"observability.tracing ({decl.exporter}): {exc}") from None
+    return tracer

@@ -12,7 +12,7 @@ refusal is a TgwError raised here; the caller answers it.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, NamedTuple
 
 from msgspec.structs import replace
 
@@ -38,9 +38,6 @@ from tgw.broker.state.versions import VersionRecord
 
 
 MEMO_MAX = 1024  # header shapes remembered by _intake
-# what each request's exit is told (metrics, traces, the slow log, abandonment, guarded rollouts):
-# the requests of one exit, their error code (None: answered with outputs), the clock
-ExitHook = Callable[[list[Pending], "str | None", float], None]
 
 
 class Intake(NamedTuple):
@@ -54,7 +51,7 @@ class Admission:
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
                  shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
                  demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
-                 drained: Callable[[VersionRecord], None] = lambda rec: None, on_finished: Iterable[ExitHook] = ()):
+                 drained: Callable[[VersionRecord], None] = lambda rec: None):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
         self.owed, self.server = owed, cfg.server   # owed: what each caller is owed (its in-flight cap)
@@ -74,11 +71,20 @@ class Admission:
         for m in cfg.models:
             self.declare(m)
         self.open = True
-        # each gets the requests of one exit (leave); the assembly registers them all, in one place:
-        # here, or by setting this once when the last of their owners is built
-        self.on_finished: list[ExitHook] = list(on_finished)
+        # metrics, traces, slow log, ...: each gets the requests of one exit (leave); given once, by
+        # the core's assembly (exits_to), when every part with a hook exists
+        self.on_finished: tuple[Callable[[list[Pending], str | None, float], None], ...] = ()
         self._memo: dict[tuple, tuple] = {}   # shape fields -> (model entry, Shape, output bytes)
         self._memo_generation = registry.generation
+
+    def exits_to(self, *hooks: Callable[[list[Pending], str | None, float], None]) -> None:
+        """Who hears of each request's exit, in order; set once, at assembly."""
+        assert not self.on_finished, "exit hooks are registered once, at assembly"
+        self.on_finished = hooks
+
+    def is_open(self) -> bool:
+        """False once the broker is stopping."""
+        return self.open
 
     def declare(self, m: ModelDecl) -> None:
         """A model's adaptive limit and breakers (a model declared at run time gets them too)."""

@@ -79,6 +79,10 @@ class Batcher:
         self.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels, max_delay_us=m.max_delay_us,
                        preferred=m.preferred_batch_sizes, aging_batches=m.aging_batches)
 
+    def set_max_queue(self, model: str, n: int) -> None:
+        """A served model's queue bound changed (a reload's models[].max_queue)."""
+        self.queues[model].max_queue = n
+
     def queued(self, model: str | None = None) -> int:
         if model is not None:
             return self.queues[model].count

@@ -62,7 +62,7 @@ class Timed:
 
 class VersionCounters:
     """One version's requests and batches, as Triton's statistics extension reports them
-    (broker/http/triton_docs.py builds the document)."""
+    (broker/protocol/triton_docs.py builds the document)."""
     __slots__ = ("success", "fail", "queue", "compute", "inferences", "executions", "last_inference_ms",
                  "batch_compute")
 

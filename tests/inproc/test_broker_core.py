@@ -16,10 +16,11 @@ import pytest
 import zmq
 
 from conftest import base_config
+from rigs import assembled
 from tgw.broker.config.load import parse_config
 from tgw.broker.state.pool import WorkerHandle, WorkerState
-from tgw.broker.server import Broker
-from tgw.shm.errors import Code, fail
+from tgw.broker.core.assembly import assemble
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.segment import Segment, new_name
 from tgw.shm.wire import PROTOCOL_VERSION, Batch, BlockTensor, Done, ErrorReply, Infer, LoadModels, Stats, \
     StatsReply, TensorMeta, WorkerHello, WorkerReady, encode, reply_decoder, to_worker_decoder
@@ -60,8 +61,7 @@ class Rig:
         front, back = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.ROUTER)
         front.bind(self.front_addr)
         back.bind(self.back_addr)
-        self.broker = Broker(cfg, clock=clock)
-        self.broker.attach(asyncio.get_running_loop(), front, back)
+        self.broker = assemble(cfg, asyncio.get_running_loop(), front, back, clock=clock)
         self.client = self.ctx.socket(zmq.DEALER)
         self.client.connect(self.front_addr)
         w = cfg.workers
@@ -81,7 +81,7 @@ class Rig:
     async def start_worker(self) -> None:
         """Spawn (a new life of) the worker and take it through the handshake."""
         self.handle.spawned(None)
-        self.broker.add_worker(self.handle)
+        self.broker.serving.add_worker(self.handle)
         self.worker = self.ctx.socket(zmq.DEALER)
         self.worker.setsockopt(zmq.IDENTITY, self.handle.identity)
         self.worker.connect(self.back_addr)
@@ -205,7 +205,7 @@ def test_lost_worker_request_is_retried_once_then_worker_died(model_files):
             batch = await rig.batch()
             assert [len(t.shape) for t in batch.inputs] == [2] and batch.rows == 1
             rig.handle.exited()                      # the process died holding the batch
-            rig.broker.remove_worker(rig.handle)
+            rig.broker.serving.remove_worker(rig.handle)
             if life == 0:                            # retried on the worker's next life
                 await rig.next_life()
         err = await rig.reply()
@@ -278,7 +278,7 @@ def test_worker_death_after_a_part_retries_only_the_rest(model_files):
         assert (await answer(rig))[0].id == 1
         assert [p.req_id for p in rig.handle.inflight[batch.batch_id].requests] == [2, 3]
         rig.handle.exited()                          # dies holding requests 2 and 3
-        rig.broker.remove_worker(rig.handle)
+        rig.broker.serving.remove_worker(rig.handle)
         await rig.next_life()
         retried = []
         for _ in range(2):                           # each retried alone, request 1 not again
@@ -293,3 +293,24 @@ def test_worker_death_after_a_part_retries_only_the_rest(model_files):
         assert stats["replies"] == 3 and not rig.handle.inflight and not rig.client.poll(0)
 
     run(model_files, scenario, max_inflight_batches_per_worker=1)
+
+
+def test_admission_refuses_while_every_worker_is_benched(model_files):
+    cfg = parse_config(base_config(model_files, "mlp"), base_dir="/", source="test")
+    worker = WorkerHandle(0, "cpu", [], Segment.create(new_name("ring"), 128 << 10), 64 << 10, 64 << 10)
+    try:
+        with assembled(cfg) as broker:
+            broker.registry.models["mlp"].records["1"].seen = True
+            broker.serving.add_worker(worker)
+            req = Infer(v=PROTOCOL_VERSION, id=1, model="mlp", inputs=[TensorMeta(name="x", dtype="float32",
+                                                                                shape=list(X.shape))])
+            worker.benched = "crash loop: worker0[cpu] died 5 times in 60 s"
+            with pytest.raises(TgwError) as info:
+                broker.admission.admit(b"c", req, [zmq.Frame(X.tobytes())])
+            assert info.value.code == Code.MODEL_NOT_READY and info.value.details["reason"] == "crash_loop"
+            assert "died 5 times" in info.value.message
+            worker.benched = ""
+            assert broker.admission.admit(b"c", req, [zmq.Frame(X.tobytes())]).req_id == 1
+    finally:
+        worker.segment.close()
+        worker.segment.unlink()

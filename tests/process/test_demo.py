@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tgw.broker.child import BrokerProc
-from tgw.broker.demo import DEMO_PIPELINES, demo_config, demo_config_data
+from tgw.broker.cli.demo import DEMO_PIPELINES, demo_config, demo_config_data
 from tgw.client import Client, InvalidArgumentError
 
 TGW_BROKER = str(Path(sys.executable).parent / "tgw-broker")

@@ -12,7 +12,7 @@ from datetime import datetime
 import numpy as np
 from conftest import base_config, wait_until
 
-from tgw.broker.control import ask
+from tgw.broker.cli.ask import ask
 from tgw.broker.observe.logs import PER_S, JsonFormatter, SlowRequests
 from tgw.broker.state.pending import Pending
 from tgw.client import Client

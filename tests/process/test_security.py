@@ -24,8 +24,8 @@ from zmq.utils.monitor import recv_monitor_message
 from conftest import base_config
 from tgw.broker.child import BrokerProc
 from tgw.broker.front.auth import curve_server, keygen, load_token, token_ok
-from tgw.broker.cli import main as cli_main
-from tgw.broker.control import Unreachable, ask
+from tgw.broker.cli.main import main as cli_main
+from tgw.broker.cli.ask import Unreachable, ask
 from tgw.broker.config.startup import StartupError
 from tgw.client import Client, ConnectError, UnauthenticatedError
 from tgw.client.settings import server_public_key

@@ -194,7 +194,7 @@ def reg(tmp_path) -> Registry:
         {"name": "any", "versions": [{"version": "1", "path": "m.pt"}], **io, "wire_dtypes": ["float16", "bfloat16"]},
         {"name": "bf", "versions": [{"version": "1", "path": "m.pt"}], **io, "wire_dtypes": ["bfloat16"]},
         {"name": "none", "versions": [{"version": "1", "path": "m.pt"}], **io}]}, base_dir=str(tmp_path))
-    r = Registry(cfg)
+    r = Registry(cfg.models)
     for m in r.models.values():
         m.records["1"].seen = True
     return r

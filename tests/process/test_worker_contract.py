@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from conftest import base_config
+from rigs import assembled
 from tgw.broker.config.load import SupervisorDecl, WorkersDecl, parse_config
 from tgw.broker.config.schema import TracingDecl
 from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.broker.observe import logs, tracing
-from tgw.broker.server import Broker
 from tgw.shm.wire import PROTOCOL_VERSION, WorkerHello
 from tgw.shm.wire_start import BadStart, WorkerStart, decode_start, encode_start
 from tgw.workers.main import run_worker
@@ -54,7 +54,7 @@ def test_the_broker_sets_nothing_in_its_own_environment():
         logs.setup("json")
         assert logs.format_in_use() == "json"
         assert logs.slow_requests(5.0) is not None and logs.slow_requests(None) is None
-        assert tracing.tracer(None, None, "/") is None
+        assert tracing.install(None, None, "/") is None
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
@@ -99,12 +99,13 @@ def test_the_hello_reports_the_host_memory_mode_in_effect(sup):
 
 
 def test_one_roster_written_by_the_supervisor_read_by_the_broker(model_files, sup):
-    broker = Broker(parse_config(base_config(model_files, "mlp"), base_dir="/", source="test"), roster=sup.workers)
-    assert broker.roster is sup.workers and broker.placement.roster is sup.workers
-    old = sup.workers[0]
-    old.spawned(None)
-    broker.add_worker(old)                   # routes only: the roster is the supervisor's to change
-    assert broker.roster == sup.workers and len(sup.workers) == 2 and broker.routes[old.identity] is old
-    old.exited()
-    sup.forget(old)                          # the supervisor's word takes it off both
-    assert broker.roster == [sup.workers[0]] and old not in broker.roster
+    with assembled(parse_config(base_config(model_files, "mlp"), base_dir="/", source="test"),
+                   roster=sup.workers) as broker:
+        assert broker.roster is sup.workers and broker.placement.roster is sup.workers
+        old = sup.workers[0]
+        old.spawned(None)
+        broker.serving.add_worker(old)           # routes only: the roster is the supervisor's to change
+        assert broker.roster == sup.workers and len(sup.workers) == 2 and broker.serving.routes[old.identity] is old
+        old.exited()
+        sup.forget(old)                          # the supervisor's word takes it off both
+        assert broker.roster == [sup.workers[0]] and old not in broker.roster

@@ -35,7 +35,7 @@ def make(tmp_path, *models: dict, **top) -> tuple[Admission, Clock, list]:
     unloaded_model(tmp_path / "m.pt")
     cfg = parse_config({"models": list(models), **top}, str(tmp_path))
     clock, shed = Clock(), []
-    registry = Registry(cfg)
+    registry = Registry(cfg.models)
     for entry in registry.models.values():
         for rec in entry.records.values():
             rec.seen = True

@@ -54,7 +54,7 @@ def adm(tmp_path) -> Admission:
             "outputs": [{"name": "y", "dtype": "bfloat16", "shape": [2]}]}
     cfg = parse_config({"models": [*STAGES, bf16], "server": {"max_request_bytes": MAX_REQUEST,
                         "max_element_bytes": MAX_ELEMENT, "max_elements": 50}}, str(tmp_path))
-    registry = Registry(cfg)
+    registry = Registry(cfg.models)
     for entry in registry.models.values():
         for rec in entry.records.values():
             rec.seen = True

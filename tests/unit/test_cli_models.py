@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tgw.broker import cli, cli_models, control
-from tgw.broker.cli_models import parse_weights
+from tgw.broker.cli import ask as control, main as cli, models as cli_models
+from tgw.broker.cli.models import parse_weights
 from tgw.shm.errors import VersionNotFoundError
 from tgw.shm.wire import (PROTOCOL_VERSION as V, ControlReply, IOSpec, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,
                           SetTraffic, Snapshot, Status, StatusReply, UnloadVersion, VersionInfo, encode,

@@ -6,7 +6,7 @@ import torch
 
 from tgw.broker.config.load import FragmentationDecl
 from tgw.broker.fleet.fragmentation import FragmentationJudge, cuda_waste, need, over_bounds
-from tgw.broker.http.triton_docs import memory_usage
+from tgw.broker.protocol.triton_docs import memory_usage
 from tgw.broker.models.residency import Residency
 from tgw.broker.state.pool import WorkerHandle
 from tgw.shm.wire import Footprint, ModelLoaded, WorkerReady, encode, from_worker_decoder

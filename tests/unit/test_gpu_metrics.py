@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tgw.broker import cli
+from tgw.broker.cli import main as cli
 from tgw.broker.observe.metrics import READINGS, gpu_families
 from tgw.broker.observe.status import gpu_status
 from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, StatusReply

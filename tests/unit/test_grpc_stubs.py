@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO = ROOT / "broker" / "grpc_face" / "proto"
+PROTO = ROOT / "broker" / "faces" / "grpc" / "proto"
 
 
 def test_committed_messages_match_a_fresh_generation(tmp_path):
@@ -16,7 +16,7 @@ def test_committed_messages_match_a_fresh_generation(tmp_path):
 
 
 def test_descriptors_are_tritons():
-    from tgw.broker.grpc_face.proto import grpc_service_pb2, model_config_pb2
+    from tgw.broker.faces.grpc.proto import grpc_service_pb2, model_config_pb2
     from tritonclient.grpc import model_config_pb2 as triton_config, service_pb2 as triton_service
     assert grpc_service_pb2.DESCRIPTOR.serialized_pb == triton_service.DESCRIPTOR.serialized_pb
     assert model_config_pb2.DESCRIPTOR.serialized_pb == triton_config.DESCRIPTOR.serialized_pb

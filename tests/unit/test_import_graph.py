@@ -9,9 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", "client": "tgw.client"}
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it
-WINGS = ["config", "state", "cache", "models", "sched", "front", "pipeline", "canary", "fleet", "observe", "http",
-         "grpc_face"]
-CORE = "core"   # the modules at broker/'s top level: server, main, lifecycle, cli, wiring, ...
+WINGS = ["config", "state", "cache", "models", "sched", "front", "pipeline", "canary", "fleet", "observe", "protocol",
+         "faces"]
+CORE = "core"   # broker/core/ and broker/cli/ (and anything else outside the wings): the assembly and the command line
 
 
 def module_name(path: Path) -> str:
@@ -110,15 +110,31 @@ def test_wings_import_only_downwards():
     assert bad == []
 
 
+def face_of(name: str) -> str | None:
+    """The face a module belongs to (tgw.broker.faces.NAME...), None outside one."""
+    parts = name.split(".")
+    return parts[3] if parts[:3] == ["tgw", "broker", "faces"] and len(parts) > 3 else None
+
+
+def test_no_face_imports_another():
+    """Faces stand beside each other: what two share lives in broker/protocol/ (faces/__init__.py)."""
+    g = graph()
+    assert {face_of(n) for n in g} >= {"http", "grpc"}   # not vacuous: both faces are seen
+    crossing = [f"{name} -> {t}" for name, targets in g.items() if face_of(name) is not None
+                for t in targets if face_of(t) not in (None, face_of(name))]
+    assert crossing == []
+
+
 def test_the_checker_sees_a_circle_and_an_upward_import():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert wing_of("tgw.broker.server") == CORE and wing_of("tgw.broker.front.door") == "front"
+    assert wing_of("tgw.broker.core.serving") == CORE and wing_of("tgw.broker.front.door") == "front"
     assert wing_of("tgw.client.client") is None
+    assert face_of("tgw.broker.faces.grpc.proto.grpc_service_pb2") == "grpc" and face_of("tgw.broker.faces") is None
 
 
 def test_no_wing_takes_the_broker():
     """Only the core knows the Broker: no wing imports server.py (checked above) nor names it."""
     takes = re.compile(r"""(:\s*|["'])Broker\b""")   # `b: Broker`, `"Broker"` (a type, not BrokerView)
-    named = [str(f.relative_to(ROOT)) for w in WINGS for f in (ROOT / "broker" / w).glob("*.py")
+    named = [str(f.relative_to(ROOT)) for w in WINGS for f in (ROOT / "broker" / w).rglob("*.py")
              if takes.search(f.read_text())]
     assert named == []

@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from tgw.broker.control import Unreachable
-from tgw.broker.control import server_public_key as broker_key
+from tgw.broker.cli.ask import Unreachable
+from tgw.broker.cli.ask import server_public_key as broker_key
 from tgw.client import ConnectError
 from tgw.client.settings import server_public_key as client_key
 from tgw.shm import ring

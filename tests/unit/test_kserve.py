@@ -1,4 +1,4 @@
-"""The KServe v2 codec (broker/http/kserve.py) as a pure function: bodies in, Infer + frames out."""
+"""The KServe v2 codec (broker/protocol/kserve.py) as a pure function: bodies in, Infer + frames out."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tgw.broker.http import kserve
+from tgw.broker.protocol import kserve
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import InferReply, TensorMeta
 

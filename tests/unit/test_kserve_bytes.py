@@ -1,4 +1,4 @@
-"""KServe v2 BYTES and BF16 tensors (broker/http/kserve.py, kserve_tensors.py): JSON and binary
+"""KServe v2 BYTES and BF16 tensors (broker/protocol/kserve.py): JSON and binary
 request data to the ring's bytes, replies back to JSON or binary; a binary BYTES input exactly as
 tritonclient serialises it; hostile length prefixes refused by the broker's layout check."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tritonclient.utils import serialize_byte_tensor
 
 from tgw.broker.config.schema import ServerDecl
 from tgw.broker.sched.inbound import tensor_bytes
-from tgw.broker.http import kserve
+from tgw.broker.protocol import kserve
 from tgw.shm.bytes_tensor import pack
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import InferReply, TensorMeta

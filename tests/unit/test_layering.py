@@ -26,6 +26,9 @@ print(json.dumps(sorted(sys.modules)))
 
 TGW = ("tgw.shm", "tgw.client", "tgw.broker", "tgw.workers")
 SERVER_ONLY = ("uvloop", "psutil", "pynvml", "yaml", "pydantic", "aiohttp", "prometheus_client", "orjson", "opentelemetry")
+GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf")
+PROTOCOL = ["tgw.broker.protocol", "tgw.broker.protocol.door", "tgw.broker.protocol.errors", "tgw.broker.protocol.kserve",
+            "tgw.broker.protocol.repository", "tgw.broker.protocol.triton_docs", "tgw.broker.protocol.triton_shm"]
 
 # package -> (modules to import, packages that must not be loaded)
 CASES = {
@@ -34,11 +37,20 @@ CASES = {
             ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", *SERVER_ONLY]),
     "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
                ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
-    "broker": (["tgw.broker", "tgw.broker.main", "tgw.broker.cli", "tgw.broker.server", "tgw.broker.lifecycle",
+    "broker": (["tgw.broker", "tgw.broker.core.run", "tgw.broker.cli", "tgw.broker.core.assembly", "tgw.broker.core.lifecycle",
                 "tgw.broker.sched.admission", "tgw.broker.fleet.handshake", "tgw.broker.observe.status", "tgw.broker.front.endpoints"],
                ["tgw.client", "tgw.workers", "torch"]),
     "workers": (["tgw.workers", "tgw.workers.main"],
                 ["tgw.client", "tgw.broker"]),
+    # face-neutral: no face's framework, and no face (orjson is allowed: a JSON codec)
+    "protocol": (PROTOCOL, ["aiohttp", *GRPC, "tgw.broker.faces", "tgw.client", "tgw.workers", "torch"]),
+    # the faces stand beside each other: neither loads the other, nor its framework
+    "grpc_face": (["tgw.broker.faces.grpc", "tgw.broker.faces.grpc.face", "tgw.broker.faces.grpc.infer",
+                   "tgw.broker.faces.grpc.services", "tgw.broker.faces.grpc.status_codes", "tgw.broker.faces.grpc.tensors"],
+                  ["tgw.broker.faces.http", "aiohttp", "tgw.client", "tgw.workers", "torch"]),
+    "http_face": (["tgw.broker.faces.http", "tgw.broker.faces.http.face", "tgw.broker.faces.http.answers",
+                   "tgw.broker.faces.http.repository_routes", "tgw.broker.faces.http.shm_routes"],
+                  ["tgw.broker.faces.grpc", *GRPC, "tgw.client", "tgw.workers", "torch"]),
 }
 
 
@@ -63,10 +75,14 @@ def test_import_layering(package, tmp_path):
         assert "msgspec" in loaded and "numpy" in loaded
     if package == "workers":
         assert "torch" in loaded                     # workers are the one place torch lives
+    if package == "grpc_face":
+        assert "grpc" in loaded and "tgw.broker.protocol.kserve" in loaded   # not vacuous
+    if package == "http_face":
+        assert "aiohttp" in loaded and "tgw.broker.protocol.kserve" in loaded
 
 
 def test_client_and_broker_together_import_no_torch(tmp_path):
-    loaded = loaded_modules(["tgw.client", "tgw.broker", "tgw.broker.main"], tmp_path)
+    loaded = loaded_modules(["tgw.client", "tgw.broker", "tgw.broker.core.run"], tmp_path)
     assert offenders(loaded, ["torch", "tgw.workers"]) == []
 
 

@@ -62,7 +62,7 @@ def test_nginx_accepts_each_recipe_rendered_in_a_private_prefix(recipe, tmp_path
 
 
 def test_the_template_starts_one_broker_per_instance_config():
-    from tgw.broker.cli import build_parser
+    from tgw.broker.cli.main import build_parser
     unit = unit_directives(open(TEMPLATE).read())
     (pre,), (start,) = unit["Service.ExecStartPre"], unit["Service.ExecStart"]
     assert shlex.split(pre) == ["/opt/tgw/.venv/bin/tgw-broker", "check-config", "/etc/tgw/%i.yaml"]

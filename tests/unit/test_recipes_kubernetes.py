@@ -153,7 +153,7 @@ def test_the_checker_catches_unknown_keys_and_missing_fields():
 
 
 def start_args(container: dict):
-    from tgw.broker.cli import build_parser
+    from tgw.broker.cli.main import build_parser
     assert container["command"] == ["tgw-broker"]
     args = build_parser().parse_args(container["args"])   # exits (fails the test) on an unknown flag
     assert args.cmd == "start" and args.config == "/mnt/models/tgw.yaml"

@@ -30,7 +30,7 @@ def reg(tmp_path) -> Registry:
         {"name": "var", "versions": [{"version": "1", "path": "v1.pt"}], "inputs": VAR_INPUTS,
          "outputs": [{"name": "logits", "dtype": "float16", "shape": [-1, 3]}], "max_batch_size": MAX_ROWS},
     ]}, base_dir=str(tmp_path))
-    r = Registry(cfg)
+    r = Registry(cfg.models)
     r.models["fixed"].records["1"].seen = True   # as a worker's ready message marks them
     r.models["var"].records["1"].seen = True
     return r

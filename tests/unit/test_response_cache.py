@@ -145,7 +145,7 @@ def config(tmp_path, *models: dict):
 
 def admission(tmp_path, *models: dict) -> tuple[Admission, Registry, Clock]:
     cfg, clock = config(tmp_path, *models), Clock()
-    registry = Registry(cfg)
+    registry = Registry(cfg.models)
     for entry in registry.models.values():
         for rec in entry.records.values():
             rec.seen = True
@@ -200,7 +200,7 @@ def stored(registry: Registry, version: str, data: bytes = b"a" * 16) -> None:
 
 
 def test_a_swap_drops_the_drained_versions_answers_at_once(tmp_path):
-    registry = Registry(config(tmp_path, model(versions=("1", "2"), default_version="1", **CACHED)))
+    registry = Registry(config(tmp_path, model(versions=("1", "2"), default_version="1", **CACHED)).models)
     stored(registry, "1")
     stored(registry, "2")
     registry.flip("m", {"2": FULL_WEIGHT}, drain=["1"])
@@ -211,7 +211,7 @@ def test_a_swap_drops_the_drained_versions_answers_at_once(tmp_path):
 
 
 def test_retire_and_remove_drop_answers(tmp_path):
-    registry = Registry(config(tmp_path, model(versions=("1", "2"), default_version="1", **CACHED)))
+    registry = Registry(config(tmp_path, model(versions=("1", "2"), default_version="1", **CACHED)).models)
     stored(registry, "1")
     stored(registry, "2")
     entry = registry.models["m"]
@@ -223,7 +223,7 @@ def test_retire_and_remove_drop_answers(tmp_path):
 
 def test_a_redeclared_cache_starts_empty_and_an_unchanged_one_keeps_its_answers(tmp_path):
     cfg = config(tmp_path, model(**CACHED))
-    registry = Registry(cfg)
+    registry = Registry(cfg.models)
     stored(registry, "1")
     old = registry.models["m"].cache
     registry.redeclare(cfg.models[0].model_copy(update={"timeout_ms": 5}))

@@ -122,13 +122,12 @@ def test_shadows_copy_their_fraction_of_answered_requests_exactly():
 def test_guards_decide_once_and_count():
     clock = Clock()
     shadows = Shadows({}, lambda p: True, lambda m, v: None, clock)
-    decided = []
-    guards = Guards(shadows, clock, lambda *d: decided.append(d))
+    guards = Guards(shadows, clock)
     guards.watch("m", "2", "canary", RolloutPolicy(promote_after_requests=3, min_requests=3))
     ok = [SimpleNamespace(version="2", model="m", arrived=clock.t - 0.01, client=b"c") for _ in range(3)]
     guards.exits(ok, None, clock.t)
-    guards.check(clock.t)
-    guards.check(clock.t)                           # decided already: not twice
+    decided = guards.check(clock.t)
+    decided += guards.check(clock.t)                # decided already: not twice
     assert [d[0] for d in decided] == ["promote"] and guards.counts[("m", "promote")] == 1
     assert guards.status()["decisions"][0]["figures"]["requests"] == 3
     guards.gone("m", ["2"])

@@ -53,10 +53,10 @@ def test_a_handler_file_is_confined_and_made_absolute(base):
     cfg = parse_config(config(stage(options={"tag": "x"}, device="cpu")), str(base))
     v = cfg.model("echo").versions[0]
     assert v.handler == f"{base}/models/stages.py:Echo" and v.format == "stage" and v.path is None
-    spec = Registry(cfg).models["echo"].spec(Registry(cfg).models["echo"].records["1"])
+    spec = Registry(cfg.models).models["echo"].spec(Registry(cfg.models).models["echo"].records["1"])
     assert (spec.format, spec.handler, spec.device, spec.options, spec.path) == \
         ("stage", v.handler, "cpu", {"tag": "x"}, "")
-    model = Registry(cfg).models["m"]
+    model = Registry(cfg.models).models["m"]
     assert model.spec(model.records["1"]).device == "" and model.spec(model.records["1"]).options == {}
 
 
@@ -134,7 +134,7 @@ class FakeWorker:
 
 def test_each_worker_loads_what_its_role_holds(base):
     cfg = parse_config(config(stage(), stage("AddOne", device="cuda")), str(base))
-    registry = Registry(cfg)
+    registry = Registry(cfg.models)
     hs = Handshake(registry)
     loads = {}
     for role, device in [("models", "cuda:0"), ("stages", "cpu"), ("models+stages", "cpu"), ("models", "cpu")]:

@@ -17,7 +17,6 @@ from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.state.pool import Inflight, WorkerHandle
-from tgw.broker.server import Broker
 from tgw.broker.fleet.supervisor import Supervisor
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
@@ -117,21 +116,6 @@ def test_crash_loop_benches_the_worker_until_it_starts_well():
         assert w.benched == ""
     finally:
         sup.stop()
-
-
-def test_admission_refuses_while_every_worker_is_benched(model_files, worker):
-    broker = Broker(parse_config(base_config(model_files, "mlp"), base_dir="/", source="test"))
-    broker.registry.models["mlp"].records["1"].seen = True
-    broker.add_worker(worker)
-    x = np.zeros((1, 256), np.float32)
-    req = Infer(v=PROTOCOL_VERSION, id=1, model="mlp", inputs=[TensorMeta(name="x", dtype="float32", shape=[1, 256])])
-    worker.benched = "crash loop: worker0[cpu] died 5 times in 60 s"
-    with pytest.raises(TgwError) as info:
-        broker.admission.admit(b"c", req, [zmq.Frame(x.tobytes())])
-    assert info.value.code == Code.MODEL_NOT_READY and info.value.details["reason"] == "crash_loop"
-    assert "died 5 times" in info.value.message
-    worker.benched = ""
-    assert broker.admission.admit(b"c", req, [zmq.Frame(x.tobytes())]).req_id == 1
 
 
 def test_a_suspect_batch_runs_on_a_worker_holding_nothing_else(worker):

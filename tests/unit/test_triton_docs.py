@@ -1,9 +1,9 @@
-"""The Triton config and statistics builders (broker/http/triton_docs.py) on real entries and counters."""
+"""The Triton config and statistics builders (broker/protocol/triton_docs.py) on real entries and counters."""
 from __future__ import annotations
 
 from conftest import placeholder_model
 from tgw.broker.config.load import ModelDecl
-from tgw.broker.http import triton_docs as td
+from tgw.broker.protocol import triton_docs as td
 from tgw.broker.models.entry import ModelEntry
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.stats import Stats

@@ -1,4 +1,4 @@
-"""The registry of Triton's client shared memory (broker/http/triton_shm.py) without a broker:
+"""The registry of Triton's client shared memory (broker/protocol/triton_shm.py) without a broker:
 CUDA regions become the descriptors the CUDA IPC path takes, who may register, peer uids."""
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 
 from tgw.broker.front import cuda_route
 from tgw.broker.front.cuda_route import REGISTERED, Declared
-from tgw.broker.http.shm_access import Caller, check_caller, tcp_peer_uid
-from tgw.broker.http.triton_shm import TritonShm
+from tgw.broker.protocol.triton_shm import Caller, TritonShm, check_caller, tcp_peer_uid
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, IOSpec, TensorMeta
 

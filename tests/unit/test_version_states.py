@@ -32,7 +32,7 @@ def cfg_dir(tmp_path):
 def reg(cfg_dir) -> Registry:
     """"a": versions 1 (the default) and 2, both ready; "b": version 1."""
     return Registry(parse_config({"models": [model("a", ["1", "2"], default_version="1"), model("b", ["1"])]},
-                                 base_dir=str(cfg_dir)))
+                                 base_dir=str(cfg_dir)).models)
 
 
 def states(reg: Registry, name: str = "a") -> dict[str, tuple[str, int]]:

@@ -1,0 +1,239 @@
+"""The broker's serving core: requests in the queues, batches to workers, workers' deaths.
+
+Everything here runs as plain callbacks on one uvloop loop: one pump per loop turn forms
+batches for workers with room (so a burst drained from the socket becomes one batch, not
+many). It owns routing to workers (the roster it reads is the supervisor's), the batch
+sequence and the back socket; queues live in batcher, checks in admission, the clients' side
+in frontdoor, what workers send in worker_messages, the worker handshake in handshake,
+versions on workers in placement, the answers no worker gives in unserved. The phase is its
+own small part (phase.py), which the lifecycle alone moves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+
+from tgw.shm.errors import Code, fail
+from tgw.shm.wire import Release, Stop, encode, model_key
+
+from tgw.broker.fleet.handshake import Handshake, death_error
+from tgw.broker.fleet.memory import MemoryWatch
+from tgw.broker.front.frontdoor import FrontDoor
+from tgw.broker.front.sockets import Pump
+from tgw.broker.models.placement import Placement
+from tgw.broker.models.registry import Registry
+from tgw.broker.models.replay import ReplayRecorder
+from tgw.broker.sched.admission import Admission
+from tgw.broker.sched.alarm import Alarm
+from tgw.broker.sched.batcher import Batcher
+from tgw.broker.sched.costmodel import CostModel
+from tgw.broker.sched.unserved import Unserved
+from tgw.broker.state.pool import WorkerHandle, WorkerState
+
+from .phase import BrokerPhase, Phase
+
+log = logging.getLogger("tgw.broker")
+
+
+class WorkerLink:
+    """The back socket: built with the sockets, so placement and the memory watch can be given
+    `send`; it listens once the core that handles what workers send exists."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket):
+        self.loop, self.sock = loop, sock
+        self.pump: Pump | None = None
+
+    def listen(self, handler: Callable[[list], None], after: Callable[[], None]) -> None:
+        self.pump = Pump(self.loop, self.sock, handler, after=after)
+
+    def send(self, ident: bytes, msg) -> None:
+        self.pump.send([ident, encode(msg)])
+
+    def drain(self) -> None:
+        """Read what workers sent now (a dying worker's last words before its death is handled)."""
+        if self.pump is not None:
+            self.pump.drain()
+
+    def close(self) -> None:
+        if self.pump is not None:
+            self.pump.close()
+        else:
+            self.sock.close(linger=0)
+
+
+class Serving:
+    def __init__(self, *, clock: Callable[[], float], phase: BrokerPhase, roster: list[WorkerHandle],
+                 registry: Registry, batcher: Batcher, costs: CostModel, admission: Admission,
+                 placement: Placement, unserved: Unserved, handshake: Handshake, memory: MemoryWatch,
+                 replay: ReplayRecorder, door: FrontDoor, back: WorkerLink, loop: asyncio.AbstractEventLoop,
+                 max_inflight: int, enrols: bool = False):
+        self.clock, self.phase, self.roster = clock, phase, roster
+        self.registry, self.batcher, self.costs, self.admission = registry, batcher, costs, admission
+        self.placement, self.unserved, self.handshake, self.memory = placement, unserved, handshake, memory
+        self.replay, self.door, self.back = replay, door, back
+        self.max_inflight = max_inflight   # server.max_inflight_batches_per_worker
+        # the roster is the supervisor's list, which it alone changes; a core made without a
+        # supervisor (the test rigs) enrols workers itself, in add_worker
+        self._enrols = enrols
+        self.routes: dict[bytes, WorkerHandle] = {}       # identity -> worker whose process lives
+        self.alarm = Alarm(loop, self.schedule)   # a held batch due, or the next request to expire
+        self.loop = loop
+        self.batch_seq = 0
+        self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
+
+    # ---- control: called by the lifecycle -----------------------------------------------------
+
+    def add_worker(self, w: WorkerHandle) -> None:
+        """Route messages from (a new life of) this worker, and of its heartbeat thread, to it."""
+        if self._enrols and w not in self.roster:
+            self.roster.append(w)
+        self.routes[w.identity] = self.routes[w.control_identity] = self.routes[w.loader_identity] = w
+
+    def remove_worker(self, w: WorkerHandle) -> None:
+        """The worker's process is gone: retry its in-flight requests once elsewhere, answer the rest."""
+        for ident in (w.identity, w.control_identity, w.loader_identity):
+            self.routes.pop(ident, None)
+        self.memory.forget(w)
+        for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
+            self.door.abandon.withdrawn(place.request.model, "computing")
+        again, gone = self.handshake.lost(w, retry=self.phase.now is not Phase.STOPPING)
+        for p in reversed(again):
+            self.batcher.push(p, front=True)
+        for p in gone:
+            self.door.fail(p, death_error(w, p))
+        self.schedule()
+
+    def tick(self, now: float) -> None:
+        """Periodic work: answer what expired or cannot run (unserved.py), breakers, snapshots."""
+        self.unserved.sweep(now, self.phase.now is Phase.STOPPING)
+        self.admission.breakers.check(now)
+        self.memory.snapshots.tick(now)
+        self.door.tick()
+
+    def abandon(self, message: str) -> None:
+        self.unserved.everything(message)
+
+    def snapshot(self, msg, answer: Callable) -> None:
+        """A client's memory snapshot request (front door): of the workers it names."""
+        self.memory.request(self.roster, msg, self.clock(), answer)
+
+    def admit_copy(self, p) -> bool:
+        """A shadow copy (canary/shadow.py) into the queues; the pump is due for each one queued."""
+        queued = self.admission.copies.admit(p)
+        if queued:
+            self.schedule()
+        return queued
+
+    def withdraw(self, wanted) -> list:
+        """The requests on workers that `wanted(p)` picks, taken out of their batches (nobody waits
+        for them); each worker told at once, for batches it may not have launched (front/abandon.py)."""
+        taken = []
+        for w in self.roster:
+            if w.inflight:
+                hits, asks = w.withdraw(wanted)
+                for ask in asks:
+                    self.back.send(w.identity, ask)
+                taken += hits
+        return taken
+
+    def busy(self) -> bool:
+        return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
+
+    def close(self) -> None:
+        self.alarm.cancel()
+        self.door.close()
+        self.back.close()
+
+    def stop_worker(self, w: WorkerHandle) -> None:
+        if w.state in (WorkerState.STARTING, WorkerState.READY):
+            w.told_to_stop()
+            self.back.send(w.identity, Stop())
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def schedule(self) -> None:
+        if self._pump_handle is None:
+            self._pump_handle = self.loop.call_soon(self.pump)
+
+    def flush(self) -> None:
+        """At the end of a drain pass: form the batches now rather than on the next loop turn."""
+        if self._pump_handle is not None:
+            self.pump()
+
+    def pump(self) -> None:
+        """Hand batches to workers with room, round-robin over models, until nothing moves."""
+        if self._pump_handle is not None:
+            self._pump_handle.cancel()
+            self._pump_handle = None
+        full: set[int] = set()
+        moved = True
+        now = self.clock()
+        for p in self.batcher.expired_heads(now):
+            self.door.fail(p, self.unserved.expired(p))
+        while moved:
+            moved = False
+            for model in self.batcher.models_with_work():
+                head = self.batcher.head(model, now)
+                worker = self._pick(model_key(model, head.version), full, head)
+                if worker is None:
+                    if head.record is not None and head.record.on_demand:  # evicted while it waited: load again
+                        self.placement.demand(head.record, float("inf"))
+                    continue
+                hold = self.batcher.hold_until(model, worker.worker_id, now)
+                if worker.inflight:  # stage the next batch just in time, not behind the one computing
+                    hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
+                if hold is not None and hold > now:  # worth waiting: come back then
+                    self.alarm.at(hold, now)
+                    continue
+                if self._dispatch(model, worker, now):
+                    moved = True
+                else:
+                    full.add(worker.worker_id)
+        due = self.batcher.next_due()
+        if due is not None:  # answer the next request to expire when it does, not at the next sweep
+            self.alarm.at(due, now)
+        for w in self.roster:
+            # releases ride on the next batch; a busy worker with none coming may need the space
+            if w.releases and w.inflight:
+                self.back.send(w.identity, Release(blocks=w.take_releases()))
+
+    def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
+        best = None
+        for w in self.roster:
+            if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head):
+                if best is None or len(w.inflight) < len(best.inflight):
+                    best = w
+        return best
+
+    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
+        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now)
+        # compute is wasted on a request its batch cannot answer before its deadline; a staged
+        # batch starts when the one computing is predicted to end
+        start = max(now, worker.free_at) if worker.inflight else now
+        done_by = start + self.costs.predict(model, sum(p.rows for p in batch), worker.worker_id)
+        live = []
+        for p in batch:
+            if p.deadline <= done_by:
+                self.door.fail(p, fail(Code.DEADLINE_EXCEEDED, "deadline passed while queued" if p.deadline <= now
+                                       else "its batch is predicted to finish after its deadline",
+                                       predicted_ms=round((done_by - now) * 1000, 3)))
+            else:
+                p.dispatch(now)
+                live.append(p)
+        if not live:
+            return True
+        self.batch_seq += 1
+        entry = self.registry.models[model]
+        msg = worker.stage(self.batch_seq, live, entry.inputs)
+        if msg is None:  # input arena full until a completion frees a block
+            for p in reversed(live):
+                self.batcher.push(p, front=True)
+            return False
+        self.replay.record(entry, live)
+        self.back.send(worker.identity, msg)
+        worker.batch_sent(msg.batch_id, done_by, now)   # its version's last use: least recently used goes first
+        return True
+
