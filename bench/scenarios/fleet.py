@@ -2,13 +2,14 @@
 
 Three brokers (one CPU worker each, model "m": version k computes x + k) behind HAProxy
 (configs/haproxy/tgw.cfg as the checkout has it, addresses replaced: harness/haproxy.py),
-closed-loop HTTP load at c=32 (harness/fleet.py: every answer checked), one phase per
-scenario (below, each under load, each returning its figures and whether its goal was met): SIGKILL one broker mid-run, a rolling restart, scale-up from
-two to three, scaling (one broker on one core against two on two), a hot swap v1 -> v2 across
-the fleet and a hot swap v2 -> v3 behind the consistent-hash variant (tgw-hash.cfg). Prints
-one table and writes bench/results/fleet-<timestamp>[-quick].json. Every process it starts
-is stopped by its PID at the end, also on errors, Ctrl-C and SIGTERM. Exit status: 0 every
-phase ran and every answer was right (the goals are the table's `met` column), 1 otherwise.
+closed-loop HTTP load at c=32 (harness/fleet.py: every answer checked), one phase per scenario
+(below, each under load, each returning its figures and whether its goal was met): SIGKILL one
+broker mid-run, a rolling restart, scale-up from two to three, scaling (one broker on one core
+against two on two), a hot swap v1 -> v2 across the fleet and a hot swap v2 -> v3 behind the
+consistent-hash variant (tgw-hash.cfg). Prints one table and writes
+bench/results/fleet-<timestamp>[-quick].json. Every process it starts is stopped by its PID at the
+end, also on errors, Ctrl-C and SIGTERM. Exit status: 0 every phase ran and every answer was right
+(the goals are the table's `met` column), 1 otherwise.
 """
 from __future__ import annotations
 
