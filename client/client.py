@@ -30,7 +30,7 @@ from .results import InferResult, health_dict, model_dict, stats_dict, status_di
 from .retry import REREGISTER, Attempts, RetryPolicy
 from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
 from .transport import ENOTSUP, EVENTS, NOBLOCK, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
-from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/overload_load.py
+from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/harness/openloop.py
 
 
 class Client:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with CUDA and no network: the GPU tests, then the GPU bench
-# (bench/gpu_bench.py), one summary at the end. It uses the machine's own Python and CUDA torch
-# (never scripts/setup-venv.sh, which installs the CPU torch): the packages that Python lacks come
-# from .whl/, which `bash scripts/gpu-wheels.sh` fills on a machine with network, and tgw is
-# imported from this checkout through a folder of links, not installed.
+# (`tgw-bench gpu`, bench/scenarios/gpu.py), one summary at the end. It uses the machine's own
+# Python and CUDA torch (never scripts/setup-venv.sh, which installs the CPU torch): the packages
+# that Python lacks come from .whl/, which `bash scripts/gpu-wheels.sh` fills on a machine with
+# network, and tgw is imported from this checkout through a folder of links, not installed.
 #
 #   bash scripts/gpu-check.sh
 #   bash scripts/gpu-check.sh --summary   # the summary of the run in $OUT again, running nothing
@@ -131,10 +131,10 @@ fi
 tgw_here() {
     "$PY" - "$ROOT" <<'EOF' 2>/dev/null
 import os, sys
-import tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench
+import tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench, tgw.testing
 root = os.path.realpath(sys.argv[1])
 sys.exit(0 if all(os.path.realpath(m.__file__).startswith(root + os.sep)
-                  for m in (tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench)) else 1)
+                  for m in (tgw.broker, tgw.workers, tgw.shm, tgw.client, tgw.bench, tgw.testing)) else 1)
 EOF
 }
 if tgw_here && [ "$("$PY" -c 'import tgw; print(list(tgw.__path__)[0])')" != "$SITE/tgw" ]; then
@@ -142,8 +142,8 @@ if tgw_here && [ "$("$PY" -c 'import tgw; print(list(tgw.__path__)[0])')" != "$S
 else   # (again, on a second run: the links and the script are remade, which changes nothing)
     mkdir -p "$SITE/tgw" "$SITE/tgw-bin"   # not $SITE/bin: pip --target --upgrade replaces that one
     : >"$SITE/tgw/__init__.py"
-    for pkg in broker workers shm client bench; do      # [tool.setuptools] package-dir
-        ln -sfn "$ROOT/$pkg" "$SITE/tgw/$pkg"
+    for link in broker=broker workers=workers shm=shm client=client bench=bench testing=bench/testing; do
+        ln -sfn "$ROOT/${link#*=}" "$SITE/tgw/${link%%=*}"   # [tool.setuptools] package-dir: tgw.NAME = DIR
     done
     printf '#!/bin/sh\nexec "%s" -m tgw.broker "$@"\n' "$PY" >"$SITE/tgw-bin/tgw-broker"   # the console script
     chmod +x "$SITE/tgw-bin/tgw-broker"
@@ -181,9 +181,9 @@ tests=${PIPESTATUS[0]}
 printf 'tests=%s\nfiles=%s\n' "$tests" "${files[*]}" >"$OUT/exits.txt"
 
 # 5. the GPU bench
-echo "gpu-check: python -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick}"
+echo "gpu-check: tgw-bench gpu ${TGW_BENCH_ARGS:---quick}"
 # shellcheck disable=SC2086 # TGW_BENCH_ARGS is a list of arguments
-timeout -k 30 "${TGW_BENCH_TIMEOUT:-240}" "$PY" -m tgw.bench.gpu_bench ${TGW_BENCH_ARGS:---quick} \
+timeout -k 30 "${TGW_BENCH_TIMEOUT:-240}" "$PY" -m tgw.bench.cli gpu ${TGW_BENCH_ARGS:---quick} \
     --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench=$bench" >>"$OUT/exits.txt"

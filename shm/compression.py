@@ -4,8 +4,8 @@ broker (a reply's outputs, `Infer.compress_outputs: "auto"`) both apply.
 A tensor is compressed when it is at least AUTO_MIN_BYTES and lz4 shrinks a sample of it (a few
 stripes spread over its bytes) to at most AUTO_MAX_RATIO of its size; a compressed frame that
 came out no smaller than the raw bytes is sent raw after all. The caller passes the compressor
-(shm stays free of lz4). The figures behind the numbers are in bench/compress_bench.py
-(`python -m tgw.bench.compress_bench --rule`) and docs/PROTOCOL.md section 4:
+(shm stays free of lz4). The figures behind the numbers are in bench/scenarios/compress.py
+(`tgw-bench compress --rule`) and docs/PROTOCOL.md section 4:
 
 * lz4 compress + decompress costs ~0.15-0.6 ms per MiB of raw bytes on data it shrinks below
   ~12 %, 0.8-1.4 ms/MiB at a ratio of 0.1-0.2 and 2.2-2.4 ms/MiB at 0.3-0.9 (a 2-core box);

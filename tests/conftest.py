@@ -19,7 +19,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client, TgwError
 from tgw.shm.segment import list_segments
 

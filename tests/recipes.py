@@ -11,7 +11,7 @@ import re
 import shutil
 import socket
 
-from tgw.broker.child import Proc
+from tgw.testing.child import Proc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAPROXY_RECIPES = [os.path.join(ROOT, "configs", "haproxy", n) for n in ("tgw.cfg", "tgw-hash.cfg")]

@@ -1,6 +1,6 @@
 """The demo pipelines run in one process, batched: the same stage classes (tgw.workers.demo_stages)
 and the same model files, loaded as the worker loads them (`load_in_process`). scripts/demo_traffic.py
-checks every served answer against these, and bench/pipeline_bench.py's floor row runs them.
+checks every served answer against these, and the retired pipeline bench's floor row ran them.
 
     classify:   image bytes -> DecodeImage -> resnet -> TopK -> labels bytes [5], scores float32 [5]
     embed-text: text bytes  -> Tokenize    -> embed  -> L2Normalize -> embedding float32 [32]

@@ -26,7 +26,7 @@ LABELS_FILE, TOKENIZER_FILE, IMAGES_DIR = "labels.txt", "tokenizer.json", "image
 
 class Sleep:
     """Passes x through after sleeping options.ms (default 5) milliseconds per batch: a
-    pre-processing stage of known cost that leaves the cores to the rest (bench/pipeline_bench.py)."""
+    pre-processing stage of known cost that leaves the cores to the rest (the retired pipeline bench)."""
 
     def setup(self, context) -> None:
         self.seconds = float(context.options.get("ms", 5)) / 1e3

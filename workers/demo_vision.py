@@ -2,7 +2,7 @@
 normalised float32 [3, 64, 64]) and TopK (logits -> top-5 labels and softmax scores); the
 synthetic JPEGs the demo traffic and the bench send, and the 1000 labels, all made locally.
 
-How DecodeImage decodes was measured (bench/decode_choice.py, bench/results/decode_choice.json,
+How DecodeImage decodes was measured (the retired decode_choice bench, bench/results/decode_choice.json,
 mean decode + resize of the demo images on one core): simplejpeg with its DCT-domain downscale to
 no less than 64x64, then one Pillow resize, 163 us; Pillow in draft mode 251 us; Pillow 375 us
 (torchvision was not installed). Pillow's draft mode is the fallback where simplejpeg is missing.
@@ -65,7 +65,7 @@ def write_images(folder: str) -> list[str]:
     return paths
 
 
-# ---- decoders: JPEG bytes -> uint8 [64, 64, 3] (bench/decode_choice.py times each) ----------------
+# ---- decoders: JPEG bytes -> uint8 [64, 64, 3] (decode_choice.json times each) ----------------
 
 def decode_pillow(data: bytes) -> np.ndarray:
     from PIL import Image

@@ -16,7 +16,7 @@ import zmq
 
 from conftest import base_config, wait_until
 from tally import Tally, row
-from tgw.broker.child import Proc
+from tgw.testing.child import Proc
 from tgw.client import Client
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Infer, TensorMeta, encode, reply_decoder
 

@@ -2,7 +2,7 @@
 LoadModel whose spec carries a Replay runs every replayed shape at every batch size, round after
 round, until settled; max_s ends it unsettled yet loaded; a load without one is as before.
 
-The model sleeps on its first call per shape (tgw.bench.slow_first, in this process), and counts
+The model sleeps on its first call per shape (tgw.testing.slow_first, in this process), and counts
 its calls per shape: what ran is observed in the model itself, not only in the report. No
 assertion on a duration but the sleep's own lower bound."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from test_worker_loader import side  # noqa: F401 - the loader fixture
-from tgw.bench.slow_first import IO, calls, save_slow_first
+from tgw.testing.slow_first import IO, calls, save_slow_first
 from tgw.shm.wire import IOSpec, ModelSpec, Replay, ReplayBatch
 
 SLEEP_MS = 50.0

@@ -18,14 +18,16 @@ import tempfile
 
 import pytest
 
-from tgw.bench import cli, comparison, ratios, report
-from tgw.bench.baselines import EchoServer, floor_row, run_floors
-from tgw.broker.child import BrokerProc
-from tgw.bench.loadgen import LoadSpec, _Recorder, _run_one
-from tgw.bench.measure import loadgen_drive, measure, stats_diff
-from tgw.bench.wrk import parse_wrk, wrk_lua
-from tgw.bench.targets import HEADER_LENGTH, CallError, HttpTarget, ZmqEchoTarget, make_inputs, v2_body
+from tgw.bench import cli
+from tgw.bench.harness import comparison, report
+from tgw.bench.harness.baselines import EchoServer, floor_row, run_floors
+from tgw.bench.harness.loadgen import LoadSpec, _Recorder, _run_one
+from tgw.bench.harness.measure import loadgen_drive, measure, stats_diff
+from tgw.bench.harness.targets import HEADER_LENGTH, CallError, HttpTarget, ZmqEchoTarget, make_inputs, v2_body
+from tgw.bench.harness.wrk import parse_wrk, wrk_lua
 from tgw.shm.segment import list_segments
+from tgw.testing.child import BrokerProc
+from tgw.testing.demo import demo_models, tgw_config
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +39,12 @@ def bench_dir():
 
 @pytest.fixture(scope="module")
 def models(bench_dir):
-    return comparison.demo_models(os.path.join(bench_dir, "models"))
+    return demo_models(os.path.join(bench_dir, "models"))
 
 
 @pytest.fixture(scope="module")
 def broker(bench_dir, models):
-    srv = BrokerProc(comparison.tgw_config(models, ["mlp"], 1), bench_dir)
+    srv = BrokerProc(tgw_config(models, ["mlp"], 1), bench_dir)
     try:
         yield srv.start(timeout=60)
     finally:
@@ -184,7 +186,7 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     tgw_http_bin = {**_row(1800, 4.5), "generator": http, "cpu_us_per_request": {"broker": 60.0, "workers": 60.0}}
     rows = {"in-process": floor_row(floor), "transport": _row(8000, 1.0), "tgw": _row(2000, 4.0),
             "tgw_http": tgw_http, "tgw_http_bin": tgw_http_bin, "flask": flask}
-    res = ratios.scenario_result(sc, 1024, rows)
+    res = comparison.scenario_result(sc, 1024, rows)
     r = res["ratios"]
     assert r["tgw_over_flask_throughput"] == pytest.approx(4.0)
     assert r["tgw_over_flask_p50"] == pytest.approx(0.25)
@@ -199,7 +201,7 @@ def test_compare_rows_ratios_and_tables(tmp_path):
     assert r["tgw_http_bin_over_flask_throughput"] == pytest.approx(3.6)
     assert r["tgw_http_broker_us_over_tgw"] == pytest.approx(2.5)
     assert r["tgw_http_bin_broker_us_over_tgw"] == pytest.approx(1.5)
-    failed = ratios.scenario_result(comparison.Scenario("resnet", 1), 49152,
+    failed = comparison.scenario_result(comparison.Scenario("resnet", 1), 49152,
                                         {**rows, "flask": {"error": "RuntimeError: no gunicorn"}})
     assert failed["ratios"]["tgw_over_flask_throughput"] is None
     assert failed["ratios"]["tgw_http_over_flask_throughput"] is None
@@ -369,7 +371,7 @@ def test_http_fallback_generator(bench_dir):
 
 
 def test_batching_figures_from_the_broker_counters_and_the_floor():
-    from tgw.bench.ratios import batching
+    from tgw.bench.harness.comparison import batching
     floor = {"runs": [{"batch": 1, "latency_ms": {"mean": 1.0}}, {"batch": 8, "latency_ms": {"mean": 4.5}},
                       {"batch": 32, "latency_ms": {"mean": 16.5}}]}
     # 10 batches of 8 (floor 4.5 ms each) and 10 of 20 rows (floor interpolated: 10.5 ms) in 2 s on 1 worker

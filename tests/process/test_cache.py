@@ -4,7 +4,7 @@ steps; another version never hits; the bounds hold after many distinct inputs; a
 the section caches nothing; the metrics and status show it; a hot swap drops the retired
 version's answers at once and the new version computes.
 
-Model "m" version k returns x + k (tgw.bench.lifecycle), so every answer names the version that
+Model "m" version k returns x + k (tgw.testing.lifecycle), so every answer names the version that
 computed it. The hot swap runs last: it retires version 1.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import served
-from tgw.bench.lifecycle import control, model_decl, save_add_model
+from tgw.testing.lifecycle import control, model_decl, save_add_model
 from tgw.client import AsyncClient, Client
 from tgw.client.regions import output_bytes_for
 from tgw.shm.wire import LoadVersion

@@ -4,7 +4,7 @@ withdrawn wherever it is: dropped from its queue, taken out of its staged batch 
 (the batch shrinks, its neighbours' answers exact), or, computing, its answer dropped; a
 pipeline's run stops. Counted by model and where (stats `cancelled`, tgw_requests_cancelled_total).
 
-One broker, one CPU worker serving the Recorder stage (bench/cancel_stage.py), which logs every
+One broker, one CPU worker serving the Recorder stage (tgw.testing.cancel_stage), which logs every
 row it computes: "never computed" is the worker's own count. A gate request holds the worker
 until the test opens the gate (a file), so what waits behind it waits by construction, not by
 timing. TGW_SLOW=1 runs the measured scenario with 1,000 requests (default 200).
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import served
-from tgw.bench.cancel_bench import (config, computed, delta, http_send, in_flight, recorder, row, scenario,
+from tgw.testing.cancellation import (config, computed, delta, http_send, in_flight, recorder, row, scenario,
                                     wait_for)
 from tgw.client import Client, DeadlineExceededError
 from tgw.client.aio import AsyncClient

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from conftest import base_config
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.broker.front.outbound import packed
 from tgw.client import Client
 from tgw.client.tensors import decode_outputs, encode

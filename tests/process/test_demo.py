@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.broker.cli.demo import DEMO_PIPELINES, demo_config, demo_config_data
 from tgw.client import Client, InvalidArgumentError
 

@@ -1,6 +1,6 @@
 """Memory as it is (docs/MEMORY.md), with real workers: footprints measured at load and reported
 (status, metadata), a budget counted by them, and the recycle of a worker that keeps memory
-after unloads. TGW_SLOW=1 adds the 200-cycle fragmentation run (bench/fragmentation_bench.py)."""
+after unloads. TGW_SLOW=1 adds the 200-cycle fragmentation run (tgw.testing.memory)."""
 from __future__ import annotations
 
 import os
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import EXT, wait_until
-from tgw.bench.footprint_bench import WARMUP_ROWS, WIDE, placement_run, wide_decls
-from tgw.bench.fragmentation_bench import scenario
-from tgw.bench.lifecycle import control, residency
-from tgw.broker.child import BrokerProc
+from tgw.testing.lifecycle import control, residency
+from tgw.testing.memory import WARMUP_ROWS, WIDE, fragmentation_run, placement_run, wide_decls
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import TgwError
 from tgw.shm.wire import LoadVersion, UnloadVersion
@@ -99,6 +98,6 @@ def test_a_worker_that_keeps_memory_after_unloads_is_recycled_without_a_failed_r
 
 @pytest.mark.skipif(not SLOW, reason="TGW_SLOW=1: 200 load/unload cycles (~30 s)")
 def test_after_200_load_unload_cycles_memory_is_within_5_percent_of_the_fresh_workers(tmp_path):
-    r = scenario(str(tmp_path), 200, {"max_mb": 0.0, "max_share": 0.05, "beats": 3})
+    r = fragmentation_run(str(tmp_path), 200, {"max_mb": 0.0, "max_share": 0.05, "beats": 3})
     print("fragmentation:", r)
     assert r["failed"] == {} and r["end_vs_fresh_pct"] <= 5.0, r

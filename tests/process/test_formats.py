@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.lifecycle import control
+from tgw.testing.lifecycle import control
 from conftest import readme_block
 from tgw.broker.config.load import ConfigError, parse_config
 from tgw.client import Client, TgwError

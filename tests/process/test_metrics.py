@@ -75,7 +75,7 @@ def scraped(model_files, tmp_path_factory):
     import shutil
     import tempfile
 
-    from tgw.broker.child import BrokerProc
+    from tgw.testing.child import BrokerProc
     cfg = base_config(model_files, "mlp", "fails", mlp={"breaker": {}})
     cfg["tenants"] = {"slow": {"rate": 0.001, "burst": 1}}       # one request, then RATE_LIMITED
     d = tempfile.mkdtemp(prefix="tgwx-", dir="/tmp")

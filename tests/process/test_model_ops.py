@@ -16,8 +16,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from tgw.broker.child import BrokerProc
-from bench.lifecycle import canary, control, model_decl, save_add_model, swap, unload_rss, version_of
+from tgw.testing.child import BrokerProc
+from tgw.testing.lifecycle import canary, control, model_decl, save_add_model, swap, unload_rss, version_of
 from tgw.broker.config.load import file_sha256
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError

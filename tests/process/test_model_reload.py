@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tgw.broker.child import BrokerProc
-from bench.lifecycle import control, model_decl, save_add_model, version_of
+from tgw.testing.child import BrokerProc
+from tgw.testing.lifecycle import control, model_decl, save_add_model, version_of
 from tgw.broker.models.operator import unauthenticated
 from tgw.broker.config.schema import ServerDecl
 from tgw.client import Client

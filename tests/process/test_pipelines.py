@@ -3,7 +3,7 @@ steps, every answer checked against the same steps computed by hand, over the na
 HTTP; visibility (models, metadata, status, /metrics); refusals, a step error, the pipeline's
 deadline, a hot swap of one step's model under pipeline traffic, and a runtime unload refused.
 
-Models: add models (bench/lifecycle.py, x + k) and a join model z = 2a + b; "fails" and "spin"
+Models: add models (tgw.testing.lifecycle, x + k) and a join model z = 2a + b; "fails" and "spin"
 from tests/models.py. One broker for the module.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import stages
-from tgw.bench.lifecycle import control, model_decl, save_add_model
+from tgw.testing.lifecycle import control, model_decl, save_add_model
 from conftest import in_parallel, model_entry, wait_until
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import ListModels, LoadVersion, Status, UnloadVersion

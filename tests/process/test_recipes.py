@@ -24,7 +24,7 @@ import pytest
 from conftest import base_config, wait_until
 from recipes import (HAPROXY_RECIPES, NGINX_RECIPES, NOT_INSTALLED, free_port, haproxy_proc, host_port,
                      nginx_proc, render_haproxy, render_nginx, tool)
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.segment import list_segments
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import base_config, wait_until
-from tgw.broker.child import BrokerProc
-from tgw.bench.regions_bench import Caller
+from tgw.testing.child import BrokerProc
+from tgw.testing.regions import Caller
 from tgw.broker.front.regions import peer_of
 from tgw.client import Client, TgwError
 from tgw.client.regions import Region, Slots, output_bytes_for
@@ -28,7 +28,7 @@ LOGITS = output_bytes_for([1000 * 4])
 # a process of its own that registers a region, says its handle, and waits (killed by the test)
 HOLDER = """
 import json, sys
-from tgw.bench.regions_bench import Caller
+from tgw.testing.regions import Caller
 from tgw.client.regions import Region
 caller = Caller(sys.argv[1])
 try:

@@ -11,8 +11,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from tgw.broker.child import BrokerProc
-from bench.lifecycle import model_decl, residency, save_add_model
+from tgw.testing.child import BrokerProc
+from tgw.testing.lifecycle import model_decl, residency, save_add_model
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.models.residency import Residency, budget_bytes
 from tgw.broker.config.schema import VersionDecl

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from tgw.bench.shadow_scenarios import FEATURES, Callers, control, decision, save_scorer, scorer_decl
-from tgw.broker.child import BrokerProc
+from tgw.testing.lifecycle import control
+from tgw.testing.rollouts import FEATURES, Callers, decision, save_scorer, scorer_decl
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import LoadVersion, RolloutPolicy, Scrape, SetTraffic, UnloadVersion

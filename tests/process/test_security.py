@@ -22,7 +22,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import base_config
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.broker.front.auth import curve_server, keygen, load_token, token_ok
 from tgw.broker.cli.main import main as cli_main
 from tgw.broker.cli.ask import Unreachable, ask

@@ -24,9 +24,9 @@ import pytest
 import yaml
 
 import stages
-from tgw.bench.lifecycle import control, model_decl, save_add_model
+from tgw.testing.lifecycle import control, model_decl, save_add_model
 from conftest import served, wait_until
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import LoadVersion, Reload, UnloadVersion

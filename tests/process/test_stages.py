@@ -18,7 +18,7 @@ import yaml
 
 import stages
 from conftest import in_parallel, model_entry, readme_block, wait_until
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 

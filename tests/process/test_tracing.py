@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import base_config, wait_until
 
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.client import Client, TgwError
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -3,7 +3,7 @@ the serving one - by a hot swap, and by residency after an eviction - is warmed 
 at the batch sizes seen, as its load event shows; payloads are kept and sent only with
 warmup.replay_payloads; a reload changes the warmup section; replay off leaves the declared sizes.
 
-The model sleeps 20 ms on its first call per shape (tgw.bench.slow_first, preloaded by the
+The model sleeps 20 ms on its first call per shape (tgw.testing.slow_first, preloaded by the
 workers). One caller sends one request at a time, so each request is a batch of its own rows."""
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.lifecycle import control
-from tgw.bench.slow_first import IO, save_slow_first
-from tgw.broker.child import BrokerProc
+from tgw.testing.lifecycle import control
+from tgw.testing.slow_first import IO, save_slow_first
+from tgw.testing.child import BrokerProc
 from tgw.client import Client
 from tgw.shm.wire import LoadVersion, Reload
 
-PRELOAD = "tgw.bench.slow_first"
+PRELOAD = "tgw.testing.slow_first"
 TRAFFIC = [(1, 16), (3, 32), (1, 16), (3, 32)]   # (rows, width) of each request, in order
 PAD = 1 << 20   # 4 MiB of zeros: two on-demand models do not fit a 6 MiB budget
 

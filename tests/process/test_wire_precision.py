@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from conftest import base_config, unloaded_model
-from tgw.broker.child import BrokerProc
+from tgw.testing.child import BrokerProc
 from tgw.broker.config.load import ConfigError, parse_config
 from tgw.broker.models.checks import wire_nbytes
 from tgw.broker.sched.inbound import tensor_bytes, widen

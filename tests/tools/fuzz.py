@@ -43,10 +43,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from tgw.bench import selfhosted
 from .fuzz_frames import MAX_REQUEST_BYTES, MODELS, Hostile, enc
 from .fuzz_sender import VALID_WAIT_S, Reference, Sender, Tallies
-from tgw.bench.selfhosted import demo_broker
+from tgw.testing.demo import command_parser, demo_broker, run_command
 from tgw.shm.wire import PROTOCOL_VERSION
 
 
@@ -132,7 +131,7 @@ def report(t: Tallies, n: int, elapsed: float, threads: int) -> list[str]:
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = selfhosted.parser("python -m tools.fuzz", __doc__)
+    ap = command_parser("python -m tools.fuzz", __doc__)
     ap.add_argument("--count", type=int, default=100_000, help="hostile frames in all (default 100000)")
     ap.add_argument("--threads", type=int, default=4, help="sender threads, one DEALER socket each (default 4)")
     ap.add_argument("--check-every", type=int, default=50, help="a checked valid request every N frames per thread")
@@ -217,7 +216,7 @@ def fuzz(a: argparse.Namespace, broker, models: dict, out: Callable[[str], None]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return selfhosted.main(run, argv)
+    return run_command(run, argv)
 
 
 if __name__ == "__main__":

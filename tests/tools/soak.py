@@ -4,8 +4,8 @@
     python -m tools.soak --seconds 30        # the short mode
 
 Starts a broker (BrokerProc; --workers CPU workers) serving the demo models, built at run time
-by `python -m tgw.workers.demo_models` (nothing is downloaded). Then, with bench/loadgen.py's
-generator processes through bench/measure.py:
+by `python -m tgw.workers.demo_models` (nothing is downloaded). Then, with the bench harness's
+generator processes (tgw.bench.harness.loadgen) through tgw.bench.harness.measure:
 
 1. capacity: a closed loop of --concurrency callers for --capacity-seconds (after a warm-up),
    its throughput the capacity;
@@ -26,13 +26,12 @@ from typing import Callable, Optional
 
 import psutil
 
-from tgw.broker.child import BrokerProc
-from tgw.bench import selfhosted
-from tgw.bench.loadgen import LoadSpec
-from tgw.bench.measure import measure
-from tgw.bench.report import format_summary
-from tgw.bench.selfhosted import demo_broker
-from tgw.bench.targets import TgwTarget
+from tgw.testing.child import BrokerProc
+from tgw.bench.harness.loadgen import LoadSpec
+from tgw.bench.harness.measure import measure
+from tgw.bench.harness.report import format_summary
+from tgw.bench.harness.targets import TgwTarget
+from tgw.testing.demo import command_parser, demo_broker, run_command
 from tgw.client import Client
 
 MODELS = ["mlp", "embed"]
@@ -70,7 +69,7 @@ def process_table(before: list[dict], after: list[dict], peaks: dict[int, Option
 
 
 def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    ap = selfhosted.parser("python -m tools.soak", __doc__)
+    ap = command_parser("python -m tools.soak", __doc__)
     length = ap.add_mutually_exclusive_group(required=True)
     length.add_argument("--minutes", type=float, help="soak duration in minutes")
     length.add_argument("--seconds", type=float, help="soak duration in seconds (short mode)")
@@ -139,7 +138,7 @@ def soak(a: argparse.Namespace, broker: BrokerProc, out: Callable[[str], None]) 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return selfhosted.main(run, argv)
+    return run_command(run, argv)
 
 
 if __name__ == "__main__":

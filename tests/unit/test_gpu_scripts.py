@@ -2,7 +2,7 @@
 gpu-wheels.sh downloads, with the packages the GPU image already holds, cover every import of
 the tgw packages and of the GPU tests, and every requirement of those wheels; gpu-check.sh links
 the folders pyproject.toml maps, and its verdict (`--summary`, on a run's files) is OK only when
-a GPU test passed, never where every one skipped; and `python -m tgw.bench.gpu_bench --help` runs."""
+a GPU test passed, never where every one skipped; and `tgw-bench gpu --help` runs."""
 from __future__ import annotations
 
 import ast
@@ -122,7 +122,7 @@ def test_the_wheels_and_the_image_cover_the_gpu_run():
     wheels, image = {norm(n) for n in carried()}, device()
     assert not [n for n in MUST_CARRY if n not in wheels], f"gpu-wheels.sh lacks some of {MUST_CARRY}: {sorted(wheels)}"
     sources = [p for d in TGW_DIRS for p in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)]
-    assert os.path.join(ROOT, "bench", "gpu_bench.py") in sources
+    assert os.path.join(ROOT, "bench", "scenarios", "gpu.py") in sources
     tests = gpu_test_files()
     assert {os.path.basename(p) for p in tests} >= {"test_gpu.py", "test_cuda_ipc.py"}
     imports = third_party_imports(sources + [os.path.join(ROOT, "tests", n) for n in ("conftest.py", "models.py")]
@@ -150,8 +150,8 @@ def test_gpu_check_imports_and_links_what_pyproject_maps():
         mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
     with open(CHECK) as f:
         script = f.read()
-    links = re.search(r"for pkg in ([\w ]+); do", script)
-    assert links and mapping == {f"tgw.{d}": d for d in links.group(1).split()}
+    links = re.search(r"for link in ([\w=/ ]+); do", script)
+    assert links and mapping == {f"tgw.{name}": d for name, d in (pair.split("=") for pair in links.group(1).split())}
     assert "setup-venv" not in script.replace("never scripts/setup-venv.sh", "")
     needed = re.search(r'^NEEDED="([^"]+)"', script, re.M).group(1).split()
     dists = metadata.packages_distributions()
@@ -161,7 +161,7 @@ def test_gpu_check_imports_and_links_what_pyproject_maps():
 
 
 def test_gpu_bench_help():
-    out = subprocess.run([sys.executable, "-m", "tgw.bench.gpu_bench", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "tgw.bench.cli", "gpu", "--help"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "--device" in out.stdout and "--quick" in out.stdout and "--json" in out.stdout

@@ -1,0 +1,15 @@
+"""tgw.testing: what the tests and the benchmarks share (directory bench/testing/, mapped in
+pyproject.toml). The product (broker, workers, shm, client) never imports it, and it never
+imports tgw.bench; the benchmarks' harness and scenarios may import it.
+
+| module | what it holds |
+|---|---|
+| `child.py` | `Proc` and `BrokerProc`: a broker (or any command) in a child process, stopped by PID |
+| `demo.py` | the demo models built at run time, the comparison's tgw config, `demo_broker` |
+| `lifecycle.py` | the x + k models, `control`, and the swap, canary, unload and residency runs |
+| `rollouts.py` | the scorer models, checked closed-loop callers, a guard's decision |
+| `memory.py` | the wide on-demand models, the placement run, the fragmentation run |
+| `cancellation.py`, `cancel_stage.py` | callers giving up behind a gated batch; the stage that records what it computed |
+| `regions.py` | a minimal native caller that sends through a shared-memory region |
+| `slow_first.py` | a model slow on its first call per shape (preloaded by workers as `tgw.testing.slow_first`) |
+"""
