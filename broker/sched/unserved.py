@@ -63,7 +63,8 @@ class Unserved:
 
     def everything(self, message: str) -> None:
         """Answer everything still queued or in flight (the shutdown grace ran out)."""
-        for p in self.batcher.take_all() + [p for w in self.roster for batch in w.drop_inflight() for p in batch.requests]:
+        running = [p for w in self.roster for batch in w.drop_inflight() for p in batch.requests]
+        for p in self.batcher.take_all() + running:
             self.answer_error(p, fail(Code.MODEL_NOT_READY, message, reason="shutting_down"))
 
 

@@ -149,5 +149,6 @@ class VersionRecord:
         return VersionInfo(version=self.version, path=self.source, state=self.state.value, weight=self.weight,
                            sha256=self.decl.sha256, workers=workers, bytes=self.param_bytes(), loads=self.loads,
                            evictions=self.evictions,
-                           last_load_ms=0.0 if self.last_load_ms is None else round(self.last_load_ms, 3),  # wire: 0 none
+                           # the wire says 0.0 for never loaded at run time
+                           last_load_ms=0.0 if self.last_load_ms is None else round(self.last_load_ms, 3),
                            format=self.format, footprint=as_builtins(self.footprint) if self.footprint else {})

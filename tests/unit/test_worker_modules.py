@@ -1,5 +1,6 @@
 """The worker package's shape: no module imports another that imports it back (counting imports
-inside functions, the usual way a circle is hidden), and every module stays within 500 lines (a smell to explain, not a reason to split)."""
+inside functions, the usual way a circle is hidden), and every module stays within 500 lines (a smell
+to explain, not a reason to split)."""
 from __future__ import annotations
 
 import ast
