@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import zmq
 
 from tgw.broker.core.assembly import assemble
+from tgw.broker.sched.tenants import Tenants
 
 _n = itertools.count()
 
@@ -33,3 +34,8 @@ def assembled(cfg, clock=time.monotonic, roster=None, loop=None, **kw):
         ctx.destroy(linger=0)
         if own_loop:
             loop.close()
+
+
+def tenants_of(cfg, clock):
+    """The tenants' quotas as the assembly builds them, for tests that build admission alone."""
+    return Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)

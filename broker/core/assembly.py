@@ -45,14 +45,14 @@ from tgw.broker.protocol.triton_shm import TritonShm
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
+from tgw.broker.sched.tenants import Tenants
 from tgw.broker.sched.unserved import Unserved, answer_load_failure
 from tgw.broker.state.complaints import Complaints
 from tgw.broker.state.stats import Stats
 
 from .broker import Broker
 from .phase import BrokerPhase, Phase
-from .serving import Serving, WorkerLink
-from .worker_messages import WorkerMessages
+from .serving import Serving, WorkerLink, WorkerMessages
 
 
 def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
@@ -92,8 +92,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                           replay, on_failed=partial(answer_load_failure, batcher, door.fail),
                           on_resize=memory.forget)   # a load is no leak: judge afresh
     unserved = Unserved(batcher, roster, door.fail, placement.resident)   # answers for requests no worker will run
-    admission = Admission(cfg, registry, batcher, stats, callers.owed, clock, unserved.unavailable, shed=door.fail,
-                          workers=workers, demand=placement.demand, drained=placement.drained)
+    tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
+    admission = Admission(server, cfg.workers, cfg.models, tenants, registry, batcher, stats, callers.owed, clock,
+                          unserved.unavailable, shed=door.fail, workers=workers, demand=placement.demand,
+                          drained=placement.drained)
     handshake = Handshake(registry, phase.is_serving, placement.forget_failed, placement.budget)
     serving = Serving(clock=clock, phase=phase, roster=roster, registry=registry, batcher=batcher, costs=costs,
                       admission=admission, placement=placement, unserved=unserved, handshake=handshake,

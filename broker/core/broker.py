@@ -31,8 +31,7 @@ from tgw.broker.state.complaints import Complaints
 from tgw.broker.state.stats import Stats
 
 from .phase import BrokerPhase, Phase
-from .serving import Serving, WorkerLink
-from .worker_messages import WorkerMessages
+from .serving import Serving, WorkerLink, WorkerMessages
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Each is withdrawn wherever it is, and never answered. A queued one is taken out 
 unrun (stats `abandoned`, by reason). One already on a worker (its batch staged or computing)
 is taken out of its batch by the core (`withdraw`: state/inflight.py): a worker that has not
 launched the batch leaves it out, else its rows are computed and dropped; which of the two
-happened is known at the batch's completion (worker_messages.py). A pipeline's run stops: none
+happened is known at the batch's completion (core/serving.py). A pipeline's run stops: none
 of its steps still to come is sent, and its steps in flight are withdrawn in turn. Every
 withdrawn request is counted by model and where (`cancelled`: queued, staged, computing,
 pipeline; /metrics tgw_requests_cancelled_total) and leaves the broker's accounts at once

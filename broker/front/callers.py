@@ -21,7 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 from tgw.shm.errors import Code, fail
 
 from tgw.broker.config.schema import ServerDecl
-from tgw.broker.sched.owed import Owed
+from tgw.broker.sched.admission import Owed
 
 log = logging.getLogger("tgw.broker")
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

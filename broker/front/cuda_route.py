@@ -15,7 +15,7 @@ from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import BYTES, DTYPE_SIZES, Infer, TensorMeta, nbytes_of
 
-from tgw.broker.state.cuda import CudaRequest, on_device
+from tgw.broker.state.pending import CudaRequest, on_device
 
 from .peers import is_local
 

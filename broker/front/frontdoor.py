@@ -25,8 +25,7 @@ from .abandon import Abandonment
 from .auth import token_ok
 from .callers import EVENTS, Callers
 from .gatekeeper import Gatekeeper
-from .outbound import reply_tensors
-from .outbox import Outbox
+from .outbound import Outbox, reply_tensors
 from .regions import Regions
 from .sockets import Pump
 

@@ -17,7 +17,7 @@ from typing import Iterable
 from tgw.shm.wire import Replay, ReplayBatch
 
 from tgw.broker.config.load import WarmupDecl
-from tgw.broker.state.cuda import dims
+from tgw.broker.state.pending import plain_dims
 from .entry import ModelEntry
 
 
@@ -58,7 +58,7 @@ class ReplayRecorder:
         first, rows = batch[0], 0
         for p in batch:
             rows += p.rows
-        key = (first.shape_key if first.cuda is None else dims(first.shape_key), rows)
+        key = (first.shape_key if first.cuda is None else plain_dims(first.shape_key), rows)
         sample = self.samples.get(entry.name)
         if sample is None:
             if entry.decl.is_stage:   # a stage warms up by its own code, not by replay

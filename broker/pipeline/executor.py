@@ -30,7 +30,7 @@ class PipelineDeps:
     infer: Callable[[Any, Infer, list], None]    # the front door's infer: a step goes in as a request
     reply: Callable[..., None]                   # the front door's reply(ident, msg, *frames)
     cancel_step: Callable[[Any, int], None]      # take a step request out of its queue, unrun (abandon.py)
-    owed: Any                                    # sched.owed.Owed: the per-caller in-flight cap
+    owed: Any                                    # sched.admission.Owed: the per-caller in-flight cap
     tenants: Any                                 # sched.tenants.Tenants: the tenant's quota
     is_open: Callable[[], bool]                  # False once the broker is stopping
     note: Callable[..., None]                    # complaints.note: a broker bug, logged rate-limited

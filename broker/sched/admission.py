@@ -28,8 +28,7 @@ from .concurrency import AdaptiveLimit
 from .copies import Copies
 from .inbound import CheckedFrame, tensor_bytes
 from .limits import check_declared
-from .owed import Owed
-from tgw.broker.config.load import Config, ModelDecl
+from tgw.broker.config.load import ModelDecl, ServerDecl, WorkersDecl
 from tgw.broker.models.registry import Checked, ModelEntry, Registry
 from tgw.broker.state.stats import Stats
 from .tenants import Tenants
@@ -46,31 +45,64 @@ class Intake(NamedTuple):
     out_nbytes: list[int] | None   # each declared output's bytes for its rows; None: -1 dims
 
 
+class Owed:
+    """What each caller is owed: its requests admitted and not yet answered, capped at
+    server.max_inflight_per_client (OVERLOADED, reason client_inflight, past it). Admission checks
+    the cap and counts a request in; its exit (leave) pays it back. A pipeline's run counts once,
+    at its entry (pipeline/executor.py), not per step."""
+
+    def __init__(self, max_owed: int):
+        self.max_owed = max_owed               # server.max_inflight_per_client
+        self.by_caller: dict[bytes, int] = {}  # caller -> requests admitted and not yet answered
+
+    def check(self, ident: bytes) -> None:
+        """OVERLOADED when this caller already has max_inflight_per_client requests unanswered."""
+        if self.by_caller.get(ident, 0) >= self.max_owed:
+            raise fail(Code.OVERLOADED, f"this caller already has {self.by_caller[ident]} requests in flight "
+                       f"(server.max_inflight_per_client)", reason="client_inflight", limit=self.max_owed)
+
+    def owe(self, ident: bytes) -> None:
+        owed = self.by_caller
+        owed[ident] = owed.get(ident, 0) + 1
+
+    def paid(self, ident: bytes) -> None:
+        owed = self.by_caller
+        n = owed.get(ident, 0) - 1
+        if n > 0:
+            owed[ident] = n
+        else:
+            owed.pop(ident, None)
+
+    def total(self) -> int:
+        return sum(self.by_caller.values())
+
+
 class Admission:
-    def __init__(self, cfg: Config, registry: Registry, batcher: Batcher, stats: Stats, owed: Owed,
+    def __init__(self, server: ServerDecl, arenas: WorkersDecl, models: list[ModelDecl], tenants: Tenants,
+                 registry: Registry, batcher: Batcher, stats: Stats, owed: Owed,
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
                  shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
                  demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
                  drained: Callable[[VersionRecord], None] = lambda rec: None):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
-        self.owed, self.server = owed, cfg.server   # owed: what each caller is owed (its in-flight cap)
+        self.owed, self.server = owed, server   # owed: what each caller is owed (its in-flight cap)
         self.unavailable = unavailable  # why no worker may serve now ("" while one may)
         self.shed = shed                # answers a queued request shed to make room for a higher level
         self.demand = demand            # an on-demand version asked for: load it if no worker has it
         self.drained = drained          # a draining version's last admitted request has left
-        self.max_request = cfg.server.max_request_bytes
-        self.arena = cfg.workers.input_bytes  # a request that alone overflows it could never be staged
-        self.out_arena = cfg.workers.output_bytes  # nor one whose outputs alone overflow this
-        self.tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
-        self.breakers = Breakers(cfg.models, clock())
+        self.max_request = server.max_request_bytes
+        self.arena = arenas.input_bytes  # a request that alone overflows it could never be staged
+        self.out_arena = arenas.output_bytes  # nor one whose outputs alone overflow this
+        self.tenants = tenants
+        self.breakers = Breakers(models, clock())
         # the floor: the batches the workers may hold plus one forming (a smaller limit only starves them)
-        self.pipeline = cfg.server.max_inflight_batches_per_worker * workers + 1
+        self.pipeline = server.max_inflight_batches_per_worker * workers + 1
         self.limits: dict[str, AdaptiveLimit] = {}
-        self.copies = Copies(batcher, lambda: self.open, drained)   # shadow versions' copies (canary/)
-        for m in cfg.models:
-            self.declare(m)
         self.open = True
+        self.copies = Copies(batcher, self.is_open, drained)   # shadow versions' copies (canary/)
+        for m in models:
+            self.declare(m)
         # metrics, traces, slow log, ...: each gets the requests of one exit (leave); given once, by
         # the core's assembly (exits_to), when every part with a hook exists
         self.on_finished: tuple[Callable[[list[Pending], str | None, float], None], ...] = ()

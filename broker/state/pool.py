@@ -14,9 +14,8 @@ from tgw.shm.ring import RingAllocator, aligned_total, region_offsets
 from tgw.shm.segment import Segment
 from tgw.shm.wire import BYTES, Batch, BlockTensor, Done, Footprint, Heartbeat, IOSpec, Withdraw, model_key
 
-from . import cuda
 from .inflight import Gone, Inflight, drop_from, left_out, take_out  # noqa: F401 - Inflight: its home for callers
-from .pending import Pending, is_shadow
+from .pending import Pending, attach_cuda, gpu_fits, is_shadow, plain_dims
 
 
 class WorkerState(str, Enum):
@@ -81,7 +80,7 @@ class WorkerHandle:
     retiring: bool = False            # the successor serves: this one takes no new batches
     free_at: float = 0.0              # when the batches it holds are predicted to be done (cost model)
     budget: int | None = None         # bytes its loaded models may take (workers.max_model_memory)
-    device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: state/cuda.py)
+    device_uuid: str = ""             # its GPU's UUID, from its hello (CUDA IPC routing: state/pending.py)
     host_memory: str = ""             # its ring's page-locking in effect on a GPU (hello): register/staging/pageable
     device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
     # what it holds (models/roles.py): models, stages (a workers.stage_workers worker) or both
@@ -289,7 +288,7 @@ class WorkerHandle:
         A request bound to a GPU (`head`'s CUDA tensors) runs only on a worker on that GPU."""
         if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
                 (self.holding.evicting and model_key in self.holding.evicting) or \
-                (head is not None and not cuda.fits(self, head)):
+                (head is not None and not gpu_fits(self, head)):
             return False
         if suspect or (head is not None and is_shadow(head.client)):   # a copy waits for an idle worker
             return not self.inflight
@@ -304,7 +303,7 @@ class WorkerHandle:
         buf = self.segment.buf
         rows = sum(p.rows for p in requests)
         tensors = []
-        dims = cuda.dims(requests[0].shape_key)   # without a GPU tag
+        dims = plain_dims(requests[0].shape_key)   # without a GPU tag
         for k, (decl, rel) in enumerate(zip(inputs, region_offsets(sizes))):
             offset = pos = block + rel
             for p in requests:            # rows of one input lie contiguous: the worker's view is no gather
@@ -322,7 +321,7 @@ class WorkerHandle:
                       block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                       release=self.take_releases(), splits=[p.rows for p in requests],
                       traces=[t or "" for t in traces] if any(traces) else [])
-        return cuda.attach(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
+        return attach_cuda(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
     def withdraw(self, wanted) -> tuple[list[Pending], list[Withdraw]]:
         """Take the requests `wanted(p)` picks out of the batches in flight: (those requests, the

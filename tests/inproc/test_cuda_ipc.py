@@ -14,7 +14,7 @@ import zmq
 from conftest import base_config
 from models import MODELS, save
 from tgw.broker.front import cuda_route, peers
-from tgw.broker.state import cuda as gpu_binding
+from tgw.broker.state import pending as gpu_binding
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.state.pending import Pending
 from tgw.client import cuda as client_cuda
@@ -128,8 +128,8 @@ def test_matching_by_uuid_beats_the_index():
     b = fake_broker("cuda:0", "cuda:1", uuids=["GPU-aaa", "GPU-bbb"])
     cuda, _ = cuda_route.inspect(b.roster, b.registry.models, infer(meta("x", ipc(0, "bbb")), meta("z", ipc(0, "bbb"))), [b"", b""], LOCAL)
     p = types.SimpleNamespace(cuda=cuda)
-    assert [gpu_binding.fits(w, p) for w in b.roster] == [False, True]   # the client's index 0 is our 1
-    assert gpu_binding.fits(b.roster[0], types.SimpleNamespace(cuda=None))
+    assert [gpu_binding.gpu_fits(w, p) for w in b.roster] == [False, True]   # the client's index 0 is our 1
+    assert gpu_binding.gpu_fits(b.roster[0], types.SimpleNamespace(cuda=None))
 
 
 def pending(b, cuda=None, frames=None, shape_key=()):
@@ -148,8 +148,8 @@ def test_bind_orders_descriptors_and_tags_the_shape_key():
     p = pending(b, cuda, frames)
     assert p.cuda.inputs == [dx, zx]                  # declared order: x, z
     assert p.nbytes == [0, 0] and p.in_total == 0     # no ring bytes
-    assert p.shape_key == (("cuda", 0, "u-0", "in"),) and gpu_binding.dims(p.shape_key) == ()
-    assert gpu_binding.dims(((5,), ("cuda", 0, "u", "in"))) == ((5,),)
+    assert p.shape_key == (("cuda", 0, "u-0", "in"),) and gpu_binding.plain_dims(p.shape_key) == ()
+    assert gpu_binding.plain_dims(((5,), ("cuda", 0, "u", "in"))) == ((5,),)
 
 
 def test_batches_never_mix_gpus_or_kinds():
@@ -180,7 +180,7 @@ def test_stage_puts_descriptors_in_the_batch(tmp_path):
         assert [t.shape for t in batch.inputs] == [[4, 4], [4, 4]] and all(t.nbytes == 0 for t in batch.inputs)
         assert to_worker_decoder.decode(encode(batch)) == batch
         assert w.can_take("m:1", 2, head=ps[0]) is False     # not ready; the device check alone:
-        assert gpu_binding.fits(w, ps[0]) and not gpu_binding.fits(types.SimpleNamespace(device="cpu"), ps[0])
+        assert gpu_binding.gpu_fits(w, ps[0]) and not gpu_binding.gpu_fits(types.SimpleNamespace(device="cpu"), ps[0])
     finally:
         seg.close()
         seg.unlink()

@@ -7,10 +7,10 @@ import pytest
 
 from conftest import unloaded_model
 from fake_clock import Clock
-from tgw.broker.sched.admission import Admission
+from rigs import tenants_of
+from tgw.broker.sched.admission import Admission, Owed
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.breaker import State
-from tgw.broker.sched.owed import Owed
 from tgw.broker.config.load import parse_config
 from tgw.broker.models.registry import Registry
 from tgw.broker.state.stats import Stats
@@ -44,7 +44,8 @@ def make(tmp_path, *models: dict, **top) -> tuple[Admission, Clock, list]:
     for m in cfg.models:
         batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels)
         stats.model(m.name)
-    adm = Admission(cfg, registry, batcher, stats, Owed(cfg.server.max_inflight_per_client), clock,
+    adm = Admission(cfg.server, cfg.workers, cfg.models, tenants_of(cfg, clock), registry, batcher, stats,
+                     Owed(cfg.server.max_inflight_per_client), clock,
                     shed=lambda p, err: (shed.append((p, err)), adm.finished(p, err.code.value, clock())))
     return adm, clock, shed
 

@@ -7,7 +7,7 @@ import pytest
 
 from tgw.broker.config.schema import ServerDecl
 from tgw.broker.sched.limits import check_declared
-from tgw.broker.sched.owed import Owed
+from tgw.broker.sched.admission import Owed
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, Infer, TensorMeta
 

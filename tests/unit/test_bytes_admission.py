@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import unloaded_model
+from rigs import tenants_of
 from tgw.broker.config.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
 from tgw.broker.config.load import parse_config
-from tgw.broker.sched.owed import Owed
 from tgw.broker.models.entry import ModelEntry
 from tgw.broker.models.registry import Registry
-from tgw.broker.sched.admission import Admission
+from tgw.broker.sched.admission import Admission, Owed
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.state.pool import WorkerHandle
 from tgw.broker.state.stats import Stats
@@ -62,7 +62,8 @@ def adm(tmp_path) -> Admission:
     for m in cfg.models:
         batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels)
         stats.model(m.name)
-    return Admission(cfg, registry, batcher, stats, Owed(cfg.server.max_inflight_per_client), lambda: 0.0)
+    return Admission(cfg.server, cfg.workers, cfg.models, tenants_of(cfg, lambda: 0.0), registry, batcher, stats,
+                     Owed(cfg.server.max_inflight_per_client), lambda: 0.0)
 
 
 _ids = iter(range(1, 10 ** 9))

@@ -11,7 +11,7 @@ from conftest import unloaded_model
 from tgw.broker.config.load import ConfigError, ModelDecl, WarmupDecl, parse_config
 from tgw.broker.models.entry import ModelEntry
 from tgw.broker.models.replay import ReplayRecorder, summary
-from tgw.broker.state.cuda import TAG
+from tgw.broker.state.pending import TAG
 from tgw.broker.state.pending import Pending
 from tgw.shm.wire import ReplayReport, as_builtins
 

@@ -7,12 +7,12 @@ import pytest
 
 from conftest import unloaded_model
 from fake_clock import Clock
+from rigs import tenants_of
 from tgw.broker.cache.responses import KEY_BYTES, Held, ResponseCache
 from tgw.broker.config.load import ConfigError, parse_config
 from tgw.broker.config.schema import CacheDecl
-from tgw.broker.sched.owed import Owed
 from tgw.broker.models.registry import FULL_WEIGHT, Registry
-from tgw.broker.sched.admission import Admission
+from tgw.broker.sched.admission import Admission, Owed
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.stats import Stats
@@ -153,7 +153,8 @@ def admission(tmp_path, *models: dict) -> tuple[Admission, Registry, Clock]:
     for m in cfg.models:
         batcher.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels)
         stats.model(m.name)
-    return Admission(cfg, registry, batcher, stats, Owed(cfg.server.max_inflight_per_client), clock), registry, clock
+    return Admission(cfg.server, cfg.workers, cfg.models, tenants_of(cfg, clock), registry, batcher, stats,
+                     Owed(cfg.server.max_inflight_per_client), clock), registry, clock
 
 
 def admit(adm: Admission, data: bytes, version: str | None = None) -> Pending:

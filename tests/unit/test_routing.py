@@ -1,10 +1,10 @@
-"""The canary split (broker/models/routing.py), pure: shares over a run of requests, sticky routing
+"""The canary split (broker/models/entry.py, Traffic), pure: shares over a run of requests, sticky routing
 keys, and what moves when weights change."""
 from __future__ import annotations
 
 import pytest
 
-from tgw.broker.models.routing import Traffic
+from tgw.broker.models.entry import Traffic
 
 
 @pytest.mark.parametrize("weights", [{"1": 90, "2": 10}, {"1": 1, "2": 1, "3": 1}, {"a": 7, "b": 0, "c": 93}])
