@@ -1,16 +1,14 @@
 """Arena sizing (broker/config/arenas.py): `workers.input_arena_mb` / `output_arena_mb: auto` (the
-default) sized from the model declarations at load; explicit sizes kept as given."""
+default) sized from the model declarations at load; explicit sizes kept as given. (The sizes that
+`tgw-broker check-config` prints: tests/process/test_check_config.py.)"""
 from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
-import yaml
 
 from conftest import placeholder_model
 from tgw.broker.config.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
@@ -136,19 +134,6 @@ def test_k_plus_one_batches_of_ring_always_fit_k_in_flight(k):
         offset = ring.alloc(size)
         assert offset is not None, (ring.live(), size)
         live.append(offset)
-
-
-# ---- tgw-broker check-config prints the sizes ------------------------------------------------------
-
-def test_check_config_prints_the_resolved_sizes(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [RESNET],
-                                    "model_roots": [os.path.dirname(placeholder_model())]}))
-    r = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "input arena 5 MiB (workers.input_arena_mb: auto)" in r.stdout, r.stdout
-    assert "output arena 2 MiB (workers.output_arena_mb: 2)" in r.stdout, r.stdout
 
 
 # ---- end to end: the default config serves full batches ----------------------------------------
