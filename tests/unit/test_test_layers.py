@@ -1,11 +1,12 @@
-"""The unit layer stays what its marker says: no test in tests/unit/ starts a process.
+"""The fast layers stay what their markers say: no test in tests/unit/ starts a process, and no
+test in tests/inproc/ starts a broker (`-m "unit or inproc"` starts none).
 
-Read with `ast`, never run: a test fails the rule when it calls subprocess.*, Popen, os.fork (or
-os.system, os.spawn*, os.exec*, os.posix_spawn*), multiprocessing.* or BrokerProc, or takes a
-fixture that starts a broker (make_broker, shared_broker) - itself, or through a helper function
-or fixture of its own file. Such a test belongs in tests/process/ (conftest.py marks it `process`
-from its folder). Helpers imported from other modules are not followed: they are the other
-modules' business.
+Read with `ast`, never run: a unit test fails the rule when it calls subprocess.*, Popen, os.fork
+(or os.system, os.spawn*, os.exec*, os.posix_spawn*), multiprocessing.*, BrokerProc or conftest's
+served(), or takes a fixture that starts a broker (make_broker, shared_broker) - itself, or
+through a helper function or fixture of its own file; an inproc test when it starts a broker so.
+Such a test belongs in tests/process/ (conftest.py marks it `process` from its folder). Helpers
+imported from other modules are not followed: they are the other modules' business.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import glob
 import os
 
 UNIT = os.path.dirname(os.path.abspath(__file__))
+INPROC = os.path.join(os.path.dirname(UNIT), "inproc")
 BROKER_FIXTURES = {"make_broker", "shared_broker"}
 OS_STARTERS = ("os.fork", "os.forkpty", "os.system", "os.popen", "os.spawn", "os.exec", "os.posix_spawn")
 
@@ -47,15 +49,20 @@ def starts_a_process(name: str) -> bool:
     """Whether a call of `name` (resolved through the imports) starts a process."""
     root, last = name.split(".")[0], name.rsplit(".", 1)[-1]
     return (root in ("subprocess", "multiprocessing") or name.startswith(OS_STARTERS)
-            or name.startswith("asyncio.create_subprocess") or last in ("Popen", "BrokerProc"))
+            or name.startswith("asyncio.create_subprocess") or last == "Popen" or starts_a_broker(name))
+
+
+def starts_a_broker(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] == "BrokerProc" or name == "conftest.served"
 
 
 def is_fixture(fn: ast.FunctionDef) -> bool:
     return any(dotted(d.func if isinstance(d, ast.Call) else d).endswith("fixture") for d in fn.decorator_list)
 
 
-def process_tests(source: str) -> dict[str, str]:
-    """Test name -> why it starts a process, for the module-level tests in `source`."""
+def process_tests(source: str, starts=starts_a_process) -> dict[str, str]:
+    """Test name -> why it starts a process (one that `starts`, given a called name, says starts
+    one; a broker fixture always does), for the module-level tests in `source`."""
     tree = ast.parse(source)
     names = imported_names(tree)
     functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -81,7 +88,7 @@ def process_tests(source: str) -> dict[str, str]:
                 called = dotted(node.func)
                 head, _, rest = called.partition(".")
                 full = ".".join(filter(None, [names.get(head, head), rest]))
-                if starts_a_process(full):
+                if starts(full):
                     reason = f"calls {full} (line {node.lineno})"
                 elif called in functions and called not in fixtures and called not in seen | {name} \
                         and why(called, seen | {name}):
@@ -93,13 +100,24 @@ def process_tests(source: str) -> dict[str, str]:
             if name.startswith("test") and why(name, frozenset())}
 
 
-def test_no_unit_test_starts_a_process():
+def offenders(folder: str, starts) -> dict[str, str]:
     found = {}
-    for path in sorted(glob.glob(os.path.join(UNIT, "test_*.py"))):
+    for path in sorted(glob.glob(os.path.join(folder, "test_*.py"))):
         with open(path, encoding="utf-8") as f:
-            for test, reason in process_tests(f.read()).items():
-                found[f"tests/unit/{os.path.basename(path)}::{test}"] = reason
+            for test, reason in process_tests(f.read(), starts).items():
+                found[f"tests/{os.path.basename(folder)}/{os.path.basename(path)}::{test}"] = reason
+    return found
+
+
+def test_no_unit_test_starts_a_process():
+    found = offenders(UNIT, starts_a_process)
     assert not found, "tests in tests/unit/ that start processes (move them to tests/process/):\n" + \
+        "\n".join(f"  {test}: {reason}" for test, reason in found.items())
+
+
+def test_no_inproc_test_starts_a_broker():
+    found = offenders(INPROC, starts_a_broker)
+    assert not found, "tests in tests/inproc/ that start a broker (move them to tests/process/):\n" + \
         "\n".join(f"  {test}: {reason}" for test, reason in found.items())
 
 
@@ -110,6 +128,7 @@ import multiprocessing as mp
 from subprocess import Popen
 from tgw.broker.child import BrokerProc
 from tgw.broker.fleet.supervisor import Supervisor
+from conftest import served
 import pytest
 
 
@@ -131,6 +150,7 @@ def test_broker_proc(tmp_path): BrokerProc({}, str(tmp_path)).start()
 def test_make_broker(make_broker): make_broker({})
 def test_through_a_helper(): run_tool()
 def test_through_a_fixture(started): pass
+def test_served(tmp_path): next(served({}, str(tmp_path)))
 def test_in_a_nested_function():
     def inner():
         subprocess.check_output(["true"])
@@ -154,9 +174,14 @@ def test_the_detector_sees_each_way_to_start_a_process():
     found = process_tests(SYNTHETIC)
     assert set(found) == {"test_run", "test_popen", "test_fork", "test_system", "test_multiprocessing",
                           "test_broker_proc", "test_make_broker", "test_through_a_helper",
-                          "test_through_a_fixture", "test_in_a_nested_function"}, found
-    assert found["test_run"] == "calls subprocess.run (line 20)"
+                          "test_through_a_fixture", "test_served", "test_in_a_nested_function"}, found
+    assert found["test_run"] == "calls subprocess.run (line 21)"
     assert found["test_multiprocessing"].startswith("calls multiprocessing.Process")
     assert found["test_through_a_helper"].startswith("calls run_tool, which calls subprocess.run")
     assert found["test_through_a_fixture"].startswith("takes the fixture started, which calls subprocess.Popen")
     assert found["test_make_broker"] == "takes the make_broker fixture"
+
+
+def test_the_broker_rule_sees_brokers_and_only_them():
+    found = process_tests(SYNTHETIC, starts_a_broker)
+    assert set(found) == {"test_broker_proc", "test_make_broker", "test_served"}, found
