@@ -1,6 +1,8 @@
 """CUDA tensors by IPC handle (docs/PROTOCOL.md 5.10): the wire, the broker's routing and
 refusals, the worker's batch path (with storages stood in by CPU ones) and the client's checks
-run everywhere; the real handles end to end only where a CUDA device exists (marked gpu)."""
+run everywhere; a real handle's checks only where a CUDA device exists (marked gpu). Through a
+real broker: tests/process/test_cuda_ipc_broker.py, and end to end on a GPU:
+tests/gpu/test_cuda_ipc_gpu.py."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,6 @@ import pytest
 import torch
 import zmq
 
-from conftest import base_config
 from models import MODELS, save
 from tgw.broker.front import cuda_route, peers
 from tgw.broker.state import pending as gpu_binding
@@ -21,7 +22,7 @@ from tgw.client import cuda as client_cuda
 from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CudaIpc, Infer, IOSpec, ModelSpec, TensorMeta,
-                          WorkerHello, encode, from_worker_decoder, reply_decoder, request_decoder,
+                          WorkerHello, encode, from_worker_decoder, request_decoder,
                           to_worker_decoder)
 from tgw.workers import cuda_ipc
 from tgw.workers.runner import ModelRunner
@@ -186,23 +187,6 @@ def test_stage_puts_descriptors_in_the_batch(tmp_path):
         seg.unlink()
 
 
-def test_broker_refuses_cuda_inputs_without_a_worker_on_that_gpu(model_files, make_broker):
-    b = make_broker(base_config(model_files, "double"))
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(b.address)
-        msg = Infer(v=PROTOCOL_VERSION, id=9, model="double",
-                    inputs=[TensorMeta(name="x", dtype="float32", shape=[2, 3], cuda=ipc(nbytes=24))])
-        sock.send_multipart([encode(msg), b""])
-        assert sock.poll(10_000)
-        reply = reply_decoder.decode(sock.recv_multipart()[0])
-    finally:
-        sock.close(0)
-    assert reply.id == 9 and reply.error.code == Code.INVALID_ARGUMENT.value
-    assert reply.error.details["reason"] == "no_worker_on_device" and "cuda:0" in reply.error.message
-
-
 # ---- worker: the batch path, storages stood in by CPU ones --------------------------------------
 
 class Sock:
@@ -363,70 +347,3 @@ def test_describe_refuses_non_contiguous_cuda_tensors():
     d = client_cuda.describe(torch.zeros(4, 4, device="cuda:0")[1:])
     assert d.offset_bytes == 16 and d.storage_bytes >= 64 and d.handle
     assert d.device == 0 and d.device_uuid == str(torch.cuda.get_device_properties(0).uuid)
-
-
-def _raw_infer(address, model, inputs: dict, cuda_out: dict | None = None, outputs=None):
-    """An infer over a raw DEALER with client/cuda.place_cuda (the hook Client.infer uses)."""
-    from tgw.client.tensors import encode_inputs
-    host, on_gpu = client_cuda.split(inputs)
-    metas, frames = encode_inputs(host, False) if host else ([], [])
-    call = types.SimpleNamespace(msg=Infer(v=PROTOCOL_VERSION, id=1, model=model, inputs=metas, outputs=outputs),
-                                 frames=list(frames), declared=0)
-    plan = client_cuda.place_cuda(call, on_gpu, cuda_out)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.connect(address)
-        sock.send_multipart([encode(call.msg), *call.frames])
-        assert sock.poll(30_000)
-        parts = sock.recv_multipart()
-    finally:
-        sock.close(0)
-    reply = reply_decoder.decode(parts[0])
-    if getattr(reply, "error", None) is not None:
-        plan.replied()
-        raise AssertionError(reply.error)
-    metas, frames, on_gpu = plan.read(reply.outputs, parts[1:])
-    out = {m.name: np.frombuffer(f, np.dtype(m.dtype)).reshape(m.shape) for m, f in zip(metas, frames)}
-    return {**out, **on_gpu}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
-def test_cuda_tensor_in_cuda_buffer_out_end_to_end(model_files, make_broker):
-    b = make_broker(base_config(model_files, "mlp", "double", workers={"devices": ["cuda:0"]}))
-    x = torch.randn(8, 256, device="cuda:0")
-    ref = torch.jit.load(model_files["mlp"][0]).to("cuda:0")(x)
-    y = _raw_infer(b.address, "mlp", {"x": x})["y"]               # CUDA in, outputs in frames
-    torch.testing.assert_close(torch.from_numpy(y.copy()).to("cuda:0"), ref, rtol=1e-3, atol=1e-4)
-    buf = torch.full_like(ref, float("nan"))
-    got = _raw_infer(b.address, "mlp", {"x": x}, {"y": buf})["y"]   # CUDA in, CUDA out
-    assert got is buf
-    torch.testing.assert_close(buf, ref, rtol=1e-3, atol=1e-4)
-    d = torch.arange(12, dtype=torch.float32, device="cuda:0").view(3, 4)[1:]   # a view at an offset
-    dbuf = torch.zeros(2, 4, device="cuda:0")
-    _raw_infer(b.address, "double", {"x": d}, {"y": dbuf})
-    torch.testing.assert_close(dbuf, 2 * d)
-    host = _raw_infer(b.address, "double", {"x": np.ones((1, 4), np.float32)},
-                      {"y": torch.zeros(1, 4, device="cuda:0")})
-    torch.testing.assert_close(host["y"], torch.full((1, 4), 2.0, device="cuda:0"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device on this machine")
-def test_cuda_bad_handle_fails_only_that_request(model_files, make_broker):
-    b = make_broker(base_config(model_files, "double", workers={"devices": ["cuda:0"]}))
-    uuid = str(torch.cuda.get_device_properties(0).uuid)
-    bogus = CudaIpc(device=0, device_uuid=uuid, handle=b"\x00" * 64, storage_bytes=64, storage_offset_bytes=0)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.connect(b.address)
-        msg = Infer(v=PROTOCOL_VERSION, id=2, model="double",
-                    inputs=[TensorMeta(name="x", dtype="float32", shape=[1, 4], cuda=bogus)])
-        sock.send_multipart([encode(msg), b""])
-        assert sock.poll(30_000)
-        reply = reply_decoder.decode(sock.recv_multipart()[0])
-    finally:
-        sock.close(0)
-    assert reply.error.code == Code.INVALID_ARGUMENT.value, reply
-    y = _raw_infer(b.address, "double", {"x": torch.ones(1, 4, device="cuda:0")})["y"]   # still serving
-    np.testing.assert_array_equal(y, np.full((1, 4), 2.0, np.float32))

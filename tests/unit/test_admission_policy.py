@@ -94,7 +94,9 @@ def test_unadmit_returns_the_token_and_the_slot():
     free = ts.resolve("free")
     ts.admit(free, clock())
     ts.unadmit(free)                                       # refused later (e.g. OVERLOADED): not charged
-    ts.admit(free, clock())
+    assert free.inflight == 0 and free.bucket.tokens == 1  # its slot free and its token back
+    ts.admit(free, clock())                                # the same instant: granted on that token
+    assert free.inflight == 1 and free.limited == {"rate": 0, "inflight": 0}
 
 
 # ---- adaptive concurrency -------------------------------------------------------------------

@@ -1,23 +1,17 @@
 """Arena sizing (broker/config/arenas.py): `workers.input_arena_mb` / `output_arena_mb: auto` (the
-default) sized from the model declarations at load; explicit sizes kept as given."""
+default) sized from the model declarations at load; explicit sizes kept as given. (The sizes that
+`tgw-broker check-config` prints: tests/process/test_check_config.py; a broker serving full
+batches in the auto sizes: tests/process/test_auto_arenas.py.)"""
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-import threading
 
-import numpy as np
 import pytest
-import yaml
 
 from conftest import placeholder_model
 from tgw.broker.config.arenas import VARIABLE_OUTPUT_BYTES, input_need, output_need
 from tgw.broker.config.load import ConfigError, WorkersDecl, parse_config
-from tgw.client import Client
 from tgw.shm.ring import RingAllocator, aligned_total
-from tgw.shm.segment import SHM_DIR, list_segments
 
 MIB = 1 << 20
 
@@ -136,53 +130,3 @@ def test_k_plus_one_batches_of_ring_always_fit_k_in_flight(k):
         offset = ring.alloc(size)
         assert offset is not None, (ring.live(), size)
         live.append(offset)
-
-
-# ---- tgw-broker check-config prints the sizes ------------------------------------------------------
-
-def test_check_config_prints_the_resolved_sizes(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [RESNET],
-                                    "model_roots": [os.path.dirname(placeholder_model())]}))
-    r = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "input arena 5 MiB (workers.input_arena_mb: auto)" in r.stdout, r.stdout
-    assert "output arena 2 MiB (workers.output_arena_mb: 2)" in r.stdout, r.stdout
-
-
-# ---- end to end: the default config serves full batches ----------------------------------------
-
-def test_default_arenas_serve_max_batch_size_requests(model_files, make_broker):
-    """A broker whose workers section names no arena sizes: the ring is exactly the auto size,
-    and requests of max_batch_size rows, several at once, are all served correctly."""
-    path, io = model_files["wide"]   # 16 rows -> 4 MiB of outputs: an output arena of exactly 12 MiB
-    b = make_broker({"workers": {"devices": ["cpu"], "threads_per_worker": 1},
-                     "models": [{"name": "wide", "versions": [{"version": "1", "path": path}],
-                                 "inputs": io["inputs"], "outputs": io["outputs"], "max_batch_size": 16},
-                                {"name": "mlp", "versions": [{"version": "1", "path": model_files["mlp"][0]}],
-                                 "inputs": model_files["mlp"][1]["inputs"],
-                                 "outputs": model_files["mlp"][1]["outputs"], "max_batch_size": 64}]})
-    rings = list_segments(b.proc.pid)
-    assert len(rings) == 1 and os.path.getsize(os.path.join(SHM_DIR, rings[0])) == (1 + 12) * MIB
-
-    errors: list = []
-
-    def caller(seed: int) -> None:
-        try:
-            with Client(b.address) as c:
-                for k in range(4):
-                    x = np.full((16, 1), seed * 10 + k, dtype=np.float32)
-                    y = c.infer("wide", {"x": x}, timeout=60)["y"]
-                    assert y.shape == (16, 65536) and (y == seed * 10 + k).all()
-                    m = np.random.default_rng(seed).standard_normal((64, 256), dtype=np.float32)
-                    assert c.infer("mlp", {"x": m}, timeout=60)["y"].shape == (64, 10)
-        except Exception as exc:  # noqa: BLE001 - reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads) and not errors, errors

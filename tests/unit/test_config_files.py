@@ -1,10 +1,6 @@
-"""Config files (broker/config/load.py load_config) and `tgw-broker check-config`: every refusal
-names the file and the key path; YAML tags are never executed."""
+"""Config files (broker/config/load.py load_config): every refusal names the file and the key path;
+YAML tags are never executed. (`tgw-broker check-config` on them: tests/process/test_check_config.py.)"""
 from __future__ import annotations
-
-import copy
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -69,30 +65,3 @@ def test_yaml_tags_not_executed(model_dir):
     path = write(model_dir, "models: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(path)
-
-
-# ---- the CLI -----------------------------------------------------------------------------------
-
-def check_config(path: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", path],
-                          capture_output=True, text=True, timeout=60)
-
-
-def test_cli_check_config(model_dir):
-    good = write(model_dir, yaml.safe_dump(valid()))
-    r = check_config(good)
-    assert r.returncode == 0, r.stderr
-    assert "OK" in r.stdout and "a, b" in r.stdout
-
-    data = copy.deepcopy(valid())
-    data["models"][0]["batching"] = {}
-    data["models"][1]["versions"][0]["path"] = "models/nope.pt"
-    bad = model_dir / "bad.yaml"
-    bad.write_text(yaml.safe_dump(data))
-    r = check_config(str(bad))
-    assert r.returncode != 0
-    assert "models.0.batching" in r.stderr and "unknown key" in r.stderr
-    assert "Traceback" not in r.stderr
-
-    r = check_config(str(model_dir / "missing.yaml"))
-    assert r.returncode != 0 and "cannot read config" in r.stderr and "Traceback" not in r.stderr

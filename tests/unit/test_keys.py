@@ -1,12 +1,9 @@
 """Rules kept in one place: the CURVE server-key parser (tgw.shm.keys) that the client and the
 `tgw-broker` verbs share, the GPU UUID normaliser (tgw.shm.devices), and the 64-byte alignment
-the client's regions take from tgw.shm.ring. (No import circle and the size budget, client/
-included: tests/unit/test_import_graph.py and tests/unit/test_layering.py.)"""
+the client's regions take from tgw.shm.ring. (No import circle, client/ included:
+tests/unit/test_import_graph.py; the size budget: tests/unit/test_module_size.py; what each
+package loads, and that tgw.shm.keys and tgw.shm.devices load no zmq: tests/process/test_layering.py.)"""
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import pytest
 import zmq
@@ -58,13 +55,6 @@ def test_client_and_broker_wrap_the_same_message(bad):
     with pytest.raises(Unreachable) as broker:
         broker_key(bad)
     assert str(client.value) == str(broker.value) == str(shared.value)
-
-
-def test_the_shared_helpers_load_no_zmq(tmp_path):
-    probe = "import json, sys, tgw.shm.keys, tgw.shm.devices; print(json.dumps(sorted(sys.modules)))"
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert not [m for m in json.loads(r.stdout) if m == "zmq" or m.startswith("zmq.")]
 
 
 # ---- GPU UUIDs --------------------------------------------------------------------------------

@@ -1,13 +1,11 @@
 """Pipeline declarations (broker/config/pipelines.py): every refusal names its key path, and the
-pipeline's inputs and outputs are derived from the steps' models."""
+pipeline's inputs and outputs are derived from the steps' models. (`tgw-broker check-config` printing
+them: tests/process/test_check_config.py.)"""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 from conftest import unloaded_model
 from tgw.broker.config import ConfigError, parse_config
@@ -158,29 +156,3 @@ def test_every_problem_is_reported_at_once_on_its_own_line(base):
     lines = refused(mutate(change), base).splitlines()
     assert lines[0].endswith("2 problem(s)")
     assert lines[1].startswith("  pipelines.0.steps.1.model:") and lines[2].startswith("  pipelines.0.outputs.labels:")
-
-
-def test_check_config_prints_each_pipeline_with_its_steps_and_io(base):
-    path = base / "tgw.yaml"
-    path.write_text(yaml.safe_dump(valid()))
-    out = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "pipeline classify (version 3): decode (dec) -> infer (net:1) -> top5 (top)" in out.stdout
-    assert "inputs: image uint8 [-1, 3]; outputs: labels int64 [5], scores float32 [5]" in out.stdout
-
-
-def test_the_docs_example_passes_check_config(tmp_path):
-    """docs/PIPELINES.md's config as printed, with its files made here (stubs: never loaded)."""
-    from conftest import readme_block
-    (tmp_path / "stages").mkdir()
-    (tmp_path / "stages" / "vision.py").write_text("class DecodeImage:\n    pass\n\n\nclass TopK:\n    pass\n")
-    for i, name in enumerate(("resnet-v1.pt", "resnet-v2.pt")):
-        unloaded_model(tmp_path / name, bytes([i]))
-    path = tmp_path / "tgw.yaml"
-    path.write_text(readme_block("pipeline-example:config"))
-    out = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "pipeline classify (version 1): decode (decode-image) -> infer (resnet:2) -> top5 (top5)" in out.stdout
-    assert "inputs: image bytes []; outputs: labels bytes [5], scores float32 [5]" in out.stdout

@@ -8,15 +8,12 @@ ClusterServingRuntime and InferenceService against their CRDs' OpenAPI schema (v
 pruned: tests/data/kserve-schemas.yaml says from where), with jsonschema and the same
 unknown-key rule the API server's pruning applies. Then the manifests against each other and
 against tgw itself: the runtime's and the Deployment's args parse with `tgw-broker start`'s
-real parser and name the ports the probes use, and the container config passes check-config.
+real parser and name the ports the probes use. (That the container config passes check-config:
+tests/process/test_recipe_files.py.)
 """
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import zipfile
 
 import jsonschema
 import kubernetes.client as k8s   # the dev extra has both (pyproject.toml)
@@ -209,28 +206,3 @@ def test_the_hpa_scales_the_deployment_on_the_metric_the_adapter_serves():
     assert all(r["seriesQuery"].startswith("tgw_queue_depth{") for r in rules)
     with open(os.path.join(ROOT, "broker", "observe", "metrics.py")) as f:
         assert '"tgw_queue_depth"' in f.read()   # the process test reads it from a real /metrics too
-
-
-def pt2_placeholder(path: str) -> None:
-    """A file check-config takes for a torch.export program (shm/model_format.py reads only its zip
-    directory); no worker could load it."""
-    with zipfile.ZipFile(path, "w") as archive:
-        archive.writestr("archive/archive_format", "pt2")
-        archive.writestr("archive/models/model.json", "{}")
-
-
-def test_the_container_config_passes_check_config_with_the_mount_as_model_root(tmp_path):
-    shutil.copy(os.path.join(KUBE, "tgw.yaml"), tmp_path / "tgw.yaml")
-    with open(tmp_path / "tgw.yaml") as f:
-        cfg = yaml.safe_load(f)
-    assert "model_roots" not in cfg, "the default (the config's folder, /mnt/models) is the model root"
-    assert cfg["http"]["host"] == cfg["grpc"]["host"] == "0.0.0.0"   # probes reach the pod's IP
-    for model in cfg["models"]:
-        for version in model["versions"]:
-            assert not os.path.isabs(version["path"]), "model paths are relative to /mnt/models"
-            pt2_placeholder(str(tmp_path / version["path"]))
-    broker = os.path.join(os.path.dirname(sys.executable), "tgw-broker")
-    out = subprocess.run([broker, "check-config", "tgw.yaml"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "version 1 (export)" in out.stdout

@@ -1,5 +1,6 @@
-"""What the config tests share (test_config.py, test_config_models.py, test_config_files.py): a
-valid config of two models, its folder with their files, and the ways to refuse or write one."""
+"""What the config tests share (tests/unit/test_config.py, test_config_models.py,
+test_config_files.py and tests/process/test_check_config.py): a valid config of two models, its
+folder with their files, and the ways to refuse or write one."""
 from __future__ import annotations
 
 import pytest

@@ -3,8 +3,9 @@
 HAProxy's and nginx's own config checks on each recipe, as shipped and rendered for real ports
 (tests/recipes.py); the systemd template against `tgw-broker start`'s real parser, against the
 single-broker unit it is built on, and through `systemd-analyze verify` where that can run.
+And the Kubernetes container config through `tgw-broker check-config`, its mount as the model root.
 tests/process/test_recipes.py runs the balancers for real; tests/unit/test_recipes_kubernetes.py
-checks the Kubernetes manifests.
+checks the Kubernetes manifests against their schemas and each other.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import yaml
@@ -21,6 +23,7 @@ from conftest import readme_block, unloaded_model
 from recipes import (HAPROXY_RECIPES, NGINX_RECIPES, NOT_INSTALLED, ROOT, free_port, render_haproxy,
                      render_nginx, tool, unit_directives)
 
+KUBE = os.path.join(ROOT, "configs", "kubernetes")
 TEMPLATE = os.path.join(ROOT, "configs", "systemd", "tgw@.service")
 SINGLE = os.path.join(ROOT, "scripts", "systemd", "tgw-broker.service")
 PER_INSTANCE = {"Unit.Description", "Service.ExecStartPre", "Service.ExecStart", "Service.RuntimeDirectory",
@@ -122,3 +125,27 @@ def test_an_instance_of_the_template_passes_systemd_analyze_verify(tmp_path):
     lines = [ln for ln in (result.stdout + result.stderr).splitlines() if ln.strip()]
     ours = [ln for ln in lines if "tgw@" in ln]
     assert not ours and result.returncode == 0, "systemd-analyze verify:\n" + "\n".join(lines)
+
+
+def pt2_placeholder(path: str) -> None:
+    """A file check-config takes for a torch.export program (shm/model_format.py reads only its zip
+    directory); no worker could load it."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/archive_format", "pt2")
+        archive.writestr("archive/models/model.json", "{}")
+
+
+def test_the_container_config_passes_check_config_with_the_mount_as_model_root(tmp_path):
+    shutil.copy(os.path.join(KUBE, "tgw.yaml"), tmp_path / "tgw.yaml")
+    with open(tmp_path / "tgw.yaml") as f:
+        cfg = yaml.safe_load(f)
+    assert "model_roots" not in cfg, "the default (the config's folder, /mnt/models) is the model root"
+    assert cfg["http"]["host"] == cfg["grpc"]["host"] == "0.0.0.0"   # probes reach the pod's IP
+    for model in cfg["models"]:
+        for version in model["versions"]:
+            assert not os.path.isabs(version["path"]), "model paths are relative to /mnt/models"
+            pt2_placeholder(str(tmp_path / version["path"]))
+    broker = os.path.join(os.path.dirname(sys.executable), "tgw-broker")
+    out = check([broker, "check-config", "tgw.yaml"], str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "version 1 (export)" in out.stdout

@@ -1,0 +1,106 @@
+"""`tgw-broker check-config` run as operators run it, in its own process: it says OK and what it
+resolved (models, arena sizes, each pipeline with its steps and io), or exits non-zero naming the
+key path, never with a traceback. Its parsing is unit-tested in tests/unit/test_config*.py,
+test_arenas.py and test_pipeline_config.py; bad flags: tests/process/test_cli_errors.py."""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import yaml
+
+from config_cases import make_model_dir, valid, write
+from conftest import placeholder_model, readme_block, unloaded_model
+
+
+def check_config(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
+# ---- a valid config, a refused one, a missing one (tests/unit/test_config_files.py) ------------
+
+def test_cli_check_config(tmp_path):
+    model_dir = make_model_dir(tmp_path)
+    good = write(model_dir, yaml.safe_dump(valid()))
+    r = check_config(good)
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout and "a, b" in r.stdout
+
+    data = copy.deepcopy(valid())
+    data["models"][0]["batching"] = {}
+    data["models"][1]["versions"][0]["path"] = "models/nope.pt"
+    bad = model_dir / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    r = check_config(str(bad))
+    assert r.returncode != 0
+    assert "models.0.batching" in r.stderr and "unknown key" in r.stderr
+    assert "Traceback" not in r.stderr
+
+    r = check_config(str(model_dir / "missing.yaml"))
+    assert r.returncode != 0 and "cannot read config" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- the arena sizes (tests/unit/test_arenas.py) -------------------------------------------------
+
+def test_check_config_prints_the_resolved_sizes(tmp_path):
+    resnet = {"name": "resnet", "versions": [{"version": "1", "path": placeholder_model()}], "max_batch_size": 32,
+              "inputs": [{"name": "i0", "dtype": "float32", "shape": [3, 64, 64]}],
+              "outputs": [{"name": "o0", "dtype": "float32", "shape": [1000]}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"workers": {"devices": ["cpu"], "output_arena_mb": 2}, "models": [resnet],
+                                    "model_roots": [os.path.dirname(placeholder_model())]}))
+    r = check_config(path)
+    assert r.returncode == 0, r.stderr
+    assert "input arena 5 MiB (workers.input_arena_mb: auto)" in r.stdout, r.stdout
+    assert "output arena 2 MiB (workers.output_arena_mb: 2)" in r.stdout, r.stdout
+
+
+# ---- pipelines (tests/unit/test_pipeline_config.py) ----------------------------------------------
+
+def pipeline_model(name: str, inputs: list, outputs: list, **extra) -> dict:
+    return {"name": name, "versions": [{"version": "1", "path": f"{name}.pt"}],
+            "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in inputs],
+            "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in outputs], **extra}
+
+
+# tests/unit/test_pipeline_config.py's valid(): three steps, and a model no pipeline uses
+PIPELINES = {"models": [
+    pipeline_model("dec", [("image", "uint8", [-1, 3])], [("pixels", "float32", [3, 8])], max_batch_size=16),
+    pipeline_model("net", [("x", "float32", [3, 8])], [("logits", "float32", [10]), ("emb", "float32", [4])],
+                   max_batch_size=8),
+    pipeline_model("top", [("logits", "float32", [-1])], [("labels", "int64", [5]), ("scores", "float32", [5])]),
+    pipeline_model("join", [("a", "float32", [10]), ("b", "float32", [4])], [("y", "float32", [10])]),
+], "pipelines": [{
+    "name": "classify", "version": "3", "timeout_ms": 500, "inputs": ["image"],
+    "steps": [{"name": "decode", "model": "dec", "inputs": {"image": "image"}},
+              {"name": "infer", "model": "net", "version": "1", "inputs": {"x": "decode.pixels"}},
+              {"name": "top5", "model": "top", "inputs": {"logits": "infer.logits"}}],
+    "outputs": {"labels": "top5.labels", "scores": "top5.scores"}}]}
+
+
+def test_check_config_prints_each_pipeline_with_its_steps_and_io(tmp_path):
+    for model in PIPELINES["models"]:
+        unloaded_model(tmp_path / f"{model['name']}.pt", model["name"].encode())
+    path = tmp_path / "tgw.yaml"
+    path.write_text(yaml.safe_dump(PIPELINES))
+    out = check_config(path)
+    assert out.returncode == 0, out.stderr
+    assert "pipeline classify (version 3): decode (dec) -> infer (net:1) -> top5 (top)" in out.stdout
+    assert "inputs: image uint8 [-1, 3]; outputs: labels int64 [5], scores float32 [5]" in out.stdout
+
+
+def test_the_docs_example_passes_check_config(tmp_path):
+    """docs/PIPELINES.md's config as printed, with its files made here (stubs: never loaded)."""
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages" / "vision.py").write_text("class DecodeImage:\n    pass\n\n\nclass TopK:\n    pass\n")
+    for i, name in enumerate(("resnet-v1.pt", "resnet-v2.pt")):
+        unloaded_model(tmp_path / name, bytes([i]))
+    path = tmp_path / "tgw.yaml"
+    path.write_text(readme_block("pipeline-example:config"))
+    out = check_config(path)
+    assert out.returncode == 0, out.stderr
+    assert "pipeline classify (version 1): decode (decode-image) -> infer (resnet:2) -> top5 (top5)" in out.stdout
+    assert "inputs: image bytes []; outputs: labels bytes [5], scores float32 [5]" in out.stdout
