@@ -1,5 +1,5 @@
 """The broker's CURVE public key as a caller names it: the one rule, shared by the client
-library and the `tgw-broker` verbs (broker/control.py), which may not import each other.
+library and the `tgw-broker` verbs (broker/cli/ask.py), which may not import each other.
 
 zmq is imported inside the function: tgw.shm loads no zmq at import (tests/unit/test_layering.py).
 """

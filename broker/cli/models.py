@@ -1,6 +1,6 @@
 """`tgw-broker models ...` and `tgw-broker reload`: the operator's model lifecycle verbs.
 
-Each verb is a request builder and a printer; broker/cli.py sends the request over its one
+Each verb is a request builder and a printer; cli/main.py sends the request over its one
 connection path (flags, token, CURVE) and prints the reply with the printer, or as JSON.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ class WeightsAction(argparse.Action):
 
 def add_verbs(sub, broker_verb) -> None:
     """Add `models {list,load,unload,traffic,metadata}` and `reload` to the subcommands `sub`;
-    `broker_verb(sub, name, help, wait_s, request, show)` (broker/cli.py) makes each parser."""
+    `broker_verb(sub, name, help, wait_s, request, show)` (cli/main.py) makes each parser."""
     models = sub.add_parser("models", help="list, load, unload, weigh and describe model versions")
     verbs = models.add_subparsers(dest="verb", required=True)
 

@@ -1,5 +1,5 @@
 """The callers connected to the front socket: how many, which ones are served; what each is owed
-is admission's count (sched/owed.py), held here beside them.
+is admission's count (sched/admission.py Owed), held here beside them.
 
 ZeroMQ hides connections behind a ROUTER, so they are counted from its monitor events. Past
 `max_clients` a caller that has not been served before is answered OVERLOADED (reason

@@ -3,7 +3,7 @@
 A header that does not decode still gets a well-formed reply: its id and protocol version are
 read leniently where possible, so a newer client learns of the version mismatch rather than of
 a "malformed" header. Every refusal is counted (stats `refused`) and logged at most once per
-kind in a while; replies go through the outbox, which bounds what a slow reader may hold.
+kind in a while; replies go through the outbox (outbound.py), which bounds what a slow reader may hold.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ PROMOTE, ROLLBACK = "promote", "rollback"
 
 @dataclass(frozen=True)
 class GuardHooks:
-    """What a guarded load tells the canary wing (filled in by broker/wiring.py)."""
+    """What a guarded load tells the canary wing (filled in by broker/core/assembly.py)."""
     check_policy: Callable[[RolloutPolicy, bool], RolloutPolicy]   # raises INVALID_ARGUMENT (canary/policy.py)
     shadow_of: Callable[[str], Optional[str]]                      # the model's shadow version, if any
     guarded: Callable[[str], Optional[str]]                        # the version its guard watches, if any

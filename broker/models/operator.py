@@ -32,7 +32,7 @@ def unauthenticated(address: str, server: ServerDecl) -> bool:
 
 @dataclass(frozen=True)
 class OperatorDeps:
-    """What the operator reads and calls (filled in by broker/wiring.py)."""
+    """What the operator reads and calls (filled in by broker/core/assembly.py)."""
     rollout: RolloutDeps
     reload: ReloadDeps
     reply: Callable[[bytes, object], None]   # the front door's answer to a client

@@ -104,7 +104,7 @@ def restart_only(old: Config, new: Config) -> list[str]:
 
 @dataclass(frozen=True)
 class ReloadDeps:
-    """What a reload reads and calls besides the rollout (filled in by broker/wiring.py)."""
+    """What a reload reads and calls besides the rollout (filled in by broker/core/assembly.py)."""
     registry: Registry
     placement: Placement             # reconciles, and holds the workers' model budget
     uptime: Callable[[], float]      # seconds since the broker started, as status counts uptime_s

@@ -46,7 +46,7 @@ def load_error(key: str, worker: str, msg: ModelLoaded) -> TgwError:
 
 @dataclass(frozen=True)
 class RolloutDeps:
-    """What a rollout reads and calls (filled in by broker/wiring.py)."""
+    """What a rollout reads and calls (filled in by broker/core/assembly.py)."""
     registry: Registry      # writes versions: add, flip, retire, weigh, forget
     placement: Placement    # loads and unloads them on workers, and waits for that
     clock: Callable[[], float]

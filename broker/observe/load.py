@@ -39,7 +39,7 @@ WINDOW_S = 2.0       # utilisation, rate and p99 over about this much of the rec
 REFRESH_S = 0.1      # figures at most this old
 TOP = ("cpu_utilization", "mem_utilization", "application_utilization", "rps_fractional")
 NAMED = ("queue_depth", "inflight", "p99_over_slo", "memory_headroom")
-DRAINING = "draining"   # the phase of the drain notice (server.py's Phase.DRAINING)
+DRAINING = "draining"   # the phase of the drain notice (core/phase.py's Phase.DRAINING)
 
 
 class Sample(NamedTuple):

@@ -24,7 +24,7 @@ from .run import Run
 
 @dataclass(frozen=True)
 class PipelineDeps:
-    """What the pipelines read and call of the rest of the broker (wiring.pipeline_deps)."""
+    """What the pipelines read and call of the rest of the broker (core/assembly.py builds it)."""
     models: dict                                 # the registry's model entries by name
     clock: Callable[[], float]
     infer: Callable[[Any, Infer, list], None]    # the front door's infer: a step goes in as a request

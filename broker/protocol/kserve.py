@@ -16,8 +16,8 @@ by raw tensor bytes: the binary tensor extension gives the header's length in
 `parameters.binary_data_size`, in input order. Binary inputs become memoryview slices of the
 body, so their bytes are copied once, into the ring, as native frames are. JSON `data` is parsed
 by orjson and converted by numpy from the (flat or nested) list in one call. Outputs go back as
-JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header. Over 300 lines:
-the three are one model (a body's tensors are read with the parameters beside them), kept whole.
+JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header. Datatypes,
+tensors and parameters are one model (a body's tensors are read with the parameters beside them).
 
 Everything wrong raises a TgwError naming the field; the face answers it in its own shape.
 """

@@ -20,8 +20,8 @@ native regions, front/regions.py, are memfds sealed against shrinking, so they m
 CUDA regions are passed to the GPU worker as CudaIpc descriptors (front/cuda_route.py,
 workers/cuda_ipc.py): the broker touches no GPU memory and needs no CUDA.
 
-Over 400 lines: the access checks, the registry and the infer path's part are one concept
-(they were three modules cut for size, shm_access/triton_shm/shm_routes), kept whole.
+The access checks, the registry and the infer path's part are one concept (they were three
+modules cut for size before issue 38: shm_access, triton_shm, shm_routes).
 """
 from __future__ import annotations
 

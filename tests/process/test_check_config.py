@@ -13,6 +13,7 @@ import yaml
 
 from config_cases import make_model_dir, valid, write
 from conftest import placeholder_model, readme_block, unloaded_model
+from pipeline_cases import valid as valid_pipelines
 
 
 def check_config(path) -> subprocess.CompletedProcess:
@@ -60,25 +61,7 @@ def test_check_config_prints_the_resolved_sizes(tmp_path):
 
 # ---- pipelines (tests/unit/test_pipeline_config.py) ----------------------------------------------
 
-def pipeline_model(name: str, inputs: list, outputs: list, **extra) -> dict:
-    return {"name": name, "versions": [{"version": "1", "path": f"{name}.pt"}],
-            "inputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in inputs],
-            "outputs": [{"name": n, "dtype": d, "shape": s} for n, d, s in outputs], **extra}
-
-
-# tests/unit/test_pipeline_config.py's valid(): three steps, and a model no pipeline uses
-PIPELINES = {"models": [
-    pipeline_model("dec", [("image", "uint8", [-1, 3])], [("pixels", "float32", [3, 8])], max_batch_size=16),
-    pipeline_model("net", [("x", "float32", [3, 8])], [("logits", "float32", [10]), ("emb", "float32", [4])],
-                   max_batch_size=8),
-    pipeline_model("top", [("logits", "float32", [-1])], [("labels", "int64", [5]), ("scores", "float32", [5])]),
-    pipeline_model("join", [("a", "float32", [10]), ("b", "float32", [4])], [("y", "float32", [10])]),
-], "pipelines": [{
-    "name": "classify", "version": "3", "timeout_ms": 500, "inputs": ["image"],
-    "steps": [{"name": "decode", "model": "dec", "inputs": {"image": "image"}},
-              {"name": "infer", "model": "net", "version": "1", "inputs": {"x": "decode.pixels"}},
-              {"name": "top5", "model": "top", "inputs": {"logits": "infer.logits"}}],
-    "outputs": {"labels": "top5.labels", "scores": "top5.scores"}}]}
+PIPELINES = valid_pipelines()   # three steps, and a model no pipeline uses
 
 
 def test_check_config_prints_each_pipeline_with_its_steps_and_io(tmp_path):
