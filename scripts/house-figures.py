@@ -6,6 +6,8 @@
 
 Run it before and after a change to the house and compare the two JSON files. Everything but
 figure 6 is read statically from the source (ast, no import of tgw); figure 6 starts a real broker.
+Past 500 lines on purpose: nine independent read-outs, one file so that `--root DIR` can measure
+any checkout (an older one included) with no install, and no figure's code depends on another's.
 "Product packages" are tgw.broker, tgw.workers, tgw.shm and tgw.client; tgw.X is found in the
 folder pyproject.toml's [tool.setuptools] package-dir names.
 
