@@ -82,7 +82,7 @@ class Broker:
 
     def begin_stop(self) -> None:
         self.phase.enter(Phase.STOPPING)
-        self.admission.open = False
+        self.admission.close()
 
     def close(self) -> None:
         self.serving.close()

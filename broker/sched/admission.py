@@ -118,6 +118,10 @@ class Admission:
         """False once the broker is stopping."""
         return self.open
 
+    def close(self) -> None:
+        """The broker is stopping: new requests are refused (a pipeline's steps still run)."""
+        self.open = False
+
     def declare(self, m: ModelDecl) -> None:
         """A model's adaptive limit and breakers (a model declared at run time gets them too)."""
         if m.adaptive_concurrency and m.slo_p99_ms and m.name not in self.limits:
