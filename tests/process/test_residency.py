@@ -13,7 +13,7 @@ import pytest
 
 from tgw.testing.child import BrokerProc
 from tgw.testing.lifecycle import model_decl, residency, save_add_model
-from tgw.broker.state.pool import WorkerHandle, WorkerState
+from tgw.broker.state.pool import WorkerHandle
 from tgw.broker.models.residency import Residency, budget_bytes
 from tgw.broker.config.schema import VersionDecl
 from tgw.broker.state.versions import VersionRecord, VersionState

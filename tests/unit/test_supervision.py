@@ -1,26 +1,22 @@
 """Supervision without processes: hang verdicts from heartbeats, poison requests retried alone
-then given up, the crash-loop guard, and admission refusing while every worker is benched.
-Times are passed in; nothing here waits."""
+then given up, the crash-loop guard (admission refusing while every worker is benched:
+tests/inproc/test_broker_core.py). Times are passed in; nothing here waits."""
 from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
-import zmq
 
-from conftest import base_config
 from tgw.broker.sched.batcher import Batcher, Pending
-from tgw.broker.config.load import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl, parse_config
+from tgw.broker.config.load import CrashLoopDecl, LeakDecl, SupervisorDecl, WorkersDecl
 from tgw.broker.fleet.leaks import LeakJudge
 from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.state.pool import Inflight, WorkerHandle
 from tgw.broker.fleet.supervisor import Supervisor
-from tgw.shm.errors import Code, TgwError
 from tgw.shm.segment import Segment, new_name
-from tgw.shm.wire import PROTOCOL_VERSION, Heartbeat, Infer, TensorMeta
+from tgw.shm.wire import Heartbeat
 
 DECL = SupervisorDecl(heartbeat_s=1.0, hang_timeout_s=5.0, batch_timeout_s=10.0, batch_timeout_factor=4.0)
 
