@@ -65,6 +65,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     refused on tcp:// without a token); `config_path`: the file a reload re-reads; `base_dir`:
     relative paths' root (the tracing files)."""
     server, obs = cfg.server, cfg.observability
+    # the exit hooks that depend on the config alone first: tracing may refuse to start, and
+    # nothing is running yet then
+    slow = logs.slow_requests(obs.slow_request_ms)
+    tracer = tracing.install(obs.tracing, loop, base_dir)
     phase = BrokerPhase(clock)
     roster_given = roster is not None
     roster = roster if roster_given else []
@@ -104,7 +108,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
 
     # names served as DAGs of steps; shadow versions and guarded rollouts
     pipelines = Pipelines(PipelineDeps(models=registry.models, clock=clock, infer=door.infer, reply=door.reply,
-                                       cancel_step=door.cancel_step, owed=callers.owed, tenants=admission.tenants,
+                                       cancel_step=door.cancel_step, owed=callers.owed, tenants=tenants,
                                        is_open=admission.is_open, note=complaints.note), cfg.pipelines)
     shadows = Shadows(registry.models, serving.admit_copy, admission.copies.withdraw, clock)
     guards = Guards(shadows, clock)
@@ -115,7 +119,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     view = BrokerView(clock=clock, started_at=phase.started_at, phase=phase.value, phases=tuple(p.value for p in Phase),
                       is_serving=phase.is_serving, roster=roster, models=registry.models, stats=stats, batcher=batcher,
                       costs=costs, complaints=complaints, callers=callers, max_request=admission.max_request,
-                      limits=admission.limits, breakers=admission.breakers, tenants=admission.tenants,
+                      limits=admission.limits, breakers=admission.breakers, tenants=tenants,
                       workers_of=placement.workers_of, events=placement.events, snapshots=memory.snapshots.latest,
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
@@ -134,8 +138,6 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
                          pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample))
     link.listen(workers_side.on_message, after=serving.flush)
-    slow = logs.slow_requests(obs.slow_request_ms)
-    tracer = tracing.install(obs.tracing, loop, base_dir)
     admission.exits_to(*(hook for hook in (guards.exits, metrics.finished, slow, tracer, door.abandon.finished)
                          if hook is not None))
 

@@ -147,12 +147,12 @@ class FrontDoor:
         """A face's caller gave up (`reason`): its requests leave, unrun; how many."""
         return self.abandon.drop_caller({caller}, reason)
 
-    # what status reads of the door
+    # what status reads of the door (the assembly opens it before anything can ask)
     def abandoned(self) -> dict:
-        return dict(self.abandon.counts) if self.abandon is not None else {}
+        return dict(self.abandon.counts)
 
     def cancelled(self) -> dict:
-        return self.abandon.cancelled_by_model() if self.abandon is not None else {}
+        return self.abandon.cancelled_by_model()
 
     def regions_held(self) -> dict:
         return self.regions.as_dict()

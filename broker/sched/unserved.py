@@ -58,9 +58,6 @@ class Unserved:
         for p in self.batcher.take_where(lambda p: p.record in records):
             self.answer_error(p, fail(Code.MODEL_NOT_READY, message, reason="unloaded"))
 
-    def load_failed(self, key: str, reason: str, error: str) -> None:
-        answer_load_failure(self.batcher, self.answer_error, key, reason, error)
-
     def everything(self, message: str) -> None:
         """Answer everything still queued or in flight (the shutdown grace ran out)."""
         running = [p for w in self.roster for batch in w.drop_inflight() for p in batch.requests]
@@ -71,8 +68,8 @@ class Unserved:
 def answer_load_failure(batcher, answer_error: Callable[[Pending, TgwError], None], key: str, reason: str,
                         error: str) -> None:
     """A version failed to load (on demand, or again after a restart): what waits for it is
-    answered with why. A function of the queues alone, so placement can be given it before the
-    Unserved that reads placement exists."""
+    answered with why. A function of the queues alone: placement is given it (core/assembly.py),
+    and Unserved reads placement."""
     for p in batcher.take_where(lambda p: p.record is not None and p.record.key == key):
         answer_error(p, fail(Code.MODEL_NOT_READY, f"{key} failed to load ({reason}): {error}",
                              reason="load_failed", retryable=False))
