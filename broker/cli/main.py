@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
+    check.add_argument("--load", action="store_true",
+                       help="also load and warm up every model and stage version as a worker would, in a child "
+                            "process (torch; no broker starts), and report each: exit 1 when one fails")
     broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
                 lambda args: Status(v=PROTOCOL_VERSION))
     snapshot = broker_verb(sub, "snapshot", "write a memory snapshot of each live worker, print the files", 30.0,
@@ -219,6 +222,9 @@ def run(argv: list[str] | None) -> None:
                 print(describe_pipeline(p, {m.name: m for m in cfg.models}))
         from tgw.broker.config.arenas import describe
         print(describe(cfg))
+        if args.load:
+            from .check_load import check_load
+            sys.exit(0 if check_load(cfg) else 1)
         return
 
     problem = start_problem(args)
