@@ -16,6 +16,7 @@ import msgspec
 
 from tgw.broker.config.load import Config
 from tgw.broker.models.entry import ModelEntry
+from .load_progress import duration
 
 CHILD = "tgw.workers.check_load"
 
@@ -63,10 +64,6 @@ def outcome(report: dict) -> str:
         return "FAILED: " + report["error"].strip().replace("\n", "\n    ")
     figures = [f"load {duration(report['seconds'])}"] + ([size(report["bytes"])] if report["bytes"] else [])
     return f"ok ({', '.join(figures)})"
-
-
-def duration(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
 
 
 def size(n: int) -> str:

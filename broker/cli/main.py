@@ -8,7 +8,7 @@ import sys
 
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
-from . import connect, models as cli_models
+from . import connect, load_progress, models as cli_models
 from tgw.broker.config.load import ConfigError, load_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
@@ -29,7 +29,8 @@ def query(args) -> int:
     from tgw.broker.config.startup import StartupError
     try:
         to = connect.resolve(args)
-        reply = ask(to.address, args.request(args), args.timeout, token=to.token, server_key=to.server_key)
+        with progress(args, to):
+            reply = ask(to.address, args.request(args), args.timeout, token=to.token, server_key=to.server_key)
     except (Unreachable, TgwError, StartupError, connect.ConnectProblem) as exc:
         print(f"{args.label}: {exc}", file=sys.stderr)
         return 1
@@ -38,6 +39,15 @@ def query(args) -> int:
     else:
         (args.show or partial(print_status, to.address))(reply)   # status heads its table with the address
     return 1 if getattr(reply, "missing", None) else 0           # a snapshot some worker did not answer
+
+
+def progress(args, to: connect.Connection):
+    """What shows a verb's progress while it waits (`models load`'s phases, on a terminal), else nothing."""
+    from contextlib import nullcontext
+    watch = getattr(args, "progress", None)   # set by a verb that has progress to show
+    if watch is None or not load_progress.wanted(args):
+        return nullcontext()
+    return watch(args, to.address, to.token, to.server_key)
 
 
 def broker_verb(sub, name: str, help_text: str, wait_s: float, request, show=None) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata,
 
 from tgw.broker.models.replay import summary as replay_summary
 
-from . import rollout as cli_rollout
+from . import load_progress, rollout as cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
@@ -97,6 +97,7 @@ def add_verbs(sub, broker_verb) -> None:
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
     cli_rollout.add_load_flags(load)
+    load.set_defaults(progress=load_progress.watch)   # its phases on stderr while it waits, on a terminal
     diff = cli_rollout.Diff()
     model_verb("diff", "a shadow's outputs against the serving version's, and the model's guarded rollout",
                QUERY_WAIT_S, diff.request, diff)
