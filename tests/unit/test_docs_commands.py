@@ -62,7 +62,7 @@ def subcommand_path(words: list[str]) -> tuple[tuple[str, ...], list[str]]:
     for i, word in enumerate(words):
         choices = subparsers_of(parser)
         if not choices or word.startswith("-") or placeholder(word):
-            return tuple(path), [w.split("=")[0] for w in words[i:] if w.startswith("--")]
+            return tuple(path), re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(words[i:]))   # "[--json]" too
         path.append(word)
         if word not in choices:
             break
@@ -108,6 +108,6 @@ def test_a_missing_command_is_caught():
         cli.main(["stats", "--help"])
     assert exit_info.value.code != 0
     snippets = code_of("the tgw-broker and tgw-bench commands\n```\ntgw-broker status  # tgw-broker nope\n```\n"
-                       "run `tgw-broker models load m --path x.pt --weight 5`, `tgw-broker models …`")
+                       "run `tgw-broker models load m --path x.pt [--weight 5]`, `tgw-broker models …`")
     found = [subcommand_path(m.group(1).split()) for s in snippets for m in COMMAND.finditer(s)]
     assert found == [(("status",), []), (("models", "load"), ["--path", "--weight"]), (("models",), [])]
