@@ -24,7 +24,8 @@ from tgw.shm.errors import (
     OutOfGpuMemoryError,
     OutOfShmError,
     WorkerDiedError,
-    ModelExecutionErrorError,
+    ModelExecutionError,
+    ModelExecutionErrorError,   # the old name of ModelExecutionError, the same class
     InternalError,
     UnavailableError,
 )
@@ -38,5 +39,5 @@ from .stream import StreamResult
 
 __all__ = [
     "Client", "AsyncClient", "ConnectError", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
-    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
+    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

@@ -155,8 +155,11 @@ class WorkerDiedError(TgwError):
     code = Code.WORKER_DIED
 
 
-class ModelExecutionErrorError(TgwError):
+class ModelExecutionError(TgwError):
     code = Code.MODEL_EXECUTION_ERROR
+
+
+ModelExecutionErrorError = ModelExecutionError   # its old name (the code ends in ERROR: "Error" came twice), kept
 
 
 class InternalError(TgwError):

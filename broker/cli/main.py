@@ -8,11 +8,12 @@ import sys
 
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
-from . import models as cli_models
+from . import connect, load_progress, models as cli_models
 from tgw.broker.config.load import ConfigError, load_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+CLOSED_PIPE_EXIT = 141   # 128 + SIGPIPE: as a command the signal ended
 
 
 def query(args) -> int:
@@ -22,37 +23,40 @@ def query(args) -> int:
     from functools import partial
 
     from tgw.shm.errors import TgwError
-    from tgw.shm.paths import default_address
     from tgw.shm.wire import as_builtins
 
-    from tgw.broker.front.auth import load_token
     from .ask import Unreachable, ask
     from tgw.broker.config.startup import StartupError
-    address = args.address or default_address()
     try:
-        token = load_token(args.token_file) if args.token_file else os.environ.get("TGW_TOKEN", "").strip() or None
-        server_key = args.server_key or os.environ.get("TGW_SERVER_KEY") or None
-        reply = ask(address, args.request(args), args.timeout, token=token, server_key=server_key)
-    except (Unreachable, TgwError, StartupError) as exc:
+        to = connect.resolve(args)
+        with progress(args, to):
+            reply = ask(to.address, args.request(args), args.timeout, token=to.token, server_key=to.server_key)
+    except (Unreachable, TgwError, StartupError, connect.ConnectProblem) as exc:
         print(f"{args.label}: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(as_builtins(reply), indent=2, sort_keys=True))   # every field, defaults too
     else:
-        (args.show or partial(print_status, address))(reply)   # status heads its table with the address
+        (args.show or partial(print_status, to.address))(reply)   # status heads its table with the address
     return 1 if getattr(reply, "missing", None) else 0           # a snapshot some worker did not answer
 
 
+def progress(args, to: connect.Connection):
+    """What shows a verb's progress while it waits (`models load`'s phases, on a terminal), else nothing."""
+    from contextlib import nullcontext
+    watch = getattr(args, "progress", None)   # set by a verb that has progress to show
+    if watch is None or not load_progress.wanted(args):
+        return nullcontext()
+    return watch(args, to.address, to.token, to.server_key)
+
+
 def broker_verb(sub, name: str, help_text: str, wait_s: float, request, show=None) -> argparse.ArgumentParser:
-    """A subcommand that asks a running broker: the connection flags, and what `query` runs:
-    `request(args)` builds the message, `show(reply)` prints the answer."""
+    """A subcommand that asks a running broker: the connection flags (connect.py), and what
+    `query` runs: `request(args)` builds the message, `show(reply)` prints the answer."""
     q = sub.add_parser(name, help=help_text)
-    q.add_argument("--address", help="the broker's address (default: as the broker's default)")
+    connect.add_flags(q)
     q.add_argument("--json", action="store_true", help="print the reply as JSON")
     q.add_argument("--timeout", type=float, default=wait_s, help=f"seconds to wait for the answer (default {wait_s:g})")
-    q.add_argument("--token-file", help="file holding the broker's auth token (default: $TGW_TOKEN, the token)")
-    q.add_argument("--server-key", help="the broker's CURVE public key: its .key file or z85 text "
-                                        "(default: $TGW_SERVER_KEY; needed for tcp://)")
     q.set_defaults(request=request, show=show, label=q.prog)
     return q
 
@@ -163,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
+    check.add_argument("--load", action="store_true",
+                       help="also load and warm up every model and stage version as a worker would, in a child "
+                            "process (torch; no broker starts), and report each: exit 1 when one fails")
     broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
                 lambda args: Status(v=PROTOCOL_VERSION))
     snapshot = broker_verb(sub, "snapshot", "write a memory snapshot of each live worker, print the files", 30.0,
@@ -187,6 +194,21 @@ def start_problem(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The `tgw-broker` entry point. A reader that goes away (`tgw-broker status | head -1`) ends
+    the command quietly with status 141 (128 + SIGPIPE, what `cat` killed by the signal gives),
+    not a BrokenPipeError traceback."""
+    try:
+        try:
+            run(argv)
+        finally:
+            sys.stdout.flush()   # here, not at exit, where a closed pipe can no longer be caught
+    except BrokenPipeError:
+        # the interpreter flushes stdout again at exit: point it at /dev/null first
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(CLOSED_PIPE_EXIT)
+
+
+def run(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
 
     if args.cmd == "keygen":
@@ -210,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(describe_pipeline(p, {m.name: m for m in cfg.models}))
         from tgw.broker.config.arenas import describe
         print(describe(cfg))
+        if args.load:
+            from .check_load import check_load
+            sys.exit(0 if check_load(cfg) else 1)
         return
 
     problem = start_problem(args)

@@ -6,6 +6,7 @@ connection path (flags, token, CURVE) and prints the reply with the printer, or 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Iterator
 
 from tgw.shm.model_format import FORMATS
@@ -14,7 +15,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata,
 
 from tgw.broker.models.replay import summary as replay_summary
 
-from . import rollout as cli_rollout
+from . import load_progress, rollout as cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
@@ -83,11 +84,12 @@ def add_verbs(sub, broker_verb) -> None:
                       CONTROL_WAIT_S, load_request, print_control)
     load.add_argument("--version", required=True, help="the new version's name (a name in use is refused)")
     source = load.add_mutually_exclusive_group()
-    source.add_argument("--path", help="a model's file inside the config's model_roots, as the broker sees it "
-                                       "(default: the path the config declares for this version)")
+    source.add_argument("--path", help="a model's file inside the config's model_roots; a relative path is taken "
+                                       "from the current directory (default: the path the config declares for "
+                                       "this version)")
     source.add_argument("--handler", metavar="FILE.py:Class",
-                        help="a stage's class: an absolute FILE.py inside model_roots, as the broker sees it, or "
-                             "module:Class (default: the handler the config declares for this version)")
+                        help="a stage's class: a FILE.py inside model_roots (a relative one is taken from the current "
+                             "directory), or module:Class (default: the handler the config declares for this version)")
     load.add_argument("--sha256", type=sha256_hex, help="the file's (or handler file's) SHA-256; the worker checks "
                                                         "the bytes it loads")
     load.add_argument("--format", choices=FORMATS, help="what the file must hold (default: whatever it holds)")
@@ -95,6 +97,7 @@ def add_verbs(sub, broker_verb) -> None:
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
     cli_rollout.add_load_flags(load)
+    load.set_defaults(progress=load_progress.watch)   # its phases on stderr while it waits, on a terminal
     diff = cli_rollout.Diff()
     model_verb("diff", "a shadow's outputs against the serving version's, and the model's guarded rollout",
                QUERY_WAIT_S, diff.request, diff)
@@ -115,9 +118,24 @@ def add_verbs(sub, broker_verb) -> None:
 
 
 def load_request(args) -> LoadVersion:
-    return LoadVersion(v=PROTOCOL_VERSION, model=args.model, version=args.version, path=args.path,
-                       sha256=args.sha256, weight=args.weight, format=args.format, handler=args.handler,
-                       shadow=args.shadow, policy=args.policy)
+    return LoadVersion(v=PROTOCOL_VERSION, model=args.model, version=args.version, path=from_here(args.path),
+                       sha256=args.sha256, weight=args.weight, format=args.format,
+                       handler=handler_from_here(args.handler), shadow=args.shadow, policy=args.policy)
+
+
+def from_here(path: str | None) -> str | None:
+    """A relative --path taken from the current directory, as the config takes its paths from its
+    own folder: joined, not normalised, so the broker still refuses a '..' as written and a file
+    outside model_roots, with its reason. (A broker on another host needs an absolute path.)"""
+    return path if path is None or os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def handler_from_here(handler: str | None) -> str | None:
+    """--handler FILE.py:Class with FILE.py taken from the current directory; module:Class as given."""
+    if handler is None:
+        return None
+    where, sep, cls = handler.rpartition(":")
+    return f"{from_here(where)}{sep}{cls}" if where.endswith(".py") else handler
 
 
 # ---- printing --------------------------------------------------------------------------------

@@ -87,3 +87,41 @@ def test_the_docs_example_passes_check_config(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "pipeline classify (version 1): decode (decode-image) -> infer (resnet:2) -> top5 (top5)" in out.stdout
     assert "inputs: image bytes []; outputs: labels bytes [5], scores float32 [5]" in out.stdout
+
+
+# ---- check-config --load ------------------------------------------------------------------------
+
+BROKEN_STAGE = """class Upper:
+    def __init__(self):
+        self.table = undefined_table   # NameError at load, in the handler's own code
+
+    def __call__(self, batch):
+        return batch
+"""
+
+
+def test_check_config_load_reports_each_version_as_a_load_would(tmp_path):
+    """A model that loads, a file the config takes for TorchScript that no worker can load, and a
+    stage whose constructor raises: one line each, exit 1, no traceback (no segment left: the
+    leak guard of conftest.py)."""
+    from tgw.testing.lifecycle import model_decl, save_add_model
+    save_add_model(str(tmp_path / "add1.pt"), 1)
+    unloaded_model(tmp_path / "junk.pt")
+    (tmp_path / "upper.py").write_text(BROKEN_STAGE)
+    stage = {"name": "upper", "versions": [{"version": "1", "handler": "upper.py:Upper"}],
+             "inputs": [{"name": "text", "dtype": "bytes", "shape": []}],
+             "outputs": [{"name": "text", "dtype": "bytes", "shape": []}], "max_batch_size": 4}
+    config = tmp_path / "tgw.yaml"
+    config.write_text(yaml.safe_dump({"model_roots": [str(tmp_path)], "workers": {"devices": ["cpu"]},
+                                      "models": [model_decl("m", [("1", "add1.pt")]),
+                                                 model_decl("junk", [("1", "junk.pt")]), stage]}))
+    plain = check_config(config)
+    assert plain.returncode == 0 and "loading" not in plain.stdout, plain.stderr   # without --load: nothing loads
+    r = subprocess.run([sys.executable, "-m", "tgw.broker", "check-config", str(config), "--load"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = r.stdout[r.stdout.index("loading 3 version(s) on cpu"):].splitlines()[1:]
+    assert report[0].startswith("  m:1: ok (load "), report
+    assert report[1].startswith("  junk:1: FAILED: RuntimeError: "), report
+    assert report[2].startswith("  upper:1: FAILED: ") and "undefined_table" in report[2], report
+    assert "Traceback" not in r.stdout + r.stderr

@@ -2,6 +2,7 @@
 nothing started."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -25,3 +26,17 @@ def test_bad_flags_are_one_line_and_a_failure(argv, says):
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert says in lines[0], lines[0]
     assert r.stdout == ""
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`tgw-broker ... | head -1`: the reader gone before the output is written is exit 141 (128 +
+    SIGPIPE) and nothing on stderr, not a BrokenPipeError traceback (keygen: output, no broker)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)   # the reader has gone: every write fails with EPIPE
+    try:
+        r = subprocess.run([sys.executable, "-m", "tgw.broker", "keygen", str(tmp_path)], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (r.returncode, r.stderr) == (141, "")
+    assert (tmp_path / "broker.key").exists()   # the command itself ran

@@ -176,8 +176,32 @@ def test_a_swapped_in_version_survives_its_worker_restart(one, models):
         assert c.metadata("m")[0]["default_version"] == "4"
 
 
-def tgw_broker(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tgw.broker", *args], capture_output=True, text=True, timeout=120)
+def tgw_broker(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tgw.broker", *args], capture_output=True, text=True, timeout=120,
+                          cwd=cwd)
+
+
+def on_a_terminal(*args: str, cwd=None) -> tuple[int, str, str]:
+    """`tgw-broker ARGS` with stderr on a pseudo-terminal: (exit status, stdout, what the terminal got)."""
+    import pty
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tgw.broker", *args], stdout=subprocess.PIPE,
+                                stderr=follower, text=True, cwd=cwd)
+    finally:
+        os.close(follower)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:   # EIO: every writer of the terminal has gone
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    os.close(leader)
+    out = proc.stdout.read()
+    return proc.wait(timeout=120), out, terminal.decode(errors="replace")
 
 
 def test_cli_verbs_against_a_running_broker(one, models):
@@ -197,6 +221,29 @@ def test_cli_verbs_against_a_running_broker(one, models):
     assert r.returncode == 1 and "outside model_roots" in r.stderr
     with Client(one.address) as c:
         assert c.status()["events"][-1]["event"] == "unload"
+
+
+def test_cli_takes_relative_paths_and_finds_the_broker_from_its_config(one, models, tmp_path):
+    """Issue 39: a relative --path is taken from the current directory, as the config takes its
+    own; a path outside model_roots is still refused with the broker's reason; `--config` finds
+    the broker from the config's server.address; on a terminal `models load` says when it is ready."""
+    import yaml
+    config = yaml.safe_load(open(one.config_path))
+    config.setdefault("server", {})["address"] = one.address
+    (tmp_path / "tgw.yaml").write_text(yaml.safe_dump(config))
+    c = ["--config", str(tmp_path / "tgw.yaml")]
+    r = tgw_broker("models", "load", "m", "--version", "2", "--path", "add2.pt", *c, cwd=models)
+    assert r.returncode == 0 and "m:2 serves every request" in r.stdout, r.stderr
+    assert infer_version(one.address) == 2
+    r = tgw_broker("models", "load", "m", "--version", "3", "--path", "outside.pt", *c, cwd=models.parent)
+    assert r.returncode == 1 and f"{models.parent / 'outside.pt'} is outside model_roots" in r.stderr, r.stderr
+    r = tgw_broker("status", *c)
+    assert r.returncode == 0 and r.stdout.startswith(f"{one.address}: serving"), r.stderr
+    code, out, terminal = on_a_terminal("models", "load", "m", "--version", "4", "--path", "add4.pt", *c, cwd=models)
+    assert code == 0 and "m:4 serves every request" in out, terminal
+    assert "m:4 ready after " in terminal and "Traceback" not in terminal
+    r = tgw_broker("models", "load", "m", "--version", "5", "--path", "add5.pt", *c, cwd=models)
+    assert r.returncode == 0 and "ready after" not in r.stderr + r.stdout   # not a terminal: quiet
 
 
 def test_a_version_whose_file_went_is_dropped_when_a_restarted_worker_cannot_load_it(one, models, tmp_path):

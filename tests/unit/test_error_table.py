@@ -43,7 +43,8 @@ def test_exception_classes_are_written_out_one_per_code():
     classes = TgwError.__subclasses__()
     assert sorted(c.code.value for c in classes) == sorted(c.value for c in Code)
     for cls in classes:
-        assert cls.__name__ == "".join(p.capitalize() for p in cls.code.value.split("_")) + "Error"
+        spelled = "".join(p.capitalize() for p in cls.code.value.split("_"))
+        assert cls.__name__ == (spelled if spelled.endswith("Error") else spelled + "Error")   # "Error" once
         assert f"class {cls.__name__}(TgwError):\n    code = Code.{cls.code.value}\n" in source
         assert ERROR_CLASSES[cls.code] is cls
 
@@ -86,3 +87,11 @@ def test_tgw_error_defaults():
     assert e.code == Code.INTERNAL and e.details == {} and e.http_status == 500 and not e.retryable
     with pytest.raises(ValueError):
         fail("NOT_A_CODE", "x")
+
+
+def test_model_execution_error_keeps_its_old_name():
+    """Renamed from ModelExecutionErrorError (issue 39): the old name is the same class, exported."""
+    assert tgw.client.ModelExecutionError is tgw.client.ModelExecutionErrorError is errors.ModelExecutionError
+    assert {"ModelExecutionError", "ModelExecutionErrorError"} <= set(tgw.client.__all__)
+    assert fail("MODEL_EXECUTION_ERROR", "boom").__class__.__name__ == "ModelExecutionError"
+    assert not [n for n in tgw.client.__all__ if n.endswith("ErrorError") and n != "ModelExecutionErrorError"]
