@@ -75,7 +75,7 @@ class AsyncLink:
         loop, rid = self.loop, msg.id
         deadline = loop.time() + wait_s
         held = capped and self.cap.limit is not None
-        if held:
+        if held and not self.cap.take():   # past the cap: wait here for a slot
             await self._slot(msg, deadline)
         try:
             await self._send(msg, frames, deadline, nbytes)

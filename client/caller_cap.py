@@ -31,14 +31,21 @@ class CallerCap:
         """Requests waiting here for a slot."""
         return sum(1 for f in self._waiting if not f.done())
 
+    def take(self) -> bool:
+        """A slot at once, if one is free (then no request waits: every freed slot went to one first)."""
+        if self.limit is None:
+            return True
+        if self.held < self.limit:
+            if self._waiting:
+                self._waiting.clear()   # only the cancelled and expired are left
+            self.held += 1
+            return True
+        return False
+
     async def acquire(self, until: float, request_id: int) -> None:
         """A slot for one infer, waited for until loop time `until` (the request's timeout):
         DEADLINE_EXCEEDED (source client, reason client_queue) past it, nothing sent."""
-        if self.limit is None:
-            return
-        if self.held < self.limit:   # no live waiter then: every freed slot went to one first
-            self._waiting.clear()
-            self.held += 1
+        if self.take():
             return
         fut = self.loop.create_future()
         self._waiting.append(fut)

@@ -6,13 +6,13 @@ is left exactly as it is - mode, owner, group - and judged: one any user may wri
 sticky bit (or another user's that its group may write) is refused, since whoever may write it
 can replace the socket; a shared one with the sticky bit (/tmp) serves, as only the socket's
 owner may remove or rename it there, and the workers' socket then goes to the runtime directory
-instead of beside it. Each socket file is made with its final mode (a umask around the bind, no
-window in which others could connect): the front socket 0660 (callers in the broker's group),
-the back socket 0600 (workers run as the broker's user). A stale socket file left by a dead
-broker is replaced; a live broker on the same path is refused. The front socket refuses frames
-over the request limits before receiving them (ZMQ_MAXMSGSIZE: libzmq drops such a connection),
-queues at most client_queue_messages replies per caller, and puts every new connection to a ZAP
-handler (see callers.py).
+instead of beside it. There a socket file is born with its final mode (a umask around the bind,
+no window in which others could connect); everywhere the front socket is 0660 (callers in the
+broker's group), the back socket 0600 (workers run as the broker's user). A stale socket file
+left by a dead broker is replaced; a live broker on the same path is refused. The front socket
+refuses frames over the request limits before receiving them (ZMQ_MAXMSGSIZE: libzmq drops such
+a connection), queues at most client_queue_messages replies per caller, and puts every new
+connection to a ZAP handler (see callers.py).
 """
 from __future__ import annotations
 
@@ -149,11 +149,17 @@ def bind(ctx: zmq.Context, address: str, server: ServerDecl, public: bool) -> zm
             curve_server(sock, server.curve_secret_key_file)
     else:
         sock.setsockopt(zmq.SNDHWM, 100_000)
-    old_umask = os.umask(0o117 if public else 0o177)   # the socket file is born 0660 / 0600
-    try:
+    path = ipc_path(address)
+    if path is not None and _shared(os.path.dirname(path) or "."):
+        # the folder does not keep others out: the file is born 0660 / 0600 (the umask is the
+        # process's: changed for this call alone, during start-up)
+        old_umask = os.umask(0o117 if public else 0o177)
+        try:
+            sock.bind(address)
+        finally:
+            os.umask(old_umask)
+    else:
         sock.bind(address)
-    finally:
-        os.umask(old_umask)
     _own_socket_file(address, server, public)
     return sock
 
