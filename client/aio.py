@@ -4,7 +4,9 @@ connection, each awaited by its own caller.
     async with AsyncClient() as c:
         y = (await c.infer("mlp", {"x": x}, timeout=1.0))["y"]
 
-The connection, its replies matched to waiting futures and its cancels are client/async_link.py.
+The connection, its replies matched to waiting futures and its cancels are client/async_link.py;
+infers beyond the broker's per-caller cap (its hello says it) wait in the client for a slot
+(client/caller_cap.py), so a burst larger than the cap is served, not refused.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class AsyncClient:
         self._closed = False
         self.server: str | None = None
         self.max_request_bytes = 1 << 62
+        self.max_inflight_per_client: int | None = None   # the broker's cap, from its hello (None: none said)
         self.last_reply = None   # the last infer reply (infer_with_meta reads its own)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -57,6 +60,11 @@ class AsyncClient:
     def inflight(self) -> int:
         """Requests sent and not yet answered."""
         return len(self._link.pending) if self._link is not None else 0
+
+    @property
+    def queued(self) -> int:
+        """Infers waiting in the client for a slot of the broker's per-caller cap, not yet sent."""
+        return self._link.cap.queued if self._link is not None else 0
 
     # ---- connection --------------------------------------------------------------------------
 
@@ -93,6 +101,7 @@ class AsyncClient:
             raise ConnectError(f"no tgw broker answered at {self.address} within "
                                f"{self.connect_timeout:g}s{hint}") from None
         self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
+        self.max_inflight_per_client = link.cap.limit = reply.max_inflight_per_client
 
     def _detach(self, linger_ms: int = 0) -> None:
         """Stop reading the socket and close it."""
@@ -110,6 +119,8 @@ class AsyncClient:
             await region.aclose()
         link = self._link
         if link is not None:
+            link.cap.fail_waiting(lambda: fail(Code.UNAVAILABLE, "the client was closed before the request was sent",
+                                               source="client"))
             link.fail_all(lambda rid: fail(Code.UNAVAILABLE, "the client was closed", source="client",
                                            request_id=rid))
             self._detach(say_goodbye(link.link, self.token))
@@ -194,4 +205,4 @@ class AsyncClient:
 
     async def _infer(self, call: Call):
         check_size(call.declared, call.sent, self.max_request_bytes)
-        return await self._link.request(call.msg, call.frames, reply_wait(call.timeout), call.sent)
+        return await self._link.request(call.msg, call.frames, reply_wait(call.timeout), call.sent, capped=True)

@@ -5,12 +5,14 @@ The socket's FD is edge-triggered: it is drained until empty, and drained once m
 send, which may consume the edge. A request nobody waits for any more (its task cancelled, its
 timeout passed) is cancelled at the broker, the cancels of one loop turn in one message, so a
 request still queued never runs. A lost connection fails every waiting call with
-UnavailableError (client/connection.py).
+UnavailableError (client/connection.py). Infers beyond the broker's per-caller cap wait on this
+side for a slot (client/caller_cap.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Callable, Iterator
 
 import zmq
@@ -18,6 +20,7 @@ import zmq
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, encode
 
+from .caller_cap import CallerCap
 from .connection import Link
 from .transport import EVENTS, NOBLOCK, POLLIN, read_reply, send_request
 
@@ -35,6 +38,8 @@ class AsyncLink:
         self.up = asyncio.Event()                       # the connection's handshake is done
         self.closed = False
         self._cancels: list[int] = []
+        self._cancel_slots = 0   # of the requests in _cancels, those holding a slot of the cap
+        self.cap = CallerCap(self.loop)   # its limit set from the hello (AsyncClient._connect)
         self._cancelled: dict[int, list[int]] = {}   # id of a cancel sent -> the requests it withdraws
         self._drain_scheduled = False
         link = self.link = Link(ctx, address, liveness, curve, server_key, unbounded=True)
@@ -64,25 +69,45 @@ class AsyncLink:
             if not fut.done():
                 fut.set_exception(error(rid))
 
-    async def request(self, msg, frames: list, wait_s: float, nbytes: int | None = None):
-        """Send `msg` and its frames, await the reply: (reply, tensor frames), or the error raised."""
+    async def request(self, msg, frames: list, wait_s: float, nbytes: int | None = None, capped: bool = False):
+        """Send `msg` and its frames, await the reply: (reply, tensor frames), or the error raised.
+        `capped` (an infer): sent once a slot of the broker's per-caller cap is free."""
         loop, rid = self.loop, msg.id
         deadline = loop.time() + wait_s
-        await self._send(msg, frames, deadline, nbytes)
-        fut = self.pending[rid] = loop.create_future()
-        timer = loop.call_at(deadline, self._expire, rid, wait_s)
+        held = capped and self.cap.limit is not None
+        if held and not self.cap.take():   # past the cap: wait here for a slot
+            await self._slot(msg, deadline)
         try:
-            return await fut
-        except asyncio.CancelledError:
-            self._abandon(rid)
-            raise
-        except TgwError as err:
-            if err.code is Code.DEADLINE_EXCEEDED and err.details.get("source") == "client":
-                self._abandon(rid)
-            raise
+            await self._send(msg, frames, deadline, nbytes)
+            fut = self.pending[rid] = loop.create_future()
+            timer = loop.call_at(deadline, self._expire, rid, wait_s)
+            try:
+                return await fut
+            except asyncio.CancelledError:
+                self._abandon(rid, held)
+                held = False   # freed once the cancel is out
+                raise
+            except TgwError as err:
+                if err.code is Code.DEADLINE_EXCEEDED and err.details.get("source") == "client":
+                    self._abandon(rid, held)
+                    held = False
+                raise
+            finally:
+                timer.cancel()
+                self.pending.pop(rid, None)
         finally:
-            timer.cancel()
-            self.pending.pop(rid, None)
+            if held:
+                self.cap.release()
+
+    async def _slot(self, msg, deadline: float) -> None:
+        """Wait for a slot of the cap, at most until the request's own timeout; the time waited
+        is taken off the timeout the broker counts from its receipt."""
+        start = self.loop.time()
+        until = deadline if msg.timeout_ms is None else min(deadline, start + msg.timeout_ms / 1000)
+        await self.cap.acquire(until, msg.id)
+        waited_ms = (self.loop.time() - start) * 1000
+        if msg.timeout_ms and waited_ms >= 1:
+            msg.timeout_ms = max(1, math.ceil(msg.timeout_ms - waited_ms))
 
     async def _send(self, msg, frames: list, deadline: float, nbytes: int | None) -> None:
         """Send once the connection is up, waiting for it at most min(liveness, the deadline)."""
@@ -115,14 +140,23 @@ class AsyncLink:
             fut.set_exception(fail(Code.DEADLINE_EXCEEDED, f"no reply from {self.address} within {wait_s:.1f}s",
                                    request_id=rid, source="client"))
 
-    def _abandon(self, rid: int) -> None:
-        """Tell the broker, with the others of this loop turn, that nobody waits for `rid`."""
+    def _abandon(self, rid: int, slot: bool = False) -> None:
+        """Tell the broker, with the others of this loop turn, that nobody waits for `rid`
+        (`slot`: it holds a slot of the cap, freed once the cancel is out)."""
         if not self._cancels and not self.closed:
             self.loop.call_soon(self._send_cancels)
         self._cancels.append(rid)
+        self._cancel_slots += slot
 
     def _send_cancels(self) -> None:
         ids, self._cancels = self._cancels, []
+        slots, self._cancel_slots = self._cancel_slots, 0
+        try:
+            self._send_cancel(ids)
+        finally:   # out (or no connection: the broker that counted them is gone): the slots are free
+            self.cap.release(slots)
+
+    def _send_cancel(self, ids: list[int]) -> None:
         if ids and not self.closed:
             cancel_id = next(self._ids)
             try:

@@ -55,6 +55,7 @@ class Client:
         self._closed = False
         self.server: str | None = None
         self.max_request_bytes = 1 << 62  # the broker's, from its hello reply
+        self.max_inflight_per_client: int | None = None   # the broker's per-connection cap, from its hello
         try:
             self._link()  # connect and handshake now: a wrong address, protocol or token fails here
         except BaseException:
@@ -210,6 +211,7 @@ class Client:
             raise ConnectError(f"no tgw broker answered at {self.address} within "
                                f"{self.connect_timeout:g}s{hint}") from None
         self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
+        self.max_inflight_per_client = link.max_inflight = reply.max_inflight_per_client
         return link
 
     def late_reply(self, req_id: int) -> None:

@@ -54,6 +54,7 @@ class Link:
         self._fds.register(self.monitor.getsockopt(zmq.FD), select.POLLIN)
         self.up = False
         self.losses = 0          # disconnects seen: a call made before one cannot be answered
+        self.max_inflight: int | None = None   # the broker's per-caller cap, from its hello (None: none said)
         try:
             sock.connect(address)
         except BaseException:    # an open socket would keep its context's term() waiting forever

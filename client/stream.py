@@ -63,6 +63,8 @@ class Stream:
         self._outstanding: dict[int, tuple[Any, Call]] = {}   # request id -> (tag, call)
         self._done: deque[StreamResult] = deque()
         self._link = client.new_link()
+        cap = self._link.max_inflight   # the broker refuses past its per-caller cap: the window never exceeds it
+        self._room = min(self.window, cap) if cap else self.window
         self._closed = False
 
     def __enter__(self) -> "Stream":
@@ -77,10 +79,11 @@ class Stream:
 
     def send(self, inputs: dict, tag: Any = None, **overrides) -> Any:
         """Send one request (`overrides`: infer options for this one); returns its tag. Blocks
-        while `window` requests are outstanding, taking their results in meanwhile."""
+        while `window` requests (or the broker's per-caller cap, when smaller) are outstanding,
+        taking their results in meanwhile."""
         if self._closed:
             raise RuntimeError("stream is closed")
-        while len(self._outstanding) >= self.window:
+        while len(self._outstanding) >= self._room:
             self._receive(block=True)
         tag = next(self._tags) if tag is None else tag
         c = self.client

@@ -142,6 +142,9 @@ class HelloReply(Struct, tag_field="op", tag="hello"):
     id: int
     server: str
     max_request_bytes: int
+    # infers one connection may have admitted and unanswered (server.max_inflight_per_client): the
+    # client queues beyond it; None from a broker before this field (no queueing)
+    max_inflight_per_client: Optional[int] = None
 
 
 class InferReply(Struct, tag_field="op", tag="infer"):

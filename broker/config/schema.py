@@ -98,7 +98,7 @@ class ServerDecl(Strict):
     client_queue_bytes: Annotated[int, Field(ge=1 << 16)] = 64 << 20   # replies waiting for one slow reader
     client_queue_messages: Annotated[int, Field(ge=1)] = 1000
     max_inflight_batches_per_worker: Annotated[int, Field(ge=1, le=8)] = 2
-    socket_dir_mode: Annotated[str, Field(pattern=r"^0?[0-7]{3}$")] = "0750"
+    socket_dir_mode: Annotated[str, Field(pattern=r"^0?[0-7]{3}$")] = "0750"   # a socket folder tgw creates
     socket_group: Optional[Annotated[str, Field(min_length=1)]] = None   # may use the front socket
     auth_token_file: Optional[str] = None         # shared token every native request must carry
     curve_secret_key_file: Optional[str] = None   # ZeroMQ CURVE key pair (tgw-broker keygen)

@@ -76,7 +76,8 @@ class BrokerView:
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
-    return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=view.max_request)
+    return HelloReply(v=PROTOCOL_VERSION, id=req_id, server=SERVER_NAME, max_request_bytes=view.max_request,
+                      max_inflight_per_client=view.callers.owed.max_owed)
 
 
 def serving(view: BrokerView, m: ModelEntry, fallback: bool = True) -> bool:

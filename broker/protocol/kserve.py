@@ -19,6 +19,11 @@ by orjson and converted by numpy from the (flat or nested) list in one call. Out
 JSON (orjson writes numpy arrays itself) or as raw bytes after the JSON header. Datatypes,
 tensors and parameters are one model (a body's tensors are read with the parameters beside them).
 
+A raw body (is_raw: a PUT, or a POST whose Content-Type is no JSON's and that has no
+Inference-Header-Content-Length; clients send JSON with no Content-Type, curl -d's form type or
+text/plain, so those stay JSON) is the one element of a model's or pipeline's one BYTES input,
+as TorchServe users send an image; its answer is the JSON one.
+
 Everything wrong raises a TgwError naming the field; the face answers it in its own shape.
 """
 from __future__ import annotations
@@ -285,7 +290,9 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
     try:
         doc = orjson.loads(view[:n])
     except orjson.JSONDecodeError as exc:
-        raise bad(f"request body is not JSON: {exc}") from None
+        raise bad(f"request body is not JSON: {exc} (a raw body - an image, a file - for a model whose one input is "
+                  "BYTES goes with its own Content-Type, e.g. -H 'Content-Type: image/jpeg', or as a PUT: curl -T "
+                  "FILE; docs/HTTP.md)") from None
     if not isinstance(doc, dict):
         raise bad("request body must be a JSON object with \"inputs\"")
     params = mapping(doc.get("parameters"), "parameters")
@@ -390,3 +397,52 @@ def encode(reply: InferReply, frames: list, request_id: str | None, binary: froz
     if request_id is not None:
         doc["id"] = request_id
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), blobs
+
+
+# ---- a raw body: the one element of a model's one BYTES input ----------------------------------
+
+JSON_MEDIA = ("application/json", "application/x-www-form-urlencoded", "text/plain")   # and any */*+json
+MULTIPART = "multipart/form-data"
+
+
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def is_raw(method: str, content_type: str | None, header_length: str | None) -> bool:
+    """Whether an infer body is raw rather than KServe's JSON (with or without the binary
+    extension): every PUT; a POST with a Content-Type that is not JSON's, nor one that clients
+    send JSON as (curl -d's form type; text/plain, a browser's and aiohttp's for a string), and
+    no Inference-Header-Content-Length. A POST without a Content-Type is JSON."""
+    if method == "PUT":
+        return True
+    media = media_type(content_type)
+    return header_length is None and bool(media) and media not in JSON_MEDIA and not media.endswith("+json")
+
+
+def takes(inputs) -> str:
+    return ", ".join(f"{t.name} {DATATYPE_OF[t.dtype]} {[-1, *t.shape]}" for t in inputs) or "no inputs"
+
+
+def decode_raw(body: bytes, content_type: str | None, inputs, model: str, version: str | None, req_id: int,
+               routing_header: str | None = None) -> Decoded:
+    """The Infer message and frame of a raw body, for `model`, whose declared `inputs` (IOSpec)
+    must be one BYTES input of one element a row; its outputs are answered in JSON."""
+    shown = f"Content-Type {content_type}" if content_type else "no Content-Type"
+    if media_type(content_type) == MULTIPART:
+        raise bad(f"a multipart form body (curl -F) is not taken: send the file itself, as the body "
+                  f"(curl --data-binary @FILE -H 'Content-Type: image/jpeg' URL, or curl -T FILE URL)",
+                  reason="raw_body")
+    if len(inputs) != 1 or inputs[0].dtype != BYTES or any(d != 1 for d in inputs[0].shape):
+        raise bad(f"{model!r} cannot take a raw body ({shown}): a raw body is one BYTES element, for a model or "
+                  f"pipeline whose one input is BYTES of shape [-1]; {model!r} takes {takes(inputs)}. Send KServe JSON "
+                  "(Content-Type: application/json) or the binary tensor extension (docs/HTTP.md)",
+                  reason="raw_body", expected=takes(inputs))
+    if not body:
+        raise bad(f"the raw body is empty ({shown}): send the bytes of {model!r}'s input {inputs[0].name!r}",
+                  reason="raw_body", input=inputs[0].name)
+    spec = inputs[0]
+    meta = TensorMeta(name=spec.name, dtype=BYTES, shape=[1, *spec.shape])
+    msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=[meta],
+                routing_key=routing_key(None, routing_header, f"header {ROUTING_HEADER}"))
+    return Decoded(msg, [SliceFrame(memoryview(pack([body])))], None, False)

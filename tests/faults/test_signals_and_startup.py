@@ -73,16 +73,36 @@ def test_start_refused_for_lack_of_shm_leaves_nothing_behind(model_files, make_b
     assert no_leftovers(b)
 
 
-def test_socket_directory_others_may_write_is_made_private(model_files, make_broker, short_dir):
+def test_socket_directory_others_may_write_is_refused_and_left_as_it_is(model_files, make_broker, short_dir):
     sock_dir = os.path.join(short_dir, "open")
     os.mkdir(sock_dir)
     os.chmod(sock_dir, 0o777)
     b = make_broker(base_config(model_files, "mlp"), start=False)
     b.address = f"ipc://{sock_dir}/s.sock"
+    b.start(wait=False)
+    assert b.proc.wait(60) == 1
+    out = b.output()
+    assert "may be written by other users" in out and f"chmod +t {sock_dir}" in out and "Traceback" not in out
+    assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o777 and os.listdir(sock_dir) == []
+
+
+def test_socket_in_a_sticky_shared_folder_serves_and_leaves_the_folder_as_it_is(model_files, make_broker, short_dir):
+    """As `--address ipc:///tmp/x.sock`: /tmp (1777) is not tgw's, so its mode stays; the socket
+    file is the broker's own (0660) and the workers' socket lives elsewhere."""
+    sock_dir = os.path.join(short_dir, "shared")
+    os.mkdir(sock_dir)
+    os.chmod(sock_dir, 0o1777)
+    b = make_broker(base_config(model_files, "mlp"), start=False)
+    b.address = f"ipc://{sock_dir}/s.sock"
     b.start()
-    assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o750
+    with Client(b.address) as c:
+        assert c.infer("mlp", {"x": np.ones((1, 256), np.float32)})["y"].shape == (1, 10)
     assert stat.S_IMODE(os.stat(ipc_path(b.address)).st_mode) == 0o660
-    assert "had mode 0777" in b.output()
+    assert os.listdir(sock_dir) == ["s.sock"]   # no workers' socket beside it
+    assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o1777
+    assert b.stop() == 0
+    assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o1777 and os.listdir(sock_dir) == []
+    assert "is shared: left as it is" in b.output()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory to another user")

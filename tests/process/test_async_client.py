@@ -227,3 +227,54 @@ def test_the_queued_requests_of_a_vanished_client_are_dropped(model_files, make_
                 blocker_done.append(await task)
         run(hold())
         assert blocker_done and c.stats()["dropped"].get("client_gone", 0) == 0   # nothing computed for it
+
+
+def test_a_burst_past_the_callers_cap_waits_in_the_client_and_is_all_served(model_files, make_broker):
+    """2,000 at once on one connection whose broker allows 64 in flight: the client learns the cap
+    from the hello and holds the rest back, so none is refused OVERLOADED."""
+    b = make_broker(base_config(model_files, "mlp", server={"max_inflight_per_client": 64}))
+    xs = np.random.default_rng(1).random((2000, 1, 256), dtype=np.float32)
+
+    async def main():
+        async with AsyncClient(b.address) as ac:
+            assert ac.max_inflight_per_client == 64
+            tasks = [asyncio.ensure_future(ac.infer("mlp", {"x": x})) for x in xs]
+            await asyncio.sleep(0)
+            sent, held = ac.inflight, ac.queued
+            return sent, held, await asyncio.gather(*tasks, return_exceptions=True)
+    sent, held, results = run(main())
+    assert (sent, held) == (64, 2000 - 64)
+    assert [r for r in results if not isinstance(r, dict)] == []
+    with Client(b.address) as c:
+        assert c.stats()["models"]["mlp"]["errors"] == {}
+        np.testing.assert_allclose(results[7]["y"], c.infer("mlp", {"x": xs[7]})["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_requests_held_in_the_client_that_are_cancelled_or_time_out_never_reach_the_broker(model_files, make_broker):
+    b = make_broker(one_at_a_time(model_files, server={"max_inflight_per_client": 4,
+                                                       "max_inflight_batches_per_worker": 1}))
+    with Client(b.address) as c:
+        async def main():
+            async with AsyncClient(b.address) as ac:
+                blocker = await start_blocker(ac, c)
+                at_broker = [asyncio.ensure_future(ac.infer("spin", spin(1))) for _ in range(3)]
+                await asyncio.to_thread(wait_until, lambda: queued(c) == 3, what="three queued at the broker")
+                held = [asyncio.ensure_future(ac.infer("spin", spin(1))) for _ in range(5)]
+                await asyncio.sleep(0)
+                assert (ac.inflight, ac.queued) == (4, 5)
+                with pytest.raises(DeadlineExceededError) as late:
+                    await ac.infer("spin", spin(1), timeout=0.05)
+                assert late.value.details["reason"] == "client_queue" and "never sent" in str(late.value)
+                for t in held[:2]:
+                    t.cancel()
+                done = await asyncio.gather(blocker, *at_broker, *held, return_exceptions=True)
+                assert [type(r).__name__ for r in done] == ["dict"] * 4 + ["CancelledError"] * 2 + ["dict"] * 3
+        run(main())
+        counted = c.stats()
+        assert counted["models"]["spin"]["requests"] == 1 + 3 + 3   # the three given up on never came
+        assert counted["models"]["spin"]["errors"] == {} and not counted["abandoned"].get("cancelled")
+        with c.stream("mlp", window=100) as s:   # the sync stream keeps to the cap too
+            for _ in range(12):
+                s.send({"x": X})
+                assert s.outstanding <= 4
+        assert [r.error for r in s] == [None] * 12

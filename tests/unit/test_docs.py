@@ -40,6 +40,8 @@ MARKERS = {
     "client-example:region": "test_client_readme.py",
     "http-example:python": "test_http.py::test_readme_examples_work_as_printed",
     "http-example:curl": "test_http.py::test_readme_examples_work_as_printed",
+    "http-example:raw": "test_http_raw_bodies.py::test_the_docs_raw_body_and_binary_extension_examples_run_as_printed",
+    "http-example:jpeg": "test_http_raw_bodies.py::test_the_docs_raw_body_and_binary_extension_examples_run_as_printed",
     "model-export": "test_formats.py::test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch",
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",

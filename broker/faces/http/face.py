@@ -55,7 +55,8 @@ class HttpFace:
         # each handler wrapped by `guarded` rather than an aiohttp middleware: measured here, a
         # middleware cost ~360 us of CPU per request, the wrapper ~1 us
         app = web.Application(client_max_size=self.decl.max_body_bytes)
-        routes = [("POST", "/infer", self.infer), ("GET", "", self.model_metadata), ("GET", "/ready", self.model_ready),
+        routes = [("POST", "/infer", self.infer), ("PUT", "/infer", self.infer),   # PUT: a raw body (curl -T)
+                  ("GET", "", self.model_metadata), ("GET", "/ready", self.model_ready),
                   ("GET", "/config", self.model_config), ("GET", "/declaration", self.model_declaration),
                   ("GET", "/stats", self.model_stats)]
         add = app.router.add_route
@@ -209,10 +210,20 @@ class HttpFace:
         version = request.match_info.get("version")
         if version is not None:
             version = self.repository.named(model, version)[1]
-        decoded = kserve.decode(await self.body(request), headers.get(kserve.HEADER_LENGTH), model, version,
-                                next(self.ids), self.shm, headers.get(kserve.ROUTING_HEADER))
+        content_type, length = headers.get("Content-Type"), headers.get(kserve.HEADER_LENGTH)
+        if kserve.is_raw(request.method, content_type, length):   # an image as the body, answered in JSON
+            decoded = kserve.decode_raw(await self.body(request), content_type, self.inputs_of(model), model, version,
+                                        next(self.ids), headers.get(kserve.ROUTING_HEADER))
+        else:
+            decoded = kserve.decode(await self.body(request), length, model, version, next(self.ids), self.shm,
+                                    headers.get(kserve.ROUTING_HEADER))
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
+
+    def inputs_of(self, model: str) -> list:
+        """The declared inputs of a pipeline or model (MODEL_NOT_FOUND: neither)."""
+        plan = self.deps.view.pipelines.table.get(model)
+        return plan.inputs if plan is not None else self.deps.entry(model).inputs
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
