@@ -49,6 +49,8 @@ class ModelSpec(Struct):
     options: dict[str, Any] = {}   # a stage's `options:`, given to its setup(context)
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
     replay: Optional[Replay] = None   # run-time loads of a model that served: warm up on its recent batches too
+    # a stage's config `warmup_inputs`: examples it is called with once at load (workers/stage_proof.py)
+    warmup_inputs: list[dict[str, Any]] = []
 
 
 class BlockTensor(Struct):

@@ -1,0 +1,76 @@
+"""A WARNING line for every failed batch (or the requests a stage failed in one), always.
+
+Each line names the model, version, batch, code, rows and requests, the requests' trace ids
+when they carry any, and for an exception in handler or model code its type, message and
+file:line (failure_where.py; the serving code notes the exception before answering). A storm
+is not one line per batch: at most LINES_PER_S lines a second per model version, the next line
+saying how many were left out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from tgw.shm.wire import Batch, Done
+
+from .failure_where import code_where
+from .tracing import trace_ids
+
+log = logging.getLogger("tgw.worker")
+LINES_PER_S = 5
+WINDOW_S = 1.0
+MESSAGE_CHARS = 300
+
+
+class FailureLog:
+    """Owned by the serving loop (serve.Server): `note` an exception as it is caught, `batch`
+    each answer; the one writer of its windows and notes."""
+
+    def __init__(self, lines_per_s: int = LINES_PER_S, clock: Callable[[], float] = time.monotonic):
+        self.lines_per_s, self.clock = lines_per_s, clock
+        self.windows: dict[str, tuple[float, int]] = {}   # model:version -> (window start, lines in it)
+        self.left_out: dict[str, int] = {}                # model:version -> lines not logged since its last
+        self.notes: dict[int, str] = {}                   # batch id -> the exception and where it came from
+
+    def note(self, batch_id: int, exc: BaseException, code_file: str = "") -> None:
+        """The exception a batch failed with, told as "Type: message (at file:line)"."""
+        where = code_where(exc, code_file)
+        text = f"{type(exc).__name__}: {str(exc).strip()[:MESSAGE_CHARS]}"
+        self.notes[batch_id] = text + (f" (at {where})" if where else "")
+
+    def batch(self, batch: Batch, done: Done) -> None:
+        """Log `done` if it failed the batch or some of its requests; forget the batch's note."""
+        note = self.notes.pop(batch.batch_id, None)
+        if done.error is None and not done.failed:
+            return
+        key = f"{batch.model}:{batch.version}"
+        if not self._admit(key):
+            return
+        left_out = self.left_out.pop(key, 0)
+        requests = len(batch.splits) or 1
+        if done.error is not None:
+            code, what = done.error.code, note or done.error.message[:MESSAGE_CHARS]
+            count = done.count or requests - done.first
+        else:   # rows a stage failed: each request answered with the stage's message
+            first = next(iter(done.failed.values()))
+            code, what, count = first.code, first.message[:MESSAGE_CHARS], len(done.failed)
+        ids = trace_ids(batch)
+        log.warning("%s failed %s: batch %d, %d of %d request(s), %d row(s): %s%s%s", key, code, batch.batch_id,
+                    count, requests, batch.rows, what, f"; traces {' '.join(ids[:16])}" if ids else "",
+                    f" ({left_out} more failure line(s) of {key} left out)" if left_out else "",
+                    extra={"event": "batch_failed", "model": batch.model, "version": batch.version,
+                           "batch_id": batch.batch_id, "code": code, "requests": count, "rows": batch.rows,
+                           "trace_ids": ids, "left_out": left_out, **({"where": note} if note else {})})
+
+    def _admit(self, key: str) -> bool:
+        now = self.clock()
+        start, lines = self.windows.get(key, (now, 0))
+        if now - start >= WINDOW_S:
+            start, lines = now, 0
+        if lines >= self.lines_per_s:
+            self.left_out[key] = self.left_out.get(key, 0) + 1
+            self.windows[key] = (start, lines)
+            return False
+        self.windows[key] = (start, lines + 1)
+        return True
