@@ -16,8 +16,6 @@ from tgw.shm.wire import IOSpec, ModelSpec
 from tgw.workers.stage_proof import StageProofError
 from tgw.workers.stage_runner import StageRunner
 
-pytestmark = pytest.mark.inproc
-
 HANDLERS = textwrap.dedent('''\
     import torch
 
