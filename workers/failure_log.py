@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Callable
 
+from tgw.shm.errors import TgwError
 from tgw.shm.wire import Batch, Done
 
 from .failure_where import code_where
@@ -34,7 +35,10 @@ class FailureLog:
         self.notes: dict[int, str] = {}                   # batch id -> the exception and where it came from
 
     def note(self, batch_id: int, exc: BaseException, code_file: str = "") -> None:
-        """The exception a batch failed with, told as "Type: message (at file:line)"."""
+        """The exception a batch failed with, told as "Type: message (at file:line)"; a TgwError
+        (the request's own fault, as caller_faults.py tells it) is told by its answer alone."""
+        if isinstance(exc, TgwError):
+            return
         where = code_where(exc, code_file)
         text = f"{type(exc).__name__}: {str(exc).strip()[:MESSAGE_CHARS]}"
         self.notes[batch_id] = text + (f" (at {where})" if where else "")
