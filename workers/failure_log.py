@@ -24,6 +24,13 @@ WINDOW_S = 1.0
 MESSAGE_CHARS = 300
 
 
+def one_line(message: str) -> str:
+    """A message as one bounded line: a multi-line one (TorchScript's, its interpreter's traceback
+    first) by its last line, where the error itself is."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else "")[:MESSAGE_CHARS]
+
+
 class FailureLog:
     """Owned by the serving loop (serve.Server): `note` an exception as it is caught, `batch`
     each answer; the one writer of its windows and notes."""
@@ -40,7 +47,7 @@ class FailureLog:
         if isinstance(exc, TgwError):
             return
         where = code_where(exc, code_file)
-        text = f"{type(exc).__name__}: {str(exc).strip()[:MESSAGE_CHARS]}"
+        text = f"{type(exc).__name__}: {one_line(str(exc))}"
         self.notes[batch_id] = text + (f" (at {where})" if where else "")
 
     def batch(self, batch: Batch, done: Done) -> None:
@@ -54,11 +61,11 @@ class FailureLog:
         left_out = self.left_out.pop(key, 0)
         requests = len(batch.splits) or 1
         if done.error is not None:
-            code, what = done.error.code, note or done.error.message[:MESSAGE_CHARS]
+            code, what = done.error.code, note or one_line(done.error.message)
             count = done.count or requests - done.first
         else:   # rows a stage failed: each request answered with the stage's message
             first = next(iter(done.failed.values()))
-            code, what, count = first.code, first.message[:MESSAGE_CHARS], len(done.failed)
+            code, what, count = first.code, one_line(first.message), len(done.failed)
         ids = trace_ids(batch)
         log.warning("%s failed %s: batch %d, %d of %d request(s), %d row(s): %s%s%s", key, code, batch.batch_id,
                     count, requests, batch.rows, what, f"; traces {' '.join(ids[:16])}" if ids else "",
