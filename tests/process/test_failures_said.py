@@ -1,6 +1,7 @@
 """Failures against a real broker (one for the module): a stage version that raises on its own
 warm-up example is refused - by a swap (LoadVersion, what `models load` sends) and by a reload -
-with the handler's message and file:line, the old version serving on; a batch that fails in a
+with the handler's message and file:line, the old version serving on (and a reload may not give
+a kept version new examples); a batch that fails in a
 stage is logged once at WARNING with the handler's file:line; a model that raises on mismatched
 input lengths answers HTTP 400 naming both shapes, and the same model serves matched ones.
 """
@@ -46,12 +47,12 @@ def line_of(text: str) -> int:
     return next(i for i, line in enumerate(HANDLERS.splitlines(), 1) if text in line)
 
 
-def config(root: str, text_versions: list[dict]) -> dict:
+def config(root: str, text_versions: list[dict], examples: tuple = ({"data": "hello"},)) -> dict:
     pair = {"name": "pair", "versions": [{"version": "1", "path": "models/pair.pt"}],
             "inputs": [{"name": "a", "dtype": "float32", "shape": [-1]}, {"name": "b", "dtype": "float32", "shape": [-1]}],
             "outputs": [{"name": "y", "dtype": "float32", "shape": [-1]}]}
     text = {"name": "text", "versions": text_versions, "inputs": BYTES, "outputs": BYTES,
-            "warmup_inputs": [{"data": "hello"}]}
+            "warmup_inputs": list(examples)}
     return {"model_roots": [root], "http": {"port": 0},
             "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 4, "output_arena_mb": 2},
             "models": [pair, text]}
@@ -96,6 +97,13 @@ def test_a_stage_that_raises_on_its_example_is_refused_by_swap_and_reload_the_ol
         control(broker.address, Reload(v=0))
     assert "NameError" in info.value.message and where in info.value.message, info.value.message
     assert versions(broker) == [("1", "ready")] and shout(broker, b"abc") == b"ABC"
+
+    with open(broker.config_path, "w") as f:   # new examples for a version proven on the old ones
+        yaml.safe_dump(config(broker.root, V1, examples=({"data": "boom"},)), f)
+    with pytest.raises(TgwError) as info:
+        control(broker.address, Reload(v=0))
+    assert "models.text.warmup_inputs (versions ['1'] were proven" in info.value.message, info.value.message
+    assert versions(broker) == [("1", "ready")]
 
 
 def test_a_failed_batch_is_logged_once_at_warning_with_the_handlers_file_and_line(broker):
