@@ -159,6 +159,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     release: list[int] = []   # output blocks the broker is done with (saves a Release message)
     splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
     traces: list[str] = []    # each request's W3C traceparent ("" if none), in order; [] when none has one
+    ids: list[int] = []       # each request's id as its caller sent it, in order (the worker's failure lines)
     # CUDA tensors by IPC handle (docs/PROTOCOL.md 5.10), per request in order; [] when none:
     cuda_inputs: list[list[CudaIpc]] = []        # its inputs in declared order (then `inputs` carry no bytes)
     cuda_outputs: list[dict[str, CudaIpc]] = []  # output name -> the caller's buffer to write its rows into

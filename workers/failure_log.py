@@ -24,6 +24,15 @@ WINDOW_S = 1.0
 MESSAGE_CHARS = 300
 
 
+def failed_ids(batch: Batch, done: Done) -> list[int]:
+    """The ids of the requests `done` failed: those of its part, or those a stage failed."""
+    if not batch.ids:
+        return []
+    if done.error is None:
+        return [batch.ids[i] for i in sorted(done.failed) if i < len(batch.ids)]
+    return batch.ids[done.first:done.first + done.count] if done.count else batch.ids[done.first:]
+
+
 def one_line(message: str) -> str:
     """A message as one bounded line: a multi-line one (TorchScript's, its interpreter's traceback
     first) by its last line, where the error itself is."""
@@ -66,13 +75,14 @@ class FailureLog:
         else:   # rows a stage failed: each request answered with the stage's message
             first = next(iter(done.failed.values()))
             code, what, count = first.code, one_line(first.message), len(done.failed)
-        ids = trace_ids(batch)
-        log.warning("%s failed %s: batch %d, %d of %d request(s), %d row(s): %s%s%s", key, code, batch.batch_id,
-                    count, requests, batch.rows, what, f"; traces {' '.join(ids[:16])}" if ids else "",
+        ids, request_ids = trace_ids(batch), failed_ids(batch, done)
+        log.warning("%s failed %s: batch %d, %d of %d request(s)%s, %d row(s): %s%s%s", key, code, batch.batch_id,
+                    count, requests, f" (ids {' '.join(map(str, request_ids[:16]))})" if request_ids else "",
+                    batch.rows, what, f"; traces {' '.join(ids[:16])}" if ids else "",
                     f" ({left_out} more failure line(s) of {key} left out)" if left_out else "",
                     extra={"event": "batch_failed", "model": batch.model, "version": batch.version,
                            "batch_id": batch.batch_id, "code": code, "requests": count, "rows": batch.rows,
-                           "trace_ids": ids, "left_out": left_out, **({"where": note} if note else {})})
+                           "request_ids": request_ids, "trace_ids": ids, "left_out": left_out, **({"where": note} if note else {})})
 
     def _admit(self, key: str) -> bool:
         now = self.clock()

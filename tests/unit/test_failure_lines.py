@@ -59,7 +59,8 @@ def test_a_rejection_names_the_model_and_each_inputs_shape():
 
 
 def batch(batch_id: int, model: str = "m") -> Batch:
-    return Batch(batch_id=batch_id, model=model, version="1", rows=2, block=0, inputs=[], splits=[1, 1])
+    return Batch(batch_id=batch_id, model=model, version="1", rows=2, block=0, inputs=[], splits=[1, 1],
+                 ids=[40 + batch_id, 41 + batch_id])
 
 
 def failed_done(batch_id: int) -> Done:
@@ -76,10 +77,19 @@ def test_a_failed_batch_is_one_line_with_the_exception_and_its_file_line(caplog)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     here = f"{__file__}:{traceback.extract_tb(exc.__traceback__)[-1].lineno})"   # the lambda's line: the innermost
-    assert lines[0].startswith("m:1 failed MODEL_EXECUTION_ERROR: batch 7, 2 of 2 request(s), 2 row(s): "
+    assert lines[0].startswith("m:1 failed MODEL_EXECUTION_ERROR: batch 7, 2 of 2 request(s) (ids 47 48), 2 row(s): "
                                "ValueError: invalid literal for int() with base 10: 'x' (at "), lines[0]
     assert lines[0].endswith(here), lines[0]
     assert caplog.records[0].event == "batch_failed" and caplog.records[0].code == "MODEL_EXECUTION_ERROR"
+    assert caplog.records[0].request_ids == [47, 48]
+
+
+def test_requests_a_stage_failed_are_named_by_their_ids(caplog):
+    row_failed = ErrorBody(code="INVALID_ARGUMENT", message="stage s: not UTF-8")
+    with caplog.at_level(logging.WARNING, logger="tgw.worker"):
+        FailureLog().batch(batch(3), Done(batch_id=3, failed={1: row_failed}))
+    assert caplog.records[0].getMessage() == ("m:1 failed INVALID_ARGUMENT: batch 3, 1 of 2 request(s) (ids 44), "
+                                              "2 row(s): stage s: not UTF-8")
 
 
 def test_a_storm_is_rate_limited_per_model_and_the_next_line_counts_what_was_left_out(caplog):
