@@ -34,18 +34,21 @@ class StageProofError(RuntimeError):
     """A stage version failed on one of its own warm-up examples: it is not served."""
 
 
-def example_inputs(inputs: list[IOSpec], example: dict[str, Any], folder: str) -> dict[str, Any]:
-    """One example as a stage's one-row batch sees it: a [1, *dims] tensor per fixed-dtype
-    input, a one-row nested list of bytes per bytes input (`file` elements read from `folder`)."""
+def example_inputs(inputs: list[IOSpec], example: dict[str, Any], folder: str,
+                   device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """One example as a stage's one-row batch sees it: a [1, *dims] tensor on `device` per
+    fixed-dtype input, a one-row nested list of bytes per bytes input (`file` elements read
+    from `folder`)."""
     out = {}
     for t in inputs:
         value = example.get(t.name)
         if t.dtype == BYTES:
             out[t.name] = [_bytes(value, folder)]
         elif value == "zeros":
-            out[t.name] = torch.zeros([1, *(1 if d == -1 else d for d in t.shape)], dtype=TORCH_DTYPES[t.dtype])
+            out[t.name] = torch.zeros([1, *(1 if d == -1 else d for d in t.shape)], dtype=TORCH_DTYPES[t.dtype],
+                                      device=device)
         else:
-            out[t.name] = torch.tensor([value], dtype=TORCH_DTYPES[t.dtype])
+            out[t.name] = torch.tensor([value], dtype=TORCH_DTYPES[t.dtype], device=device)
     return out
 
 
@@ -66,10 +69,12 @@ def _bytes(value: Any, folder: str) -> Any:
 
 
 def prove(label: str, key: str, spec_inputs: list[IOSpec], examples: list[dict[str, Any]], folder: str,
-          call: Callable[[dict[str, Any], int], tuple[list, dict[int, str]]], code: Any, code_file: str) -> None:
+          call: Callable[[dict[str, Any], int], tuple[list, dict[int, str]]], code: Any, code_file: str,
+          device: torch.device = torch.device("cpu")) -> None:
     """Call `call(inputs, 1)` on each example; raise StageProofError naming the example, the
     handler's message and where in `code_file` (the handler's file) it came from. `code` is the
-    callable whose definition a wrong return is blamed on (its __call__)."""
+    callable whose definition a wrong return is blamed on (its __call__); `device`, where the
+    stage's fixed-dtype inputs are (a `device: cuda` stage's GPU, as in serving)."""
     if not examples:
         if key not in _said_unproven:
             _said_unproven.add(key)
@@ -78,7 +83,7 @@ def prove(label: str, key: str, spec_inputs: list[IOSpec], examples: list[dict[s
         return
     for k, example in enumerate(examples):
         what = f"{label}: warmup_inputs[{k}]"
-        inputs = example_inputs(spec_inputs, example, folder)
+        inputs = example_inputs(spec_inputs, example, folder, device)
         try:
             _, rows_failed = call(inputs, 1)
         except StageOutputError as exc:   # blamed on the __call__ that returned them

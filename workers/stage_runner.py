@@ -126,7 +126,7 @@ class StageRunner:
         if warmup is not None:
             warmup()
         prove(self.label, self.key, self.spec.inputs, self.spec.warmup_inputs, handler_dir(self.spec.handler),
-              self.call, self.module, self.code_file)
+              self.call, self.module, self.code_file, self.device)
 
     def call(self, inputs: dict[str, Any], rows: int) -> tuple[list, dict[int, str]]:
         """One batch through the stage: its outputs in declared order, checked and on the host
