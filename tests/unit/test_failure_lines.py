@@ -92,6 +92,25 @@ def test_requests_a_stage_failed_are_named_by_their_ids(caplog):
                                               "2 row(s): stage s: not UTF-8")
 
 
+class NegativeFails(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x[0, 0] < 0):
+            raise ValueError("negative input rejected by model")
+        return x + 1
+
+
+def test_a_torchscript_models_failure_is_told_by_its_own_line(caplog):
+    log = FailureLog()
+    log.note(5, raised(lambda: torch.jit.script(NegativeFails())(-torch.ones(1, 2))))
+    with caplog.at_level(logging.WARNING, logger="tgw.worker"):
+        log.batch(batch(5), failed_done(5))
+    raise_line = next(i for i, line in enumerate(open(__file__).read().splitlines(), 1)
+                      if line.strip() == 'raise ValueError("negative input rejected by model")')
+    assert caplog.records[0].getMessage().endswith(
+        f"2 row(s): Error: builtins.ValueError: negative input rejected by model (at {__file__}:{raise_line})"), \
+        caplog.records[0].getMessage()
+
+
 def test_a_storm_is_rate_limited_per_model_and_the_next_line_counts_what_was_left_out(caplog):
     now = [100.0]
     log = FailureLog(lines_per_s=5, clock=lambda: now[0])
