@@ -38,7 +38,8 @@ def code_where(exc: BaseException, code_file: str = "") -> str:
               and not f.filename.startswith("<")]
     if theirs:
         return f"{theirs[-1].filename}:{theirs[-1].lineno}"
-    quoted = _SCRIPT_FRAME.findall(str(exc)) if isinstance(exc, RuntimeError) else []
+    message = str(exc)
+    quoted = _SCRIPT_FRAME.findall(message) if "Traceback of TorchScript" in message else []
     return f"{quoted[-1][0]}:{quoted[-1][1]}" if quoted else ""
 
 
