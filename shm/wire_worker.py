@@ -49,6 +49,8 @@ class ModelSpec(Struct):
     options: dict[str, Any] = {}   # a stage's `options:`, given to its setup(context)
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
     replay: Optional[Replay] = None   # run-time loads of a model that served: warm up on its recent batches too
+    # a stage's config `warmup_inputs`: examples it is called with once at load (workers/stage_proof.py)
+    warmup_inputs: list[dict[str, Any]] = []
 
 
 class BlockTensor(Struct):
@@ -157,6 +159,7 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     release: list[int] = []   # output blocks the broker is done with (saves a Release message)
     splits: list[int] = []    # rows of each request, in order: where outputs may be cut into parts
     traces: list[str] = []    # each request's W3C traceparent ("" if none), in order; [] when none has one
+    ids: list[int] = []       # each request's id as its caller sent it, in order (the worker's failure lines)
     # CUDA tensors by IPC handle (docs/PROTOCOL.md 5.10), per request in order; [] when none:
     cuda_inputs: list[list[CudaIpc]] = []        # its inputs in declared order (then `inputs` carry no bytes)
     cuda_outputs: list[dict[str, CudaIpc]] = []  # output name -> the caller's buffer to write its rows into

@@ -8,9 +8,11 @@ import os
 
 import torch
 
+from tgw.shm.errors import TgwError
 from tgw.shm.model_format import detect
 from tgw.shm.wire import IOSpec, ModelSpec, model_key
 
+from .caller_faults import rejected
 from .footprint import Gauge
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
 from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
@@ -97,19 +99,27 @@ class ModelRunner:
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
         check_request_dims(self.spec, self.program, inputs)
+        shapes = [list(t.shape) for t in inputs]   # as sent (before any padding), for a rejection's message
         short = rows < self.min_batch
         if short:   # run at the program's smallest batch; the padding rows are dropped below
             inputs = padded(inputs, self.min_batch)
         try:
             result = self._call(inputs)
-        except RuntimeError as exc:   # an AOTInductor input check: the request's shape, not the model
-            problem = aoti_input_problem(exc) if self.program.fmt == "aoti" else None
-            if problem is None or problem[1] == 0:
+        except Exception as exc:   # the request's shapes or values, when torch says so; else the model's fault
+            mistake = self._callers_mistake(exc, shapes)
+            if mistake is None:
                 raise
-            raise out_of_range(f"input {self.spec.inputs[problem[0]].name!r}: {problem[2]}") from None
+            raise mistake from None
         if not short:
             return self._checked(result, rows)
         return [t[:rows] for t in self._checked(result, self.min_batch)]
+
+    def _callers_mistake(self, exc: Exception, shapes: list[list[int]]) -> TgwError | None:
+        if self.program.fmt == "aoti" and isinstance(exc, RuntimeError):   # its own input checks
+            problem = aoti_input_problem(exc)
+            if problem is not None and problem[1] != 0:
+                return out_of_range(f"input {self.spec.inputs[problem[0]].name!r}: {problem[2]}")
+        return rejected(self.key, [t.name for t in self.spec.inputs], shapes, exc)
 
     def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():

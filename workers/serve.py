@@ -36,6 +36,7 @@ from .answers import error_done, failed
 from .cuda_faults import fault_of
 from .device_identity import device_uuid
 from .device_io import MAX_SLOTS, DeviceIO, Slot
+from .failure_log import FailureLog
 from .mailbox import Mailbox
 from .oom import halves, is_oom, oom_text
 from .output_blocks import OutputBlocks, request_starts
@@ -67,7 +68,8 @@ class Server:
                  device: torch.device = torch.device("cpu"), host_memory: str = "register",
                  overlap: bool | None = None, worker_id: int = 0):
         self.sock, self.segment, self.runners, self.worker_id = sock, segment, runners, worker_id
-        self.observer = observer        # spans and slow/failed batch lines (workers/tracing.py), or None
+        self.observer = observer        # spans and slow batch lines (workers/tracing.py), or None
+        self.failures = FailureLog()    # a WARNING line per failed batch, always (failure_log.py)
         self.progress = progress or Progress()  # read by the beacon thread
         self.mail = Mailbox(sock)
         self.device = device
@@ -180,6 +182,7 @@ class Server:
         oldest = self.launched[0] if self.launched else self.running   # what the beacon watches next
         if oldest is not None:
             self.progress.start(oldest.batch.batch_id)
+        self.failures.batch(item.batch, done)
         if self.observer is not None:
             self.observer.batch(item.batch, done, item.start_ns, time.time_ns())
 
@@ -237,6 +240,7 @@ class Server:
                 outs = [t.contiguous() for t in outs]
         except Exception as exc:
             if not is_oom(exc):
+                self.failures.note(batch.batch_id, exc)
                 return failed(batch, exc)
             text = oom_text(exc)
         else:
@@ -274,8 +278,11 @@ class Server:
         last = len(request_starts(batch)) - 1
         for lo, hi, result in halves(compute, 0, last, self.met_oom):
             if isinstance(result, BaseException):
+                self.failures.note(batch.batch_id, result, getattr(runner, "code_file", ""))
                 done = failed(batch, result)
                 done.first, done.count, done.final = lo, hi - lo, hi == last
+                if not done.final:   # the last part is logged as the batch completes
+                    self.failures.batch(batch, done)
                 done = self.blocks.emit(done, slot)
             else:
                 done = self.blocks.write_parts(batch, result, runner, slot=slot, lo=lo, hi=hi, failed=row_failures())

@@ -21,6 +21,7 @@ from tgw.shm.wire import ModelSpec, model_key
 from .runner import ChecksumMismatch, ModelRunner
 from .stage import StageBatch, StageContext
 from .stage_outputs import host_outputs
+from .stage_proof import prove
 
 
 class StageLoadError(ImportError):
@@ -81,6 +82,13 @@ def handler_dir(handler: str) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) if getattr(module, "__file__", None) else ""
 
 
+def code_file(cls: type) -> str:
+    """The file the handler's class runs from, as its frames name it (a handler file's module
+    is shared by every path of the same content: the first path loaded names it)."""
+    module = sys.modules.get(cls.__module__)
+    return os.path.abspath(module.__file__) if getattr(module, "__file__", None) else ""
+
+
 class StageRunner:
     """Serves one stage version; its interface is the one the loader and serving loop use of a
     ModelRunner (key, outputs, nbytes, min_batch, warm_up, module), plus `call`."""
@@ -92,6 +100,7 @@ class StageRunner:
         self.nbytes, self.min_batch = 0, 1
         self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
         cls = load_class(spec.handler, spec.sha256)
+        self.code_file = code_file(cls)   # where its frames are told from (failure_where.py)
         try:
             self.module = cls()
         except Exception as exc:
@@ -112,9 +121,12 @@ class StageRunner:
         return f"stage {self.spec.name} version {self.spec.version}"
 
     def warm_up(self) -> None:
+        """Its own warmup(), then the proof: one call per warmup_inputs example (stage_proof.py)."""
         warmup = getattr(self.module, "warmup", None)
         if warmup is not None:
             warmup()
+        prove(self.label, self.key, self.spec.inputs, self.spec.warmup_inputs, handler_dir(self.spec.handler),
+              self.call, self.module, self.code_file, self.device)
 
     def call(self, inputs: dict[str, Any], rows: int) -> tuple[list, dict[int, str]]:
         """One batch through the stage: its outputs in declared order, checked and on the host

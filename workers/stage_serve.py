@@ -47,6 +47,7 @@ def serve_stage(server, batch: Batch, runner: StageRunner) -> Done:
         outs = compute(0, len(starts) - 1)
     except Exception as exc:
         if not is_oom(exc):
+            server.failures.note(batch.batch_id, exc, runner.code_file)   # the handler's file:line, for the log
             return failed(batch, exc)
         text = oom_text(exc)
     else:

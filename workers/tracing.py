@@ -5,8 +5,8 @@
   to the trace context of each request in it (Batch.traces), exported the same way as the
   broker's spans. Kept when one of its requests' contexts is sampled; with none, by sample_ratio.
 * slow_ms (observability.slow_request_ms): a batch computing longer than that is logged,
-  and so is a failed batch (with tracing or a threshold set), naming its requests' trace ids;
-  at most one line of each kind every INTERVAL_S, the next one saying how many were left out.
+  naming its requests' trace ids; at most one line every INTERVAL_S, the next one saying how
+  many were left out. (A failed batch is logged always, by failure_log.py.)
 
 Nothing is imported from opentelemetry unless tracing is set.
 """
@@ -64,7 +64,7 @@ def trace_ids(batch: Batch) -> list[str]:
 
 
 class Observer:
-    """Spans and log lines for each batch the worker answers (Server.run_batch)."""
+    """Spans for each batch the worker answers, and lines for the slow ones (Server._complete)."""
 
     def __init__(self, tracing: dict | None, slow_ms: float | None):
         self.slow_us = slow_ms * 1000 if slow_ms else None
@@ -75,8 +75,7 @@ class Observer:
     def batch(self, batch: Batch, done: Done, start_ns: int, end_ns: int) -> None:
         if self.spans is not None:
             self.spans.emit(batch, done, start_ns, end_ns)
-        slow = self.slow_us is not None and done.compute_us > self.slow_us
-        if done.error is not None or slow:
+        if done.error is None and self.slow_us is not None and done.compute_us > self.slow_us:
             self._log(batch, done)
 
     def close(self) -> None:
@@ -84,20 +83,19 @@ class Observer:
             self.spans.provider.shutdown()   # the last spans written (or sent)
 
     def _log(self, batch: Batch, done: Done) -> None:
-        now, kind = time.monotonic(), "batch_failed" if done.error else "slow_batch"
+        now, kind = time.monotonic(), "slow_batch"
         if now - self.logged.get(kind, -INTERVAL_S) < INTERVAL_S:
             self.left_out[kind] += 1
             return
         self.logged[kind] = now
         ids, left_out = trace_ids(batch), self.left_out.pop(kind, 0)
-        what = f"failed ({done.error.code}: {done.error.message[:200]})" if done.error else "slow"
-        log.warning("batch %d of %s:%s %s: %d row(s), compute %.1f ms%s%s", batch.batch_id, batch.model,
-                    batch.version, what, batch.rows, done.compute_us / 1000,
+        log.warning("batch %d of %s:%s slow: %d row(s), compute %.1f ms%s%s", batch.batch_id, batch.model,
+                    batch.version, batch.rows, done.compute_us / 1000,
                     f", traces {' '.join(ids[:16])}" if ids else "",
                     f" ({left_out} more not logged)" if left_out else "",
                     extra={"event": kind, "batch_id": batch.batch_id,
                            "model": batch.model, "version": batch.version, "rows": batch.rows,
-                           "code": done.error.code if done.error else "OK", "compute_ms": done.compute_us / 1000,
+                           "code": "OK", "compute_ms": done.compute_us / 1000,
                            "trace_ids": ids, "left_out": left_out})
 
 

@@ -1,6 +1,6 @@
 """A batch with some of its requests withdrawn before launch: the batch the worker runs instead.
 
-The kept requests' batch has their rows, splits, traces and CUDA descriptors, and the inputs of
+The kept requests' batch has their rows, splits, traces, ids and CUDA descriptors, and the inputs of
 the batch as sent (the ring block is the broker's: the worker never writes it). Each input is
 read as sent and its kept rows taken (`Shrunk.rows_of`): a view when they are one run of rows,
 else one gather. Everything after that (the forward, output blocks, parts, a stage's failed
@@ -53,6 +53,7 @@ def shrink(batch: Batch, gone: set[int]) -> Shrunk | None:
                     rows=sum(splits[i] for i in kept), block=batch.block, inputs=batch.inputs,
                     deadline=batch.deadline, release=batch.release, splits=[splits[i] for i in kept],
                     traces=[batch.traces[i] for i in kept] if batch.traces else [],
+                    ids=[batch.ids[i] for i in kept] if batch.ids else [],
                     cuda_inputs=[batch.cuda_inputs[i] for i in kept] if batch.cuda_inputs else [],
                     cuda_outputs=[batch.cuda_outputs[i] for i in kept] if batch.cuda_outputs else [])
     return Shrunk(derived, withdrawn, runs)

@@ -102,6 +102,9 @@ class ModelDecl(Strict):
     # stages only (versions with a handler): where it runs, and what its setup(context) is given
     device: Optional[Literal["cpu", "cuda"]] = None   # None: cpu
     options: dict[str, Any] = {}
+    # stages only: examples the worker calls the stage with once at load, each {input: one row's
+    # value} (docs/STAGES.md "Warm-up inputs"); a version that raises on them is not served
+    warmup_inputs: list[dict[str, Any]] = []
     cache: Optional[CacheDecl] = None   # models only: a response cache; None: off
 
     @property
@@ -135,13 +138,19 @@ class ModelDecl(Strict):
         if len({v.handler is None for v in self.versions}) > 1:
             raise ValueError(f"model {self.name!r} mixes handler (stage) and path (model file) versions")
         if not self.is_stage:
-            if self.device is not None or self.options:
-                raise ValueError(f"device and options are a stage's keys; model {self.name!r} has no handler")
+            if self.device is not None or self.options or self.warmup_inputs:
+                raise ValueError(f"device, options and warmup_inputs are a stage's keys; model {self.name!r} has "
+                                 "no handler (a model warms up on zeros of warmup_batch_sizes)")
             carried = [t.name for t in (*self.inputs, *self.outputs) if t.dtype == BYTES]
             if carried:
                 raise ValueError(f"tensors {carried} are bytes: only stages (versions with a handler) take or "
                                  "return bytes tensors; a model's tensors are numeric")
-        elif self.cache is not None:
+        else:
+            for k, example in enumerate(self.warmup_inputs):
+                problem = example_problem(self.inputs, example)
+                if problem:
+                    raise ValueError(f"warmup_inputs[{k}]: {problem}")
+        if self.is_stage and self.cache is not None:
             raise ValueError(f"cache is a model's key: stage {self.name!r} runs handler code that need not give the "
                              "same outputs for the same inputs (docs/CACHE.md)")
         if self.breaker and self.breaker.fallback == self.name:
@@ -169,3 +178,48 @@ class ModelDecl(Strict):
         if self.weighted:
             return max(reversed(self.versions), key=lambda v: v.weight or 0).version
         return self.default_version or self.versions[-1].version
+
+
+def example_problem(inputs: list[TensorDecl], example: dict) -> str | None:
+    """What is wrong with one `warmup_inputs` example (one row: each declared input's value
+    without the batch dim), or None. A fixed dtype takes nested lists of numbers of the declared
+    shape (-1: any size) or "zeros"; a bytes input takes, per element, a string (its UTF-8
+    bytes), {base64: TEXT} or {file: PATH} (relative to the handler's folder)."""
+    names = [t.name for t in inputs]
+    if sorted(example) != sorted(names):
+        return f"names inputs {sorted(example)}; the stage's inputs are {names} (each one row's value)"
+    for t in inputs:
+        value = example[t.name]
+        if t.dtype != BYTES and value == "zeros":
+            continue
+        problem = _value_problem(t, value, t.shape, [])
+        if problem:
+            return f"input {t.name!r}: {problem}"
+    return None
+
+
+def _value_problem(t: TensorDecl, value: Any, dims: list[int], at: list[int]) -> str | None:
+    where = "".join(f"[{i}]" for i in at)
+    if dims:
+        if not isinstance(value, list) or (dims[0] != -1 and len(value) != dims[0]):
+            got = f"{len(value)} items" if isinstance(value, list) else type(value).__name__
+            return f"{where or 'the value'} is {got}; declared shape {t.shape} (-1: any size) needs a list of " \
+                   f"{'any number of' if dims[0] == -1 else dims[0]} items here"
+        for i, item in enumerate(value):
+            problem = _value_problem(t, item, dims[1:], [*at, i])
+            if problem:
+                return problem
+        return None
+    if t.dtype == BYTES:
+        ok = isinstance(value, str) or (isinstance(value, dict) and len(value) == 1 and (
+            isinstance(value.get("base64"), str) or _relative(value.get("file"))))
+        return None if ok else f"element {where or ''} is {value!r}: a bytes element is a string, {{base64: TEXT}} " \
+                                "or {file: PATH} (a path relative to the handler's folder, without '..')"
+    number = (bool, int, float) if t.dtype == "bool" else (int, float) if "float" in t.dtype else (int,)
+    if isinstance(value, bool) and t.dtype != "bool" or not isinstance(value, number):
+        return f"element {where} is {value!r}, not a {t.dtype} value"
+    return None
+
+
+def _relative(path: Any) -> bool:
+    return isinstance(path, str) and bool(path) and not path.startswith("/") and ".." not in path.split("/")

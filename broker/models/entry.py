@@ -92,9 +92,11 @@ class ModelEntry:
         return [nbytes_of(t.dtype, [rows, *t.shape]) for t in self.outputs]
 
     def spec(self, rec: VersionRecord) -> ModelSpec:
-        stage = self.decl.is_stage   # a stage's worker also needs its device and options
-        return rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size,
+        stage = self.decl.is_stage   # a stage's worker also needs its device, options and warm-up inputs
+        spec = rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size,
                         device=(self.decl.device or "cpu") if stage else "", options=self.decl.options if stage else None)
+        spec.warmup_inputs = list(self.decl.warmup_inputs) if stage else []
+        return spec
 
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",

@@ -5,9 +5,10 @@ and default_version, a model's timeout_ms, max_queue and cache, model_roots,
 workers.max_model_memory, and the warmup section (for the loads after the reload's own).
 Anything else that differs needs a restart, and the reload refuses as a whole, naming it. A
 version's source is fixed: a model file's path or sha256, a stage's handler, its sha256 or its
-handler file's content (hashed as each config is read), and a stage's options for the versions
-it keeps serving: the change is refused, new code or options come as new versions (with none
-of the served ones kept, the new versions load with the new options). A stage's device picks
+handler file's content (hashed as each config is read), and a stage's options and
+warmup_inputs for the versions it keeps serving: the change is refused, new code, options or
+examples come as new versions (with none of the served ones kept, the new versions load with
+the new ones). A stage's device picks
 its workers: a restart. The reload is one transaction: every new version is loaded first
 (beside what serves); if any load fails, what was loaded is taken out again and nothing has
 changed. Then routing flips for every model in one step, and the versions and models left out
@@ -32,7 +33,7 @@ from .registry import ModelEntry, Registry
 from .rollout import Rollout
 
 HOT_MODEL_KEYS = {"versions", "default_version", "timeout_ms", "max_queue", "cache"}   # cache: starts empty
-STAGE_KEYS = {"options", "device"}   # a stage's: stage_changes() says when they may change
+STAGE_KEYS = {"options", "device", "warmup_inputs"}   # a stage's: stage_changes() says when they may change
 
 
 def handler_digests(cfg: Config) -> dict[str, str | None]:
@@ -76,6 +77,9 @@ def stage_changes(old: Config, new: Config, was: dict, now: dict, served: Callab
         if o.options != m.options and kept:
             keys.append(f"models.{m.name}.options (versions {kept} would keep the options they were loaded with: a "
                         "stage version's options are fixed; give the new options to new versions, leaving these out)")
+        if o.warmup_inputs != m.warmup_inputs and kept:   # a restarted worker would try them on its examples
+            keys.append(f"models.{m.name}.warmup_inputs (versions {kept} were proven on the examples they were "
+                        "loaded with; give new examples with new versions, leaving these out)")
         if (o.device or "cpu") != (m.device or "cpu"):
             keys.append(f"models.{m.name}.device (a stage's device picks the workers that hold it)")
     return keys
@@ -189,9 +193,10 @@ class Reloader:
         try:
             for m in new.models:
                 entry = registry.models[m.name]
-                if m.options != entry.decl.options:   # a stage none of whose served versions is kept
-                    reoptioned.append(entry.decl)
-                    registry.redeclare(entry.decl.model_copy(update={"options": m.options}))
+                if (m.options, m.warmup_inputs) != (entry.decl.options, entry.decl.warmup_inputs):
+                    reoptioned.append(entry.decl)   # a stage none of whose served versions is kept
+                    registry.redeclare(entry.decl.model_copy(update={"options": m.options,
+                                                                     "warmup_inputs": m.warmup_inputs}))
                 for v in m.versions:
                     if v.version not in entry.records:
                         decl = await rollout.checked_decl(entry, v.version, v.path, v.sha256, v.format, v.handler)

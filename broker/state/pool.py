@@ -320,7 +320,7 @@ class WorkerHandle:
         batch = Batch(batch_id=batch_id, model=requests[0].model, version=requests[0].version, rows=rows,
                       block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                       release=self.take_releases(), splits=[p.rows for p in requests],
-                      traces=[t or "" for t in traces] if any(traces) else [])
+                      traces=[t or "" for t in traces] if any(traces) else [], ids=[p.req_id for p in requests])
         return attach_cuda(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
     def withdraw(self, wanted) -> tuple[list[Pending], list[Withdraw]]:

@@ -192,7 +192,8 @@ def expect_doubled(w: Worker, batch: Batch, x: np.ndarray, block: int) -> Done:
 
 def ignored_releases(caplog) -> list[int]:
     """The blocks the worker logged as bad releases."""
-    return [r.args[0] for r in caplog.records if r.name == "tgw.worker" and r.levelno == logging.WARNING]
+    return [r.args[0] for r in caplog.records if r.name == "tgw.worker" and r.levelno == logging.WARNING
+            and getattr(r, "event", None) != "batch_failed"]   # failed batches have lines of their own
 
 
 # ---- running batches ---------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_bad_handlers_are_refused_with_their_key_path(base, tmp_path_factory):
 
 def test_stage_keys_and_bytes_belong_to_stages(base):
     model = config()["models"][0]
-    assert "device and options are a stage's keys" in problems(
+    assert "device, options and warmup_inputs are a stage's keys" in problems(
         {**config(), "models": [{**model, "device": "cuda"}]}, base)
     both = stage(versions=[{"version": "1", "handler": "models/stages.py:Echo", "path": "models/m.pt"}])
     assert "exactly one of path" in problems(config(both), base)
