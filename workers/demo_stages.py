@@ -13,6 +13,7 @@ DIR --stages` prints them with the models, so the broker builds its demo config 
 """
 from __future__ import annotations
 
+import base64
 import os
 import time
 
@@ -49,24 +50,29 @@ def build_demo_data(folder: str) -> dict:
             "images": write_images(os.path.join(folder, IMAGES_DIR))}
 
 
-def _decl(cls: type, inputs: list, outputs: list, max_batch_size: int, **options) -> dict:
+def _decl(cls: type, inputs: list, outputs: list, max_batch_size: int, warmup: list, **options) -> dict:
     return {"handler": f"{__name__}:{cls.__name__}", "device": "cpu", "options": options,
-            "inputs": inputs, "outputs": outputs, "max_batch_size": max_batch_size}
+            "inputs": inputs, "outputs": outputs, "max_batch_size": max_batch_size, "warmup_inputs": warmup}
 
 
 def demo_stage_decls(folder: str) -> dict:
     """name -> {handler, device, options, inputs, outputs, max_batch_size}: the demo's stages,
     their data built in `folder` first."""
     data = build_demo_data(folder)
+    with open(data["images"][0], "rb") as f:   # the smallest image: each stage is tried once before it serves
+        image = base64.b64encode(f.read()).decode()
     return {
         "decode-image": _decl(DecodeImage, [{"name": "image", "dtype": "bytes", "shape": []}],
-                              [{"name": "pixels", "dtype": "float32", "shape": [3, SIZE, SIZE]}], 32),
+                              [{"name": "pixels", "dtype": "float32", "shape": [3, SIZE, SIZE]}], 32,
+                              [{"image": {"base64": image}}]),
         "top5": _decl(TopK, [{"name": "logits", "dtype": "float32", "shape": [1000]}],
                       [{"name": "labels", "dtype": "bytes", "shape": [5]},
-                       {"name": "scores", "dtype": "float32", "shape": [5]}], 32, labels=data["labels"], k=5),
+                       {"name": "scores", "dtype": "float32", "shape": [5]}], 32, [{"logits": "zeros"}],
+                      labels=data["labels"], k=5),
         "tokenize": _decl(Tokenize, [{"name": "text", "dtype": "bytes", "shape": []}],
                           [{"name": "tokens", "dtype": "int64", "shape": [TOKENS]}], 32,
-                          tokenizer=data["tokenizer"], length=TOKENS),
+                          [{"text": "a cat sat on the mat"}], tokenizer=data["tokenizer"], length=TOKENS),
         "l2-normalize": _decl(L2Normalize, [{"name": "vector", "dtype": "float32", "shape": [32]}],
-                              [{"name": "embedding", "dtype": "float32", "shape": [32]}], 32),
+                              [{"name": "embedding", "dtype": "float32", "shape": [32]}], 32,
+                              [{"vector": [1.0] * 32}]),
     }

@@ -64,7 +64,7 @@ def model_entry(name: str, m: dict) -> dict:
     """The config entry of a demo model or stage (one with a handler) as the builder declared it."""
     if "handler" in m:
         version = {"version": "1", "handler": m["handler"]}
-        extra = {"device": m["device"], "options": m["options"]}
+        extra = {"device": m["device"], "options": m["options"], "warmup_inputs": m.get("warmup_inputs", [])}
     else:
         version = {"version": "1", "path": m["path"], "format": m["format"]}
         extra = {"warmup_batch_sizes": [1, m["max_batch_size"]]}
