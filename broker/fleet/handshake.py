@@ -4,8 +4,11 @@ hello  → the broker answers with the versions to load now: every version of ea
          always-resident model as served now (runtime loads included; on-demand ones load
          when asked for, through the worker's loader thread) that its role holds
          (models/roles.py: models, stages or both);
-ready  → the worker serves those versions (routing may use it);
-failed → a model did not load or warm up: start-up fails with the worker's reason;
+loaded → one of them is in, warmed up: it takes batches now, while the others still load
+         (the worker's loader thread loads them one by one, its serving loop already runs);
+ready  → the worker serves all those versions (the start-up waits for every worker's);
+failed → a model did not load or warm up: start-up fails with the worker's reason (once
+         serving, that version is dropped), and the worker is stopped;
 lost   → the process died: its in-flight requests are retried once elsewhere, the rest
          answered WORKER_DIED.
 """
@@ -15,7 +18,7 @@ import logging
 from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady
+from tgw.shm.wire import LoadModels, ModelLoaded, WorkerFailed, WorkerHello, WorkerReady
 
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.pool import WorkerHandle, WorkerState
@@ -44,6 +47,19 @@ class Handshake:
             w.budgeted(self.budget(w))
         return LoadModels(models=[s for s in self.registry.startup_specs()
                                   if serves(w.role, w.device, s.format == "stage", s.device)])
+
+    def model_loaded(self, w: WorkerHandle, msg: ModelLoaded) -> bool:
+        """One start-up model is in: True if the worker takes batches of it now."""
+        if w.state is not WorkerState.STARTING or msg.error is not None:   # a failure: WorkerFailed tells it
+            return False
+        w.started_serving(msg.key, msg.bytes, msg.footprint)
+        rec = self.registry.record(msg.key)
+        if rec is not None:
+            rec.served_by(msg.bytes, msg.footprint)
+        log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
+                 extra={"event": "model_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
+                        "warm_ms": round(msg.warm_ms, 1), "bytes": msg.bytes, "startup": True})
+        return True
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
         """True if the worker now serves; a worker told to stop meanwhile stays stopping."""
