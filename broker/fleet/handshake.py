@@ -3,7 +3,7 @@
 hello  → the broker answers with the versions to load now: every version of each
          always-resident model as served now (runtime loads included; on-demand ones load
          when asked for, through the worker's loader thread) that its role holds
-         (models/roles.py: models, stages or both);
+         (models/roles.py: models, stages or both), the smallest first;
 loaded → one of them is in, warmed up: it takes batches now, while the others still load
          (the worker's loader thread loads them one by one, its serving loop already runs);
 ready  → the worker serves all those versions (the start-up waits for every worker's);
@@ -18,7 +18,7 @@ import logging
 from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import LoadModels, ModelLoaded, WorkerFailed, WorkerHello, WorkerReady
+from tgw.shm.wire import LoadModels, ModelLoaded, WorkerFailed, WorkerHello, WorkerReady, model_key
 
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.pool import WorkerHandle, WorkerState
@@ -45,8 +45,13 @@ class Handshake:
         w.introduced(msg.pid, msg.device_uuid, msg.device_memory, msg.host_memory)
         if self.budget is not None:
             w.budgeted(self.budget(w))
-        return LoadModels(models=[s for s in self.registry.startup_specs()
-                                  if serves(w.role, w.device, s.format == "stage", s.device)])
+        specs = [s for s in self.registry.startup_specs() if serves(w.role, w.device, s.format == "stage", s.device)]
+        return LoadModels(models=sorted(specs, key=self._bytes))   # the smallest first: each serves once in
+
+    def _bytes(self, spec) -> int:
+        """A version's weight bytes as last measured, else its file's size (a stage's: 0)."""
+        rec = self.registry.record(model_key(spec.name, spec.version))
+        return rec.param_bytes() if rec is not None else 0
 
     def model_loaded(self, w: WorkerHandle, msg: ModelLoaded) -> bool:
         """One start-up model is in: True if the worker takes batches of it now."""

@@ -1,8 +1,8 @@
 """Loads as they move, one line per model per phase, for a person watching `tgw-broker start`:
 
-      mlp:1 on worker0[cpu]  loading…
-      mlp:1 on worker0[cpu]  warming up… (loaded in 11.1 s)
-      mlp:1 on worker0[cpu]  ready in 12.3 s (load 11.1 s, warm-up 1.2 s)
+      resnet:1 on worker0[cpu]  loading…
+      resnet:1 on worker0[cpu]  warming up… (loaded in 11.1 s)
+      resnet:1 on worker0[cpu]  ready in 12.3 s (load 11.1 s, warm-up 1.2 s)
 
 Fed by the loader threads' messages (LoadPhase, ModelLoaded, WorkerFailed) as the core's
 WorkerMessages reads them, the same events `status` shows as each model's `loading`; start-up
@@ -42,6 +42,11 @@ def wanted(stream: TextIO, setting: str | None, log_format: str) -> bool:
     return tty and log_format == "text"
 
 
+def took(seconds: float) -> str:
+    """A duration as a person reads it: "41 ms" under a second, else "12.3 s"."""
+    return f"{max(seconds, 0) * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 class ProgressLines:
     def __init__(self, stream: TextIO, enabled: bool):
         self.stream, self.enabled = stream, enabled
@@ -60,18 +65,18 @@ class ProgressLines:
     def moved(self, worker: str, key: str, phase: str, seconds: float) -> None:
         """A load began ("loading") or its model is built and warms up ("warming", `seconds` in)."""
         if phase == "warming":
-            self._line(worker, key, f"warming up{self.dots} (loaded in {seconds:.1f} s)")
+            self._line(worker, key, f"warming up{self.dots} (loaded in {took(seconds)})")
         else:
             self._line(worker, key, f"{phase}{self.dots}")
 
     def ready(self, worker: str, key: str, load_s: float, warm_s: float) -> None:
-        self._line(worker, key, f"ready in {load_s + warm_s:.1f} s (load {load_s:.1f} s, warm-up {warm_s:.1f} s)")
+        self._line(worker, key, f"ready in {took(load_s + warm_s)} (load {took(load_s)}, warm-up {took(warm_s)})")
 
     def failed(self, worker: str, key: str, seconds: float | None, error: str) -> None:
         first = (error.strip().splitlines() or [""])[0]
         if len(first) > ERROR_CHARS:
             first = first[:ERROR_CHARS - 1] + self.dots
-        after = f" after {seconds:.1f} s" if seconds is not None else ""
+        after = f" after {took(seconds)}" if seconds is not None else ""
         self._line(worker, key, f"failed{after}: {first} (the log has the whole error)")
 
     def _line(self, worker: str, key: str, what: str) -> None:
