@@ -55,6 +55,7 @@ class Loader(SideThread):
         # the broker's messages to the loader, each type to the handler that makes its reply
         self.handlers = {LoadModel: lambda msg: self.load(msg.spec), UnloadModel: lambda msg: self.unload(msg.key)}
         self.startup: list[ModelSpec] | None = None   # the start-up models, once the main thread hands them over
+        self.startup_failed = False   # written once by the thread, before its WorkerFailed: the exit status's
 
     def start(self, startup: list[ModelSpec] | None = None) -> None:
         """Start the thread; with `startup` (the broker's LoadModels), it loads those first."""
@@ -83,6 +84,7 @@ class Loader(SideThread):
             key = model_key(spec.name, spec.version)
             reply = self._load(spec, key)
             if reply.error is not None:   # the broker logs it: the worker does not say it twice
+                self.startup_failed = True
                 release_memory(self.device)
                 return WorkerFailed(worker_id=self.worker_id, model=key, error=reply.error)
             reply.startup = True

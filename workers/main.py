@@ -130,7 +130,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         # broker WorkerReady after the last, or WorkerFailed (then the broker sends Stop)
         loader.start(msg.models)
         server.serve()
-        return 0
+        return 1 if loader.startup_failed else 0   # a failed start-up is a failure, stopped or not
     except CudaFault as fault:   # told to the broker already; this process's CUDA context is broken
         print(f"tgw worker {start.worker_id}: sticky CUDA error in batch {fault.batch_id}, exiting: {fault.error}",
               file=sys.stderr)

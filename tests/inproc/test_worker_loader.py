@@ -261,7 +261,7 @@ def test_start_up_loads_publish_each_model_as_it_is_in(affine):
         assert ready == WorkerReady(worker_id=5, models=["affine:1", "second:1"],
                                     sizes={"affine:1": AFFINE_BYTES, "second:1": AFFINE_BYTES},
                                     footprints={"second:1": ready.footprints["second:1"]})
-        assert sorted(side.runners) == ["affine:1", "second:1"]
+        assert sorted(side.runners) == ["affine:1", "second:1"] and not side.loader.startup_failed
         assert side.load(spec(path)).error is None   # then run-time loads, as ever
     finally:
         side.close()
@@ -278,6 +278,7 @@ def test_a_start_up_model_that_fails_fails_the_worker_naming_it(affine):
         assert isinstance(bad, WorkerFailed) and bad.model == "other:1"
         assert bad.error.startswith("ChecksumMismatch: ") and sha256 in bad.error
         assert list(side.runners) == ["good:1"]   # "never:1" was not tried
+        assert side.loader.startup_failed   # the worker's exit status says so once the broker stops it
     finally:
         side.close()
 
