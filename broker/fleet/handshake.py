@@ -62,8 +62,8 @@ class Handshake:
         if rec is not None:
             rec.served_by(msg.bytes, msg.footprint)
         log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
-                 extra={"event": "model_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
-                        "warm_ms": round(msg.warm_ms, 1), "bytes": msg.bytes, "startup": True})
+                 extra={"event": "startup_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
+                        "warm_ms": round(msg.warm_ms, 1), "bytes": msg.bytes})
         return True
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
