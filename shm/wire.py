@@ -19,7 +19,7 @@ from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSI
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
-                          LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Release, Replay, ReplayBatch,
+                          LoadModels, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, Release, Replay, ReplayBatch,
                           ReplayReport, SnapshotRequest, Stop, UnloadModel, Withdraw, WorkerFailed, WorkerFault,
                           WorkerHello, WorkerReady, WorkerSnapshot)
 
@@ -271,7 +271,7 @@ Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, Stat
 
 ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw]
 FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, WorkerFault, Done, Heartbeat, WorkerSnapshot, LoaderHello,
-                   ModelLoaded, ModelUnloaded]
+                   LoadPhase, ModelLoaded, ModelUnloaded]
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

@@ -74,6 +74,8 @@ class WorkerHello(Struct, tag_field="op", tag="w_hello"):
 
 
 class LoadModels(Struct, tag_field="op", tag="w_load"):
+    """The broker's answer to a hello: the start-up models, which the worker's loader thread
+    loads one by one while its serving loop already serves those that are in."""
     models: list[ModelSpec]
 
 
@@ -91,6 +93,8 @@ class Footprint(Struct):
 
 
 class WorkerReady(Struct, tag_field="op", tag="w_ready"):
+    """Every start-up model is in (each was told by its ModelLoaded as it came): sent by the
+    loader thread, after its LoaderHello and those ModelLoaded."""
     worker_id: int
     models: list[str]
     sizes: dict[str, int] = {}      # model key -> parameter and buffer bytes
@@ -113,7 +117,19 @@ class UnloadModel(Struct, tag_field="op", tag="w_unload"):
     key: str                        # "name:version"; the broker has no batch of it in flight
 
 
+class LoadPhase(Struct, tag_field="op", tag="w_phase"):
+    """The loader thread's word as one load moves on, start-up and run-time loads alike:
+    "loading" as it begins, "warming" once the model is built. Its ModelLoaded ends it (at
+    start-up, a failure's WorkerFailed does)."""
+    worker_id: int
+    key: str
+    phase: str                      # loading, warming
+    seconds: float = 0.0            # since the load began, as the worker measured it
+
+
 class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
+    """A load done. A start-up model's (`startup`) is sent as soon as that model is warmed up:
+    it serves from then on, while the worker's other start-up models still load."""
     worker_id: int
     key: str
     error: Optional[str] = None     # None: loaded and warmed up, serving from now on
@@ -121,7 +137,9 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     bytes: int = 0                  # parameter and buffer bytes
     rss_before: int = 0
     rss_after: int = 0
-    load_ms: float = 0.0
+    load_ms: float = 0.0            # the whole load, warm-up included
+    warm_ms: float = 0.0            # of load_ms, the warm-up's (its replay included)
+    startup: bool = False           # one of the models its LoadModels named (WorkerReady follows the last)
     footprint: Optional[Footprint] = None   # measured at load and warm-up (None: failed, or an old worker)
     replay: Optional[ReplayReport] = None   # the replay warm-up's figures (None: the spec had no replay)
 
@@ -134,6 +152,8 @@ class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
 
 
 class WorkerFailed(Struct, tag_field="op", tag="w_failed"):
+    """A preload (the main thread's) or a start-up model (the loader thread's) failed: the
+    worker serves no more, and the broker stops it."""
     worker_id: int
     model: str
     error: str

@@ -4,6 +4,11 @@ It owns its own DEALER (identity: the worker's + b"~load") on the worker's zmq C
 beacon does, and shares the serving loop's `runners` dict. A runner enters the dict before its
 ModelLoaded is sent, so the broker never routes a batch to a model that is not there yet; the
 broker sends UnloadModel only once no batch of that model is in flight here.
+
+It loads the start-up models too (the broker's LoadModels, handed over by the main thread),
+one by one while the serving loop already runs: each serves as soon as it is warmed up, so a
+slow model does not hold up a fast one. Every load tells its phases as it moves (LoadPhase:
+loading, warming), which the broker shows in `status` and on a terminal.
 """
 from __future__ import annotations
 
@@ -16,8 +21,8 @@ import torch
 import zmq
 
 from tgw.shm.model_format import ModelFormatError
-from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, ModelLoaded, ModelSpec, ModelUnloaded, ReplayReport, \
-    UnloadModel, encode, model_key, to_worker_decoder
+from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, \
+    ReplayReport, UnloadModel, WorkerFailed, WorkerReady, encode, model_key, to_worker_decoder
 
 from .footprint import Gauge, rss_bytes, trim_heap, warm_measured
 from .formats import FormatMismatch
@@ -49,6 +54,13 @@ class Loader(SideThread):
         self.worker_id, self.runners, self.device = worker_id, runners, device
         # the broker's messages to the loader, each type to the handler that makes its reply
         self.handlers = {LoadModel: lambda msg: self.load(msg.spec), UnloadModel: lambda msg: self.unload(msg.key)}
+        self.startup: list[ModelSpec] | None = None   # the start-up models, once the main thread hands them over
+        self.startup_failed = False   # written once by the thread, before its WorkerFailed: the exit status's
+
+    def start(self, startup: list[ModelSpec] | None = None) -> None:
+        """Start the thread; with `startup` (the broker's LoadModels), it loads those first."""
+        self.startup = startup
+        super().start()
 
     def _run(self) -> None:
         poller = self.poller()
@@ -56,10 +68,31 @@ class Loader(SideThread):
             if self.device.type == "cuda":  # the current device is per thread
                 torch.cuda.set_device(self.device)
             self.sock.send(encode(LoaderHello(worker_id=self.worker_id)))
+            if self.startup is not None:
+                self.sock.send(encode(self.start_up(self.startup)))
             while self.serve_once(poller):
                 pass
         finally:
             self._close()
+
+    def start_up(self, specs: list[ModelSpec]) -> WorkerReady | WorkerFailed:
+        """Load the start-up models in order, each published and told (ModelLoaded, `startup`) as
+        soon as it is warmed up; then WorkerReady naming them all. The first that fails ends it:
+        WorkerFailed, and the broker stops this worker (those already in served meanwhile)."""
+        loaded: dict[str, ModelRunner] = {}
+        for spec in specs:
+            key = model_key(spec.name, spec.version)
+            reply = self._load(spec, key)
+            if reply.error is not None:   # the broker logs it: the worker does not say it twice
+                self.startup_failed = True
+                release_memory(self.device)
+                return WorkerFailed(worker_id=self.worker_id, model=key, error=reply.error)
+            reply.startup = True
+            loaded[key] = self.runners[key]
+            self.sock.send(encode(reply))
+        return WorkerReady(worker_id=self.worker_id, models=sorted(loaded),
+                           sizes={key: runner.nbytes for key, runner in loaded.items()},
+                           footprints={key: runner.footprint for key, runner in loaded.items()})
 
     def _answer(self) -> None:
         try:
@@ -81,36 +114,52 @@ class Loader(SideThread):
             rss = rss_bytes()
             return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss,
                                footprint=loaded.footprint)
+        reply = self._load(spec, key)
+        if reply.error is not None:
+            log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
+            release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
+            reply.rss_after = rss_bytes()
+        return reply
+
+    def _load(self, spec: ModelSpec, key: str) -> ModelLoaded:
+        """Build, warm up and publish one model, telling its phases; the answer, a failure's too."""
         rss_before, t0 = rss_bytes(), time.perf_counter()
         try:
-            runner, replayed = self._build(spec)
+            runner, replayed, warm_s = self._build(spec, key, t0)
         except LoadFailed as failed:
             reply = ModelLoaded(worker_id=self.worker_id, key=key, error=str(failed), reason=failed.reason)
         else:
             self.runners[key] = runner  # before the reply: once the broker reads it, batches come
             reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,
-                                load_ms=(time.perf_counter() - t0) * 1000, footprint=runner.footprint, replay=replayed)
-        if reply.error is not None:
-            log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
-            release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
+                                load_ms=(time.perf_counter() - t0) * 1000, warm_ms=warm_s * 1000,
+                                footprint=runner.footprint, replay=replayed)
         reply.rss_before, reply.rss_after = rss_before, rss_bytes()
         return reply
 
-    def _build(self, spec: ModelSpec) -> tuple[ModelRunner, ReplayReport | None]:
+    def _build(self, spec: ModelSpec, key: str, t0: float) -> tuple[ModelRunner, ReplayReport | None, float]:
         """The runner, warmed up: on the declared sizes (measured: footprint.py), then on the
-        model's recent batches when the broker sent them (replay.py); and what the replay did."""
+        model's recent batches when the broker sent them (replay.py); what the replay did, and
+        the warm-up's seconds. Each phase is told to the broker as it begins."""
         gauge = Gauge(self.device)
+        self._tell(key, "loading", t0)
         try:
             runner, weights = gauge.load(lambda: (StageRunner if spec.format == "stage" else ModelRunner)(
                 spec, self.device))
         except Exception as exc:
             raise LoadFailed(_reason(exc, "load"), exc) from None
+        warm_t0 = self._tell(key, "warming", t0)
         try:
             warm_measured(runner, gauge, weights)
             replayed = warm_replay(runner, spec.replay) if spec.replay and isinstance(runner, ModelRunner) else None
         except Exception as exc:
             raise LoadFailed(_reason(exc, "warmup"), exc) from None
-        return runner, replayed
+        return runner, replayed, time.perf_counter() - warm_t0
+
+    def _tell(self, key: str, phase: str, t0: float) -> float:
+        """Tell the broker a load's new phase (its seconds so far); returns when the phase began."""
+        now = time.perf_counter()
+        self.sock.send(encode(LoadPhase(worker_id=self.worker_id, key=key, phase=phase, seconds=now - t0)))
+        return now
 
     def unload(self, key: str) -> ModelUnloaded:
         """Drop one model and give its memory back; a model not loaded is answered all the same."""

@@ -18,18 +18,15 @@ import zmq
 
 from tgw.shm.segment import Segment
 from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
-from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, WorkerReady, encode, model_key, \
-    to_worker_decoder
+from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, encode, to_worker_decoder
 
 from .cuda_faults import CudaFault
 from .device_identity import device_memory, device_uuid
-from .footprint import measure_load
 from .heartbeat import Beacon
 from .progress import Progress
-from .loader import MAX_ERROR_CHARS, Loader, error_text
+from .loader import MAX_ERROR_CHARS, Loader
 from .runner import ModelRunner
 from .serve import Server
-from .stage_runner import make_runner
 from .tracing import Observer, death_notice, setup_logging
 
 PR_SET_PDEATHSIG = 1
@@ -91,24 +88,6 @@ def preload(entries: str | list[str]) -> None:
             raise RuntimeError(f"preload {entry!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _load(msg: LoadModels, device: torch.device, worker_id: int,
-          runners: dict[str, ModelRunner]) -> WorkerReady | WorkerFailed:
-    """Load the start-up models into `runners`, all or none; the first that fails fails the worker.
-    The answer names only these: the loader thread reports its own loads."""
-    loaded = {}
-    for spec in msg.models:
-        try:   # a model file's runner, or a stage's; its memory measured as it loads and warms up
-            runner = measure_load(lambda: make_runner(spec, device), device)
-        except Exception as exc:
-            return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
-                                error=error_text(exc))
-        loaded[runner.key] = runner
-    runners.update(loaded)
-    return WorkerReady(worker_id=worker_id, models=sorted(loaded),
-                       sizes={key: runner.nbytes for key, runner in loaded.items()},
-                       footprints={key: runner.footprint for key, runner in loaded.items()})
-
-
 def run_worker(argv: list[str] | None = None) -> int:
     try:
         start = parse_start(argv)
@@ -131,8 +110,8 @@ def run_worker(argv: list[str] | None = None) -> int:
     beacon = Beacon(ctx, start.endpoint, identity, start.worker_id, progress, start.heartbeat_s, device)
     beacon.start()
     runners: dict[str, ModelRunner] = {}  # one dict: the loader adds and removes, the serving loop reads
+    # its socket connects now; its thread starts with the start-up models, once the broker named them
     loader = Loader(ctx, start.endpoint, identity, start.worker_id, runners, device)
-    loader.start()  # before the hello: serving loads by the time the broker knows this worker
     try:
         failure = _preload(start)
         # made before the hello, which reports its ring's page-locking as it is in effect
@@ -144,12 +123,14 @@ def run_worker(argv: list[str] | None = None) -> int:
         msg = to_worker_decoder.decode(sock.recv())
         if not isinstance(msg, LoadModels):
             raise RuntimeError(f"expected a load message first, got {type(msg).__name__}")
-        answer = failure or _load(msg, device, start.worker_id, runners)
-        sock.send(encode(answer))
-        if isinstance(answer, WorkerFailed):
+        if failure is not None:
+            sock.send(encode(failure))
             return 1
+        # the loader loads them one by one while the loop serves each that is in; it tells the
+        # broker WorkerReady after the last, or WorkerFailed (then the broker sends Stop)
+        loader.start(msg.models)
         server.serve()
-        return 0
+        return 1 if loader.startup_failed else 0   # a failed start-up is a failure, stopped or not
     except CudaFault as fault:   # told to the broker already; this process's CUDA context is broken
         print(f"tgw worker {start.worker_id}: sticky CUDA error in batch {fault.batch_id}, exiting: {fault.error}",
               file=sys.stderr)

@@ -14,7 +14,10 @@ feed the stats and the cost model; a withdrawn request (state/inflight.py) is ne
 and counted by where it was: "staged" when the worker took it out before launch, "computing"
 when its batch had launched (its rows dropped); heartbeats feed the memory watch and the
 breakers; the handshake's messages go to fleet/handshake.py, a sticky CUDA error's to
-fleet/faults.py, the loader thread's to models/placement.py.
+fleet/faults.py, the loader thread's to models/placement.py. A load's phases (LoadPhase) and
+its end are noted on its worker (status reads them) and printed by observe/progress.py; a
+start-up model's ModelLoaded goes to the handshake (it serves before its worker is ready), a
+failed start-up stops its worker.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ from typing import Callable
 import zmq
 
 from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.wire import DecodeError, Done, Heartbeat, Release, Stop, WorkerFailed, WorkerFault, WorkerHello, \
-    WorkerReady, WorkerSnapshot, encode, from_worker_decoder, model_key
+from tgw.shm.wire import DecodeError, Done, Heartbeat, LoadPhase, ModelLoaded, Release, Stop, WorkerFailed, \
+    WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot, encode, from_worker_decoder, model_key
 
 from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.handshake import Handshake, death_error
@@ -36,6 +39,7 @@ from tgw.broker.front.sockets import Pump
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
 from tgw.broker.models.replay import ReplayRecorder
+from tgw.broker.observe.progress import ProgressLines
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.alarm import Alarm
 from tgw.broker.sched.batcher import Batcher
@@ -251,12 +255,15 @@ class Serving:
 
 
 class WorkerMessages:
-    def __init__(self, core: Serving, faults: CudaFaults, stats: Stats):
+    def __init__(self, core: Serving, faults: CudaFaults, stats: Stats, progress: ProgressLines | None = None):
+        """`progress`: where loads are printed as they move (by default the broker's stderr, when a terminal)."""
         self.core, self.stats = core, stats
+        self.progress = progress if progress is not None else ProgressLines.for_stderr()
         self.handlers = {Done: self._complete, Heartbeat: self._on_beat, WorkerHello: self._on_hello,
-                         WorkerReady: self._on_ready, WorkerFailed: core.handshake.failed,
+                         WorkerReady: self._on_ready, WorkerFailed: self._on_failed,
                          WorkerSnapshot: self._on_snapshot, WorkerFault: faults.on_fault,
-                         **{t: self._on_loader for t in core.placement.messages}}
+                         **{t: self._on_loader for t in core.placement.messages},
+                         LoadPhase: self._on_phase, ModelLoaded: self._on_loaded}
 
     def on_message(self, frames: list) -> None:
         ident = frames[0].bytes
@@ -290,6 +297,31 @@ class WorkerMessages:
         if self.core.handshake.ready(worker, msg, self.core.clock()):
             self.core.placement.reconcile()
             self.core.schedule()
+
+    def _on_phase(self, worker: WorkerHandle, msg: LoadPhase) -> None:
+        worker.load_moved(msg.key, msg.phase, msg.seconds, self.core.clock())
+        self.progress.moved(worker.name, msg.key, msg.phase, msg.seconds)
+
+    def _on_loaded(self, worker: WorkerHandle, msg: ModelLoaded) -> None:
+        """A load ended: printed if its phases were told (a repeated load's answer tells none);
+        a start-up model serves from now on, a run-time load goes to placement."""
+        under_way = worker.under_way.get(msg.key)
+        if under_way is not None and msg.error is None:
+            self.progress.ready(worker.name, msg.key, (msg.load_ms - msg.warm_ms) / 1000, msg.warm_ms / 1000)
+        elif under_way is not None:
+            self.progress.failed(worker.name, msg.key, self.core.clock() - under_way.since, msg.error)
+        if not msg.startup:
+            self._on_loader(worker, msg)
+        elif self.core.handshake.model_loaded(worker, msg):
+            self.core.schedule()   # requests for it may be queued already
+
+    def _on_failed(self, worker: WorkerHandle, msg: WorkerFailed) -> None:
+        """A start-up model (or a preload) failed: the worker serves no more, it is stopped."""
+        under_way = worker.under_way.get(msg.model)
+        self.progress.failed(worker.name, msg.model,
+                             self.core.clock() - under_way.since if under_way is not None else None, msg.error)
+        self.core.handshake.failed(worker, msg)
+        self.core.stop_worker(worker)
 
     def _on_loader(self, worker: WorkerHandle, msg) -> None:
         """Its loader thread: runtime loads and unloads."""

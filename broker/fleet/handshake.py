@@ -3,9 +3,12 @@
 hello  → the broker answers with the versions to load now: every version of each
          always-resident model as served now (runtime loads included; on-demand ones load
          when asked for, through the worker's loader thread) that its role holds
-         (models/roles.py: models, stages or both);
-ready  → the worker serves those versions (routing may use it);
-failed → a model did not load or warm up: start-up fails with the worker's reason;
+         (models/roles.py: models, stages or both), the smallest first;
+loaded → one of them is in, warmed up: it takes batches now, while the others still load
+         (the worker's loader thread loads them one by one, its serving loop already runs);
+ready  → the worker serves all those versions (the start-up waits for every worker's);
+failed → a model did not load or warm up: start-up fails with the worker's reason (once
+         serving, that version is dropped), and the worker is stopped;
 lost   → the process died: its in-flight requests are retried once elsewhere, the rest
          answered WORKER_DIED.
 """
@@ -15,7 +18,7 @@ import logging
 from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import LoadModels, WorkerFailed, WorkerHello, WorkerReady
+from tgw.shm.wire import LoadModels, ModelLoaded, WorkerFailed, WorkerHello, WorkerReady, model_key
 
 from tgw.broker.state.pending import Pending
 from tgw.broker.state.pool import WorkerHandle, WorkerState
@@ -42,8 +45,26 @@ class Handshake:
         w.introduced(msg.pid, msg.device_uuid, msg.device_memory, msg.host_memory)
         if self.budget is not None:
             w.budgeted(self.budget(w))
-        return LoadModels(models=[s for s in self.registry.startup_specs()
-                                  if serves(w.role, w.device, s.format == "stage", s.device)])
+        specs = [s for s in self.registry.startup_specs() if serves(w.role, w.device, s.format == "stage", s.device)]
+        return LoadModels(models=sorted(specs, key=self._bytes))   # the smallest first: each serves once in
+
+    def _bytes(self, spec) -> int:
+        """A version's weight bytes as last measured, else its file's size (a stage's: 0)."""
+        rec = self.registry.record(model_key(spec.name, spec.version))
+        return rec.param_bytes() if rec is not None else 0
+
+    def model_loaded(self, w: WorkerHandle, msg: ModelLoaded) -> bool:
+        """One start-up model is in: True if the worker takes batches of it now."""
+        if w.state is not WorkerState.STARTING or msg.error is not None:   # a failure: WorkerFailed tells it
+            return False
+        w.started_serving(msg.key, msg.bytes, msg.footprint)
+        rec = self.registry.record(msg.key)
+        if rec is not None:
+            rec.served_by(msg.bytes, msg.footprint)
+        log.info("%s loaded %s in %.0f ms (%d bytes)", w.name, msg.key, msg.load_ms, msg.bytes,
+                 extra={"event": "startup_load", "worker": w.name, "key": msg.key, "load_ms": round(msg.load_ms, 1),
+                        "warm_ms": round(msg.warm_ms, 1), "bytes": msg.bytes})
+        return True
 
     def ready(self, w: WorkerHandle, msg: WorkerReady, now: float) -> bool:
         """True if the worker now serves; a worker told to stop meanwhile stays stopping."""

@@ -87,9 +87,7 @@ def serving(view: BrokerView, m: ModelEntry, fallback: bool = True) -> bool:
     version = m.default
     if version is None:
         return False
-    live = [w for w in view.roster if w.state is WorkerState.READY]
-    key = model_key(m.name, version)
-    if not (bool(live) if m.on_demand else any(key in w.models for w in live)):
+    if not held(view, m, model_key(m.name, version)):
         return False
     return not refused(view, m.name, version) or (fallback and fallback_serving(view, m.name))
 
@@ -100,10 +98,25 @@ def version_serving(view: BrokerView, m: ModelEntry, version: str) -> bool:
     rec = m.records.get(version)
     if rec is None or rec.state is not VersionState.READY:
         return False
-    live = [w for w in view.roster if w.state is WorkerState.READY]
-    if not (bool(live) if m.on_demand else any(model_key(m.name, version) in w.models for w in live)):
+    if not held(view, m, model_key(m.name, version)):
         return False
     return not refused(view, m.name, version) or fallback_serving(view, m.name)
+
+
+def held(view: BrokerView, m: ModelEntry, key: str) -> bool:
+    """A live worker takes batches of that version: a ready one, or one still starting that has
+    it in already (pool.py offers); an on-demand version: any ready worker could load it."""
+    if m.on_demand:
+        return any(w.state is WorkerState.READY for w in view.roster)
+    return any(w.offers(key) for w in view.roster)
+
+
+def loading(view: BrokerView, m: ModelEntry, now: float) -> list[dict]:
+    """The model's versions loading on workers now, start-up loads included: each with its
+    worker, phase (loading, warming) and seconds so far."""
+    return [{"version": version, "worker": w.name, "phase": load.phase, "seconds": round(now - load.since, 3)}
+            for w in view.roster for key, load in sorted(w.under_way.items())
+            for name, _, version in [key.partition(":")] if name == m.name]
 
 
 def refused(view: BrokerView, model: str, version: str) -> bool:
@@ -196,7 +209,7 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "residency": m.decl.residency, "ready": serving(view, m),
                           "queued": view.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors),
-                          "replay": view.replay(m.name),
+                          "replay": view.replay(m.name), "loading": loading(view, m, now),
                           "cache": m.cache.as_dict() if m.cache is not None else None}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,

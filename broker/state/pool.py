@@ -20,7 +20,7 @@ from .pending import Pending, attach_cuda, gpu_fits, is_shadow, plain_dims
 
 class WorkerState(str, Enum):
     PLANNED = "planned"      # ring made, no process yet
-    STARTING = "starting"    # process spawned: handshake, loading and warming up its models
+    STARTING = "starting"    # process spawned: handshake, loading its models (each takes batches once in)
     READY = "ready"          # serving the versions in `models`
     STOPPING = "stopping"    # told to stop: finishes what it holds, then exits
     DEAD = "dead"            # process gone; the supervisor may restart it on a fresh ring
@@ -51,6 +51,13 @@ class Holding:
     wanted: set[str] = field(default_factory=set)     # on-demand versions placed on it
     used_at: dict[str, float] = field(default_factory=dict)  # key -> last batch dispatched (LRU goes first)
     unloads: int = 0                                  # unloads done in this life (fragmentation is judged after one)
+
+
+@dataclass
+class LoadUnderWay:
+    """One load a worker's loader thread is doing now, as its LoadPhase messages told it."""
+    phase: str          # loading, warming
+    since: float        # when the load began (the broker's clock, less the worker's seconds so far)
 
 
 @dataclass
@@ -85,6 +92,8 @@ class WorkerHandle:
     device_memory: int = 0            # its GPU's memory in bytes, from its hello (0: a CPU worker)
     # what it holds (models/roles.py): models, stages (a workers.stage_workers worker) or both
     role: str = "models+stages"
+    # key -> the load its loader thread is doing now, start-up ones included (status shows them)
+    under_way: dict[str, LoadUnderWay] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -123,11 +132,30 @@ class WorkerHandle:
         self.footprints.update(footprints or {})
         self.beat_at = max(self.beat_at, now)  # silence is judged from here on
 
+    def started_serving(self, key: str, nbytes: int, footprint: Footprint | None) -> None:
+        """One start-up model is in, warmed up: it takes batches while the others still load."""
+        self.under_way.pop(key, None)
+        self.models.add(key)
+        self.sizes[key] = nbytes
+        if footprint is not None:
+            self.footprints[key] = footprint
+
+    def load_moved(self, key: str, phase: str, seconds: float, now: float) -> None:
+        """Its loader began a load (phase "loading") or moved it on ("warming"), `seconds` into it."""
+        self.under_way[key] = LoadUnderWay(phase, now - seconds)
+
+    def offers(self, key: str) -> bool:
+        """It takes batches of this version: ready with it loaded, or still starting with it
+        loaded and warmed up (start-up models serve one by one, as each is in)."""
+        return key in self.models and (self._state is WorkerState.READY or
+                                       (self._state is WorkerState.STARTING and not self.faulted))
+
     def beat_came(self, beat: Heartbeat, now: float) -> None:
         self.beat, self.beat_at = beat, now
 
     def told_to_stop(self) -> None:
         self._move(WorkerState.STOPPING)
+        self.under_way.clear()   # what it still loads serves nobody
 
     def met_fault(self, why: str) -> None:
         """A sticky CUDA error (fleet/faults.py): this life serves no more; its death retries what it holds."""
@@ -142,6 +170,7 @@ class WorkerHandle:
     def exited(self, why: str = "") -> None:
         """Its process ended (`why`: how, for its next life and the requests it held)."""
         self._move(WorkerState.DEAD)
+        self.under_way.clear()
         if why:
             self.last_death = why
 
@@ -211,6 +240,7 @@ class WorkerHandle:
     def loaded(self, key: str, nbytes: int, footprint: Footprint | None, now: float) -> float | None:
         """A run-time load finished; returns when it was sent (None: not asked of this life)."""
         started = self.holding.loading.pop(key, None)
+        self.under_way.pop(key, None)
         self.models.add(key)
         self.sizes[key] = nbytes
         if footprint is not None:
@@ -221,6 +251,7 @@ class WorkerHandle:
     def load_failed(self, key: str) -> float | None:
         """A run-time load failed; returns when it was sent (None: not asked of this life)."""
         started = self.holding.loading.pop(key, None)
+        self.under_way.pop(key, None)
         self.holding.wanted.discard(key)
         return started
 
@@ -286,7 +317,7 @@ class WorkerHandle:
         """Room for a batch of this version; a suspect batch (a retry after a death) runs on a
         worker holding nothing else, so if it kills the worker it takes no other request along.
         A request bound to a GPU (`head`'s CUDA tensors) runs only on a worker on that GPU."""
-        if self._state is not WorkerState.READY or model_key not in self.models or self.retiring or \
+        if not self.offers(model_key) or self.retiring or \
                 (self.holding.evicting and model_key in self.holding.evicting) or \
                 (head is not None and not gpu_fits(self, head)):
             return False

@@ -19,11 +19,10 @@ from torch import nn
 
 from test_worker_loop import Worker, expect_error
 from tgw.shm.errors import Code
-from tgw.shm.wire import (IOSpec, LoaderHello, LoadModel, LoadModels, ModelLoaded, ModelSpec, ModelUnloaded, Stop,
+from tgw.shm.wire import (IOSpec, LoaderHello, LoadModel, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, Stop,
                           UnloadModel, WorkerFailed, WorkerReady, encode, from_worker_decoder)
 from tgw.workers import loader as loader_module
 from tgw.workers.loader import LOAD_SUFFIX, Loader
-from tgw.workers.main import _load
 from tgw.workers.runner import ModelRunner
 
 WAIT_S = 30.0
@@ -68,21 +67,27 @@ def spec(path: str, name: str = "affine", out_dtype: str = "float32", out_width:
 class LoaderSide:
     """A Loader on a Context shared with a ROUTER that plays the broker's side of it."""
 
-    def __init__(self):
+    def __init__(self, startup: list[ModelSpec] | None = None):
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to nobody raises, never vanishes
         endpoint = f"inproc://tgw-loader-{next(_endpoints)}"
         self.router.bind(endpoint)
         self.runners: dict[str, ModelRunner] = {}
+        self.phases: list[LoadPhase] = []
         self.loader = Loader(self.ctx, endpoint, IDENTITY, 5, self.runners, CPU)
-        self.loader.start()
+        self.loader.start(startup)
 
     def recv(self):
-        assert self.router.poll(int(WAIT_S * 1000)), f"no message from the loader within {WAIT_S:.0f}s"
-        ident, body = self.router.recv_multipart()
-        assert ident == IDENTITY + LOAD_SUFFIX
-        return from_worker_decoder.decode(body)
+        """The loader's next answer; the phases it told on the way are kept in `phases`."""
+        while True:
+            assert self.router.poll(int(WAIT_S * 1000)), f"no message from the loader within {WAIT_S:.0f}s"
+            ident, body = self.router.recv_multipart()
+            assert ident == IDENTITY + LOAD_SUFFIX
+            msg = from_worker_decoder.decode(body)
+            if not isinstance(msg, LoadPhase):
+                return msg
+            self.phases.append(msg)
 
     def send(self, frame: bytes) -> None:
         self.router.send_multipart([IDENTITY + LOAD_SUFFIX, frame])
@@ -236,19 +241,46 @@ def test_runner_counts_shared_storage_once(tmp_path):
     assert runner.nbytes == (WIDTH * WIDTH + 2 * WIDTH + WIDTH) * 4
 
 
-def test_start_up_load_reports_sizes_and_checks_digests(affine):
+def test_start_up_loads_publish_each_model_as_it_is_in(affine):
+    """The start-up models load one by one on the loader thread: each told by its phases, then
+    published and told (ModelLoaded, startup) at once; WorkerReady names them all after the last."""
     path, sha256, _ = affine
-    runners: dict[str, ModelRunner] = {}
-    ready = _load(LoadModels(models=[spec(path, sha256=sha256)]), CPU, 2, runners)
-    fp = ready.footprints.pop("affine:1")   # measured as it loaded and warmed up (workers/footprint.py)
-    assert fp.measured_on == "cpu" and fp.weights >= AFFINE_BYTES and set(fp.by_batch) == {1}
-    assert ready == WorkerReady(worker_id=2, models=["affine:1"], sizes={"affine:1": AFFINE_BYTES})
-    assert list(runners) == ["affine:1"]
-    bad = _load(LoadModels(models=[spec(path, name="good"), spec(path, name="other", sha256="00" * 32)]), CPU, 2,
-                runners)
-    assert isinstance(bad, WorkerFailed) and bad.model == "other:1"
-    assert list(runners) == ["affine:1"]  # "good:1" is not published: all or none
-    assert bad.error.startswith("ChecksumMismatch: ") and sha256 in bad.error
+    side = LoaderSide(startup=[spec(path, sha256=sha256), spec(path, name="second")])
+    try:
+        assert side.recv() == LoaderHello(worker_id=5)
+        first = side.recv()
+        assert isinstance(first, ModelLoaded) and first.startup and first.key == "affine:1" and first.error is None
+        assert first.bytes == AFFINE_BYTES and 0 < first.warm_ms < first.load_ms
+        assert [(p.key, p.phase) for p in side.phases] == [("affine:1", "loading"), ("affine:1", "warming")]
+        assert side.phases[0].seconds < side.phases[1].seconds
+        second = side.recv()
+        assert isinstance(second, ModelLoaded) and second.startup and second.key == "second:1"
+        ready = side.recv()
+        fp = ready.footprints.pop("affine:1")   # measured as it loaded and warmed up (workers/footprint.py)
+        assert fp.measured_on == "cpu" and fp.weights >= AFFINE_BYTES and set(fp.by_batch) == {1}
+        assert ready == WorkerReady(worker_id=5, models=["affine:1", "second:1"],
+                                    sizes={"affine:1": AFFINE_BYTES, "second:1": AFFINE_BYTES},
+                                    footprints={"second:1": ready.footprints["second:1"]})
+        assert sorted(side.runners) == ["affine:1", "second:1"] and not side.loader.startup_failed
+        assert side.load(spec(path)).error is None   # then run-time loads, as ever
+    finally:
+        side.close()
+
+
+def test_a_start_up_model_that_fails_fails_the_worker_naming_it(affine):
+    path, sha256, _ = affine
+    side = LoaderSide(startup=[spec(path, name="good"), spec(path, name="other", sha256="00" * 32),
+                               spec(path, name="never")])
+    try:
+        side.recv()   # its hello
+        assert side.recv().key == "good:1"   # served meanwhile: the broker stops the worker on the failure
+        bad = side.recv()
+        assert isinstance(bad, WorkerFailed) and bad.model == "other:1"
+        assert bad.error.startswith("ChecksumMismatch: ") and sha256 in bad.error
+        assert list(side.runners) == ["good:1"]   # "never:1" was not tried
+        assert side.loader.startup_failed   # the worker's exit status says so once the broker stops it
+    finally:
+        side.close()
 
 
 # ---- memory goes back --------------------------------------------------------------------------
@@ -267,8 +299,11 @@ loader = Loader(ctx, "inproc://memory", b"w", 0, {}, torch.device("cpu"))
 loader.start()
 
 def recv():
-    assert router.poll(30_000), "the loader did not answer"
-    return from_worker_decoder.decode(router.recv_multipart()[1])
+    while True:   # its answer, past the phases it tells on the way
+        assert router.poll(30_000), "the loader did not answer"
+        msg = from_worker_decoder.decode(router.recv_multipart()[1])
+        if type(msg).__name__ != "LoadPhase":
+            return msg
 
 def ask(msg):
     router.send_multipart([b"w" + LOAD_SUFFIX, encode(msg)])

@@ -11,7 +11,7 @@ from tgw.shm.errors import error_from_body
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, DecodeError, Done, ErrorBody, ErrorReply,
                           Health, HealthReply, Heartbeat, Hello, HelloReply, Infer, InferReply, IOSpec, LineGrowth,
                           ListModels, LoaderHello, LoadModel, LoadModels, LoadVersion, Metadata, MetadataReply,
-                          ModelInfo, ModelLoaded, ModelMetadata, ModelSpec, ModelsReply, ModelUnloaded, Release,
+                          LoadPhase, ModelInfo, ModelLoaded, ModelMetadata, ModelSpec, ModelsReply, ModelUnloaded, Release,
                           Scrape, ScrapeReply, Cancel, CancelReply, CudaIpc, Goodbye, RegionReply, RegionSlice,
                           RegisterRegion, UnregisterRegion,
                           Reload, SetTraffic, Snapshot, SnapshotReply, SnapshotRequest, Stats, StatsReply, Status,
@@ -128,6 +128,8 @@ FROM_WORKER = [
     LoaderHello(worker_id=0),
     ModelLoaded(worker_id=0, key="mlp:2", bytes=4096, rss_before=1 << 26, rss_after=1 << 27, load_ms=20.5),
     ModelLoaded(worker_id=0, key="mlp:3", error="RuntimeError: x", reason="warmup"),
+    ModelLoaded(worker_id=0, key="mlp:4", bytes=64, load_ms=12.5, warm_ms=2.5, startup=True),
+    LoadPhase(worker_id=0, key="mlp:4", phase="warming", seconds=10.0),
     ModelUnloaded(worker_id=0, key="mlp:1", rss_before=1 << 27, rss_after=1 << 26),
 ]
 
