@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(0: any free one; the host is http.host, default 127.0.0.1)")
     start.add_argument("--grpc-port", type=int, help="serve the KServe v2 gRPC face (with grpc.health.v1 and "
                        "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
+    start.add_argument("--progress", choices=("auto", "on", "off"),
+                       help="each model's loading/warming/ready lines on stderr (default: $TGW_PROGRESS, else auto: "
+                            "when stderr is a terminal and the log format is text)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file")
     check.add_argument("--load", action="store_true",
@@ -242,6 +245,8 @@ def run(argv: list[str] | None) -> None:
         sys.exit(f"tgw-broker start: {problem}")
     from tgw.broker.observe.logs import setup
     setup(args.log_format, args.log_level.upper())
+    if args.progress:   # read where the broker's progress printer is made (broker/observe/progress.py)
+        os.environ["TGW_PROGRESS"] = args.progress
     from .demo import demo_config
     from tgw.broker.core.run import run_broker
     try:
