@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from typing import Callable
 
 import msgspec
@@ -35,27 +36,41 @@ def first_device(cfg: Config) -> str:
     return devices if isinstance(devices, str) else str(devices[0])
 
 
-def check_load(cfg: Config, say: Callable[[str], None] = print) -> bool:
-    """Load each version in the child and `say` one line each; True when every one loaded."""
+def check_load(cfg: Config, say: Callable[[str], None] = print, verbose: bool = False) -> bool:
+    """Load each version in the child and `say` one line each; True when every one loaded.
+
+    What torch and the handlers write while they load (warnings, tracebacks a library logs) is
+    kept aside: each failure's short text says what matters, and `verbose` shows it all after
+    the report, as does a child that dies."""
     request = {"device": first_device(cfg), "preload": list(cfg.workers.preload), "specs": specs_of(cfg)}
     say(f"loading {len(request['specs'])} version(s) on {request['device']} in a child process:")
-    child = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    child.stdin.write(json.dumps(request))
-    child.stdin.close()
-    pending, ok = None, True   # the version the child is loading now
-    for line in child.stdout:
-        report = json.loads(line)
-        if report.get("phase") == "loading":
-            pending = report["key"]
-            continue
-        pending = None
-        ok = ok and report["ok"]
-        say(f"  {report['key']}: {outcome(report)}")
-    code = child.wait()
-    if pending is not None or (code != 0 and ok):   # it died, e.g. a crash inside a native library
-        say(f"  {pending or 'check'}: FAILED: the loading process ended with {exit_text(code)}")
-        return False
-    return ok
+    with tempfile.TemporaryFile("w+") as chatter:
+        child = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=chatter, text=True)
+        child.stdin.write(json.dumps(request))
+        child.stdin.close()
+        pending, ok = None, True   # the version the child is loading now
+        for line in child.stdout:
+            report = json.loads(line)
+            if report.get("phase") == "loading":
+                pending = report["key"]
+                continue
+            pending = None
+            ok = ok and report["ok"]
+            say(f"  {report['key']}: {outcome(report)}")
+        code = child.wait()
+        died = pending is not None or (code != 0 and ok)   # e.g. a crash inside a native library
+        if died:
+            say(f"  {pending or 'check'}: FAILED: the loading process ended with {exit_text(code)}")
+        chatter.seek(0)
+        lines = chatter.read().splitlines()
+    if lines and (verbose or died):
+        say(f"what the loading process wrote ({len(lines)} lines):")
+        for line in lines:
+            say(f"  | {line}")
+    elif lines:
+        say(f"(torch and the handlers wrote {len(lines)} more line(s) while loading: --verbose shows them)")
+    return ok and not died
 
 
 def outcome(report: dict) -> str:

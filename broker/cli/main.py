@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--load", action="store_true",
                        help="also load and warm up every model and stage version as a worker would, in a child "
                             "process (torch; no broker starts), and report each: exit 1 when one fails")
+    check.add_argument("--verbose", action="store_true",
+                       help="with --load: also show what torch and the handlers wrote while loading")
     broker_verb(sub, "status", "workers, models and queues of a running broker", 5.0,
                 lambda args: Status(v=PROTOCOL_VERSION))
     snapshot = broker_verb(sub, "snapshot", "write a memory snapshot of each live worker, print the files", 30.0,
@@ -237,7 +239,7 @@ def run(argv: list[str] | None) -> None:
         print(describe(cfg))
         if args.load:
             from .check_load import check_load
-            sys.exit(0 if check_load(cfg) else 1)
+            sys.exit(0 if check_load(cfg, verbose=args.verbose) else 1)
         return
 
     problem = start_problem(args)
