@@ -181,10 +181,17 @@ def config(root: str, store: dict, address: str, http_port: int, models: list[di
     return path
 
 
+def knows_warmup_inputs() -> bool:
+    """Whether this tgw lets a stage declare examples to be tried on before it serves (issue 39)."""
+    from tgw.broker.config.schema_models import ModelDecl
+    return "warmup_inputs" in ModelDecl.model_fields
+
+
 def stage(name: str, cls: str, **kw) -> dict:
+    examples = {"warmup_inputs": [{"data": "an example"}]} if knows_warmup_inputs() else {}
     return {"name": name, "versions": [{"version": "1", "handler": f"models/stages/tour.py:{cls}"}],
             "inputs": [{"name": "data", "dtype": "bytes", "shape": []}],
-            "outputs": [{"name": "length", "dtype": "int64", "shape": []}], "max_batch_size": 8, **kw}
+            "outputs": [{"name": "length", "dtype": "int64", "shape": []}], "max_batch_size": 8, **examples, **kw}
 
 
 class Broker:
@@ -265,7 +272,7 @@ def tour_serving(root: str, store: dict) -> None:
 
     section("3. progress: a start with a model that takes 6 s to load, beside fast ones on the same worker")
     broker = Broker(cfg, terminal=True)
-    codes, first_ok, status_seen = {}, None, None
+    codes, first_ok, status_seen = {}, {}, None
     sock_path = address[len("ipc://"):]
     while time.monotonic() - broker.t0 < 120:
         broker.read(0.05)
@@ -277,20 +284,22 @@ def tour_serving(root: str, store: dict) -> None:
             import numpy as np
             from tgw.client import Client, TgwError
             with Client({address!r}) as c:
-                try:
-                    c.infer("mlp", {{"x": np.zeros((1, 256), np.float32)}}); print("OK")
-                except TgwError as e:
-                    print(e.code.value)
+                for model, inputs in (("mlp", {{"x": np.zeros((1, 256), np.float32)}}), ("length", {{"data": [b"x"]}})):
+                    try:
+                        c.infer(model, inputs); print(model, "OK")
+                    except TgwError as e:
+                        print(model, e.code.value)
         """)], capture_output=True, text=True)
-        code = done.stdout.strip() or "no answer"
-        if code == "OK":
-            first_ok = first_ok or time.monotonic() - broker.t0
-        codes[code] = codes.get(code, 0) + 1
-        if status_seen is None and os.path.exists(sock_path):
-            st = status(address)
-            if st.get("models", {}).get("slow") is not None and not st["models"]["slow"].get("ready"):
-                status_seen = {m: {k: v for k, v in e.items() if k in ("ready", "versions", "loading")}
-                               for m, e in st["models"].items()}
+        for line in done.stdout.splitlines() or ["- no answer"]:
+            model, code = line.split(" ", 1)
+            if code == "OK" and model not in first_ok:
+                first_ok[model] = round(time.monotonic() - broker.t0, 1)
+            codes[line] = codes.get(line, 0) + 1
+        st = status(address)
+        slow = st.get("models", {}).get("slow")
+        if slow is not None and not slow.get("ready") and (status_seen is None or slow.get("loading")):
+            status_seen = {m: {k: v for k, v in e.items() if k in ("ready", "loading")}
+                           for m, e in st["models"].items()}
         if status(address).get("models", {}).get("slow", {}).get("ready"):
             break
     ready_at = time.monotonic() - broker.t0
@@ -299,8 +308,8 @@ def tour_serving(root: str, store: dict) -> None:
     out = broker.read(0.2)
     print(textwrap.indent(cut(out, 30, 4) or "(nothing)", "  | "))
     print(f"  [the terminal showed {len(out.splitlines())} lines in the {ready_at:.1f} s until every model was ready]")
-    print(f"  mlp (fast), asked again and again until slow was ready: first answered at "
-          f"{'%.1f s' % first_ok if first_ok else 'never'}; answers by code: {codes}")
+    print(f"  mlp (a model) and length (a stage), asked again and again until slow was ready: "
+          f"first answered at (s) {first_ok}; answers: {codes}")
     print(f"  status while slow loads: {json.dumps(status_seen)}")
     seen = len(broker.read())
 
