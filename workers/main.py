@@ -26,7 +26,8 @@ from .device_identity import device_memory, device_uuid
 from .footprint import measure_load
 from .heartbeat import Beacon
 from .progress import Progress
-from .loader import MAX_ERROR_CHARS, Loader, error_text
+from .load_errors import MAX_ERROR_CHARS, log_load_failure
+from .loader import Loader
 from .runner import ModelRunner
 from .serve import Server
 from .stage_runner import make_runner
@@ -100,8 +101,8 @@ def _load(msg: LoadModels, device: torch.device, worker_id: int,
         try:   # a model file's runner, or a stage's; its memory measured as it loads and warms up
             runner = measure_load(lambda: make_runner(spec, device), device)
         except Exception as exc:
-            return WorkerFailed(worker_id=worker_id, model=model_key(spec.name, spec.version),
-                                error=error_text(exc))
+            key = model_key(spec.name, spec.version)
+            return WorkerFailed(worker_id=worker_id, model=key, error=log_load_failure(key, exc))
         loaded[runner.key] = runner
     runners.update(loaded)
     return WorkerReady(worker_id=worker_id, models=sorted(loaded),
@@ -115,7 +116,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     except BadStart as exc:   # the supervisor logs our stderr: the field at fault is named there
         print(f"tgw worker: {exc}", file=sys.stderr)
         return 2
-    setup_logging(start.log_format)
+    setup_logging(start.log_format, start.worker_id)
     device = _setup_process(start)
     # what the broker asked for: spans, slow and failed batch lines (None: nothing per batch)
     observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None
