@@ -23,6 +23,7 @@ from collections import deque
 log = logging.getLogger("tgw.worker")
 MAX_ERROR_CHARS = 4000
 HEADLINE_CHARS = 300
+SHORT_LINES = 3       # a message this short is told whole
 RECENT_S = 120.0      # a torch warning older than this is not taken as a load's cause
 NOT_REGISTERED = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
 NO_OPERATOR = re.compile(r"(?:Could not find schema for|No such operator|Unknown builtin op:)\s*([\w.:]+)")
@@ -78,11 +79,13 @@ def _chain(exc: BaseException | None) -> str:
 
 
 def headline(exc: BaseException) -> str:
-    """One line of what failed: the message's first line, or for a TorchScript error its last
-    (the error itself, after TorchScript's traceback)."""
+    """What failed: a short message whole (SHORT_LINES lines at most); of a long one its first
+    line, or for a TorchScript error its last (the error itself, after TorchScript's traceback)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if not lines:
         return type(exc).__name__
+    if len(lines) <= SHORT_LINES and sum(map(len, lines)) <= 2 * HEADLINE_CHARS:
+        return f"{type(exc).__name__}: " + "\n".join(lines)
     line = lines[-1] if len(lines) > 1 and "TorchScript" in lines[0] else lines[0]
     more = f" (+{len(lines) - 1} line(s) in the worker's log)" if len(lines) > 1 else ""
     text = line if line.startswith(type(exc).__name__) else f"{type(exc).__name__}: {line}"

@@ -52,8 +52,10 @@ def test_a_missing_pytree_type_names_the_module_to_preload():
         "fix: add it to the worker's imports: workers.preload: [transformers.modeling_outputs]"
 
 
-def test_an_unknown_failure_is_one_line():
+def test_an_unknown_failure_is_its_message():
     assert error_text(raised(ValueError("bad things"))) == "ValueError: bad things"
+    two = "input 'x' batch dim allows 1..8\n[16] fall outside"   # a short message is told whole
+    assert error_text(raised(ValueError(two))) == f"ValueError: {two}"
 
 
 def pt2(path, out_type: str) -> str:
