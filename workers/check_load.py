@@ -20,7 +20,8 @@ import torch
 from tgw.shm.wire import ModelSpec, model_key
 
 from .footprint import measure_load
-from .loader import error_text, release_memory
+from .load_errors import error_text, watch_torch_warnings
+from .loader import release_memory
 from .main import preload
 from .stage_runner import make_runner
 
@@ -54,6 +55,7 @@ def main() -> int:
     def say(key: str, **fields) -> None:
         results.write(json.dumps({"key": key, **fields}) + "\n")
 
+    watch_torch_warnings()   # a failed load's cause can be in a warning torch logs (load_errors.py)
     try:
         preload(request.get("preload") or [])
         device = device_of(request.get("device") or "cpu")

@@ -26,6 +26,7 @@ from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, LoadPhase, ModelLo
 
 from .footprint import Gauge, rss_bytes, trim_heap, warm_measured
 from .formats import FormatMismatch
+from .load_errors import error_text, log_traceback
 from .replay import warm_replay
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
@@ -33,12 +34,6 @@ from .stage_runner import StageRunner
 
 log = logging.getLogger("tgw.worker")
 LOAD_SUFFIX = b"~load"
-MAX_ERROR_CHARS = 4000
-
-
-def error_text(exc: BaseException) -> str:
-    """How a failed load is told to the broker: the exception's type and message, bounded."""
-    return f"{type(exc).__name__}: {exc}".strip()[:MAX_ERROR_CHARS]
 
 
 class LoadFailed(Exception):
@@ -115,8 +110,7 @@ class Loader(SideThread):
             return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss,
                                footprint=loaded.footprint)
         reply = self._load(spec, key)
-        if reply.error is not None:
-            log.warning("load of %s failed (%s): %s", key, reply.reason, reply.error)
+        if reply.error is not None:   # its traceback was logged once, where it failed (log_traceback)
             release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
             reply.rss_after = rss_bytes()
         return reply
@@ -128,6 +122,7 @@ class Loader(SideThread):
             runner, replayed, warm_s = self._build(spec, key, t0)
         except LoadFailed as failed:
             reply = ModelLoaded(worker_id=self.worker_id, key=key, error=str(failed), reason=failed.reason)
+            log_traceback(key, reply.error, failed.__context__, failed.reason)   # raised from the load's exception
         else:
             self.runners[key] = runner  # before the reply: once the broker reads it, batches come
             reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,

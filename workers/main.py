@@ -24,7 +24,8 @@ from .cuda_faults import CudaFault
 from .device_identity import device_memory, device_uuid
 from .heartbeat import Beacon
 from .progress import Progress
-from .loader import MAX_ERROR_CHARS, Loader
+from .load_errors import MAX_ERROR_CHARS
+from .loader import Loader
 from .runner import ModelRunner
 from .serve import Server
 from .tracing import Observer, death_notice, setup_logging
@@ -94,7 +95,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     except BadStart as exc:   # the supervisor logs our stderr: the field at fault is named there
         print(f"tgw worker: {exc}", file=sys.stderr)
         return 2
-    setup_logging(start.log_format)
+    setup_logging(start.log_format, start.worker_id)
     device = _setup_process(start)
     # what the broker asked for: spans, slow and failed batch lines (None: nothing per batch)
     observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None

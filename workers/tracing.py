@@ -1,6 +1,8 @@
 """The worker's observability, as its start-up (shm/wire_start.WorkerStart) sets it.
 
-* log_format "json": log lines (and the death notice's traceback) as JSON objects, one a line.
+* log_format "json": log lines (and the death notice's traceback) as JSON objects, one a line;
+  "text": time, level, process (worker<id>[pid]), logger, message. Either way what else the
+  process writes to fds 1 and 2 is captured as records (shm/log_lines.py).
 * tracing (the broker's observability.tracing, resolved): a `tgw.batch` span per batch, linked
   to the trace context of each request in it (Batch.traces), exported the same way as the
   broker's spans. Kept when one of its requests' contexts is sampled; with none, by sample_ratio.
@@ -12,51 +14,41 @@ Nothing is imported from opentelemetry unless tracing is set.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import sys
 import time
-import traceback
 from collections import Counter
 
+from tgw.shm.log_lines import JsonRecord, capture_output, text_format
 from tgw.shm.wire import Batch, Done
+
+from .load_errors import watch_torch_warnings
 
 log = logging.getLogger("tgw.worker")
 INTERVAL_S = 1.0
-RECORD_FIELDS = frozenset(vars(logging.makeLogRecord({}))) | {"message"}
 
 
-class JsonLines(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        extra = {k: v for k, v in vars(record).items() if k not in RECORD_FIELDS}
-        exc = self.formatException(record.exc_info) if record.exc_info else None
-        return json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) +
-                           f".{int(record.msecs):03d}Z", "level": record.levelname, "logger": record.name,
-                           "msg": record.getMessage(), **extra, **({"exc": exc} if exc else {})}, default=str)
+class JsonLines(JsonRecord):
+    """A worker's JSON record (shm/log_lines.py): "process": "worker<id>"."""
 
 
-_json_lines = False   # set once, by setup_logging, at the worker's start
-
-
-def setup_logging(log_format: str) -> None:
-    """JSON lines on stderr when the broker logs JSON; else Python's default (warnings, bare)."""
-    global _json_lines
-    _json_lines = log_format == "json"
-    if _json_lines:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(JsonLines())
-        logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
-        logging.captureWarnings(True)
+def setup_logging(log_format: str, worker_id: int | None = None) -> None:
+    """Log as the broker does: JSON lines, or text lines with time, level and process; either
+    way on the real stderr, with everything else written to fds 1 and 2 (prints, torch's C++
+    warnings, Python's warnings) captured as records of the same kind (shm/log_lines.py)."""
+    process = "worker" if worker_id is None else f"worker{worker_id}"
+    handler = logging.StreamHandler(capture_output())
+    handler.setFormatter(JsonLines(process) if log_format == "json" else logging.Formatter(text_format(process)))
+    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.captureWarnings(True)
+    watch_torch_warnings()   # a failed load's cause can be in one (workers/load_errors.py)
 
 
 def death_notice(what: str) -> None:
     """The traceback of what stops the worker (the supervisor logs its death after it)."""
-    if _json_lines:
-        log.error("%s", what, exc_info=True, extra={"event": "worker_error"})
-    else:
-        traceback.print_exc()
+    log.error("%s", what, exc_info=True, extra={"event": "worker_error"})
 
 
 def trace_ids(batch: Batch) -> list[str]:

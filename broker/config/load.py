@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from tgw.shm.model_format import FORMATS
 
 from . import arenas
+from .export_types import missing_preloads
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, \
@@ -121,6 +122,8 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
         path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
         try:
             formats[vpath] = check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
+            if formats[vpath] == "export":   # types torch.export.load needs registered first
+                problems += [f"  {vpath}.path: {line}" for line in missing_preloads(path, _preload(data))]
         except PathRefused as err:
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
@@ -137,6 +140,13 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
             elif path is not None and os.stat(path).st_mode & 0o007:
                 problems.append(f"  {kpath}: {path} is readable by every user; chmod o-rwx it (it is a secret)")
     return problems, formats
+
+
+def _preload(data: object) -> list[str]:
+    """workers.preload as written, its strings (the schema reports anything else)."""
+    workers = data.get("workers") if isinstance(data, dict) else None
+    preload = workers.get("preload") if isinstance(workers, dict) else None
+    return [p for p in preload if isinstance(p, str)] if isinstance(preload, list) else []
 
 
 def _handler_problems(vpath: str, v: dict, base_dir: str, roots: Optional[list[str]]) -> list[str]:

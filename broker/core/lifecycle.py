@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
+
+import psutil
 from collections.abc import Callable
 
 from tgw.shm.segment import ShmError
@@ -54,11 +57,16 @@ class Lifecycle:
         self._last_ping = 0.0
         self.changed = asyncio.Event()       # a worker became ready, failed, or exited: look again
         self.exits: ExitWatch | None = None  # made on the loop, in run
+        self.stop_signal: str | None = None  # the first stop signal's name, for the stop line
+        self.serving_since: float | None = None
+        self.cut_short = 0                   # requests answered MODEL_NOT_READY at the stop
         broker.handshake.on_ready = self._on_ready
         supervisor.hold = broker.faults.held_until   # a device out of service starts no worker
         broker.handshake.on_failed = self._on_failed
 
-    def on_stop_signal(self) -> None:
+    def on_stop_signal(self, signum: int | None = None) -> None:
+        if self.stop_signal is None and signum is not None:
+            self.stop_signal = signal.Signals(signum).name
         if self.stop_event.is_set() and self.broker.phase.now is Phase.DRAINING and not self.skip_event.is_set():
             log.warning("second stop signal: ending the drain notice, draining now")
             self.skip_event.set()
@@ -102,13 +110,7 @@ class Lifecycle:
                 log.info("stopped during start-up")
                 return
             self._enter(self.broker.start_serving)
-            listening = self.broker.listening
-            start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
-                     "models": sorted(self.broker.registry.models), "http": listening.http or None,
-                     "grpc": listening.grpc or None}
-            log.info("serving on %s with %d worker(s)%s%s", address, start["workers"],
-                     f", HTTP on {start['http']}" if start["http"] else "",
-                     f", gRPC on {start['grpc']}" if start["grpc"] else "", extra=start)
+            self._log_start(address)
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
             await self.stop_event.wait()
             sd_notify("STOPPING=1")
@@ -117,6 +119,30 @@ class Lifecycle:
         finally:
             monitor.cancel()
             self.exits.close()
+
+    def _log_start(self, address: str) -> None:
+        """The start line: where it serves, what, on how many workers, how long the start took."""
+        self.serving_since = time.monotonic()
+        listening, registry = self.broker.listening, self.broker.registry
+        took = time.time() - psutil.Process().create_time()
+        start = {"event": "start", "address": address, "workers": len(self.supervisor.workers),
+                 "models": sorted(registry.models), "versions": len(registry.startup_specs()),
+                 "http": listening.http or None, "grpc": listening.grpc or None, "start_s": round(took, 2)}
+        log.info("serving on %s%s%s: %d model(s), %d version(s) loaded on %d worker(s), started in %.1f s", address,
+                 f", HTTP on {start['http']}" if start["http"] else "",
+                 f", gRPC on {start['grpc']}" if start["grpc"] else "", len(start["models"]), start["versions"],
+                 start["workers"], took, extra=start)
+
+    def _log_stop(self) -> None:
+        """The stop line: why, after how long serving, requests answered and cut short."""
+        stats = self.broker.stats
+        answered = sum(c.replies + sum(c.errors.values()) for c in stats.models.values())
+        served_s = time.monotonic() - (self.serving_since or time.monotonic())
+        why = f"on {self.stop_signal}" if self.stop_signal else "when asked"
+        log.info("stopped %s after %.1f s serving: %d request(s) answered, %d cut short by the stop", why, served_s,
+                 answered, self.cut_short, extra={"event": "stop", "signal": self.stop_signal,
+                                                   "served_s": round(served_s, 2), "answered": answered,
+                                                   "cut_short": self.cut_short})
 
     def _enter(self, change: Callable[[], None]) -> None:
         """A phase change, with the load report refreshed at once: a balancer reading /v2/load or the
@@ -130,6 +156,8 @@ class Lifecycle:
         for w in self.supervisor.workers:
             self.serving.stop_worker(w)
         self.supervisor.stop()
+        if self.serving_since is not None:   # it served: the stop line, once its workers are gone
+            self._log_stop()
 
     async def _wait_ready(self) -> bool:
         """True once every worker is ready; False if asked to stop first; raises on failure."""
@@ -242,5 +270,7 @@ class Lifecycle:
         if self.serving.busy():
             why = ("second stop signal" if self.force_event.is_set()
                    else f"shutdown_grace_s ({self.grace_s:g} s) ran out")
+            self.cut_short = self.serving.batcher.queued() + sum(
+                len(batch.requests) for w in self.broker.roster for batch in w.inflight.values())
             log.warning("stopping with work left: %s", why)
             self.serving.abandon(f"broker stopped before this request ran ({why})")

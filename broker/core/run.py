@@ -67,7 +67,7 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
                               cfg.server.drain_notice_s, HangJudge(cfg.supervisor, broker.costs,
                                                                    cfg.workers.start_timeout_s))
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lifecycle.on_stop_signal)
+            loop.add_signal_handler(sig, lifecycle.on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
         loop.add_signal_handler(signal.SIGHUP, broker.operator.on_sighup)  # re-read the config, apply the difference
         try:
@@ -99,6 +99,6 @@ def run_broker(cfg: Config, address: str | None = None, config_path: str | None 
     try:
         uvloop.run(serve(cfg, address or cfg.server.address or default_address(), config_path))
     except StartupError as exc:
-        log.error("start-up failed: %s", exc)
+        log.error("start-up failed: %s", str(exc).replace("\n", "; "), extra={"event": "start_failed", "error": str(exc)})
         return 1
     return 0

@@ -83,8 +83,9 @@ class Handshake:
 
     def failed(self, w: WorkerHandle, msg: WorkerFailed) -> None:
         reason = f"{w.name} failed to load model {msg.model}: {msg.error}"
-        log.error("%s", reason, extra={"event": "model_load_failed", "worker": w.name, "key": msg.model,
-                                       "error": msg.error})
+        if self.serving() or self.failure is not None:   # the first at start-up is the start's failure line
+            log.error("%s", reason.replace("\n", "; "), extra={"event": "model_load_failed", "worker": w.name,
+                                                                "key": msg.model, "error": msg.error})
         if self.serving() and self.registry.record(msg.model) is not None:
             self.lost_version(w, msg.model, msg.error)   # else every restart would fail the same way
         else:

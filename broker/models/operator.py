@@ -91,7 +91,7 @@ class Operator:
             try:
                 reply = await self.do(msg)
             except TgwError as err:
-                log.warning("%s refused: %s", type(msg).__name__, err.message)
+                log.warning("%s refused: %s", type(msg).__name__, err.message.replace("\n", "; "))   # one line
                 if ident is not None:
                     self.answer_error(ident, msg.id, err)
             except Exception as exc:  # a broker bug: answered, logged, and the next op still runs

@@ -86,6 +86,8 @@ class Placement:
             want = self.desired(w)
             for key in want - w.models - h.loading.keys() - h.unloading:
                 rec = self.registry.record(key)
+                if key in self.failures:   # a rollout's failed load: not tried again, the rollout takes it out
+                    continue
                 if rec is not None and (not rec.on_demand or self.residency.room(w, key)):
                     w.load_sent(key, self.clock())
                     self.send(w.loader_identity, LoadModel(spec=self.spec(rec)))
@@ -166,7 +168,7 @@ class Placement:
         rec = self.registry.record(msg.key)
         if msg.error is not None:
             started = w.load_failed(msg.key)
-            log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error,
+            log.error("%s failed to load %s (%s): %s", w.name, msg.key, msg.reason, msg.error.replace("\n", "; "),
                       extra={"event": "model_load_failed", "worker": w.name, "key": msg.key, "reason": msg.reason,
                              "error": msg.error})
             self.note("load_failed", msg.key, w, reason=msg.reason, message=msg.error[:300])

@@ -13,40 +13,32 @@ second; the next line logged says how many were left out.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import time
 
+from tgw.shm.log_lines import JsonRecord, capture_output, text_format
 from tgw.broker.state.pending import Pending
 
 log = logging.getLogger("tgw.broker")
 FORMATS = ("text", "json")
-TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TEXT = text_format("broker")
 PER_S = 10                  # slow request lines a second, at most
-# a LogRecord's own attributes: everything else on a record came from `extra`
-RECORD_KEYS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ts (ISO-8601, UTC), level, logger, msg, the `extra` fields, exc."""
+class JsonFormatter(JsonRecord):
+    """The broker's JSON record (shm/log_lines.py), "process": "broker"."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                + f".{int(record.msecs):03d}Z",
-                "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
-        line.update((k, v) for k, v in vars(record).items() if k not in RECORD_KEYS and k not in line)
-        if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
-        elif record.exc_text:
-            line["exc"] = record.exc_text
-        return json.dumps(line, default=str)
+    def __init__(self) -> None:
+        super().__init__("broker")
 
 
 def setup(fmt: str = "text", level: str = "INFO") -> None:
-    """Root logging to stderr in `fmt`; the workers spawned from now on log the same way."""
+    """Root logging to stderr in `fmt`; the workers spawned from now on log the same way.
+
+    JSON: every other line the process writes to fd 1 or 2 is captured as a record too
+    (shm/log_lines.py). Text: stdout is left as it is (the CLI's progress and answers)."""
     fmt = fmt if fmt in FORMATS else "text"
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(capture_output() if fmt == "json" else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(fmt == "json")   # Python's warnings as lines of the same format
