@@ -53,10 +53,12 @@ class Broken(Stage):
 
 
 class Raises(Stage):
-    """Fails every batch with an exception from the handler's own code."""
+    """Fails a batch holding a row it cannot read with an exception from the handler's own code."""
 
     def __call__(self, batch: StageBatch) -> dict:
-        raise ValueError("the handler cannot read this input")
+        if any(b.startswith(b"bad") for b in batch["data"]):
+            raise ValueError("the handler cannot read this input")
+        return {"length": np.array([len(b) for b in batch["data"]], dtype=np.int64)}
 
 
 class Slow(Stage):
@@ -328,8 +330,8 @@ def tour_serving(root: str, store: dict) -> None:
     section("2a. a failed batch: what the broker's log says")
     code, body = http("POST", f"http://127.0.0.1:{port}/v2/models/raises/infer",
                       json.dumps({"inputs": [{"name": "data", "datatype": "BYTES", "shape": [1],
-                                              "data": ["abc"]}]}).encode(), {"Content-Type": "application/json"})
-    print(f"$ curl .../v2/models/raises/infer\n  [{code}] {body[:300]}")
+                                              "data": ["bad input"]}]}).encode(), {"Content-Type": "application/json"})
+    print(f"$ curl -d '{{...data: [\"bad input\"]}}' .../v2/models/raises/infer\n  [{code}] {body[:300]}")
     time.sleep(1.0)   # the log line is written as the answer goes out; a second for it to arrive
     new = broker.read(0.5)[seen:]
     print("  broker log since:\n" + textwrap.indent(cut(new, 20, 4) or "(nothing)", "  | "))

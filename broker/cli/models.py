@@ -199,7 +199,8 @@ def event_line(event: dict[str, Any]) -> str:
     if "rss_before" in event and "rss_after" in event:
         figures.append(f"RSS {event['rss_before'] / 2**20:.0f} -> {event['rss_after'] / 2**20:.0f} MiB")
     figures += [replay_summary(event["replay"])] if event.get("replay") else []
-    return with_message(", ".join([head, *figures]), event.get("message"))
+    message = event.get("message")   # a failed load's: its text, then its cause and fix lines
+    return with_message(", ".join([head, *figures]), message and message.replace("\n", "\n      "))
 
 
 def with_message(line: str, message: str | None) -> str:
