@@ -1,10 +1,11 @@
 """Issue 39's frictions, met the way a new user meets them: one script that builds a small model
 store, starts real brokers, runs the CLI, curl and the client, and prints what each step showed.
 
-    .venv/bin/python scripts/newcomer-tour.py > bench/results/issue39-tour-AFTER.txt
+    .venv/bin/python scripts/newcomer-tour.py > bench/results/issue39-tour-after.txt
+    BEFORE/.venv/bin/python scripts/newcomer-tour.py > bench/results/issue39-tour-before.txt
 
-Run on the commit before issue 39 and after it, the two outputs are the closing note's
-before/after. Each section prints the commands it ran and their output (long output cut to its
+(BEFORE: a checkout of the commit before issue 39 with its own .venv: the tgw a python imports
+is the one toured.) The two outputs are the closing note's before/after. Each section prints the commands it ran and their output (long output cut to its
 first and last lines, with the number of lines), never a verdict: the reader compares.
 Everything lives in a temporary folder; the brokers are started and stopped by PID.
 """
@@ -94,6 +95,12 @@ class Pair(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return (input_ids * attention_mask).sum(dim=1, keepdim=True)
 '''
+
+
+def toured_tree() -> str:
+    """The tgw toured: the one this python imports (a tree's own .venv: that tree's)."""
+    import tgw.broker
+    return os.path.dirname(os.path.dirname(os.path.abspath(tgw.broker.__file__)))
 
 
 def section(title: str) -> None:
@@ -357,7 +364,7 @@ def tour_serving(root: str, store: dict) -> None:
     run([sys.executable, "-c", "import tgw.client as c; print([n for n in dir(c) if n.endswith('ErrorError')]); "
          "print(c.ModelExecutionErrorError)"])
     print("$ grep -rn 'tgw-broker stats' README.md docs/")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = toured_tree()
     hits = subprocess.run(["grep", "-rn", "tgw-broker stats", "README.md", "docs/"], cwd=repo,
                           capture_output=True, text=True).stdout
     print(textwrap.indent(hits.rstrip() or "(none)", "  "))
@@ -449,9 +456,10 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tgw-tour-")
     os.mkdir(os.path.join(root, "run"), 0o700)
     try:
-        print(f"# issue 39 tour, {time.strftime('%Y-%m-%d %H:%M:%S')} UTC, commit "
+        tree = toured_tree()
+        print(f"# issue 39 tour, {time.strftime('%Y-%m-%d %H:%M:%S')} UTC, tgw at {tree}, commit "
               + subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip())
+                               cwd=tree).stdout.strip())
         store = build_store(root)
         tour_serving(root, store)
         tour_logs_and_socket(root, store)
