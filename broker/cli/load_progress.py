@@ -2,7 +2,7 @@
 
 A thread asks the broker's `status` on a connection of its own every POLL_S and prints to
 stderr each phase it has not printed yet, from `models[NAME]["loading"]`: a list of
-{"version", "worker", "phase": "loading" | "warming", "seconds"} (seconds so far); then "ready"
+{"version", "worker", "phase": "queued" | "loading" | "warming", "seconds"} (seconds so far); then "ready"
 with the time the CLI waited once the answer came. Only when stderr is a terminal and --json is
 not given; a broker whose status has no "loading" gives the final answer alone. A status that
 fails is skipped: progress never fails the load.

@@ -291,7 +291,7 @@ class WorkerMessages:
         self.core.memory.on_snapshot(worker, msg, self.core.clock())
 
     def _on_hello(self, worker: WorkerHandle, msg: WorkerHello) -> None:
-        self.core.back.send(worker.identity, self.core.handshake.hello(worker, msg))
+        self.core.back.send(worker.identity, self.core.handshake.hello(worker, msg, self.core.clock()))
 
     def _on_ready(self, worker: WorkerHandle, msg: WorkerReady) -> None:
         if self.core.handshake.ready(worker, msg, self.core.clock()):

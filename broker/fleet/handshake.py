@@ -41,12 +41,14 @@ class Handshake:
         self.on_ready: Callable[[WorkerHandle], None] = lambda w: None
         self.on_failed: Callable[[WorkerHandle], None] = lambda w: None
 
-    def hello(self, w: WorkerHandle, msg: WorkerHello) -> LoadModels:
+    def hello(self, w: WorkerHandle, msg: WorkerHello, now: float) -> LoadModels:
         w.introduced(msg.pid, msg.device_uuid, msg.device_memory, msg.host_memory)
         if self.budget is not None:
             w.budgeted(self.budget(w))
         specs = [s for s in self.registry.startup_specs() if serves(w.role, w.device, s.format == "stage", s.device)]
-        return LoadModels(models=sorted(specs, key=self._bytes))   # the smallest first: each serves once in
+        specs.sort(key=self._bytes)   # the smallest first: each serves once in
+        w.loads_queued([model_key(s.name, s.version) for s in specs], now)   # status shows them waiting their turn
+        return LoadModels(models=specs)
 
     def _bytes(self, spec) -> int:
         """A version's weight bytes as last measured, else its file's size (a stage's: 0)."""

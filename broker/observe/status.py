@@ -113,7 +113,7 @@ def held(view: BrokerView, m: ModelEntry, key: str) -> bool:
 
 def loading(view: BrokerView, m: ModelEntry, now: float) -> list[dict]:
     """The model's versions loading on workers now, start-up loads included: each with its
-    worker, phase (loading, warming) and seconds so far."""
+    worker, phase (queued: a start-up load waiting its turn; loading, warming) and seconds so far."""
     return [{"version": version, "worker": w.name, "phase": load.phase, "seconds": round(now - load.since, 3)}
             for w in view.roster for key, load in sorted(w.under_way.items())
             for name, _, version in [key.partition(":")] if name == m.name]

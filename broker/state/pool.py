@@ -55,8 +55,9 @@ class Holding:
 
 @dataclass
 class LoadUnderWay:
-    """One load a worker's loader thread is doing now, as its LoadPhase messages told it."""
-    phase: str          # loading, warming
+    """One load a worker's loader thread is doing now, as its LoadPhase messages told it, or
+    one of its start-up loads waiting for its turn."""
+    phase: str          # queued (start-up: waiting for the loads before it), loading, warming
     since: float        # when the load began (the broker's clock, less the worker's seconds so far)
 
 
@@ -139,6 +140,11 @@ class WorkerHandle:
         self.sizes[key] = nbytes
         if footprint is not None:
             self.footprints[key] = footprint
+
+    def loads_queued(self, keys: list[str], now: float) -> None:
+        """The start-up loads it was told, in its loader's order: each waits for the ones before it."""
+        for key in keys:
+            self.under_way[key] = LoadUnderWay("queued", now)
 
     def load_moved(self, key: str, phase: str, seconds: float, now: float) -> None:
         """Its loader began a load (phase "loading") or moved it on ("warming"), `seconds` into it."""

@@ -93,7 +93,7 @@ def test_decode_start_raises_bad_start():
 def test_the_hello_reports_the_host_memory_mode_in_effect(sup):
     w = sup.workers[0]
     Handshake(registry=type("R", (), {"startup_specs": lambda self: []})()).hello(
-        w, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=1, host_memory="staging"))
+        w, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=1, host_memory="staging"), 0.0)
     assert w.host_memory == "staging"
     assert WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=1).host_memory == ""   # a CPU worker's
 

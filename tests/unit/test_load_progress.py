@@ -82,8 +82,10 @@ def test_the_hello_names_the_smallest_models_first(handle):
         startup_specs=lambda: specs,
         record=lambda key: None if sizes[key] is None else SimpleNamespace(param_bytes=lambda: sizes[key]))
     handle.spawned(None)
-    answer = Handshake(registry).hello(handle, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=1))
+    answer = Handshake(registry).hello(handle, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=1), 5.0)
     assert [s.name for s in answer.models] == ["stage", "gone", "small", "big"]   # stable among equals
+    # each waits its turn, and status says so until its loader tells the load began
+    assert {k: (u.phase, u.since) for k, u in handle.under_way.items()} == {k: ("queued", 5.0) for k in sizes}
 
 
 def test_a_start_up_model_in_is_served_and_counted_once_on_its_record(handle):
