@@ -25,7 +25,7 @@ HEADLINE_CHARS = 300
 SHORT_LINES = 3       # a message this short is told whole
 RECENT_S = 120.0      # a torch warning older than this is not taken as a load's cause
 NOT_REGISTERED = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
-NO_OPERATOR = re.compile(r"(?:Could not find schema for|No such operator|Unknown builtin op:)\s*([\w.:]+)")
+NO_OPERATOR = re.compile(r"(?:Could not find schema for|No such operator|Unknown builtin op:)\s*([\w.:]*\w)")   # the name, not the sentence's full stop
 NEWER_TORCH = ("maximum supported version", "may be too old", "Unknown type name", "kMaxSupportedFileFormatVersion",
                "Unknown builtin op")
 NOT_A_MODEL = ("failed finding central directory", "invalid load key", "not a zip archive", "PytorchStreamReader")

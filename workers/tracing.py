@@ -43,7 +43,22 @@ def setup_logging(log_format: str, worker_id: int | None = None) -> None:
     handler.setFormatter(JsonLines(process) if log_format == "json" else logging.Formatter(text_format(process)))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
     logging.captureWarnings(True)
+    torch_logs_as_records()
     watch_torch_warnings()   # a failed load's cause can be in one (workers/load_errors.py)
+
+
+def torch_logs_as_records() -> None:
+    """torch's Python loggers keep their records to themselves and write each line of a message
+    to stderr with their own prefix: a logged traceback became one captured record per line.
+    Sent through the root's handler instead, a message is one record of the process's format."""
+    import torch  # noqa: F401  first: its import sets up the handlers of its loggers
+    for name in ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]:
+        torch_log = logging.getLogger(name)
+        own = [h for h in getattr(torch_log, "handlers", ()) if type(h) is logging.StreamHandler]
+        if own and not torch_log.propagate:   # (its trace loggers, with handlers of their own kind, stay)
+            for handler in own:
+                torch_log.removeHandler(handler)
+            torch_log.propagate = True
 
 
 def death_notice(what: str) -> None:

@@ -36,11 +36,13 @@ def test_known_causes_name_the_fix():
                      "file with version 10, but the maximum supported version for reading is 9."):
             "save it again with the worker's torch version",
         RuntimeError("Could not find schema for myops::fused_gelu"): "registers the myops operators to workers.preload",
+        RuntimeError("\nUnknown builtin op: tour::scale.\nCould not find any similar ops"): "the tour operators",
     }
     for exc, fix in cases.items():
         lines = error_text(raised(exc)).splitlines()
         assert len(lines) == 3 and lines[1].startswith("cause: ") and lines[2].startswith("fix: "), lines
         assert fix in lines[2], lines
+        assert "., which" not in lines[1], lines   # an operator named without the sentence's full stop
 
 
 def test_a_missing_pytree_type_names_the_module_to_preload():
