@@ -119,7 +119,7 @@ def test_a_gpu_workers_budget_comes_from_the_size_its_hello_gives(worker):
     no_models = SimpleNamespace(startup_specs=lambda: [])   # the registry's one call here
     shake = Handshake(no_models, budget=lambda w: budget_bytes(0.5, w.device, w.device_memory))
     shake.hello(worker, WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=7, device_uuid="GPU-x",
-                                    device_memory=80 << 30))
+                                    device_memory=80 << 30), 0.0)
     assert (worker.device_memory, worker.budget) == (80 << 30, 40 << 30)
 
 

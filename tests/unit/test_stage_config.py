@@ -123,13 +123,14 @@ def test_stages_nobody_would_hold_are_start_up_errors(base):
 class FakeWorker:
     """What the handshake and placement read of a worker, and the methods that change it."""
     from tgw.broker.state.pool import WorkerHandle
-    introduced, budgeted = WorkerHandle.introduced, WorkerHandle.budgeted
+    introduced, budgeted, loads_queued = WorkerHandle.introduced, WorkerHandle.budgeted, WorkerHandle.loads_queued
 
     def __init__(self, role: str, device: str = "cpu"):
         from tgw.broker.state.pool import Holding, WorkerState
         self.role, self.device, self.state, self.retiring = role, device, WorkerState.READY, False
         self.holding, self.models, self.name = Holding(), set(), f"w[{role}]"
         self.pid = self.device_uuid = self.device_memory = self.host_memory = self.budget = None
+        self.under_way = {}
 
 
 def test_each_worker_loads_what_its_role_holds(base):
@@ -138,7 +139,7 @@ def test_each_worker_loads_what_its_role_holds(base):
     hs = Handshake(registry)
     loads = {}
     for role, device in [("models", "cuda:0"), ("stages", "cpu"), ("models+stages", "cpu"), ("models", "cpu")]:
-        msg = hs.hello(FakeWorker(role, device), WorkerHello(v=1, worker_id=0, pid=1))
+        msg = hs.hello(FakeWorker(role, device), WorkerHello(v=1, worker_id=0, pid=1), 0.0)
         loads[role, device] = sorted(s.name for s in msg.models)
     assert loads == {("models", "cuda:0"): ["addone", "m"], ("stages", "cpu"): ["echo"],
                      ("models+stages", "cpu"): ["echo", "m"], ("models", "cpu"): ["m"]}
