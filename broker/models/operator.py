@@ -91,8 +91,7 @@ class Operator:
             try:
                 reply = await self.do(msg)
             except TgwError as err:
-                # its first line: a failed load's cause and fix are on the load's own line (placement.py)
-                log.warning("%s refused: %s", type(msg).__name__, err.message.split("\n", 1)[0])
+                log.warning("%s refused: %s", type(msg).__name__, err.message.replace("\n", "; "))   # one line
                 if ident is not None:
                     self.answer_error(ident, msg.id, err)
             except Exception as exc:  # a broker bug: answered, logged, and the next op still runs
