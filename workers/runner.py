@@ -99,14 +99,14 @@ class ModelRunner:
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
         check_request_dims(self.spec, self.program, inputs)
-        shapes = [list(t.shape) for t in inputs]   # as sent (before any padding), for a rejection's message
+        sent = inputs   # before any padding: a rejection's message names these shapes
         short = rows < self.min_batch
         if short:   # run at the program's smallest batch; the padding rows are dropped below
             inputs = padded(inputs, self.min_batch)
         try:
             result = self._call(inputs)
         except Exception as exc:   # the request's shapes or values, when torch says so; else the model's fault
-            mistake = self._callers_mistake(exc, shapes)
+            mistake = self._callers_mistake(exc, [list(t.shape) for t in sent])
             if mistake is None:
                 raise
             raise mistake from None
