@@ -36,6 +36,13 @@ TORCH_LEVELS = {"W": logging.WARNING, "E": logging.ERROR, "I": logging.INFO, "F"
 DRAIN_S = 2.0          # at exit, how long to wait for the readers to reach the end of their pipes
 
 
+def torch_loggers() -> list[logging.Logger]:
+    """torch's Python loggers as they are now ("torch" and every "torch.*" made so far): import
+    torch first, which sets up their handlers."""
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    return [logger for logger in map(logging.getLogger, names) if isinstance(logger, logging.Logger)]
+
+
 def text_format(process: str) -> str:
     """The text line: time, level, process, logger, message."""
     return f"%(asctime)s %(levelname)s {process}[%(process)d] %(name)s: %(message)s"

@@ -19,6 +19,8 @@ import threading
 import time
 from collections import deque
 
+from tgw.shm.log_lines import torch_loggers
+
 log = logging.getLogger("tgw.worker")
 MAX_ERROR_CHARS = 4000
 HEADLINE_CHARS = 300
@@ -61,9 +63,8 @@ def watch_torch_warnings() -> None:
     """Keep torch's warnings, for `error_text` to find a load's cause in (once a process)."""
     import torch  # noqa: F401  first: its import resets the handlers of its loggers
     # torch's loggers that keep their records to themselves (torch, torch.export, ...)
-    for name in ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]:
-        torch_log = logging.getLogger(name)
-        if (name == "torch" or not torch_log.propagate) and _recent not in torch_log.handlers:
+    for torch_log in torch_loggers():
+        if (torch_log.name == "torch" or not torch_log.propagate) and _recent not in torch_log.handlers:
             torch_log.addHandler(_recent)
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import Counter
 
-from tgw.shm.log_lines import JsonRecord, capture_output, text_format
+from tgw.shm.log_lines import JsonRecord, capture_output, text_format, torch_loggers
 from tgw.shm.wire import Batch, Done
 
 from .load_errors import watch_torch_warnings
@@ -52,9 +52,8 @@ def torch_logs_as_records() -> None:
     to stderr with their own prefix: a logged traceback became one captured record per line.
     Sent through the root's handler instead, a message is one record of the process's format."""
     import torch  # noqa: F401  first: its import sets up the handlers of its loggers
-    for name in ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]:
-        torch_log = logging.getLogger(name)
-        own = [h for h in getattr(torch_log, "handlers", ()) if type(h) is logging.StreamHandler]
+    for torch_log in torch_loggers():
+        own = [h for h in torch_log.handlers if type(h) is logging.StreamHandler]
         if own and not torch_log.propagate:   # (its trace loggers, with handlers of their own kind, stay)
             for handler in own:
                 torch_log.removeHandler(handler)
