@@ -58,8 +58,11 @@ async def start_blocker(ac: AsyncClient, c: Client) -> asyncio.Future:
 
 
 def test_thousands_in_flight_on_one_connection_match_the_sync_client(model_files, make_broker):
-    # one connection may have server.max_inflight_per_client requests admitted (default 1024)
-    b = make_broker(base_config(model_files, "mlp", server={"max_inflight_per_client": 4096},
+    # one connection may have server.max_inflight_per_client requests admitted (default 1024); the
+    # replies waiting for it to read may be as many (client_queue_messages, default 1000: past it a
+    # reply is dropped, and these calls have no timeout to learn it by)
+    b = make_broker(base_config(model_files, "mlp", server={"max_inflight_per_client": 4096,
+                                                            "client_queue_messages": 4096},
                                 mlp={"max_queue": 4096}))
     xs = np.random.default_rng(0).random((3000, 1, 256), dtype=np.float32)
     with Client(b.address) as c:
