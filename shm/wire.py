@@ -18,6 +18,8 @@ from .wire_base import (BYTES, COMPRESSIONS, DTYPE_SIZES, DTYPES, PROTOCOL_VERSI
                         split_model_key)
 from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata, Reload,  # noqa: F401
                            RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
+from .wire_generate import (CancelSequences, GenerateEnd, GenerateOutputs, GenerateParams, GeneratorSpec,  # noqa: F401
+                            GenSeq, Sampling, SeqEnd, StateSpec, StepRows, Steps)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, Release, Replay, ReplayBatch,
                           ReplayReport, SnapshotRequest, Stop, UnloadModel, Withdraw, WorkerFailed, WorkerFault,
@@ -49,6 +51,8 @@ class Infer(Struct, tag_field="op", tag="infer"):
     traceparent: Optional[str] = None        # W3C trace context of the caller's span; invalid: ignored
     output_region: Optional["RegionSlice"] = None    # write the outputs there (else: frames)
     output_cuda: dict[str, CudaIpc] = {}     # output name -> the caller's CUDA buffer to write it into
+    # a generation (the model is a generator): answered by GenerateOutputs messages, then GenerateEnd
+    generate: Optional[GenerateParams] = None
 
 
 class RegionSlice(Struct):
@@ -266,12 +270,12 @@ class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply,
-              MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply]
+              MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply, GenerateOutputs, GenerateEnd]
 
 
-ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw]
+ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw, CancelSequences]
 FromWorker = Union[WorkerHello, WorkerReady, WorkerFailed, WorkerFault, Done, Heartbeat, WorkerSnapshot, LoaderHello,
-                   LoadPhase, ModelLoaded, ModelUnloaded]
+                   LoadPhase, ModelLoaded, ModelUnloaded, Steps]
 
 encoder = msgspec.msgpack.Encoder()
 encode = encoder.encode

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .wire_base import CudaIpc, ErrorBody, IOSpec, Struct
+from .wire_generate import GeneratorSpec, GenSeq
 
 # ---- broker <-> worker -----------------------------------------------------------------------
 
@@ -51,6 +52,7 @@ class ModelSpec(Struct):
     replay: Optional[Replay] = None   # run-time loads of a model that served: warm up on its recent batches too
     # a stage's config `warmup_inputs`: examples it is called with once at load (workers/stage_proof.py)
     warmup_inputs: list[dict[str, Any]] = []
+    generator: Optional[GeneratorSpec] = None   # a generator's (docs/GENERATION.md): its state, slots, limits
 
 
 class BlockTensor(Struct):
@@ -142,6 +144,7 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     startup: bool = False           # one of the models its LoadModels named (WorkerReady follows the last)
     footprint: Optional[Footprint] = None   # measured at load and warm-up (None: failed, or an old worker)
     replay: Optional[ReplayReport] = None   # the replay warm-up's figures (None: the spec had no replay)
+    slots: int = 0                  # a generator's state slots (sequences it holds at once); 0 otherwise
 
 
 class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
@@ -183,6 +186,9 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     # CUDA tensors by IPC handle (docs/PROTOCOL.md 5.10), per request in order; [] when none:
     cuda_inputs: list[list[CudaIpc]] = []        # its inputs in declared order (then `inputs` carry no bytes)
     cuda_outputs: list[dict[str, CudaIpc]] = []  # output name -> the caller's buffer to write its rows into
+    # a generator's admission batch (shm/wire_generate.py): each request as a sequence, in order;
+    # the worker answers the batch with a Done without outputs once it has taken them in
+    sequences: list[GenSeq] = []
 
 
 class Done(Struct, tag_field="op", tag="w_done"):

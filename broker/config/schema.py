@@ -14,7 +14,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from tgw.shm.paths import ADDRESS_FORMS, address_problem
 
 from .pipelines import PipelineDecl, PipelineError, StepDecl, problems as pipeline_problems  # noqa: F401
-from .schema_models import BreakerDecl, CacheDecl, ModelDecl, TensorDecl, VersionDecl  # noqa: F401 - the schema's names
+from .schema_models import BreakerDecl, CacheDecl, GeneratorDecl, ModelDecl, StateDecl, TensorDecl, VersionDecl  # noqa: F401,E501 - the schema's names
 from .strict import Strict
 
 

@@ -78,6 +78,45 @@ class CacheDecl(Strict):
     ttl_s: Optional[Annotated[float, Field(gt=0)]] = None   # an answer older than this is not given; None: no limit
 
 
+class StateDecl(Strict):
+    """One per-sequence state tensor of a generator: its worker allocates [slots, *shape] of it
+    once, at load, on the model's device (docs/GENERATION.md "State slots")."""
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+    dtype: str
+    shape: list[Annotated[int, Field(ge=1)]] = Field(description="per sequence, every dim fixed")
+
+    @field_validator("dtype")
+    @classmethod
+    def _numeric(cls, v: str) -> str:
+        if v not in DTYPES or v == BYTES:
+            raise ValueError(f"state dtype {v!r}: one of {', '.join(d for d in DTYPES if d != BYTES)}")
+        return v
+
+
+class GeneratorDecl(Strict):
+    """A model whose requests answer many times (docs/GENERATION.md): its handler's prefill and
+    step run in a loop its worker owns, each sequence's state in a slot of a pool allocated at load."""
+    state: Annotated[list[StateDecl], Field(min_length=1)]
+    max_sequences: Optional[Annotated[int, Field(ge=1, le=65536)]] = None   # slots per worker ...
+    state_memory_mb: Optional[Annotated[float, Field(gt=0)]] = None          # ... or as many as this holds
+    max_length: Optional[Annotated[int, Field(ge=2)]] = None   # positions (prompt + outputs) a sequence may reach
+    length_input: Optional[str] = None   # the input whose element count is the prompt's length (default: the first)
+    max_outputs: Annotated[int, Field(ge=1, le=1_000_000)] = 256    # the default and the cap per request
+    max_prefill_rows: Annotated[int, Field(ge=1, le=4096)] = 8      # new sequences prefilled per step at most
+    end_tokens: list[int] = []           # the model's own stop tokens (a sampled generator's)
+    # outputs a slow caller may leave unread before its sequence is ended (OVERLOADED) and its slot freed
+    max_unread_outputs: Annotated[int, Field(ge=1)] = 1024
+
+    @model_validator(mode="after")
+    def _sized(self) -> "GeneratorDecl":
+        if (self.max_sequences is None) == (self.state_memory_mb is None):
+            raise ValueError("a generator sizes its slot pool by exactly one of max_sequences and state_memory_mb")
+        names = [t.name for t in self.state]
+        if len(set(names)) != len(names):
+            raise ValueError(f"state names repeat: {names}")
+        return self
+
+
 class ModelDecl(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
     versions: Annotated[list[VersionDecl], Field(min_length=1)]
@@ -106,6 +145,8 @@ class ModelDecl(Strict):
     # value} (docs/STAGES.md "Warm-up inputs"); a version that raises on them is not served
     warmup_inputs: list[dict[str, Any]] = []
     cache: Optional[CacheDecl] = None   # models only: a response cache; None: off
+    # a stage that generates (docs/GENERATION.md): requests answer many times; None: once
+    generator: Optional[GeneratorDecl] = None
 
     @property
     def is_stage(self) -> bool:
@@ -153,9 +194,25 @@ class ModelDecl(Strict):
         if self.is_stage and self.cache is not None:
             raise ValueError(f"cache is a model's key: stage {self.name!r} runs handler code that need not give the "
                              "same outputs for the same inputs (docs/CACHE.md)")
+        if self.generator is not None:
+            self._generator_fits()
         if self.breaker and self.breaker.fallback == self.name:
             raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
         return self
+
+    def _generator_fits(self) -> None:
+        g = self.generator
+        if not self.is_stage:
+            raise ValueError(f"generator: model {self.name!r} needs versions with a handler (a class with "
+                             "setup, prefill and step), not a model file")
+        if self.cache is not None:
+            raise ValueError(f"cache: generator {self.name!r} answers many times; a response cache keeps one answer")
+        names = [t.name for t in self.inputs]
+        if g.length_input is not None and g.length_input not in names:
+            raise ValueError(f"generator.length_input {g.length_input!r} is not one of the inputs {names}")
+        if any(t.dtype == BYTES or -1 in t.shape for t in self.outputs):
+            raise ValueError(f"generator {self.name!r}: each output is one fixed-shape numeric value per step "
+                             "(no bytes, no -1 dims)")
 
     def signature(self) -> tuple:
         """What a fallback must share with this model: every input and output, as declared."""

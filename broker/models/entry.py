@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 
-from tgw.shm.wire import BYTES, IOSpec, ModelInfo, ModelSpec, nbytes_of
+from tgw.shm.wire import BYTES, GeneratorSpec, IOSpec, ModelInfo, ModelSpec, StateSpec, nbytes_of
 
 from tgw.broker.cache.responses import ResponseCache
 from tgw.broker.config.load import ModelDecl
@@ -96,12 +96,26 @@ class ModelEntry:
         spec = rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size,
                         device=(self.decl.device or "cpu") if stage else "", options=self.decl.options if stage else None)
         spec.warmup_inputs = list(self.decl.warmup_inputs) if stage else []
+        spec.generator = generator_spec(self.decl.generator) if self.decl.generator is not None else None
         return spec
+
+    @property
+    def is_generator(self) -> bool:
+        return self.decl.generator is not None
 
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
                          max_batch_size=self.decl.max_batch_size, inputs=self.inputs, outputs=self.outputs,
                          ready=ready, wire_dtypes=list(self.decl.wire_dtypes))
+
+
+def generator_spec(g) -> GeneratorSpec:
+    """What a generator's worker is told of its `generator:` declaration."""
+    return GeneratorSpec(state=[StateSpec(name=t.name, dtype=t.dtype, shape=list(t.shape)) for t in g.state],
+                         max_sequences=g.max_sequences or 0,
+                         state_memory=int((g.state_memory_mb or 0) * (1 << 20)), max_length=g.max_length or 0,
+                         length_input=g.length_input or "", max_outputs=g.max_outputs,
+                         max_prefill_rows=g.max_prefill_rows, end_tokens=list(g.end_tokens))
 
 
 def _io(t) -> IOSpec:

@@ -99,7 +99,7 @@ def test_example_config_validates_with_the_real_loader(tmp_path):
     (tmp_path / "example.yaml").write_text(text)
     load_config, _ = loader()
     cfg = load_config(str(tmp_path / "example.yaml"))
-    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed", "top5"]
+    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed", "top5", "tiny-gpt"]
     assert [p.name for p in cfg.pipelines] == ["classify-logits"] and cfg.workers.stage_workers == 1
     assert cfg.workers.cuda_host_memory == "register" and cfg.http is not None
 

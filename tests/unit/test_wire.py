@@ -20,6 +20,8 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
                           from_worker_decoder,
                           nbytes_of, reply_decoder, request_decoder, to_worker_decoder)
 from tgw.shm.wire_worker import GpuReading, Withdraw
+from tgw.shm.wire import CancelSequences, GenerateEnd, GenerateOutputs, GenerateParams, GeneratorSpec, GenSeq, Sampling, \
+    SeqEnd, StateSpec, StepRows, Steps
 
 V = PROTOCOL_VERSION
 x_meta = TensorMeta(name="x", dtype="float32", shape=[2, 256])
@@ -59,6 +61,9 @@ REQUESTS = [
     Goodbye(v=V), Goodbye(v=V, id=19),
     RegisterRegion(v=V, id=20, fd=7, nbytes=1 << 20, name="pytest"),
     UnregisterRegion(v=V, id=21, region=1),
+    Infer(v=V, id=22, model="gpt", inputs=[TensorMeta(name="prompt", dtype="int64", shape=[1, 5])],
+          generate=GenerateParams(max_outputs=16, sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=7,
+                                                                    stop_tokens=[0], stop_sequences=[[5, 6]]))),
 ]
 
 META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, default_version="2",
@@ -91,6 +96,9 @@ REPLIES = [
     ScrapeReply(v=V, id=15, text="# TYPE tgw_requests_total counter\n"),
     ErrorReply(v=V, id=9, error=ErrorBody(code="OVERLOADED", message="full"), traceparent="00-" + "1" * 32 + "-"
                + "2" * 16 + "-01"),
+    GenerateOutputs(v=V, id=22, first=3, count=2, outputs=[TensorMeta(name="token", dtype="int64", shape=[2])]),
+    GenerateEnd(v=V, id=22, model="gpt", version="1", reason="max_outputs", outputs=16, seed=7, first_output_ms=2.5,
+                total_ms=40.0, resumed=1),
 ]
 
 TO_WORKER = [
@@ -104,6 +112,14 @@ TO_WORKER = [
     LoadModel(spec=ModelSpec(name="mlp", version="2", path="/m.pt", inputs=[io], outputs=[io], sha256="b" * 64)),
     UnloadModel(key="mlp:1"),
     Withdraw(batch_id=7, requests=[0, 2]),
+    CancelSequences(seqs=[4, 5], reason="client_gone"),
+    LoadModel(spec=ModelSpec(name="gpt", version="1", path="", inputs=[io], outputs=[io], format="stage",
+                             handler="tgw.workers.demo_generator:TinyGPT",
+                             generator=GeneratorSpec(state=[StateSpec(name="kv", dtype="float32", shape=[2, 64, 8])],
+                                                     max_sequences=64, max_length=64, end_tokens=[0]))),
+    Batch(batch_id=9, model="gpt", version="1", rows=1, block=0,
+          inputs=[BlockTensor(name="prompt", dtype="int64", shape=[1, 5], offset=0, nbytes=40)],
+          sequences=[GenSeq(seq=3, max_outputs=8, sampling=Sampling(seed=1), delivered=2, prefix=[b"\0" * 16])]),
 ]
 
 FROM_WORKER = [
@@ -131,6 +147,11 @@ FROM_WORKER = [
     ModelLoaded(worker_id=0, key="mlp:4", bytes=64, load_ms=12.5, warm_ms=2.5, startup=True),
     LoadPhase(worker_id=0, key="mlp:4", phase="warming", seconds=10.0),
     ModelUnloaded(worker_id=0, key="mlp:1", rss_before=1 << 27, rss_after=1 << 26),
+    Steps(worker_id=0, key="gpt:1", seqs=[3, 4], positions=[0, 5],
+          outputs=[StepRows(name="token", dtype="int64", shape=[2], data=b"\1" * 16)],
+          ended=[SeqEnd(seq=4, reason="max_outputs"), SeqEnd(seq=5, reason="error",
+                                                            error=ErrorBody(code="MODEL_EXECUTION_ERROR", message="x"))],
+          active=1, slots=64, freed=1, step_us=1200, prefilled=1),
 ]
 
 
