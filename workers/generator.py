@@ -12,7 +12,9 @@ Its worker owns the loop, the state and the scheduling; the class brings the mod
 Both return a dict: either `logits` (a float tensor [rows, vocab]: the worker picks each output
 by the request's sampling, for a generator whose one declared output is an integer scalar, e.g. a
 token), or every declared output by name ([rows, *declared shape]); and optionally `done` (bool
-[rows]: the row's sequence ends after this output). A row may also be failed on its own
+[rows]: the row's sequence ends after this output). prefill may also return `lengths` (long
+[rows]: the positions each prompt took, e.g. its token count when it tokenizes text itself; by
+default the element count of the config's `generator.length_input`). A row may also be failed on its own
 (`batch.fail(row, message)`): its sequence ends with that message, the others go on.
 
 State: per sequence, the tensors the config's `generator.state` declares. The worker allocates
@@ -49,7 +51,8 @@ class _Rows:
 
 class PrefillBatch(_Rows):
     """New sequences: `batch[name]` is a list of each row's input tensor (on `batch.device`, its
-    own shape: prompts differ in length); `batch.prefix[name]` a list of each row's outputs
+    own shape: prompts differ in length; a `bytes` input's row is its bytes, or nested lists of
+    them by its shape, as a stage gets); `batch.prefix[name]` a list of each row's outputs
     already delivered ([n, *shape]; n = 0 but for a sequence resumed after its worker died, which
     must continue as if those outputs had been generated: append them to the prompt); `slots` a
     long tensor [rows] of each row's slot; `state` name -> the whole pool [slots, *shape]."""
