@@ -358,6 +358,8 @@ class WorkerHandle:
                       block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                       release=self.take_releases(), splits=[p.rows for p in requests],
                       traces=[t or "" for t in traces] if any(traces) else [], ids=[p.req_id for p in requests])
+        if first.generate is not None:   # a generator's admission batch: each request as a sequence
+            batch.sequences = [p.generate for p in requests]
         return attach_cuda(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
     def withdraw(self, wanted) -> tuple[list[Pending], list[Withdraw]]:
