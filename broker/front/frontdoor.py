@@ -116,6 +116,10 @@ class FrontDoor:
     def __init__(self, loop, sock, server: ServerDecl, token: str | None, clock: Callable[[], float],
                  complaints: Complaints, callers: Callers, stats: Stats, zap=None):
         self.loop, self.sock, self.zap = loop, sock, zap
+        # a tracked send (copy=False) is zero-copy however small, so its tracker tells when libzmq
+        # is done with it (pyzmq copies below this threshold and reports it done at once); sends
+        # with copy=True, the rest, are unaffected
+        sock.copy_threshold = 0
         self.server, self.token, self.clock = server, token, clock
         self.complaints, self.callers, self.stats = complaints, callers, stats
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)

@@ -230,8 +230,10 @@ class Streams:
             s = self.table.get(seq)
             if s is None or s.closed or s.worker is not w or s.phase != RUNNING:
                 continue   # ended for its caller already: the worker is being told
-            first = msg.positions[idx[0]]
-            if first != s.sent or [msg.positions[i] for i in idx] != list(range(first, first + len(idx))):
+            idx = [i for i in idx if msg.positions[i] >= s.sent]   # sent already (never twice)
+            if not idx:
+                continue
+            if [msg.positions[i] for i in idx] != list(range(s.sent, s.sent + len(idx))):   # a gap
                 log.error("generation %d: positions %s from %s where %d was next", seq,
                           [msg.positions[i] for i in idx], w.name, s.sent)
                 self._close(s, now, None, "error", fail(Code.INTERNAL, f"the worker sent output positions "
