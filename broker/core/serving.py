@@ -123,8 +123,9 @@ class Serving:
         self.memory.forget(w)
         for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
             self.door.abandon.withdrawn(place.request.model, "computing")
-        resumed = self.streams.lost(w)   # its running generations, to continue elsewhere
-        again, gone = self.handshake.lost(w, retry=self.phase.now is not Phase.STOPPING)
+        retry = self.phase.now is not Phase.STOPPING
+        resumed = self.streams.lost(w, retry)   # its running generations, to continue elsewhere
+        again, gone = self.handshake.lost(w, retry=retry)
         for p in reversed(again + resumed):
             self.batcher.push(p, front=True)
         for p in gone:
@@ -166,7 +167,7 @@ class Serving:
         return taken
 
     def busy(self) -> bool:
-        return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
+        return self.batcher.queued() > 0 or any(w.inflight or w.sequences for w in self.roster)
 
     def close(self) -> None:
         self.alarm.cancel()
@@ -263,9 +264,10 @@ class Serving:
             for p in reversed(live):
                 self.batcher.push(p, front=True)
             return False
-        self.replay.record(entry, live)
         if msg.sequences:   # a generator's: its sequences hold slots on the worker from now on
             self.streams.dispatched(worker, msg.batch_id, model_key(model, msg.version), live)
+        else:   # a generator's prompts are no warm-up batch (its loop warms itself)
+            self.replay.record(entry, live)
         self.back.send(worker.identity, msg)
         worker.batch_sent(msg.batch_id, done_by, now)   # its version's last use: least recently used goes first
         return True

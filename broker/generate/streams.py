@@ -21,7 +21,6 @@ generation's dispatch and its end. The one writer of each generator's GeneratorC
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
@@ -47,8 +46,9 @@ class Streams:
         self.finished, self.to_worker, self.stats, self.max_bytes = finished, to_worker, stats, max_bytes
         self.table: dict[int, Stream] = {}           # seq -> its stream, from its first dispatch to its end
         self.by_batch: dict[int, list[Stream]] = {}  # admission batch id -> its streams, until its Done
-        self.live: Counter = Counter()               # (worker identity, key) -> sequences it holds
-        self.slots: dict[tuple, int] = {}            # (worker identity, key) -> its slot pool's size
+        # (worker identity, key) -> its slot pool's size, summed per model for the counters (the
+        # worker's handle keeps its own, and the sequences it holds: state/pool.py, its one writer)
+        self.slots: dict[tuple, int] = {}
         self._freed: dict[tuple, int] = {}           # (worker identity, key) -> its last Steps.freed
         self.counters: dict[str, GeneratorCounters] = {}   # model -> its figures (status, /metrics)
 
@@ -62,11 +62,11 @@ class Streams:
 
     def room(self, w, key: str, model: str) -> int:
         """Sequences of `key` the worker may still be sent (its slots less those it holds)."""
-        n = self.slots.get((w.identity, key))
+        n = w.slots.get(key)
         if n is None:   # a worker that did not say: the declared pool, else one admission batch
             g = self.models[model].decl.generator
             n = g.max_sequences or self.models[model].decl.max_batch_size
-        return n - self.live[w.identity, key]
+        return n - w.sequences.get(key, 0)
 
     def loaded(self, w, msg: ModelLoaded) -> None:
         """A generator's load ended on a worker: its pool's size."""
@@ -75,6 +75,7 @@ class Streams:
 
     def _sized(self, w, key: str, slots: int) -> None:
         if self.slots.get((w.identity, key)) != slots:
+            w.slots_known(key, slots)
             self.slots[w.identity, key] = slots
             self._recount(split_model_key(key)[0])
 
@@ -94,7 +95,7 @@ class Streams:
                 s = self.table[p.generate.seq] = Stream(p, outputs)
             s.on(w, key, batch_id)
             streams.append(s)
-        self.live[w.identity, key] += len(ps)
+        w.sequences_taken(key, len(ps))
         self.by_batch[batch_id] = streams
 
     def admitted(self, ps: list, now: float) -> None:
@@ -127,9 +128,7 @@ class Streams:
         """Out of the table; the slot it held on its worker is free."""
         self.table.pop(s.seq, None)
         if s.phase in (ADMITTING, RUNNING) and s.worker is not None:
-            self.live[s.worker.identity, s.key] -= 1
-            if self.live[s.worker.identity, s.key] <= 0:
-                del self.live[s.worker.identity, s.key]
+            s.worker.sequence_freed(s.key)
             if s.phase == RUNNING:
                 self.of(s.p.model).active -= 1
         s.phase, s.worker = QUEUED, None
@@ -302,11 +301,11 @@ class Streams:
 
     # ---- a worker's death (the core) ----------------------------------------------------------
 
-    def lost(self, w) -> list:
+    def lost(self, w, retry: bool = True) -> list:
         """`w`'s process is gone: its running sequences to re-queue at the front (the outputs
         sent ride along as their prefix); one at its second death is answered WORKER_DIED. Its
         admission batches are the handshake's (retried once, as any batch): their streams wait
-        queued."""
+        queued. `retry` False (the broker is stopping): each is answered WORKER_DIED."""
         again = []
         for s in sorted((s for s in self.table.values() if s.worker is w), key=lambda s: s.seq):
             running = s.phase == RUNNING
@@ -318,9 +317,13 @@ class Streams:
                 continue
             p = s.p
             p.attempts += 1
-            if p.attempts >= 2:
+            if p.attempts >= 2 or not retry:
                 s.closed = True
                 self.table.pop(s.seq, None)
+                if not retry:   # the broker is stopping
+                    self.fail_request(p, fail(Code.WORKER_DIED, f"{w.name} ended while this generation ran "
+                                              f"({w.last_death}); the broker is stopping", outputs=s.sent))
+                    continue
                 log.error("generation %d of %s running at two worker deaths: not retried", s.seq, p.model,
                           extra={"event": "poison_request", "request_id": p.req_id, "model": p.model})
                 self.fail_request(p, fail(Code.WORKER_DIED, f"generation {p.req_id} of {p.model!r} killed its worker "
