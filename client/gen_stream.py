@@ -210,7 +210,10 @@ class AsyncGeneration:
             self._held = await link.open_stream(call.msg, call.frames, wait_s, call.sent, self)
         except BaseException as err:
             self._link = None
-            seq.fail(err)
+            if isinstance(err, asyncio.CancelledError):   # its task gave up before it went out
+                self._closed = True
+            else:
+                seq.fail(err)
             raise
 
     async def __anext__(self):
