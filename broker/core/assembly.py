@@ -127,7 +127,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       workers_of=placement.workers_of, events=placement.events, snapshots=memory.snapshots.latest,
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
-                      faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict)
+                      faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
+                      generators=streams.counters)
     operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
                                        unserved, shadows, guards, door, phase, view, clock),
                         cfg, address, config_path, reload_outcome)

@@ -208,6 +208,7 @@ def test_outputs_stream_at_once_and_the_end_follows_the_last():
         assert end.first_output_ms == pytest.approx(10.0) and end.total_ms == pytest.approx(30.0)
         c = rig.streams.counters["gen"].as_dict()
         assert (c["active"], c["started"], c["outputs"], c["ended"], c["slots"]) == (0, 1, 3, {"max_outputs": 1}, 2)
+        assert rig.broker.view.generators["gen"] is rig.streams.counters["gen"]   # what status and /metrics read
         rig.generate(2)   # no seed: one is drawn, and reported
         gen = (await rig.admit(1)).sequences[0]
         assert gen.sampling.seed is not None and gen.max_outputs == 16
