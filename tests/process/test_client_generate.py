@@ -13,20 +13,16 @@ import pytest
 from conftest import wait_until
 
 from tgw.client import AsyncClient, Client, InvalidArgumentError
+from tgw.testing.generators import entry
 
 MODEL = "count"
 
 
 def config() -> dict:
+    # a stream left unread a while is no slow reader here: the cancels are the test's
     return {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 2, "output_arena_mb": 2},
-            "models": [{"name": MODEL, "versions": [{"version": "1", "handler": "tgw.testing.generators:Counter"}],
-                        "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],
-                        "outputs": [{"name": "token", "dtype": "int64", "shape": []}],
-                        "max_batch_size": 8,
-                        # a stream left unread for a while is not a slow reader here: the cancels are the test's
-                        "generator": {"state": [{"name": "count", "dtype": "int64", "shape": [1]}],
-                                      "max_sequences": 4, "max_outputs": 1_000_000,
-                                      "max_unread_outputs": 10_000_000}}]}
+            "models": [entry(MODEL, "Counter", max_sequences=4, max_outputs=1_000_000,
+                             max_unread_outputs=10_000_000)]}
 
 
 @pytest.fixture(scope="module")
