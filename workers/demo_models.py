@@ -213,9 +213,9 @@ def build_demo_models(out_dir: str, formats: bool = False, log: Callable[[str], 
 
 
 # The embedded demo's generator (tgw.workers.demo_generator): a small GPT trained on the text tgw
-# ships for a fixed number of steps (deterministic; ~20-50 s, once per demo folder).
+# ships for a fixed number of steps (deterministic; ~12 s of one core, once per demo folder).
 GPT_CONFIG = {"vocab": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 256}
-GPT_TRAIN_STEPS = 800
+GPT_TRAIN_STEPS = 1200
 GPT_FILE = f"tiny-gpt-v{DEMO_VERSION}.pt"
 
 
