@@ -6,14 +6,21 @@ never interrupted, slots reused dirty, bad prompts failing only their row, and t
 check failing on a wrong token."""
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
 import torch
+import yaml
+from conftest import readme_block
+
+from tgw.broker.cli.demo import model_entry
+from tgw.workers import demo_generator
 
 from tgw.workers.demo_generator import (END, MARGIN, GPTConfig, TinyGPT, TinyGPTModule, Tokenizer, build_gpt,
                                         check_against_reference, float64_reference, kv_shape, load_gpt,
                                         reference_generate, save_gpt)
+from tgw.workers.demo_models import GPT_CONFIG, GPT_FILE, build_generator_decls
 from tgw.workers.generator import PrefillBatch, StepBatch
 from tgw.workers.stage import StageContext
 
@@ -242,3 +249,35 @@ def test_gpt_config_refuses_what_cannot_be_built():
     with pytest.raises(ValueError, match="vocab"):
         GPTConfig(vocab=0)
     assert kv_shape(GPTConfig(vocab=256)) == [2, 2, 4, 256, 16]
+
+
+def test_training_is_deterministic_and_lowers_the_loss():
+    cfg = GPTConfig(vocab=256, max_len=32)
+    text = "A model server answers each caller. " * 20
+    a, b = (build_gpt(cfg, seed=2, train_steps=40, text=text) for _ in range(2))
+    untrained = build_gpt(cfg, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    ids = torch.tensor([demo_generator.training_ids(text)[:33]])
+    with torch.no_grad():
+        def loss(m):
+            return float(torch.nn.functional.cross_entropy(m(ids[:, :-1])[0], ids[0, 1:]))
+        assert loss(a) < 0.8 * loss(untrained)
+
+
+def test_the_docs_config_is_the_demos_declaration(tmp_path):
+    save_gpt(build_gpt(GPTConfig(**GPT_CONFIG)), str(tmp_path / GPT_FILE))   # no training: the file is there
+    entry = model_entry("tiny-gpt", build_generator_decls(str(tmp_path))["tiny-gpt"])
+    documented = yaml.safe_load(readme_block("generator-example:config"))[0]
+    assert entry["options"]["weights"] == str(tmp_path / GPT_FILE)
+    assert {**documented, "options": None} == {**entry, "options": None}
+
+
+def test_the_docs_handler_excerpt_is_the_code():
+    """Each line of the excerpt but its `...` is a line of workers/demo_generator.py, in order."""
+    source = inspect.getsource(demo_generator).splitlines()
+    at = 0
+    for line in readme_block("generator-example:handler").splitlines():
+        if line.strip().startswith("...") or not line.strip():
+            continue
+        assert line in source[at:], f"not in workers/demo_generator.py (after line {at}): {line!r}"
+        at = source.index(line, at) + 1
