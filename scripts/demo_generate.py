@@ -105,8 +105,8 @@ def run(address: str, models_dir: str) -> tuple[list[tuple], bool]:
     threads[0].join()
     elapsed = time.perf_counter() - t0
     tok, rows, failed = Tokenizer(), [], False
-    print(f"\n{MODEL}: {len(PROMPTS)} prompts streamed at once, greedy, up to {MAX_OUTPUTS} tokens each "
-          f"(the end token ends a sentence):")
+    print(f"\n{MODEL}: {len(PROMPTS)} prompts streamed at once in {elapsed:.2f} s, greedy, up to {MAX_OUTPUTS} "
+          f"tokens each (the end token ends a sentence):")
     for face, prompts in faces.items():
         results = got[face]
         check(models_dir, prompts, results)
