@@ -116,3 +116,4 @@ def test_status_printout_and_metrics_show_the_generator(broker):
     assert samples["tgw_generator_outputs_total", (("model", MODEL),)] >= 5
     assert samples["tgw_generator_sequences_total", (("model", MODEL), ("reason", "max_outputs"))] >= 1
     assert samples["tgw_generator_first_output_seconds_count", (("model", MODEL),)] >= 1
+
