@@ -265,4 +265,5 @@ def test_a_stream_survives_its_worker_being_killed(broker):
             assert generation(c, "cnt")["resumed"] >= 1
     finally:
         a.close()
-    assert broker.stop() == 0   # its restarted worker is this test's child: gone with it (the module's end checks again)
+    # its restarted worker is this test's child: gone with the broker (the module's end checks again)
+    assert broker.stop() == 0
