@@ -155,9 +155,11 @@ def test_each_means_of_cancellation_frees_its_slot(broker):
 
             b = Caller(broker.address)
             try:
-                b.generate(4, "cnt", [3], timeout_ms=1_000, max_outputs=100_000)
-                got, end = b.stream(4)
-                assert isinstance(end, ErrorReply) and end.error.code == "DEADLINE_EXCEEDED" and got
+                b.generate(4, "cnt", [3], timeout_ms=3_000, max_outputs=100_000)
+                first, _ = b.read()
+                assert isinstance(first, GenerateOutputs), f"no output before the deadline: {first}"
+                got, end = b.stream(4, {4: counter_outputs([3], 1)})
+                assert isinstance(end, ErrorReply) and end.error.code == "DEADLINE_EXCEEDED"
                 assert got == counter_outputs([3], len(got))
                 freed(3)
             finally:
