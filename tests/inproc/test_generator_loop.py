@@ -19,6 +19,7 @@ import zmq
 import stages
 from test_worker_loader import LoaderSide
 
+from tgw.shm.bytes_tensor import pack
 from tgw.shm.errors import Code
 from tgw.shm.ring import aligned_total
 from tgw.shm.segment import Segment, new_name
@@ -39,13 +40,14 @@ GENERATORS_FILE = os.path.abspath(generators.__file__)
 WAIT_S = 10.0
 
 
-def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, **gen) -> ModelSpec:
+def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, prompt: str = "int64",
+         **gen) -> ModelSpec:
     out, state = {"Counter": ("value", StateSpec(name="acc", dtype="int64", shape=[3])),
                   "ToyLM": ("token", StateSpec(name="n", dtype="int64", shape=[2]))}[cls]
     g = GeneratorSpec(state=[state], max_sequences=0 if state_memory else gen.pop("max_sequences", 4),
                       state_memory=state_memory, **gen)
     return ModelSpec(name=cls.lower(), version="1", path="", format="stage", handler=f"tgw.testing.generators:{cls}",
-                     device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                     device="cpu", inputs=[IOSpec(name="prompt", dtype=prompt, shape=[-1] if prompt == "int64" else [])],
                      outputs=[IOSpec(name=out, dtype="int64", shape=[])], options=options or {}, generator=g)
 
 
@@ -65,10 +67,11 @@ class Driver:
         self.ends: dict[int, object] = {}
         self.steps: list[Steps] = []
 
-    def admit(self, seq: int, prompt: list[int], max_outputs: int = 0, **kw) -> None:
+    def admit(self, seq: int, prompt, max_outputs: int = 0, **kw) -> None:
         sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
         gs = GenSeq(seq=seq, max_outputs=max_outputs, sampling=sampling, **kw)
-        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": torch.tensor(prompt)}, self.loop.tokens))
+        row = prompt if isinstance(prompt, bytes) else torch.tensor(prompt)
+        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": row}, self.loop.tokens))
 
     def iterate(self) -> Steps | None:
         st = self.loop.iterate()
@@ -205,6 +208,16 @@ def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_
     err = d.error(3)
     assert err.code == Code.INVALID_ARGUMENT.value and "6 position(s)" in err.message and "max_length is 5" in err.message
     assert 3 not in d.outputs and d.loop.free_slots == 4
+
+
+def test_a_length_the_prefill_says_is_held_to_max_length_too():
+    d = Driver(loaded(prompt="bytes", max_length=5))
+    d.admit(1, b"abc", max_outputs=50)      # a bytes prompt's default length is 1: prefill says 3
+    d.admit(2, b"abcdef", max_outputs=50)
+    d.run()
+    assert (d.outputs[1], d.reason(1)) == (counter_outputs(b"abc", 3), "max_length")
+    err = d.error(2)
+    assert "prefill said its prompt takes 6 position(s)" in err.message and 2 not in d.outputs
 
 
 # ---- a handler that fails --------------------------------------------------------------------
@@ -367,12 +380,15 @@ class Broker:
         self.segment.buf[block:block + len(data)] = data
         return block
 
-    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
-        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
-        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+    def generate(self, model: str, prompts: list, seqs: list[int], max_outputs: int) -> Batch:
+        """One admission batch, one row a prompt, laid in the input arena: equal-length int64
+        prompts, or bytes prompts (a bytes input: their lengths may differ)."""
+        as_bytes = isinstance(prompts[0], bytes)
+        data = pack(prompts) if as_bytes else torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
         block = self.lay(data)
+        shape = [len(prompts)] if as_bytes else [len(prompts), len(prompts[0])]
         batch = Batch(batch_id=next(self.ids), model=model, version="1", rows=len(prompts), block=block,
-                      inputs=[BlockTensor(name="prompt", dtype="int64", shape=[len(prompts), len(prompts[0])],
+                      inputs=[BlockTensor(name="prompt", dtype="bytes" if as_bytes else "int64", shape=shape,
                                           offset=block, nbytes=len(data))],
                       splits=[1] * len(prompts), sequences=[GenSeq(seq=q, max_outputs=max_outputs) for q in seqs])
         self.send(batch)
@@ -468,5 +484,24 @@ def test_an_ordinary_batch_is_served_between_steps_and_an_unload_ends_the_live_s
         while not (st := b.recv()).ended:
             pass
         assert st.ended[0].seq == 1 and st.ended[0].error.code == Code.MODEL_NOT_READY.value and st.active == 0
+    finally:
+        b.close()
+
+
+def test_bytes_prompts_of_different_lengths_are_taken_from_the_ring():
+    runner = loaded(prompt="bytes")
+    b = Broker({runner.key: runner})
+    try:
+        b.generate("counter", [b"hello", b"tgw!!!!"], [1, 2], max_outputs=3)
+        assert isinstance(b.recv(), Done)
+        got: dict[int, list[int]] = {}
+        ends = {}
+        while len(ends) < 2:
+            st = b.recv()
+            for q, v in values_of(st).items():
+                got.setdefault(q, []).append(v)
+            ends.update({e.seq: e.reason for e in st.ended})
+        assert got == {1: counter_outputs(b"hello", 3), 2: counter_outputs(b"tgw!!!!", 3)}
+        assert ends == {1: "max_outputs", 2: "max_outputs"}
     finally:
         b.close()
