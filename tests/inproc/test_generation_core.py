@@ -204,7 +204,8 @@ def test_outputs_stream_at_once_and_the_end_follows_the_last():
             assert isinstance(out, GenerateOutputs) and (out.id, out.first, out.count) == (1, pos, 1)
             assert token(frames) == [10 + pos] and out.outputs[0].shape == [1]
         end, _ = await rig.reply()
-        assert isinstance(end, GenerateEnd) and (end.reason, end.outputs, end.seed, end.resumed) == ("max_outputs", 3, 7, 0)
+        assert isinstance(end, GenerateEnd)
+        assert (end.reason, end.outputs, end.seed, end.resumed) == ("max_outputs", 3, 7, 0)
         assert end.first_output_ms == pytest.approx(10.0) and end.total_ms == pytest.approx(30.0)
         c = rig.streams.counters["gen"].as_dict()
         assert (c["active"], c["started"], c["outputs"], c["ended"], c["slots"]) == (0, 1, 3, {"max_outputs": 1}, 2)
@@ -339,3 +340,26 @@ def test_a_caller_that_does_not_read_is_ended_overloaded_and_its_slot_freed():
         assert not rig.clients["b"].poll(0)
 
     run(scenario, max_unread_outputs=4)
+
+
+def test_a_cancel_before_the_worker_took_the_batch_in_withdraws_it_or_ends_it_there():
+    async def scenario(rig: Rig, clock):
+        rig.generate(1)
+        rig.generate(2)
+        batch = await rig.to_worker()
+        seqs = [g.seq for g in batch.sequences]
+        rig.clients["a"].send(encode(Cancel(v=PROTOCOL_VERSION, id=9, ids=[1, 2])))
+        reply, _ = await rig.reply()
+        assert isinstance(reply, CancelReply) and reply.running == 2
+        withdraw = await rig.to_worker()
+        assert type(withdraw).__name__ == "Withdraw" and withdraw.requests == [0, 1]
+        # the worker left the first out, but had taken the second in already
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, withdrawn=[0])))
+        ask = await rig.to_worker()
+        assert isinstance(ask, CancelSequences) and ask.seqs == [seqs[1]]
+        assert rig.handle.sequences == {KEY: 1}   # the second's slot: taken until the worker's end
+        rig.steps([], ended=[SeqEnd(seq=seqs[1], reason="cancelled")], freed=1)
+        await until(lambda: not rig.handle.sequences, "the slot freed")
+        assert not rig.clients["a"].poll(0) and rig.streams.table == {}
+
+    run(scenario)

@@ -11,35 +11,43 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
 
+import stages
+from test_worker_loader import LoaderSide
+
+from tgw.shm.bytes_tensor import pack
 from tgw.shm.errors import Code
 from tgw.shm.ring import aligned_total
 from tgw.shm.segment import Segment, new_name
+from tgw.shm.views import block_view
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CancelSequences, Done, GeneratorSpec, GenSeq, IOSpec,
-                          ModelSpec, Sampling, Steps, Stop, StateSpec, WorkerHello, encode, from_worker_decoder)
+                          LoadModel, ModelLoaded, ModelSpec, Sampling, Steps, Stop, StateSpec, WorkerHello, encode,
+                          from_worker_decoder)
 from tgw.testing import generators
 from tgw.testing.generators import counter_outputs, toylm_reference
 from tgw.workers.generate.intake import sequence
 from tgw.workers.generate.loop import StepLoop
 from tgw.workers.generate.runner import GeneratorLoadError, GeneratorProofError
 from tgw.workers.serve import Server
-from tgw.workers.stage_runner import make_runner
+from tgw.workers.stage_runner import StageRunner, make_runner
 
 CPU = torch.device("cpu")
 GENERATORS_FILE = os.path.abspath(generators.__file__)
 WAIT_S = 10.0
 
 
-def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, **gen) -> ModelSpec:
+def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, prompt: str = "int64",
+         **gen) -> ModelSpec:
     out, state = {"Counter": ("value", StateSpec(name="acc", dtype="int64", shape=[3])),
                   "ToyLM": ("token", StateSpec(name="n", dtype="int64", shape=[2]))}[cls]
     g = GeneratorSpec(state=[state], max_sequences=0 if state_memory else gen.pop("max_sequences", 4),
                       state_memory=state_memory, **gen)
     return ModelSpec(name=cls.lower(), version="1", path="", format="stage", handler=f"tgw.testing.generators:{cls}",
-                     device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                     device="cpu", inputs=[IOSpec(name="prompt", dtype=prompt, shape=[-1] if prompt == "int64" else [])],
                      outputs=[IOSpec(name=out, dtype="int64", shape=[])], options=options or {}, generator=g)
 
 
@@ -59,10 +67,11 @@ class Driver:
         self.ends: dict[int, object] = {}
         self.steps: list[Steps] = []
 
-    def admit(self, seq: int, prompt: list[int], max_outputs: int = 0, **kw) -> None:
+    def admit(self, seq: int, prompt, max_outputs: int = 0, **kw) -> None:
         sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
         gs = GenSeq(seq=seq, max_outputs=max_outputs, sampling=sampling, **kw)
-        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": torch.tensor(prompt)}, self.loop.tokens))
+        row = prompt if isinstance(prompt, bytes) else torch.tensor(prompt)
+        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": row}, self.loop.tokens))
 
     def iterate(self) -> Steps | None:
         st = self.loop.iterate()
@@ -201,6 +210,16 @@ def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_
     assert 3 not in d.outputs and d.loop.free_slots == 4
 
 
+def test_a_length_the_prefill_says_is_held_to_max_length_too():
+    d = Driver(loaded(prompt="bytes", max_length=5))
+    d.admit(1, b"abc", max_outputs=50)      # a bytes prompt's default length is 1: prefill says 3
+    d.admit(2, b"abcdef", max_outputs=50)
+    d.run()
+    assert (d.outputs[1], d.reason(1)) == (counter_outputs(b"abc", 3), "max_length")
+    err = d.error(2)
+    assert "prefill said its prompt takes 6 position(s)" in err.message and 2 not in d.outputs
+
+
 # ---- a handler that fails --------------------------------------------------------------------
 
 
@@ -304,6 +323,25 @@ def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
         loaded(options={"raise_at": 1})
 
 
+def test_the_loader_tells_the_slots_and_counts_the_pool_and_refuses_a_generator_that_fails_warm_up():
+    side = LoaderSide()
+    try:
+        side.recv()   # its hello: from now on the router can address it
+        side.send(encode(LoadModel(spec=spec(max_sequences=3))))
+        reply = side.recv()
+        assert isinstance(reply, ModelLoaded) and reply.error is None, reply
+        assert reply.slots == 3 and reply.bytes == 3 * 24 and reply.footprint.weights >= 72
+        assert isinstance(side.runners["counter:1"].state["acc"], torch.Tensor)
+        bad = spec(options={"raise_prefill_on": 0})
+        bad.name = "bad"
+        side.send(encode(LoadModel(spec=bad)))
+        reply = side.recv()
+        assert reply.reason == "warmup" and reply.slots == 0 and "bad:1" not in side.runners
+        assert "warm-up prefill raised ValueError" in reply.error and f"{GENERATORS_FILE}:" in reply.error
+    finally:
+        side.close()
+
+
 # ---- through the serving loop ------------------------------------------------------------------
 
 
@@ -336,14 +374,21 @@ class Broker:
     def send(self, msg) -> None:
         self.router.send_multipart([self.IDENTITY, encode(msg)])
 
-    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
-        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
-        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+    def lay(self, data: bytes) -> int:
         block = self.next_in
         self.next_in += aligned_total([len(data)])
         self.segment.buf[block:block + len(data)] = data
+        return block
+
+    def generate(self, model: str, prompts: list, seqs: list[int], max_outputs: int) -> Batch:
+        """One admission batch, one row a prompt, laid in the input arena: equal-length int64
+        prompts, or bytes prompts (a bytes input: their lengths may differ)."""
+        as_bytes = isinstance(prompts[0], bytes)
+        data = pack(prompts) if as_bytes else torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+        block = self.lay(data)
+        shape = [len(prompts)] if as_bytes else [len(prompts), len(prompts[0])]
         batch = Batch(batch_id=next(self.ids), model=model, version="1", rows=len(prompts), block=block,
-                      inputs=[BlockTensor(name="prompt", dtype="int64", shape=[len(prompts), len(prompts[0])],
+                      inputs=[BlockTensor(name="prompt", dtype="bytes" if as_bytes else "int64", shape=shape,
                                           offset=block, nbytes=len(data))],
                       splits=[1] * len(prompts), sequences=[GenSeq(seq=q, max_outputs=max_outputs) for q in seqs])
         self.send(batch)
@@ -398,5 +443,65 @@ def test_through_the_serving_loop_a_batch_is_answered_at_once_then_streamed_and_
             if st.ended:
                 assert [(e.seq, e.reason) for e in st.ended] == [(11, "client_closed")] and st.active == 0
                 break
+    finally:
+        b.close()
+
+
+def values_of(st: Steps) -> dict[int, int]:
+    return dict(zip(st.seqs, torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist())) \
+        if st.seqs else {}
+
+
+def test_an_ordinary_batch_is_served_between_steps_and_an_unload_ends_the_live_sequences():
+    runner = loaded(max_sequences=2, options={"step_ms": 1})
+    stage = StageRunner(ModelSpec(name="addone", version="1", path="", format="stage", device="cpu",
+                                  handler=f"{os.path.abspath(stages.__file__)}:AddOne",
+                                  inputs=[IOSpec(**t) for t in stages.X_IN],
+                                  outputs=[IOSpec(**t) for t in stages.Y_OUT]), CPU)
+    b = Broker({runner.key: runner, stage.key: stage})
+    try:
+        b.generate("counter", [[5]], [1], max_outputs=100_000)
+        assert isinstance(b.recv(), Done)
+        assert values_of(b.recv()) == {1: 5}
+        x = np.arange(4, dtype=np.float32)[None]
+        ordinary = Batch(batch_id=next(b.ids), model="addone", version="1", rows=1, block=0,
+                         inputs=[BlockTensor(name="x", dtype="float32", shape=[1, 4], offset=b.lay(x.tobytes()),
+                                             nbytes=x.nbytes)], splits=[1])
+        b.send(ordinary)
+        got = [5]
+        while True:   # the sequence streams on until the stage's answer, and after it
+            msg = b.recv()
+            if isinstance(msg, Done):
+                assert msg.batch_id == ordinary.batch_id and msg.error is None
+                np.testing.assert_array_equal(block_view(b.segment.buf, msg.outputs[0]), x + 1)
+                break
+            got.append(values_of(msg)[1])
+        after = b.recv()
+        assert isinstance(after, Steps) and not after.ended
+        got.append(values_of(after)[1])
+        assert got == counter_outputs([5], len(got))
+        b.server.runners.pop(runner.key)   # as the loader unloads it
+        while not (st := b.recv()).ended:
+            pass
+        assert st.ended[0].seq == 1 and st.ended[0].error.code == Code.MODEL_NOT_READY.value and st.active == 0
+    finally:
+        b.close()
+
+
+def test_bytes_prompts_of_different_lengths_are_taken_from_the_ring():
+    runner = loaded(prompt="bytes")
+    b = Broker({runner.key: runner})
+    try:
+        b.generate("counter", [b"hello", b"tgw!!!!"], [1, 2], max_outputs=3)
+        assert isinstance(b.recv(), Done)
+        got: dict[int, list[int]] = {}
+        ends = {}
+        while len(ends) < 2:
+            st = b.recv()
+            for q, v in values_of(st).items():
+                got.setdefault(q, []).append(v)
+            ends.update({e.seq: e.reason for e in st.ended})
+        assert got == {1: counter_outputs(b"hello", 3), 2: counter_outputs(b"tgw!!!!", 3)}
+        assert ends == {1: "max_outputs", 2: "max_outputs"}
     finally:
         b.close()
