@@ -29,7 +29,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CancelSequences,
                           from_worker_decoder)
 from tgw.testing import generators
 from tgw.testing.generators import counter_outputs, toylm_reference
-from tgw.workers.generate.intake import sequence
+from tgw.workers.generate.intake import Refused, sequence
 from tgw.workers.generate.loop import StepLoop
 from tgw.workers.generate.runner import GeneratorLoadError, GeneratorProofError
 from tgw.workers.serve import Server
@@ -71,7 +71,12 @@ class Driver:
         sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
         gs = GenSeq(seq=seq, max_outputs=max_outputs, sampling=sampling, **kw)
         row = prompt if isinstance(prompt, bytes) else torch.tensor(prompt)
-        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": row}, self.loop.tokens))
+        try:   # as the serving loop admits (generate/serving.py)
+            s = sequence(self.runner, gs, 0, 1, {"prompt": row}, self.loop.tokens)
+        except Refused as exc:
+            self.loop.refuse(seq, exc.code, str(exc))
+        else:
+            self.loop.admit(s)
 
     def iterate(self) -> Steps | None:
         st = self.loop.iterate()
@@ -269,6 +274,47 @@ def test_a_row_the_handler_fails_ends_with_its_message_and_a_bad_return_names_th
     d.run()
     err = d.error(1)
     assert "step returned 'value' float32 [1]; declared int64 [1]" in err.message and "Counter.step" in err.message
+
+
+TWO_OUTPUTS = """
+import torch
+
+class Pair:
+    def prefill(self, batch):
+        for row, p in enumerate(batch["prompt"]):
+            batch.state["at"][batch.slots[row]] = p.sum()
+        at = batch.state["at"][batch.slots]
+        return {"n": at, "vec": torch.stack([at.float(), -at.float()], 1)}
+
+    def step(self, batch):
+        at = batch.state["at"][batch.slots] + 1
+        batch.state["at"][batch.slots] = at
+        assert torch.equal(batch["vec"][:, 0], (at - 1).float())   # the last outputs come back as sent
+        return {"n": at, "vec": torch.stack([at.float(), -at.float()], 1)}
+"""
+
+
+def test_a_generator_file_with_several_outputs_streams_each_by_name(tmp_path):
+    (tmp_path / "pair.py").write_text(TWO_OUTPUTS)
+    sp = ModelSpec(name="pair", version="1", path="", format="stage", handler=f"{tmp_path / 'pair.py'}:Pair",
+                   device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                   outputs=[IOSpec(name="n", dtype="int64", shape=[]), IOSpec(name="vec", dtype="float32", shape=[2])],
+                   generator=GeneratorSpec(state=[StateSpec(name="at", dtype="int64", shape=[])], max_sequences=2))
+    runner = make_runner(sp, CPU)
+    runner.warm_up()
+    loop = StepLoop(runner)
+    for q, p in ((1, [1, 2]), (2, [10])):
+        loop.admit(sequence(runner, GenSeq(seq=q, max_outputs=3), 0, 1, {"prompt": torch.tensor(p)}, loop.tokens))
+    st = loop.iterate()
+    n, vec = st.outputs
+    assert (n.name, n.shape, vec.name, vec.dtype, vec.shape) == ("n", [2], "vec", "float32", [2, 2])
+    assert torch.frombuffer(bytearray(vec.data), dtype=torch.float32).tolist() == [3, -3, 10, -10]
+    st = loop.iterate()
+    assert torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist() == [4, 11] and not st.ended
+    d = Driver(runner)
+    d.admit(3, [1], max_outputs=2, stop_tokens=[5])   # stop tokens need one integer scalar output
+    d.iterate()
+    assert "stop_tokens and stop_sequences need a generator whose one output is an integer scalar" in d.error(3).message
 
 
 # ---- sampling and resumption ---------------------------------------------------------------------
