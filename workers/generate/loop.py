@@ -57,6 +57,7 @@ class StepLoop:
         self.freed = 0                            # slots freed by cancellation (a count, since start)
         self.tokens = sampleable(runner.outputs)  # stop tokens and sequences apply
         self._lines = (0.0, 0)                    # failure lines: window start, lines in it
+        self._left_out = 0                        # failure lines not logged since the last one
 
     @property
     def key(self) -> str:
@@ -244,21 +245,28 @@ class StepLoop:
         for s in seqs:
             if s.seq in self.live:
                 self._end(s, ERROR, body)
-        self._warn(phase, len(seqs), body, [s.seq for s in seqs])
+        self._warn(phase, seqs, body)
 
-    def _warn(self, phase: str, count: int, body: ErrorBody, seqs: list[int]) -> None:
+    def _warn(self, phase: str, seqs: list[Sequence], body: ErrorBody) -> None:
+        """One WARNING line per failed call, at most LINES_PER_S a second (the next says how many
+        were left out), as failure_log.py's batch_failed."""
         now = time.monotonic()
         start, lines = self._lines
         if now - start >= 1.0:
             start, lines = now, 0
         self._lines = (start, lines + 1)
         if lines >= LINES_PER_S:
+            self._left_out += 1
             return
-        log.warning("%s failed %s: %s of %d sequence(s) (seqs %s): %s", self.key, body.code, phase, count,
-                    " ".join(map(str, seqs[:16])), body.message,
+        left_out, self._left_out = self._left_out, 0
+        ids = [s.request_id for s in seqs if s.request_id]
+        log.warning("%s failed %s: %s of %d sequence(s)%s: %s%s", self.key, body.code, phase, len(seqs),
+                    f" (ids {' '.join(map(str, ids[:16]))})" if ids else "", body.message,
+                    f" ({left_out} more failure line(s) of {self.key} left out)" if left_out else "",
                     extra={"event": "generation_failed", "model": self.runner.spec.name,
                            "version": self.runner.spec.version, "code": body.code, "phase": phase,
-                           "sequences": count})
+                           "sequences": len(seqs), "seqs": [s.seq for s in seqs[:16]], "request_ids": ids[:16],
+                           "left_out": left_out})
 
     def _end(self, s: Sequence, reason: str, error: Optional[ErrorBody] = None) -> None:
         """The sequence leaves: its slot back to the pool now, its end told in the next Steps."""
