@@ -207,7 +207,9 @@ def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_
     d.admit(1, [1, 1, 1], max_outputs=50)   # outputs sit at 3, 4, 5: a step from 4 would write position 4, then none
     d.admit(2, [1] * 5, max_outputs=50)     # fills it: its one output, from the prefill alone
     d.admit(3, [1] * 6, max_outputs=50)
+    d.admit(4, [], max_outputs=50)
     d.run()
+    assert "the prompt ('prompt') is empty" in d.error(4).message
     assert (len(d.outputs[1]), d.reason(1)) == (3, "max_length")
     assert (len(d.outputs[2]), d.reason(2)) == (1, "max_length")
     err = d.error(3)
