@@ -369,6 +369,12 @@ def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
     with pytest.raises(GeneratorProofError, match=rf"warm-up step raised RuntimeError: step refuses output 1 "
                                                   rf"\(at {GENERATORS_FILE}:\d+\)"):
         loaded(options={"raise_at": 1})
+    example = spec(options={"raise_prefill_on": 7})   # zeros would pass: the example is what is tried
+    example.warmup_inputs = [{"prompt": [7, 1]}]
+    with pytest.raises(GeneratorProofError, match="prefill refuses prompts starting with 7"):
+        make_runner(example, CPU).warm_up()
+    example.warmup_inputs = [{"prompt": [6, 1]}]
+    make_runner(example, CPU).warm_up()
 
 
 def test_the_loader_tells_the_slots_and_counts_the_pool_and_refuses_a_generator_that_fails_warm_up():
