@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .demo_tokenizer import END, VOCAB, Tokenizer
+from .demo_tokenizer import END, Tokenizer
 from .generator import Generator, PrefillBatch, StepBatch
 
 __all__ = ["GPTConfig", "TinyGPTModule", "kv_shape", "build_gpt", "save_gpt", "load_gpt", "reference_generate",
