@@ -207,7 +207,9 @@ def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_
     d.admit(1, [1, 1, 1], max_outputs=50)   # outputs sit at 3, 4, 5: a step from 4 would write position 4, then none
     d.admit(2, [1] * 5, max_outputs=50)     # fills it: its one output, from the prefill alone
     d.admit(3, [1] * 6, max_outputs=50)
+    d.admit(4, [], max_outputs=50)
     d.run()
+    assert "the prompt ('prompt') is empty" in d.error(4).message
     assert (len(d.outputs[1]), d.reason(1)) == (3, "max_length")
     assert (len(d.outputs[2]), d.reason(2)) == (1, "max_length")
     err = d.error(3)
@@ -367,6 +369,12 @@ def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
     with pytest.raises(GeneratorProofError, match=rf"warm-up step raised RuntimeError: step refuses output 1 "
                                                   rf"\(at {GENERATORS_FILE}:\d+\)"):
         loaded(options={"raise_at": 1})
+    example = spec(options={"raise_prefill_on": 7})   # zeros would pass: the example is what is tried
+    example.warmup_inputs = [{"prompt": [7, 1]}]
+    with pytest.raises(GeneratorProofError, match="prefill refuses prompts starting with 7"):
+        make_runner(example, CPU).warm_up()
+    example.warmup_inputs = [{"prompt": [6, 1]}]
+    make_runner(example, CPU).warm_up()
 
 
 def test_the_loader_tells_the_slots_and_counts_the_pool_and_refuses_a_generator_that_fails_warm_up():
