@@ -1,0 +1,304 @@
+"""`tgw-bench generate`: streamed generation side by side in one run - the in-process floor (one
+static batch), Flask + gunicorn streaming each request, tgw one-shot requests looping from the
+client, LitServe with stream=True and tgw generate - on the demo's GPT decoder, prompts of
+seeded varied length, 64 outputs each, at 1, 16 and 64 concurrent streams; then the issue's goals
+as ratios (bench/README.md, "generate"). Writes bench/results/generate-<date>[-quick].json.
+Exit status 0 when every row was filled without a failed request, 1 otherwise, 130 when
+interrupted.
+
+    tgw-bench generate --quick        # a tiny model, one request per stream: seconds, for the test
+    tgw-bench generate                # the full run bench/results/generate-*.json holds
+    tgw-bench generate --systems floor,generate --streams 1,64
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from tgw.bench.harness import gen_drive, gen_model, report, subset
+from tgw.bench.harness.gen_baselines import FlaskStreamServer, LitServeServer, litserve_missing
+from tgw.testing.child import BrokerProc, finish_run
+
+NAME = "generate"
+HELP = "streamed generation: floor, Flask streaming, tgw one-shot loops, LitServe, tgw generate"
+SYSTEMS = ("floor", "flask", "oneshot", "litserve", "generate")
+LABELS = {"floor": "(a) in-process floor", "flask": "(b) Flask+gunicorn stream", "oneshot": "(c) tgw one-shot loop",
+          "litserve": "(d) LitServe stream", "generate": "(e) tgw generate"}
+GEN, ONESHOT = "gpt", "gpt-oneshot"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="a tiny model, one request per stream (seconds)")
+    p.add_argument("--systems", default=list(SYSTEMS), type=subset(SYSTEMS),
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--streams", default="1,16,64", help="concurrent streams per level (default 1,16,64)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="tgw workers, gunicorn workers and LitServe workers, one torch thread each (default 2)")
+    p.add_argument("--litserve-batch", type=int, default=64,
+                   help="LitServe's max_batch_size (a static batch streamed to its end; default 64)")
+    p.add_argument("--seed", type=int, default=1, help="weights and prompts (default 1)")
+    p.add_argument("--out", help="folder for results/ (default: bench/ of the checkout, else .)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder (weights, logs, sockets)")
+
+
+def tgw_config(weights: str, module, workers: int, systems: list[str]) -> dict[str, Any]:
+    """The broker of rows (c) and (e): the generator and the one-shot stage (those of them that
+    `systems` runs) on `workers` CPU workers, one torch thread each."""
+    from tgw.workers.demo_generator import kv_shape
+    cfg = module.cfg
+    common = {"max_batch_size": 64, "max_queue": 4096, "timeout_ms": 600_000}
+    models = [
+        {"name": GEN, "versions": [{"version": "1", "handler": "tgw.workers.demo_generator:TinyGPT"}],
+         "options": {"weights": weights},
+         "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],
+         "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common,
+         "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
+                       "max_sequences": 64, "max_length": cfg.max_len, "length_input": "prompt",
+                       "max_outputs": gen_model.OUTPUTS}},
+        {"name": ONESHOT, "versions": [{"version": "1", "handler": "tgw.bench.harness.gen_baselines:NextToken"}],
+         "options": {"weights": weights},
+         "inputs": [{"name": "tokens", "dtype": "int64", "shape": [cfg.max_len]},
+                    {"name": "length", "dtype": "int64", "shape": []}],
+         "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common}]
+    return {"workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},
+            "models": [m for m, s in zip(models, ("generate", "oneshot")) if s in systems]}
+
+
+def per_stream(system: str, streams: int, quick: bool) -> int:
+    """Requests each stream makes back to back at a level (the one-shot loop is slow: one)."""
+    if quick or system == "oneshot":
+        return 1
+    return 4 if streams == 1 else 2
+
+
+class Systems:
+    """Starts each served system once, gives its Call, stops it by PID."""
+
+    def __init__(self, a: argparse.Namespace, work: str, weights: str, module, log: Callable[[str], None]):
+        self.a, self.work, self.weights, self.module, self.log = a, work, weights, module, log
+        self.server: Any = None
+        self.broker: Optional[BrokerProc] = None
+        self.client = None
+
+    def start(self, system: str) -> gen_drive.Call:
+        n = gen_model.OUTPUTS
+        if system == "flask":
+            self.server = FlaskStreamServer(self.weights, self.a.workers, self.work)
+            return gen_drive.flask_call(self.server.port, n)
+        if system == "litserve":
+            missing = litserve_missing()
+            if missing:
+                raise RuntimeError(missing)
+            self.server = LitServeServer(self.weights, self.a.workers, self.a.litserve_batch, self.work)
+            return gen_drive.litserve_call(self.server.port, n)
+        if self.broker is None:
+            from tgw.client import Client
+            self.broker = BrokerProc(tgw_config(self.weights, self.module, self.a.workers, self.a.systems), self.work)
+            self.client = Client(self.broker.start(timeout=300).address)
+        if system == "oneshot":
+            return gen_drive.oneshot_call(self.client, ONESHOT, self.module.cfg.max_len, n)
+        return gen_drive.generate_call(self.client, GEN, n)
+
+    def processes(self, system: str) -> list[dict[str, Any]]:
+        if system in ("oneshot", "generate"):
+            return self.client.stats().get("processes", []) if self.client is not None else []
+        return self.server.processes if self.server is not None else []
+
+    def stop(self, system: str) -> dict[str, Any]:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if system == "generate" or (system == "oneshot" and "generate" not in self.a.systems):
+            return self.stop_broker()
+        return {}
+
+    def stop_broker(self) -> dict[str, Any]:
+        if self.broker is None:
+            return {}
+        from tgw.shm.segment import list_segments
+        if self.client is not None:
+            self.client.close()
+        info = {"exit_status": self.broker.stop(timeout=30), "shm_leftovers": list_segments(self.broker.pid)}
+        self.broker = self.client = None
+        return info
+
+
+def _f(v: Optional[float], fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def measure_system(systems: Systems, system: str, levels: list[int], plist: list[list[int]], quick: bool,
+                   log: Callable[[str], None]) -> dict[str, Any]:
+    """One system's rows: each level's closed loop and, for a streaming system, the newcomer."""
+    try:
+        call = systems.start(system)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
+        log(f"{LABELS[system]} could not start: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {"levels": {}}
+    try:
+        gen_drive.closed_loop(call, plist, min(2, max(levels)), 1, first_index=len(plist) // 2)   # warm-up
+        for n in levels:
+            k = per_stream(system, n, quick)
+            streams, wall = gen_drive.closed_loop(call, plist, n, k)
+            row = out["levels"][n] = gen_drive.summary(streams, wall, gen_model.OUTPUTS)
+            row["per_stream"] = k
+            if system == "generate":
+                row["resumed"] = sum(getattr(s.final, "resumed", 0) or 0 for s in streams)
+            log(f"{LABELS[system]} x{n}: {_f(row['outputs_per_s'], ',.0f')} outputs/s, first output p50 "
+                f"{_f(row['ttfo_ms']['p50'], '.1f')} ms, between p99 {_f(row['between_ms']['p99'], '.2f')} ms"
+                + (f", {row['requests_failed']} failed {row['errors']}" if row["requests_failed"] else ""))
+        out["processes"] = systems.processes(system)
+        if system != "oneshot" and max(levels) > 1:
+            others = max(levels) - 1
+            out["newcomer"] = nc = gen_drive.newcomer(call, plist, others, 8, 120 if quick else 600)
+            log(f"{LABELS[system]} newcomer beside {others}: " + (nc.get("error") or
+                f"first output after {nc['ttfo_ms']:.1f} ms, {nc['steps_waited']:g} steps of the others"))
+    except Exception as exc:  # noqa: BLE001
+        log(f"{LABELS[system]} FAILED: {type(exc).__name__}: {exc}")
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+    finally:
+        server = systems.stop(system)
+        if server:
+            out["server"] = server
+    return out
+
+
+def goals(res: dict[str, Any], levels: list[int]) -> list[dict[str, Any]]:
+    """The issue's "Measured" rows that this run can judge: value, target, met."""
+    floor, rows = res.get("floor", {}), res["systems"]
+    hi, lo = max(levels), min(levels)
+
+    def ops(system: str, n: int) -> Optional[float]:
+        if system == "floor":
+            return (floor.get("levels") or {}).get(n, {}).get("outputs_per_s")
+        return ((rows.get(system) or {}).get("levels") or {}).get(n, {}).get("outputs_per_s")
+
+    def goal(name: str, value: Optional[float], target: Optional[float], higher: bool, unit: str = "") -> dict:
+        met = None if value is None or target is None else (value >= target if higher else value <= target)
+        return {"goal": name, "value": value, "target": target, "met": met, "unit": unit}
+
+    out = []
+    for other, want in (("flask", 5.0), ("litserve", 2.0), ("floor", 0.8)):
+        e, o = ops("generate", hi), ops(other, hi)
+        out.append(goal(f"outputs/s at {hi} streams, (e)/{LABELS[other][:3]}", e / o if e and o else None, want,
+                        True, "x"))
+    e, o = ops("generate", lo), ops("floor", lo)
+    out.append(goal(f"outputs/s at {lo} stream(s), (e)/(a)", e / o if e and o else None, 0.9, True, "x"))
+    mid = 16 if 16 in levels else hi
+    gen = (rows.get("generate") or {}).get("levels") or {}
+    fl = (floor.get("levels") or {})
+    if mid in gen and mid in fl:
+        target = floor["prefill_one_ms"] + 2 * fl[mid]["step_ms"]
+        out.append(goal(f"time to first output p50 at {mid} streams <= one prefill + 2 steps",
+                        gen[mid]["ttfo_ms"]["p50"], target, False, "ms"))
+    nc = (rows.get("generate") or {}).get("newcomer") or {}
+    if "steps_waited" in nc:
+        out.append(goal(f"newcomer beside {nc['others']}: steps from its call to its first output",
+                        nc["steps_waited"], 2, False, "steps"))
+    if hi in gen and hi in fl:
+        out.append(goal(f"time between outputs p99 at {hi} streams <= 1.5 x the floor's step",
+                        gen[hi]["between_ms"]["p99"], 1.5 * fl[hi]["step_ms"], False, "ms"))
+    return out
+
+
+def tables(res: dict[str, Any], levels: list[int]) -> str:
+    head = ["system"] + [f"outputs/s x{n}" for n in levels] + \
+        [f"first p50 ms x{n}" for n in levels] + [f"between p99 ms x{levels[-1]}"]
+    body = [head]
+    fl = res.get("floor", {}).get("levels") or {}
+    if fl:
+        body.append([LABELS["floor"]] + [f"{fl[n]['outputs_per_s']:,.0f}" if n in fl else "-" for n in levels] +
+                    ["-"] * len(levels) + [f"(step {fl[levels[-1]]['step_ms']:.2f})" if levels[-1] in fl else "-"])
+    for system, row in res["systems"].items():
+        lv = row.get("levels") or {}
+        if not lv:
+            body.append([LABELS[system], (row.get("error") or "not run")[:60]] + [""] * (2 * len(levels)))
+            continue
+        body.append([LABELS[system]] + [f"{lv[n]['outputs_per_s']:,.0f}" if n in lv else "-" for n in levels] +
+                    [f"{lv[n]['ttfo_ms']['p50']:.1f}" if n in lv and lv[n]['ttfo_ms']['p50'] is not None else "-"
+                     for n in levels] +
+                    [f"{lv[levels[-1]]['between_ms']['p99']:.2f}" if levels[-1] in lv and
+                     lv[levels[-1]]['between_ms']['p99'] is not None else "-"])
+    g = [["goal", "value", "target", "met"]] + [
+        [x["goal"], "-" if x["value"] is None else f"{x['value']:.2f} {x['unit']}",
+         "-" if x["target"] is None else f"{x['target']:.2f} {x['unit']}",
+         {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
+    return report.text_table(body) + "\n\n" + report.text_table(g)
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        levels = sorted({int(x) for x in a.streams.split(",") if x})
+        if not levels or min(levels) < 1 or max(levels) > 64:
+            raise ValueError
+    except ValueError:
+        print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}",
+              file=sys.stderr)
+        return 2
+    log = lambda msg: print(f"[generate {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    dims = gen_model.QUICK_DIMS if a.quick else gen_model.DIMS
+    custom = set(a.systems) != set(SYSTEMS) or levels != [1, 16, 64] or a.workers != 2
+    mode = "custom" if custom else ("quick" if a.quick else "full")
+    work = tempfile.mkdtemp(prefix="tgwg-", dir="/tmp")   # short: ipc paths must fit 107 bytes
+    t0, date = time.monotonic(), datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    res: dict[str, Any] = {"scenario": NAME, "mode": mode, "date": date, "command": a.command_line,
+                           "machine": report.machine(), "systems": {}}
+    try:
+        weights = gen_model.save_weights(dims, a.seed, os.path.join(work, "gpt.pt"))
+        module = gen_model.load(weights)
+        plist = gen_model.prompts(256, a.seed, dims["vocab"])
+        res["settings"] = {
+            "model": {**dims, "params": sum(p.numel() for p in module.parameters())},
+            "outputs_per_request": gen_model.OUTPUTS, "prompt_lengths": list(gen_model.PROMPT_LENGTHS),
+            "streams": levels, "workers": a.workers, "torch_threads_per_worker": 1, "sampling": "greedy",
+            "per_stream": {s: {n: per_stream(s, n, a.quick) for n in levels} for s in a.systems if s != "floor"},
+            "floor": "one process, one torch thread: every prompt prefilled in one padded call, then 63 batched steps",
+            "flask": f"gunicorn {a.workers} sync workers x 1 torch thread, one sequence at a time per worker, "
+                     "chunked text/plain, one line per output",
+            "oneshot": "tgw stage NextToken (the whole sequence, no cache), one Client.infer per output",
+            "litserve": f"LitAPI(stream=True, max_batch_size={a.litserve_batch}, batch_timeout=0.005), "
+                        f"workers_per_device={a.workers} on cpu x 1 torch thread; a static batch runs to its end",
+            "generate": f"Client.generate, {a.workers} tgw workers x 1 torch thread, 64 slots each, greedy"}
+        log(f"{mode} mode: model {res['settings']['model']}, streams {levels}, work dir {work}")
+        if "floor" in a.systems:
+            try:
+                res["floor"] = gen_model.measure_floor(weights, levels, plist, 1 if a.quick else 3)
+            except Exception as exc:  # noqa: BLE001 - recorded; the served systems still run
+                res["floor"] = {"error": f"{type(exc).__name__}: {exc}"}
+                log(f"{LABELS['floor']} FAILED: {res['floor']['error']}")
+        if "levels" in res.get("floor", {}):
+            fl = res["floor"]["levels"]
+            log(f"{LABELS['floor']}: " + ", ".join(f"x{n} {fl[n]['outputs_per_s']:,.0f} outputs/s (step "
+                                                   f"{fl[n]['step_ms']:.2f} ms)" for n in levels)
+                + f"; one prompt's prefill {res['floor']['prefill_one_ms']:.2f} ms")
+        systems = Systems(a, work, weights, module, log)
+        for system in [s for s in SYSTEMS if s in a.systems and s != "floor"]:
+            res["systems"][system] = measure_system(systems, system, levels, plist, a.quick, log)
+        systems.stop_broker()
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every server this run started", file=sys.stderr)
+        return 130
+    finally:
+        finish_run(work, a.keep)
+    res["goals"] = goals(res, levels)
+    res["wall_s"] = time.monotonic() - t0
+    print("\n" + tables(res, levels))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dest = a.out or ("bench" if os.path.isfile("bench/cli.py") else
+                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
+    path = os.path.join(dest, "results", f"generate-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
+    report.write_json(path, res)
+    print(f"wrote {path}; {res['wall_s']:.0f} s")
+    # LitServe not installed is recorded, not a failure: it is an optional extra
+    complete = "error" not in res.get("floor", {}) and all(
+        "error" not in row and all(not lv["requests_failed"] for lv in row["levels"].values())
+        for s, row in res["systems"].items() if not (s == "litserve" and litserve_missing()))
+    return 0 if complete else 1
