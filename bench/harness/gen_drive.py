@@ -21,6 +21,7 @@ import numpy as np
 class Stream:
     """One request's outputs and when each arrived (perf_counter seconds)."""
     start: float
+    prompt: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     error: str = ""
@@ -111,8 +112,8 @@ def closed_loop(call: Call, prompt_list: list[list[int]], streams: int, per_stre
     def run(i: int) -> None:
         barrier.wait()
         for k in range(per_stream):
-            s = Stream(time.perf_counter())
-            call(prompt_list[(first_index + i * per_stream + k) % len(prompt_list)], s)
+            s = Stream(time.perf_counter(), prompt_list[(first_index + i * per_stream + k) % len(prompt_list)])
+            call(s.prompt, s)
             with lock:
                 out.append(s)
 
@@ -130,8 +131,11 @@ def _pct(values: list[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 
 
-def summary(streams: list[Stream], wall: float, expected: int) -> dict[str, Any]:
-    """A level's row: outputs/s, time to first output and between outputs (ms), failures."""
+def summary(streams: list[Stream], wall: float, expected: int,
+            check: Optional[Callable[[list[int], list[int]], str]] = None) -> dict[str, Any]:
+    """A level's row: outputs/s, time to first output and between outputs (ms), failures; with
+    `check(prompt, outputs)` (a message when they are wrong), how many complete requests had the
+    reference's outputs."""
     ok = [s for s in streams if not s.error and len(s.outputs) == expected]
     ttfo = [1e3 * (s.times[0] - s.start) for s in ok]
     gaps = [1e3 * g for s in ok for g in np.diff(s.times)]
@@ -145,7 +149,12 @@ def summary(streams: list[Stream], wall: float, expected: int) -> dict[str, Any]
             "outputs_per_s": sum(len(s.outputs) for s in ok) / wall if wall > 0 else None,
             "ttfo_ms": {"p50": _pct(ttfo, 50), "p99": _pct(ttfo, 99)},
             "between_ms": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99), "max": max(gaps) if gaps else None},
-            "errors": errors}
+            "errors": errors, **(_checked(ok, check) if check else {})}
+
+
+def _checked(ok: list[Stream], check: Callable[[list[int], list[int]], str]) -> dict[str, Any]:
+    wrong = [m for m in (check(s.prompt, s.outputs) for s in ok) if m]
+    return {"outputs_checked": len(ok), "outputs_wrong": len(wrong), "first_wrong": wrong[0] if wrong else None}
 
 
 def newcomer(call: Call, prompt_list: list[list[int]], others: int, head_start: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -139,3 +139,16 @@ def measure_floor(weights: str, streams: list[int], prompt_list: list[list[int]]
         p.join(10)
         if p.is_alive():
             p.terminate()   # by PID: only the process started here
+
+
+def checker(module) -> Callable[[list[int], list[int]], str]:
+    """check(prompt, outputs): "" when `outputs` are the greedy continuation of `prompt`, else why -
+    the demo's exactness check (a float64 reference; a near tie between its top two ends the
+    comparison there, as batched float32 rounding may pick either)."""
+    from tgw.workers.demo_generator import check_against_reference, float64_reference
+    ref = float64_reference(module)
+
+    def check(prompt: list[int], outputs: list[int]) -> str:
+        v = check_against_reference(ref, prompt, outputs, end_tokens=(), reason="max_outputs", max_outputs=OUTPUTS)
+        return "" if v.ok else v.message
+    return check

@@ -134,7 +134,7 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 
 def measure_system(systems: Systems, system: str, levels: list[int], plist: list[list[int]], quick: bool,
-                   log: Callable[[str], None]) -> dict[str, Any]:
+                   check: Callable[[list[int], list[int]], str], log: Callable[[str], None]) -> dict[str, Any]:
     """One system's rows: each level's closed loop and, for a streaming system, the newcomer."""
     try:
         call = systems.start(system)
@@ -147,13 +147,14 @@ def measure_system(systems: Systems, system: str, levels: list[int], plist: list
         for n in levels:
             k = per_stream(system, n, quick)
             streams, wall = gen_drive.closed_loop(call, plist, n, k)
-            row = out["levels"][n] = gen_drive.summary(streams, wall, gen_model.OUTPUTS)
+            row = out["levels"][n] = gen_drive.summary(streams, wall, gen_model.OUTPUTS, check)
             row["per_stream"] = k
             if system == "generate":
                 row["resumed"] = sum(getattr(s.final, "resumed", 0) or 0 for s in streams)
             log(f"{LABELS[system]} x{n}: {_f(row['outputs_per_s'], ',.0f')} outputs/s, first output p50 "
                 f"{_f(row['ttfo_ms']['p50'], '.1f')} ms, between p99 {_f(row['between_ms']['p99'], '.2f')} ms"
-                + (f", {row['requests_failed']} failed {row['errors']}" if row["requests_failed"] else ""))
+                + (f", {row['requests_failed']} failed {row['errors']}" if row["requests_failed"] else "")
+                + (f", {row['outputs_wrong']} WRONG: {row['first_wrong']}" if row["outputs_wrong"] else ""))
         out["processes"] = systems.processes(system)
         if system != "oneshot" and max(levels) > 1:
             others = max(levels) - 1
@@ -255,6 +256,7 @@ def run(a: argparse.Namespace) -> int:
         weights = gen_model.save_weights(dims, a.seed, os.path.join(work, "gpt.pt"))
         module = gen_model.load(weights)
         plist = gen_model.prompts(256, a.seed, dims["vocab"])
+        check = gen_model.checker(module)
         res["settings"] = {
             "model": {**dims, "params": sum(p.numel() for p in module.parameters())},
             "outputs_per_request": gen_model.OUTPUTS, "prompt_lengths": list(gen_model.PROMPT_LENGTHS),
@@ -281,7 +283,7 @@ def run(a: argparse.Namespace) -> int:
                 + f"; one prompt's prefill {res['floor']['prefill_one_ms']:.2f} ms")
         systems = Systems(a, work, weights, module, log)
         for system in [s for s in SYSTEMS if s in a.systems and s != "floor"]:
-            res["systems"][system] = measure_system(systems, system, levels, plist, a.quick, log)
+            res["systems"][system] = measure_system(systems, system, levels, plist, a.quick, check, log)
         systems.stop_broker()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
@@ -299,6 +301,6 @@ def run(a: argparse.Namespace) -> int:
     print(f"wrote {path}; {res['wall_s']:.0f} s")
     # LitServe not installed is recorded, not a failure: it is an optional extra
     complete = "error" not in res.get("floor", {}) and all(
-        "error" not in row and all(not lv["requests_failed"] for lv in row["levels"].values())
+        "error" not in row and all(not lv["requests_failed"] and not lv["outputs_wrong"] for lv in row["levels"].values())
         for s, row in res["systems"].items() if not (s == "litserve" and litserve_missing()))
     return 0 if complete else 1
