@@ -1,6 +1,6 @@
 """tgw.client: the Python client library (numpy in, numpy out; torch tensors in and out, torch
 imported only when the caller uses it): Client (threads), AsyncClient (asyncio), streams,
-shared-memory regions, CUDA tensors by IPC handle.
+generation (outputs streamed from a generator model), shared-memory regions, CUDA tensors by IPC handle.
 
     from tgw.client import Client
     with Client() as c:
@@ -32,12 +32,14 @@ from tgw.shm.errors import (
 
 from .aio import AsyncClient
 from .client import Client
+from .gen_stream import AsyncGeneration, Generation
+from .generation import GenerationEnd
 from .results import InferResult
 from .retry import RetryPolicy
 from .settings import ConnectError
 from .stream import StreamResult
 
 __all__ = [
-    "Client", "AsyncClient", "ConnectError", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
+    "Client", "AsyncClient", "ConnectError", "Generation", "AsyncGeneration", "GenerationEnd", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
     'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

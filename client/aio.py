@@ -48,6 +48,7 @@ class AsyncClient:
         self.max_request_bytes = 1 << 62
         self.max_inflight_per_client: int | None = None   # the broker's cap, from its hello (None: none said)
         self.last_reply = None   # the last infer reply (infer_with_meta reads its own)
+        self._ranks: dict[str, dict[str, int]] = {}   # model -> its inputs' declared ranks (generate's)
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -170,6 +171,38 @@ class AsyncClient:
         `async for result in s`; at most `window` outstanding."""
         from .stream import AsyncStream
         return AsyncStream(self, model, window, options)
+
+    def generate(self, model: str, inputs: Any, *, max_outputs: int | None = None, sampling=None,
+                 seed: int | None = None, version: str | None = None, timeout: float | None = None,
+                 priority: int = 0, tenant: str | None = None, routing_key: str | None = None,
+                 traceparent: str | None = None):
+        """As Client.generate, an async iterator (`async for token in c.generate(...)`), on this
+        client's one connection; the request goes out at the first step of the iteration (or
+        `async with`). `aclose()`, leaving `async with`, dropping the stream, or cancelling the
+        task that awaits its next output cancels the generation."""
+        from .gen_stream import AsyncGeneration
+        return AsyncGeneration(self, model, inputs, max_outputs=max_outputs, sampling=sampling, seed=seed,
+                               version=version, timeout=timeout, priority=priority, tenant=tenant,
+                               routing_key=routing_key, traceparent=traceparent)
+
+    async def input_ranks(self, model: str) -> dict[str, int] | None:
+        """As Client.input_ranks, awaited."""
+        ranks = self._ranks.get(model)
+        if ranks is None:
+            from .gen_stream import declared_ranks
+            self._ranks.update(declared_ranks((await self._control_call(ListModels(v=PROTOCOL_VERSION))).models))
+            ranks = self._ranks.get(model)
+        return ranks
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def generation_link(self) -> AsyncLink:
+        """The connection generations share (connected: input_ranks asked the broker first)."""
+        if self._link is None:
+            raise fail(Code.UNAVAILABLE, "the client was closed" if self._closed else "the client is not connected",
+                       source="client")
+        return self._link
 
     async def region(self, nbytes: int, **options):
         """As Client.region, awaited."""

@@ -35,6 +35,7 @@ class AsyncLink:
         self.address, self.liveness, self.token, self._ids, self._on_late = address, liveness, token, ids, on_late
         self.loop = asyncio.get_running_loop()
         self.pending: dict[int, asyncio.Future] = {}   # request id -> the caller's future
+        self.streams: dict[int, object] = {}            # request id -> its generation (gen_stream.AsyncGeneration)
         self.up = asyncio.Event()                       # the connection's handshake is done
         self.closed = False
         self._cancels: list[int] = []
@@ -68,6 +69,32 @@ class AsyncLink:
         for rid, fut in pending.items():
             if not fut.done():
                 fut.set_exception(error(rid))
+        for rid, stream in list(self.streams.items()):   # each ends (and leaves) as its reader sees it
+            stream.fail(error(rid))
+
+    async def open_stream(self, msg, frames: list, wait_s: float, nbytes: int | None, stream) -> bool:
+        """Send a generation's request, its messages routed to `stream` (feed, fail) until
+        end_stream; returns whether it holds a slot of the cap (held until end_stream)."""
+        deadline = self.loop.time() + wait_s
+        held = self.cap.limit is not None
+        if held and not self.cap.take():
+            await self._slot(msg, deadline)
+        self.streams[msg.id] = stream
+        try:
+            await self._send(msg, frames, deadline, nbytes)
+        except BaseException:
+            self.end_stream(msg.id, held, cancel=False)
+            raise
+        return held
+
+    def end_stream(self, rid: int, held: bool, cancel: bool) -> None:
+        """A generation is over for its reader: `cancel` tells the broker (it had not ended)."""
+        if self.streams.pop(rid, None) is None and not held:
+            return
+        if cancel:
+            self._abandon(rid, held)
+        elif held:
+            self.cap.release()
 
     async def request(self, msg, frames: list, wait_s: float, nbytes: int | None = None, capped: bool = False):
         """Send `msg` and its frames, await the reply: (reply, tensor frames), or the error raised.
@@ -184,6 +211,10 @@ class AsyncLink:
                 reply, parts = read_reply(sock)
             except TgwError as err:
                 log.warning("tgw AsyncClient: %s", err)
+                continue
+            stream = self.streams.get(reply.id)
+            if stream is not None:   # a generation's gen, gen_end or error
+                stream.feed(reply, parts)
                 continue
             fut = pending.pop(reply.id, None)
             if fut is None or fut.done():   # a cancel's answer, or a late reply to a call that gave up

@@ -32,6 +32,8 @@ from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
 from .transport import ENOTSUP, EVENTS, NOBLOCK, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
 from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/harness/openloop.py
 
+IDLE_GEN_LINKS = 8   # sockets of ended generations kept for the next ones (a new one costs a handshake)
+
 
 class Client:
     def __init__(self, address: str | None = None, *, token: str | None = None,
@@ -51,6 +53,8 @@ class Client:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._cancels: dict[int, int] = {}   # id of a cancel sent -> the request it withdraws
+        self._idle_gen_links: list[Link] = []   # sockets of ended generations, for the next ones
+        self._ranks: dict[str, dict[str, int]] = {}   # model -> its inputs' declared ranks (generate's)
         self._pid = os.getpid()
         self._closed = False
         self.server: str | None = None
@@ -82,6 +86,7 @@ class Client:
             for link in self._links:
                 link.close(say_goodbye(link, self.token))
             self._links.clear()
+            self._idle_gen_links.clear()
         self._ctx.term()
 
     # ---- public calls ------------------------------------------------------------------------
@@ -142,6 +147,28 @@ class Client:
         are infer's, for every request of the session. See client.stream.Stream."""
         from .stream import Stream
         return Stream(self, model, window, options)
+
+    def generate(self, model: str, inputs: Any, *, max_outputs: int | None = None, sampling=None,
+                 seed: int | None = None, version: str | None = None, timeout: float | None = None,
+                 priority: int = 0, tenant: str | None = None, routing_key: str | None = None,
+                 traceparent: str | None = None):
+        """Generate from the generator `model`: an iterator of its outputs as they come - Python
+        ints for a generator whose one output is an integer scalar (a token), else dicts name ->
+        numpy array of one output - on a socket of its own (read it from one thread at a time).
+
+        `inputs` as infer's, for ONE sequence: each input without the batch dim (a prompt [P]),
+        or with a batch dim of 1; a model with one input may be given it alone. `max_outputs`:
+        at most that many (default and cap: the model's `generator.max_outputs`); `sampling`: a
+        dict of tgw.shm.wire.Sampling's fields (temperature, top_k, top_p, seed, stop_tokens,
+        stop_sequences) or a Sampling (default greedy); `seed`: sampling's seed given on its own;
+        `timeout`: seconds for the whole generation. The other options are infer's. Once the
+        iteration is over, `.final` holds a GenerationEnd (reason, outputs, seed,
+        first_output_ms, total_ms, resumed, model, version); an error mid-stream is raised from
+        the iteration. `close()` (or leaving a `with` block, or dropping the stream) cancels it."""
+        from .gen_stream import Generation
+        return Generation(self, model, inputs, max_outputs=max_outputs, sampling=sampling, seed=seed,
+                          version=version, timeout=timeout, priority=priority, tenant=tenant,
+                          routing_key=routing_key, traceparent=traceparent)
 
     def region(self, nbytes: int, **options):
         """Register a shared-memory region of `nbytes` with the broker (same host, same uid):
@@ -213,6 +240,31 @@ class Client:
         self.server, self.max_request_bytes = reply.server, reply.max_request_bytes
         self.max_inflight_per_client = link.max_inflight = reply.max_inflight_per_client
         return link
+
+    def input_ranks(self, model: str) -> dict[str, int] | None:
+        """The model's inputs' declared ranks (without the batch dim), from `models` (asked once
+        per model); None when the broker serves no such model (its answer to the request says so)."""
+        ranks = self._ranks.get(model)
+        if ranks is None:
+            from .gen_stream import declared_ranks
+            self._ranks.update(declared_ranks(self._control_call(ListModels(v=PROTOCOL_VERSION)).models))
+            ranks = self._ranks.get(model)
+        return ranks
+
+    def generation_link(self) -> Link:
+        """A socket for one generation: an idle one of an ended generation, else a new one."""
+        with self._lock:
+            if self._idle_gen_links:
+                return self._idle_gen_links.pop()
+        return self.new_link()
+
+    def generation_link_done(self, link: Link) -> None:
+        """The generation on `link` is over: keep it for the next (a few), else close it."""
+        with self._lock:
+            if not self._closed and link in self._links and len(self._idle_gen_links) < IDLE_GEN_LINKS:
+                self._idle_gen_links.append(link)
+                return
+        self.drop_link(link)
 
     def late_reply(self, req_id: int) -> None:
         """A reply came for a call that gave up: what its regions kept for it may be reused. The

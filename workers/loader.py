@@ -30,6 +30,7 @@ from .load_errors import error_text, log_traceback
 from .replay import warm_replay
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
+from .generate.runner import GeneratorRunner
 from .stage_runner import StageRunner
 
 log = logging.getLogger("tgw.worker")
@@ -108,7 +109,7 @@ class Loader(SideThread):
         if loaded is not None:
             rss = rss_bytes()
             return ModelLoaded(worker_id=self.worker_id, key=key, bytes=loaded.nbytes, rss_before=rss, rss_after=rss,
-                               footprint=loaded.footprint)
+                               footprint=loaded.footprint, slots=getattr(loaded, "slots", 0))
         reply = self._load(spec, key)
         if reply.error is not None:   # its traceback was logged once, where it failed (log_traceback)
             release_memory(self.device)  # the half-built model's cycles (its traceback) hold it
@@ -127,7 +128,7 @@ class Loader(SideThread):
             self.runners[key] = runner  # before the reply: once the broker reads it, batches come
             reply = ModelLoaded(worker_id=self.worker_id, key=key, bytes=runner.nbytes,
                                 load_ms=(time.perf_counter() - t0) * 1000, warm_ms=warm_s * 1000,
-                                footprint=runner.footprint, replay=replayed)
+                                footprint=runner.footprint, replay=replayed, slots=getattr(runner, "slots", 0))
         reply.rss_before, reply.rss_after = rss_before, rss_bytes()
         return reply
 
@@ -138,8 +139,7 @@ class Loader(SideThread):
         gauge = Gauge(self.device)
         self._tell(key, "loading", t0)
         try:
-            runner, weights = gauge.load(lambda: (StageRunner if spec.format == "stage" else ModelRunner)(
-                spec, self.device))
+            runner, weights = gauge.load(lambda: _runner_class(spec)(spec, self.device))
         except Exception as exc:
             raise LoadFailed(_reason(exc, "load"), exc) from None
         warm_t0 = self._tell(key, "warming", t0)
@@ -166,6 +166,13 @@ class Loader(SideThread):
         # reference cycle kept the module alive past its last reference
         release_memory(self.device, collect=module is not None and module() is not None)
         return ModelUnloaded(worker_id=self.worker_id, key=key, rss_before=rss_before, rss_after=rss_bytes())
+
+
+def _runner_class(spec: ModelSpec) -> type:
+    """As stage_runner.make_runner picks (read here, where tests replace ModelRunner)."""
+    if spec.format == "stage":
+        return GeneratorRunner if spec.generator is not None else StageRunner
+    return ModelRunner
 
 
 def _weak(module) -> weakref.ref | None:

@@ -16,6 +16,10 @@ launches: the rest run as a smaller batch (withdrawn.py), on the CPU, a GPU and 
 A batch with CUDA tensors by IPC handle is run whole instead (its callers' buffers are opened per
 request; the broker drops the answers of the withdrawn ones), as is a batch already launched.
 A sticky CUDA error ends the loop unanswered (cuda_faults.py).
+
+A generator's batch (a GeneratorRunner's) is taken in as sequences and answered at once; while
+any generator has sequences the loop reads only what is waiting and runs one iteration of each
+between messages (generate/serving.py), blocking on the socket only when none has work.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import zmq
 
 from tgw.shm.errors import Code
 from tgw.shm.segment import Segment
-from tgw.shm.wire import Batch, BlockTensor, Done, Release, Stop, WorkerFault, model_key
+from tgw.shm.wire import Batch, BlockTensor, CancelSequences, Done, Release, Stop, WorkerFault, model_key
 
 from . import cuda_ipc
 from .answers import error_done, failed
@@ -37,6 +41,8 @@ from .cuda_faults import fault_of
 from .device_identity import device_uuid
 from .device_io import MAX_SLOTS, DeviceIO, Slot
 from .failure_log import FailureLog
+from .generate.runner import GeneratorRunner
+from .generate.serving import Generation
 from .mailbox import Mailbox
 from .oom import halves, is_oom, oom_text
 from .output_blocks import OutputBlocks, request_starts
@@ -84,8 +90,10 @@ class Server:
         self.launched: deque[Launched] = deque()
         self.running: Launched | None = None   # the batch being launched now
         self.serving = False
+        self.generation = Generation(self)   # the generators' step loops (generate/serving.py)
         # the broker's messages to the loop, each type to its handler; any other is ignored
-        self.handlers = {Batch: self._on_batch, Release: self.blocks.release, Stop: self._on_stop}
+        self.handlers = {Batch: self._on_batch, Release: self.blocks.release, Stop: self._on_stop,
+                         CancelSequences: self.generation.cancel}
 
     @property
     def host_memory(self) -> str:
@@ -100,7 +108,12 @@ class Server:
                 if self.launched and self._finish_first():
                     self._finish()
                     continue
+                if self.generation.due():   # answers first: a batch's Done before its sequences' Steps
+                    self._finish_all()
+                    self.generation.iterate()
+                    continue
                 msg = self.mail.next()
+                self.generation.heard()
                 handler = self.handlers.get(type(msg))
                 if handler is not None:
                     handler(msg)
@@ -211,6 +224,9 @@ class Server:
         return x if shrunk is None else shrunk.rows_of(x)
 
     def _run(self, item: Launched) -> Done:
+        runner = self.runners.get(model_key(item.batch.model, item.batch.version))
+        if isinstance(runner, GeneratorRunner):   # its requests become sequences of its step loop
+            return self.generation.admit(item.batch, runner)
         batch = self._withdraw(item)
         if item.shrunk is not None and not batch.splits:   # every request withdrawn: nothing to compute
             return Done(batch_id=batch.batch_id)

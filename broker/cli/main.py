@@ -106,6 +106,8 @@ def print_status(address: str, reply) -> None:
     for name, m in reply.models.items():
         if m.get("cache"):
             print(cache_line(name, m["cache"]))
+        if m.get("generation"):
+            print(generation_line(name, m["generation"]))
     for name, p in reply.pipelines.items():
         print(f"pipeline {name}: {p['requests']} requests, {p['replies']} replies, {p['inflight']} in flight"
               + (f", errors {p['errors']}" if p["errors"] else ""))
@@ -126,6 +128,15 @@ def cache_line(model: str, c: dict) -> str:
     """A model's response cache: "cache mlp: 812 entries, 0.8/64.0 MiB, 1500 hits, 812 misses, evictions {}"."""
     return (f"cache {model}: {c['entries']} entries, {c['bytes'] / 2**20:.1f}/{c['max_bytes'] / 2**20:.1f} MiB, "
             f"{c['hits']} hits, {c['misses']} misses, evictions {c['evictions']}")
+
+
+def generation_line(model: str, g: dict) -> str:
+    """A generator's sequences: "generator tiny-gpt: 3/64 slots busy, 1200 outputs (45.2/s), first output
+    12.3 ms, between outputs 4.5 ms (means), resumed 0, freed by cancel 2, ended {'max_outputs': 20}"."""
+    return (f"generator {model}: {g['active']}/{g['slots']} slots busy, {g['outputs']} outputs "
+            f"({g['outputs_per_s']:.1f}/s), first output {g['first_output_ms']:.1f} ms, between outputs "
+            f"{g['between_outputs_ms']:.1f} ms (means), resumed {g['resumed']}, freed by cancel "
+            f"{g['freed_by_cancel']}, ended {g['ended']}")
 
 
 def gpu_line(w: dict) -> str:

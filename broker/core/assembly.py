@@ -27,6 +27,7 @@ from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
+from tgw.broker.generate.streams import Streams
 from tgw.broker.faces.http.face import HttpFace
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
@@ -101,10 +102,13 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                           unserved.unavailable, shed=door.fail, workers=workers, demand=placement.demand,
                           drained=placement.drained)
     handshake = Handshake(registry, phase.is_serving, placement.forget_failed, placement.budget)
+    # generations from their dispatch to their end: outputs out, cancels, slow readers, deaths
+    streams = Streams(registry.models, clock, door.send_out, door.fail, admission.finished, link.send, stats,
+                      server.client_queue_bytes)
     serving = Serving(clock=clock, phase=phase, roster=roster, registry=registry, batcher=batcher, costs=costs,
                       admission=admission, placement=placement, unserved=unserved, handshake=handshake,
                       memory=memory, replay=replay, door=door, back=link, loop=loop,
-                      max_inflight=server.max_inflight_batches_per_worker, enrols=not roster_given)
+                      max_inflight=server.max_inflight_batches_per_worker, streams=streams, enrols=not roster_given)
 
     # names served as DAGs of steps; shadow versions and guarded rollouts
     pipelines = Pipelines(PipelineDeps(models=registry.models, clock=clock, infer=door.infer, reply=door.reply,
@@ -123,7 +127,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       workers_of=placement.workers_of, events=placement.events, snapshots=memory.snapshots.latest,
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
-                      faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict)
+                      faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
+                      generators=streams.counters)
     operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
                                        unserved, shadows, guards, door, phase, view, clock),
                         cfg, address, config_path, reload_outcome)
@@ -136,9 +141,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     door.open(DoorRoutes(roster=roster, models=registry.models, admit=admission.admit, finished=admission.finished,
                          leave=admission.leave, batcher=batcher, schedule=serving.schedule, flush=serving.flush,
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
-                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample))
+                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams))
     link.listen(workers_side.on_message, after=serving.flush)
-    admission.exits_to(*(hook for hook in (guards.exits, metrics.finished, slow, tracer, door.abandon.finished)
+    admission.exits_to(*(hook for hook in (streams.exits, guards.exits, metrics.finished, slow, tracer,
+                                           door.abandon.finished)
                          if hook is not None))
 
     faces = _faces(cfg, DoorPort(token=token, view=view, entry=registry.entry, dispatch=door.dispatch,

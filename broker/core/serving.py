@@ -18,6 +18,12 @@ fleet/faults.py, the loader thread's to models/placement.py. A load's phases (Lo
 its end are noted on its worker (status reads them) and printed by observe/progress.py; a
 start-up model's ModelLoaded goes to the handshake (it serves before its worker is ready), a
 failed start-up stops its worker.
+
+A generator's requests (docs/GENERATION.md) take the same path to their worker; the generate
+wing (`streams`, broker/generate/streams.py) holds them from there: the pump sends a worker no
+more of them than its free slots (`room`), the admission batch's Done hands them to the wing
+instead of answering them, each Steps message of a worker's loop goes to it, and a dead worker's
+running sequences come back from it to the front of their queue.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from typing import Callable
 import zmq
 
 from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.wire import DecodeError, Done, Heartbeat, LoadPhase, ModelLoaded, Release, Stop, WorkerFailed, \
+from tgw.shm.wire import DecodeError, Done, Heartbeat, LoadPhase, ModelLoaded, Release, Steps, Stop, WorkerFailed, \
     WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot, encode, from_worker_decoder, model_key
 
 from tgw.broker.fleet.faults import CudaFaults
@@ -36,6 +42,7 @@ from tgw.broker.fleet.handshake import Handshake, death_error
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.frontdoor import FrontDoor
 from tgw.broker.front.sockets import Pump
+from tgw.broker.generate.streams import Streams
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
 from tgw.broker.models.replay import ReplayRecorder
@@ -85,11 +92,12 @@ class Serving:
                  registry: Registry, batcher: Batcher, costs: CostModel, admission: Admission,
                  placement: Placement, unserved: Unserved, handshake: Handshake, memory: MemoryWatch,
                  replay: ReplayRecorder, door: FrontDoor, back: WorkerLink, loop: asyncio.AbstractEventLoop,
-                 max_inflight: int, enrols: bool = False):
+                 max_inflight: int, streams: Streams, enrols: bool = False):
         self.clock, self.phase, self.roster = clock, phase, roster
         self.registry, self.batcher, self.costs, self.admission = registry, batcher, costs, admission
         self.placement, self.unserved, self.handshake, self.memory = placement, unserved, handshake, memory
         self.replay, self.door, self.back = replay, door, back
+        self.streams = streams   # generations from their dispatch to their end (the generate wing)
         self.max_inflight = max_inflight   # server.max_inflight_batches_per_worker
         # the roster is the supervisor's list, which it alone changes; a core made without a
         # supervisor (the test rigs) enrols workers itself, in add_worker
@@ -115,8 +123,10 @@ class Serving:
         self.memory.forget(w)
         for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
             self.door.abandon.withdrawn(place.request.model, "computing")
-        again, gone = self.handshake.lost(w, retry=self.phase.now is not Phase.STOPPING)
-        for p in reversed(again):
+        retry = self.phase.now is not Phase.STOPPING
+        resumed = self.streams.lost(w, retry)   # its running generations, to continue elsewhere
+        again, gone = self.handshake.lost(w, retry=retry)
+        for p in reversed(again + resumed):
             self.batcher.push(p, front=True)
         for p in gone:
             self.door.fail(p, death_error(w, p))
@@ -126,6 +136,7 @@ class Serving:
         """Periodic work: answer what expired or cannot run (unserved.py), breakers, snapshots."""
         self.unserved.sweep(now, self.phase.now is Phase.STOPPING)
         self.admission.breakers.check(now)
+        self.streams.sweep(now)
         self.memory.snapshots.tick(now)
         self.door.tick()
 
@@ -156,7 +167,7 @@ class Serving:
         return taken
 
     def busy(self) -> bool:
-        return self.batcher.queued() > 0 or any(w.inflight for w in self.roster)
+        return self.batcher.queued() > 0 or any(w.inflight or w.sequences for w in self.roster)
 
     def close(self) -> None:
         self.alarm.cancel()
@@ -218,14 +229,20 @@ class Serving:
 
     def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
         best = None
+        gen = head.generate is not None
         for w in self.roster:
-            if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head):
+            if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head) and \
+                    (not gen or self.streams.room(w, key, head.model) > 0):
                 if best is None or len(w.inflight) < len(best.inflight):
                     best = w
         return best
 
     def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
-        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now)
+        entry = self.registry.models[model]
+        room = None
+        if entry.is_generator:   # no more sequences than the worker has free slots
+            room = self.streams.room(worker, model_key(model, self.batcher.head(model, now).version), model)
+        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now, room)
         # compute is wasted on a request its batch cannot answer before its deadline; a staged
         # batch starts when the one computing is predicted to end
         start = max(now, worker.free_at) if worker.inflight else now
@@ -242,13 +259,15 @@ class Serving:
         if not live:
             return True
         self.batch_seq += 1
-        entry = self.registry.models[model]
         msg = worker.stage(self.batch_seq, live, entry.inputs)
         if msg is None:  # input arena full until a completion frees a block
             for p in reversed(live):
                 self.batcher.push(p, front=True)
             return False
-        self.replay.record(entry, live)
+        if msg.sequences:   # a generator's: its sequences hold slots on the worker from now on
+            self.streams.dispatched(worker, msg.batch_id, model_key(model, msg.version), live)
+        else:   # a generator's prompts are no warm-up batch (its loop warms itself)
+            self.replay.record(entry, live)
         self.back.send(worker.identity, msg)
         worker.batch_sent(msg.batch_id, done_by, now)   # its version's last use: least recently used goes first
         return True
@@ -263,7 +282,7 @@ class WorkerMessages:
                          WorkerReady: self._on_ready, WorkerFailed: self._on_failed,
                          WorkerSnapshot: self._on_snapshot, WorkerFault: faults.on_fault,
                          **{t: self._on_loader for t in core.placement.messages},
-                         LoadPhase: self._on_phase, ModelLoaded: self._on_loaded}
+                         LoadPhase: self._on_phase, ModelLoaded: self._on_loaded, Steps: self._on_steps}
 
     def on_message(self, frames: list) -> None:
         ident = frames[0].bytes
@@ -305,6 +324,7 @@ class WorkerMessages:
     def _on_loaded(self, worker: WorkerHandle, msg: ModelLoaded) -> None:
         """A load ended: printed if its phases were told (a repeated load's answer tells none);
         a start-up model serves from now on, a run-time load goes to placement."""
+        self.core.streams.loaded(worker, msg)   # a generator's slots
         under_way = worker.under_way.get(msg.key)
         if under_way is not None and msg.error is None:
             self.progress.ready(worker.name, msg.key, (msg.load_ms - msg.warm_ms) / 1000, msg.warm_ms / 1000)
@@ -314,6 +334,11 @@ class WorkerMessages:
             self._on_loader(worker, msg)
         elif self.core.handshake.model_loaded(worker, msg):
             self.core.schedule()   # requests for it may be queued already
+
+    def _on_steps(self, worker: WorkerHandle, msg: Steps) -> None:
+        """A step of a generator's loop (the generate wing's); a freed slot may take a queued one."""
+        if self.core.streams.on_steps(worker, msg):
+            self.core.schedule()
 
     def _on_failed(self, worker: WorkerHandle, msg: WorkerFailed) -> None:
         """A start-up model (or a preload) failed: the worker serves no more, it is stopped."""
@@ -352,7 +377,9 @@ class WorkerMessages:
                     self.core.door.fail(p, error_from_body(done.failed[k]))
                     continue
                 answered.append((p, views))
-            if answered:
+            if answered and batch.batch_id in self.core.streams.by_batch:
+                self.core.streams.admitted([p for p, _ in answered], now)   # in its loop: the wing answers them
+            elif answered:
                 self.core.door.answer(answered, now)
                 self.stats.models[batch.model].replies += len(answered)
             # safe right after the replies: each send copied its frames out of the ring
@@ -369,6 +396,8 @@ class WorkerMessages:
                                         for staged in worker.inflight.values()))
         for p in batch.requests if done.final else ():  # a final part that left some out: a worker bug
             self.core.door.fail(p, fail(Code.INTERNAL, "the worker's completions left this request unanswered"))
+        if done.final and batch.batch_id in self.core.streams.by_batch:   # a generator's admission batch
+            self.core.streams.batch_done(batch.batch_id, [e.request for e in part if type(e) is Gone])
         if worker.holding.evicting:  # a version it no longer holds may have finished its last batch
             self.core.placement.reconcile()
         self.core.schedule()

@@ -2,7 +2,8 @@
 caller closing (`bye`, an HTTP connection closed, a gRPC call cancelled or past its deadline:
 the faces call `drop_caller`), or left by a caller whose process is gone.
 
-Each is withdrawn wherever it is, and never answered. A queued one is taken out of its queue
+Each is withdrawn wherever it is, and never answered (a generation in its worker's loop is ended
+there at the next step: broker/generate/streams.py). A queued one is taken out of its queue
 unrun (stats `abandoned`, by reason). One already on a worker (its batch staged or computing)
 is taken out of its batch by the core (`withdraw`: state/inflight.py): a worker that has not
 launched the batch leaves it out, else its rows are computed and dropped; which of the two
@@ -53,6 +54,7 @@ class Abandonment:
         self.cancelled: Counter = Counter()             # (model, where) -> requests withdrawn
         self._disconnects_seen = 0
         self.runs = None   # pipeline.executor.Pipelines (the door sets it): their runs stop with their callers
+        self.streams = None   # generate.streams.Streams (the door sets it): running generations end with them
         self._recheck_until = 0.0
 
     # ---- bookkeeping (hot path) ----------------------------------------------------------------
@@ -83,13 +85,15 @@ class Abandonment:
 
     def cancel(self, ident, msg: Cancel) -> None:
         ids = msg.ids[:MAX_CANCEL_IDS]
-        queued, running = [], set()
+        queued, running, generating = [], set(), 0
         for req_id in ids:
             p = self.inflight.get((ident, req_id))
             if p is None:
                 continue  # answered already, never admitted, or a pipeline's run (below)
             if self.batcher.remove(p):
                 queued.append(p)
+            elif p.generate is not None and self.streams is not None and self.streams.cancel(p):
+                generating += 1   # in its worker's loop: ended at the next step
             else:
                 running.add(id(p))
         self._drop(queued, "cancelled")
@@ -98,7 +102,7 @@ class Abandonment:
         if stopped:   # a pipeline's run: none of its steps still to come is sent
             self.counts["cancelled"] += stopped
         self.reply(ident, CancelReply(v=PROTOCOL_VERSION, id=msg.id, cancelled=len(queued) + stopped,
-                                      running=on_workers))
+                                      running=on_workers + generating))
 
     def drop_caller(self, idents: set, reason: str) -> int:
         """Withdraw every request of these callers (they gave up or are gone): queued, on a
@@ -106,6 +110,8 @@ class Abandonment:
         taken = self.batcher.take_where(lambda p: p.client in idents)
         self._drop(taken, reason)
         on_workers = self._withdraw_running(lambda p: p.client in idents)
+        if self.streams is not None:
+            on_workers += self.streams.drop(lambda p: p.client in idents)
         stopped = 0
         if self.runs is not None and self.runs.runs:
             stopped = self._stop_runs([key for key in self.runs.runs if key[0] in idents],

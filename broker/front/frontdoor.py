@@ -106,6 +106,7 @@ class DoorRoutes:
     pipelines: Any                               # pipeline.executor.Pipelines: names in its `table` go to its start
     withdraw: Callable[[Callable], list]         # requests on workers nobody waits for (abandon.py)
     answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
+    streams: Any = None                          # generate.streams.Streams: running generations (cancel, bye, gone)
 
 
 class FrontDoor:
@@ -115,6 +116,10 @@ class FrontDoor:
     def __init__(self, loop, sock, server: ServerDecl, token: str | None, clock: Callable[[], float],
                  complaints: Complaints, callers: Callers, stats: Stats, zap=None):
         self.loop, self.sock, self.zap = loop, sock, zap
+        # a tracked send (copy=False) is zero-copy however small, so its tracker tells when libzmq
+        # is done with it (pyzmq copies below this threshold and reports it done at once); sends
+        # with copy=True, the rest, are unaffected
+        sock.copy_threshold = 0
         self.server, self.token, self.clock = server, token, clock
         self.complaints, self.callers, self.stats = complaints, callers, stats
         self.regions = Regions(self.server.max_region_bytes, self.reply, self.error, self.complaints.note)
@@ -134,6 +139,7 @@ class FrontDoor:
         self.abandon = Abandonment(routes.batcher, self.callers, routes.finished, routes.schedule, self.clock,
                                    self.reply, routes.withdraw)
         self.abandon.runs = routes.pipelines   # a cancel or a caller gone stops its pipeline runs too
+        self.abandon.streams = routes.streams  # ... and its running generations
         self.handlers = {RegisterRegion: self._region, UnregisterRegion: self._region}
         self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
@@ -250,6 +256,19 @@ class FrontDoor:
             self.outbox.send(ident, [encode(msg), *tensors])
         else:
             ident.deliver(msg, tensors)
+
+    def send_out(self, ident, msg, *frames) -> tuple[str, object]:
+        """A generation's reply, tracked: ("", tracker) once queued (the tracker tells when libzmq
+        is done with it: a slow reader's unread outputs are those it still holds), else why not
+        ("full", "gone"). Small frames too: the bound is on outputs, not bytes."""
+        if type(ident) is not bytes:
+            ident.deliver(msg, frames)
+            return "", None
+        why, tracker = self.pump.send([ident, encode(msg), *frames], track=True)
+        if why:
+            self.complaints.note("dropped", "client_queue_messages" if why == "full" else "client_gone",
+                                 "a generation's reply was dropped: its caller is gone or not reading")
+        return why, tracker
 
     def error(self, ident: bytes, req_id: int, err: TgwError, model: str | None = None,
               trace: str | None = None) -> None:

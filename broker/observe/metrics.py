@@ -27,7 +27,7 @@ from tgw.broker.state.stats import Buckets
 from tgw.broker.state.versions import VersionState
 
 from .devices import DEVICE_STATES, device_states
-from .status import BrokerView, gpu_status, listed, serving, worker_status
+from .status import BrokerView, generator_counters, gpu_status, listed, serving, worker_status
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
 OK = "OK"                                               # the code label of a request answered with outputs
@@ -87,6 +87,7 @@ class Metrics(Collector):
         yield from scheduler_families(view)
         yield from pipeline_families(view)
         yield from cache_families(view)
+        yield from generator_families(view)
         yield from gpu_families(view.roster)
         yield from device_families(view)
         yield from rollout_families(view)
@@ -316,6 +317,36 @@ def cache_families(view: BrokerView) -> Iterator:
         entries.add_metric([m.name], len(cache.entries))
         held.add_metric([m.name], cache.nbytes)
     yield from (hits, misses, evictions, entries, held)
+
+
+def generator_families(view: BrokerView) -> Iterator:
+    """Each generator model's sequences, slots and outputs (status' models[].generation)."""
+    active = GaugeMetricFamily("tgw_generator_active_sequences", "Sequences in a worker's step loop now "
+                               "(admitted, not ended)", labels=["model"])
+    slots = GaugeMetricFamily("tgw_generator_slots", "State slots of the workers that hold a version of the "
+                              "generator (at most that many sequences run at once)", labels=["model"])
+    outputs = CounterMetricFamily("tgw_generator_outputs", "Outputs sent to callers", labels=["model"])
+    ended = CounterMetricFamily("tgw_generator_sequences", "Sequences ended, by reason (max_outputs, stop_token, "
+                                "stop_sequence, max_length, done, cancelled, error)", labels=["model", "reason"])
+    resumed = CounterMetricFamily("tgw_generator_resumed", "Sequences prefilled again after their worker died",
+                                  labels=["model"])
+    first = HistogramMetricFamily("tgw_generator_first_output_seconds", "Seconds from the broker's receipt of a "
+                                  "generation to its first output", labels=["model"])
+    between = HistogramMetricFamily("tgw_generator_between_outputs_seconds", "Seconds from one output of a "
+                                    "sequence to its next", labels=["model"])
+    for m in listed(view):
+        c = generator_counters(view, m)
+        if c is None:
+            continue
+        active.add_metric([m.name], c.active)
+        slots.add_metric([m.name], c.slots)
+        outputs.add_metric([m.name], c.outputs)
+        for reason, n in sorted(c.ended.items()):
+            ended.add_metric([m.name, reason], n)
+        resumed.add_metric([m.name], c.resumed)
+        histogram(first, [m.name], c.first_output)
+        histogram(between, [m.name], c.between_outputs)
+    yield from (active, slots, outputs, ended, resumed, first, between)
 
 
 def pipeline_families(view: BrokerView) -> Iterator:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Scrape, \
     ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
 
+from tgw.broker.state.generation import GeneratorCounters
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 from tgw.broker.models.registry import ModelEntry
@@ -73,6 +74,8 @@ class BrokerView:
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
     rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
     replay: Callable[[str], dict] = lambda model: {}   # its replay warm-up sample (models/replay.py as_dict)
+    # each generator model's counters, by name (the generate wing's; none counted yet: absent)
+    generators: dict[str, GeneratorCounters] = field(default_factory=dict)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -210,13 +213,28 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "queued": view.batcher.queued(m.name),
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors),
                           "replay": view.replay(m.name), "loading": loading(view, m, now),
-                          "cache": m.cache.as_dict() if m.cache is not None else None}
+                          "cache": m.cache.as_dict() if m.cache is not None else None,
+                          "generation": generation(view, m)}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
                        http=view.listening.http, grpc=view.listening.grpc, devices=device_states(view),
                        cuda_faults=view.faults(), rollouts=view.rollouts(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
+
+
+def generator_counters(view: BrokerView, m: ModelEntry) -> GeneratorCounters | None:
+    """A generator model's counters (zeros before the generate wing counted any); None for another model."""
+    counters = view.generators.get(m.name)
+    if counters is None and m.is_generator:
+        return GeneratorCounters()
+    return counters
+
+
+def generation(view: BrokerView, m: ModelEntry) -> dict | None:
+    """status' models[m]["generation"]: GeneratorCounters.as_dict (docs/GENERATION.md); None: not a generator."""
+    counters = generator_counters(view, m)
+    return counters.as_dict() if counters is not None else None
 
 
 def worker_status(w, now: float) -> dict:

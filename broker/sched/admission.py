@@ -2,7 +2,8 @@
 when it leaves (finished).
 
 In order: the cheap structural checks (limits, declaration, sizes), the circuit breaker of the
-version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, whether
+version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, a
+generation's parameters (generate/admit.py: only a generator's requests are generations), whether
 the deadline can be met at all (predicted compute of its own rows), the tenant's quota
 (RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, the model's response cache (a hit
 is never queued: the front door answers it), then a place in the queue: the model's adaptive
@@ -20,6 +21,7 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.ring import aligned_total
 from tgw.shm.wire import BYTES, Infer, nbytes_of
 
+from tgw.broker.generate.admit import GenerateCheck
 from tgw.broker.state.pending import Pending, is_shadow, is_step
 
 from .batcher import Batcher
@@ -101,6 +103,7 @@ class Admission:
         self.limits: dict[str, AdaptiveLimit] = {}
         self.open = True
         self.copies = Copies(batcher, self.is_open, drained)   # shadow versions' copies (canary/)
+        self.generating = GenerateCheck()   # a generation's checks, and its sequence id
         for m in models:
             self.declare(m)
         # metrics, traces, slow log, ...: each gets the requests of one exit (leave); given once, by
@@ -152,6 +155,9 @@ class Admission:
             raise fail(Code.INVALID_ARGUMENT, f"priority {msg.priority} is out of range: model {model.name!r} "
                        f"has levels 0..{model.priority_levels - 1} (0 is served first)",
                        priority=msg.priority, priority_levels=model.priority_levels)
+        # a generator's request is a generation, and only then (docs/GENERATION.md)
+        gen = self.generating.check(checked.model, msg.generate, checked.rows) \
+            if msg.generate is not None or checked.model.is_generator else None
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         deadline = now + timeout_ms / 1000.0
         record = checked.record
@@ -169,6 +175,7 @@ class Admission:
         counters, limit, cache = self.stats.models[model.name], self.limits.get(model.name), checked.model.cache
         try:
             p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
+            p.generate = gen
             if cache is None or not cache.lookup(p, msg, checked.order, now):
                 self._enqueue(p, limit, counters)
             elif limit is not None:   # a hit (p.cache_hit, answered by the front door) leaves as every request

@@ -244,7 +244,7 @@ class Batcher:
                     yield p
 
     def next_batch(self, model: str, max_bytes: int, max_out_bytes: int | None = None,
-                   now: float | None = None) -> list[Pending]:
+                   now: float | None = None, max_rows: int | None = None) -> list[Pending]:
         """Pop the head request and those of its group that fit; [] if the queue is empty.
 
         A batch holds one region per input of aligned size; `max_bytes` caps the whole batch so
@@ -252,7 +252,8 @@ class Batcher:
         region per declared output) to the output arena, when every request's output size is
         known: a batch whose outputs cannot fit would fail whole. A head that alone exceeds a
         cap is still returned: the caller answers it (admission normally stops it first). With
-        preferred_batch_sizes, a batch that reaches one stops at the largest it can reach."""
+        preferred_batch_sizes, a batch that reaches one stops at the largest it can reach.
+        `max_rows`: rows the worker takes at most (a generator's free slots), below max_batch_size."""
         q = self.queues[model]
         if not q.count:
             return []
@@ -261,7 +262,7 @@ class Batcher:
         q.count -= 1
         if head.alone:
             return [head]
-        cap = q.max_batch_size
+        cap = q.max_batch_size if max_rows is None else max(1, min(q.max_batch_size, max_rows))
         if q.preferred and head.rows < q.preferred[-1]:
             avail = sum(p.rows for p in self._group(q, head)) + head.rows
             cap = max((b for b in q.preferred if b <= min(avail, cap)), default=cap)

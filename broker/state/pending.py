@@ -48,6 +48,8 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
     # or on a miss (the cache, key, epoch) its computed answer is kept under
     cache_hit: Optional[dict] = None
     cache_miss: Optional[tuple] = None
+    # a generation (docs/GENERATION.md): its sequence as its worker gets it (GenSeq); None: answered once
+    generate: Any = None
 
     def __post_init__(self) -> None:
         self.nbytes = nbytes = [len(t) for t in self.tensors]

@@ -95,6 +95,10 @@ class WorkerHandle:
     role: str = "models+stages"
     # key -> the load its loader thread is doing now, start-up ones included (status shows them)
     under_way: dict[str, LoadUnderWay] = field(default_factory=dict)
+    # a generator's (docs/GENERATION.md), per key: its slot pool's size, and the sequences it holds
+    # for the broker (admission batches in flight and running in its loop; broker/generate/)
+    slots: dict[str, int] = field(default_factory=dict)
+    sequences: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._state = WorkerState.PLANNED
@@ -204,6 +208,8 @@ class WorkerHandle:
         self.faulted = ""
         self.models.clear()
         self.inflight.clear()
+        self.slots.clear()
+        self.sequences.clear()
         self._use_ring(segment)
 
     def drop_inflight(self) -> list[Inflight]:
@@ -270,6 +276,24 @@ class WorkerHandle:
         self.holding.unloads += 1
         return freed
 
+    # ---- a generator's sequences (broker/generate/streams.py) ---------------------------------
+
+    def slots_known(self, key: str, slots: int) -> None:
+        """Its pool of `key` holds this many sequences (its load's ModelLoaded, each Steps)."""
+        self.slots[key] = slots
+
+    def sequences_taken(self, key: str, n: int) -> None:
+        """n sequences of `key` went to it (an admission batch)."""
+        self.sequences[key] = self.sequences.get(key, 0) + n
+
+    def sequence_freed(self, key: str) -> None:
+        """One of them ended (or was never started): its slot is free."""
+        n = self.sequences.get(key, 0) - 1
+        if n > 0:
+            self.sequences[key] = n
+        else:
+            self.sequences.pop(key, None)
+
     # ---- batches (the core) -------------------------------------------------------------------
 
     def batch_sent(self, batch_id: int, done_by: float, now: float) -> None:
@@ -307,8 +331,8 @@ class WorkerHandle:
         return self.identity + b"~load"
 
     def holds(self, key: str) -> bool:
-        """Whether it has a batch of this version in flight."""
-        return any(b.key == key for b in self.inflight.values())
+        """Whether it has a batch of this version in flight, or a generator's sequence running."""
+        return key in self.sequences or any(b.key == key for b in self.inflight.values())
 
     @property
     def control_identity(self) -> bytes:
@@ -358,6 +382,8 @@ class WorkerHandle:
                       block=block, inputs=tensors, deadline=max(p.deadline for p in requests),
                       release=self.take_releases(), splits=[p.rows for p in requests],
                       traces=[t or "" for t in traces] if any(traces) else [], ids=[p.req_id for p in requests])
+        if first.generate is not None:   # a generator's admission batch: each request as a sequence
+            batch.sequences = [p.generate for p in requests]
         return attach_cuda(batch, requests)   # CUDA inputs: descriptors, no ring bytes (nbytes 0)
 
     def withdraw(self, wanted) -> tuple[list[Pending], list[Withdraw]]:

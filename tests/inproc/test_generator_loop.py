@@ -1,0 +1,402 @@
+"""A generator's step loop on its worker (workers/generate/) in-process, with the real toy
+generators of tgw.testing.generators loaded as a worker loads them (make_runner, warm-up): the
+loop driven directly iteration by iteration, then once through Server.serve() over a ROUTER as
+the broker drives it. Continuous admission, cancels freeing slots, the pool exhausted, every end
+reason, a handler that raises or fails a row or returns the wrong thing, resumption, and the
+load's own checks (slot arithmetic, warm-up)."""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from tgw.shm.errors import Code
+from tgw.shm.ring import aligned_total
+from tgw.shm.segment import Segment, new_name
+from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CancelSequences, Done, GeneratorSpec, GenSeq, IOSpec,
+                          ModelSpec, Sampling, Steps, Stop, StateSpec, WorkerHello, encode, from_worker_decoder)
+from tgw.testing import generators
+from tgw.testing.generators import counter_outputs, toylm_reference
+from tgw.workers.generate.intake import sequence
+from tgw.workers.generate.loop import StepLoop
+from tgw.workers.generate.runner import GeneratorLoadError, GeneratorProofError
+from tgw.workers.serve import Server
+from tgw.workers.stage_runner import make_runner
+
+CPU = torch.device("cpu")
+GENERATORS_FILE = os.path.abspath(generators.__file__)
+WAIT_S = 10.0
+
+
+def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, **gen) -> ModelSpec:
+    out, state = {"Counter": ("value", StateSpec(name="acc", dtype="int64", shape=[3])),
+                  "ToyLM": ("token", StateSpec(name="n", dtype="int64", shape=[2]))}[cls]
+    g = GeneratorSpec(state=[state], max_sequences=0 if state_memory else gen.pop("max_sequences", 4),
+                      state_memory=state_memory, **gen)
+    return ModelSpec(name=cls.lower(), version="1", path="", format="stage", handler=f"tgw.testing.generators:{cls}",
+                     device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                     outputs=[IOSpec(name=out, dtype="int64", shape=[])], options=options or {}, generator=g)
+
+
+def loaded(cls: str = "Counter", **kw):
+    runner = make_runner(spec(cls, **kw), CPU)
+    runner.warm_up()
+    return runner
+
+
+class Driver:
+    """A StepLoop and what its Steps told, per sequence."""
+
+    def __init__(self, runner):
+        self.runner, self.loop = runner, StepLoop(runner)
+        self.outputs: dict[int, list[int]] = {}
+        self.positions: dict[int, list[int]] = {}
+        self.ends: dict[int, object] = {}
+        self.steps: list[Steps] = []
+
+    def admit(self, seq: int, prompt: list[int], max_outputs: int = 0, **kw) -> None:
+        sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
+        gs = GenSeq(seq=seq, max_outputs=max_outputs, sampling=sampling, **kw)
+        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": torch.tensor(prompt)}, self.loop.tokens))
+
+    def iterate(self) -> Steps | None:
+        st = self.loop.iterate()
+        if st is not None:
+            self.steps.append(st)
+            values = torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist() if st.seqs else []
+            assert not st.seqs or st.outputs[0].shape == [len(st.seqs)]
+            for q, pos, v in zip(st.seqs, st.positions, values):
+                self.outputs.setdefault(q, []).append(v)
+                self.positions.setdefault(q, []).append(pos)
+            for e in st.ended:
+                assert e.seq not in self.ends, f"sequence {e.seq} ended twice"
+                self.ends[e.seq] = e
+        return st
+
+    def run(self, limit: int = 500) -> None:
+        for _ in range(limit):
+            if not self.loop.busy:
+                return
+            self.iterate()
+        raise AssertionError("the loop never went idle")
+
+    def reason(self, seq: int) -> str:
+        return self.ends[seq].reason
+
+    def error(self, seq: int):
+        e = self.ends[seq]
+        assert e.reason == "error" and e.error is not None, e
+        return e.error
+
+
+# ---- continuous batching ---------------------------------------------------------------------
+
+
+def test_a_late_sequence_starts_before_the_early_ones_finish_and_slots_are_reused():
+    d = Driver(loaded(max_sequences=2))
+    d.admit(1, [1, 2, 3], max_outputs=10)
+    d.admit(2, [5], max_outputs=3)
+    first = d.iterate()
+    assert first.prefilled == 2 and first.active == 2 and first.slots == 2
+    d.iterate()
+    d.iterate()   # sequence 2 emits its third output and ends: its slot is free again
+    assert d.reason(2) == "max_outputs" and d.loop.free_slots == 1
+    d.admit(3, [7, 7], max_outputs=4)
+    st = d.iterate()
+    assert st.prefilled == 1 and set(st.seqs) == {1, 3}   # 3's first output rides with 1's 4th
+    assert 1 not in d.ends
+    d.run()
+    assert d.outputs == {1: counter_outputs([1, 2, 3], 10), 2: counter_outputs([5], 3), 3: counter_outputs([7, 7], 4)}
+    assert d.positions[1] == list(range(10)) and d.loop.free_slots == 2 and not d.loop.live
+
+
+def test_prefill_takes_at_most_max_prefill_rows_a_step():
+    d = Driver(loaded(max_sequences=4, max_prefill_rows=2))
+    for q in range(3):
+        d.admit(q, [q + 1], max_outputs=3)
+    assert d.iterate().prefilled == 2
+    st = d.iterate()
+    assert st.prefilled == 1 and sorted(st.seqs) == [0, 1, 2]
+    d.run()
+    assert all(d.outputs[q] == counter_outputs([q + 1], 3) for q in range(3))
+
+
+def test_the_pool_exhausted_refuses_at_once_without_touching_the_others():
+    d = Driver(loaded(max_sequences=2))
+    for q in range(3):
+        d.admit(q, [q], max_outputs=2)
+    d.iterate()
+    err = d.error(2)
+    assert err.code == Code.OVERLOADED.value and "no free state slot" in err.message and 2 not in d.outputs
+    d.run()
+    assert d.outputs == {0: counter_outputs([0], 2), 1: counter_outputs([1], 2)}
+
+
+# ---- cancels ---------------------------------------------------------------------------------
+
+
+def test_a_cancel_frees_the_slot_before_the_next_step_and_is_counted():
+    d = Driver(loaded(max_sequences=2))
+    d.admit(1, [1], max_outputs=50)
+    d.admit(2, [2], max_outputs=50)
+    d.iterate()
+    d.loop.cancel([1, 99], "deadline")   # 99: not (or no longer) here, ignored
+    st = d.iterate()
+    assert st.seqs == [2] and [(e.seq, e.reason) for e in st.ended] == [(1, "deadline")]
+    assert st.freed == 1 and st.active == 1 and d.loop.free_slots == 1
+    d.admit(3, [3], max_outputs=2)      # the freed slot serves a newcomer
+    d.loop.cancel([2])
+    d.run()
+    assert d.reason(2) == "cancelled" and d.steps[-1].freed == 2 and d.outputs[3] == counter_outputs([3], 2)
+
+
+def test_cancelling_a_sequence_not_yet_prefilled_sends_only_its_end():
+    d = Driver(loaded(max_sequences=2))
+    d.admit(1, [1], max_outputs=5)
+    d.loop.cancel([1])
+    st = d.iterate()
+    assert st.seqs == [] and st.outputs == [] and [e.reason for e in st.ended] == ["cancelled"] and st.freed == 1
+    assert not d.loop.busy and d.loop.free_slots == 2
+
+
+# ---- ends ------------------------------------------------------------------------------------
+
+
+def test_stop_tokens_are_not_emitted_stop_sequences_are():
+    base = counter_outputs([10], 10)   # 10, 11, 12, ...
+    d = Driver(loaded(end_tokens=[14]))
+    d.admit(1, [10], max_outputs=20)                          # the model's end token
+    d.admit(2, [10], max_outputs=20, stop_tokens=[12])        # the request's
+    d.admit(3, [10], max_outputs=20, stop_sequences=[[99], [12, 13]])
+    d.run()
+    assert (d.outputs[1], d.reason(1)) == (base[:4], "stop_token")
+    assert (d.outputs[2], d.reason(2)) == (base[:2], "stop_token")
+    assert (d.outputs[3], d.reason(3)) == (base[:4], "stop_sequence")
+
+
+def test_done_and_max_outputs_end_after_emitting():
+    d = Driver(loaded(options={"done_at": 2}))
+    d.admit(1, [4], max_outputs=9)
+    d.admit(2, [4], max_outputs=1)
+    d.run()
+    assert (d.outputs[1], d.reason(1)) == (counter_outputs([4], 3), "done")
+    assert (d.outputs[2], d.reason(2)) == (counter_outputs([4], 1), "max_outputs")
+
+
+def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_not_fit():
+    d = Driver(loaded(max_length=5))
+    d.admit(1, [1, 1, 1], max_outputs=50)   # outputs sit at 3, 4, 5: a step from 4 would write position 4, then none
+    d.admit(2, [1] * 5, max_outputs=50)     # fills it: its one output, from the prefill alone
+    d.admit(3, [1] * 6, max_outputs=50)
+    d.run()
+    assert (len(d.outputs[1]), d.reason(1)) == (3, "max_length")
+    assert (len(d.outputs[2]), d.reason(2)) == (1, "max_length")
+    err = d.error(3)
+    assert err.code == Code.INVALID_ARGUMENT.value and "6 position(s)" in err.message and "max_length is 5" in err.message
+    assert 3 not in d.outputs and d.loop.free_slots == 4
+
+
+# ---- a handler that fails --------------------------------------------------------------------
+
+
+def test_an_exception_in_prefill_ends_those_newcomers_only_naming_the_handlers_line(caplog):
+    d = Driver(loaded(options={"raise_prefill_on": 13}, max_prefill_rows=2))
+    d.admit(1, [1], max_outputs=4)
+    d.iterate()
+    d.admit(2, [13], max_outputs=4)
+    d.admit(3, [3], max_outputs=4)   # prefilled in the same call as 2: it fails with it
+    d.admit(4, [4], max_outputs=4)   # the next prefill: served
+    d.run()
+    for q in (2, 3):
+        err = d.error(q)
+        assert err.code == Code.MODEL_EXECUTION_ERROR.value
+        assert "prefill raised ValueError: prefill refuses prompts starting with 13" in err.message
+        assert f"{GENERATORS_FILE}:" in err.message
+    assert d.outputs[1] == counter_outputs([1], 4) and d.outputs[4] == counter_outputs([4], 4)
+    assert d.loop.free_slots == 4
+    assert any(getattr(r, "event", None) == "generation_failed" for r in caplog.records)
+
+
+def test_an_exception_in_step_ends_every_stepped_row_and_the_loop_goes_on():
+    d = Driver(loaded(options={"raise_at": 2}))
+    d.admit(1, [1], max_outputs=5)
+    d.admit(2, [2], max_outputs=5)
+    d.run()
+    for q in (1, 2):
+        err = d.error(q)
+        assert "step raised RuntimeError: step refuses output 2" in err.message and f"{GENERATORS_FILE}:" in err.message
+        assert d.outputs[q] == counter_outputs([q], 2)
+    d.admit(3, [3], max_outputs=2)   # served after: one output from prefill, the step that raised not reached
+    d.run()
+    assert d.outputs[3] == counter_outputs([3], 2) and d.loop.free_slots == 4
+
+
+def test_a_row_the_handler_fails_ends_with_its_message_and_a_bad_return_names_the_method():
+    d = Driver(loaded(options={"fail_on": 8}))
+    d.admit(1, [8], max_outputs=3)
+    d.admit(2, [9], max_outputs=3)
+    d.run()
+    err = d.error(1)
+    assert err.code == Code.INVALID_ARGUMENT.value and "prompt starts with 8" in err.message
+    assert d.outputs[2] == counter_outputs([9], 3)
+    d = Driver(loaded())
+    d.runner.module.bad_return = "step"   # after the warm-up, which would have refused it
+    d.admit(1, [1], max_outputs=3)
+    d.run()
+    err = d.error(1)
+    assert "step returned 'value' float32 [1]; declared int64 [1]" in err.message and "Counter.step" in err.message
+
+
+# ---- sampling and resumption ---------------------------------------------------------------------
+
+
+def test_seeded_sampling_does_not_depend_on_batch_neighbours():
+    prompts = {q: [q + 1, 2 * q + 3] for q in range(6)}
+    params = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+    d = Driver(loaded("ToyLM", max_sequences=6, max_prefill_rows=2))
+    for q, p in prompts.items():
+        d.admit(q, p, max_outputs=8 + q, seed=100 + q, **params)
+    d.run()
+    for q, p in prompts.items():
+        assert d.outputs[q] == toylm_reference(p, 8 + q, seed=100 + q, **params), q
+    alone = Driver(loaded("ToyLM"))
+    alone.admit(0, prompts[3], max_outputs=11, seed=103, **params)
+    alone.run()
+    assert alone.outputs[0] == d.outputs[3]
+
+
+def test_a_resumed_sequence_continues_exactly():
+    for cls, params in (("Counter", {}), ("ToyLM", {"temperature": 1.0, "seed": 7})):
+        whole = Driver(loaded(cls))
+        whole.admit(1, [3, 4], max_outputs=9, **params)
+        whole.run()
+        full = whole.outputs[1]
+        out_dtype = torch.int64
+        resumed = Driver(loaded(cls))
+        resumed.admit(1, [3, 4], max_outputs=9, delivered=4,
+                      prefix=[torch.tensor(full[:4], dtype=out_dtype).numpy().tobytes()], **params)
+        resumed.run()
+        assert resumed.outputs[1] == full[4:] and resumed.positions[1] == list(range(4, 9)), cls
+
+
+# ---- the load --------------------------------------------------------------------------------
+
+
+def test_slots_from_state_memory_and_a_pool_that_holds_none_fails_the_load_with_the_arithmetic():
+    runner = loaded(state_memory=24 * 10 + 5)
+    assert runner.slots == 10 and runner.nbytes == 240 and runner.state["acc"].shape == (10, 3)
+    with pytest.raises(GeneratorLoadError, match=r"state_memory of 20 bytes holds 0 slots: one sequence's state "
+                                                 r"is 24 bytes \(acc int64 \[3\] = 24 bytes\)"):
+        make_runner(spec(state_memory=20), CPU)
+
+
+def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
+    with pytest.raises(GeneratorProofError, match=r"warm-up prefill returned 'value' float32 \[1, 2\]; declared "
+                                                  r"int64 \[1\].*Counter.prefill"):
+        loaded(options={"bad_return": "prefill"})
+    with pytest.raises(GeneratorProofError, match=rf"warm-up step raised RuntimeError: step refuses output 1 "
+                                                  rf"\(at {GENERATORS_FILE}:\d+\)"):
+        loaded(options={"raise_at": 1})
+
+
+# ---- through the serving loop ------------------------------------------------------------------
+
+
+class Broker:
+    """Server.serve() in a thread on a DEALER; this side plays the broker on a ROUTER."""
+    IDENTITY = b"w0.0"
+
+    def __init__(self, runners: dict):
+        self.segment = Segment.create(new_name("ring"), 128 << 10)
+        self.ctx = zmq.Context()
+        self.router, self.dealer = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.DEALER)
+        self.router.bind(f"inproc://tgw-gen-{id(self)}")
+        self.dealer.setsockopt(zmq.IDENTITY, self.IDENTITY)
+        self.dealer.connect(f"inproc://tgw-gen-{id(self)}")
+        self.dealer.send(encode(WorkerHello(v=PROTOCOL_VERSION, worker_id=0, pid=os.getpid())))
+        assert self.router.poll(int(WAIT_S * 1000))
+        self.router.recv_multipart()
+        self.server = Server(self.dealer, self.segment, 64 << 10, 64 << 10, runners)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        self.ids, self.next_in = itertools.count(1), 0
+
+    def _serve(self):
+        try:
+            self.server.serve()
+        except BaseException as exc:
+            self.error = exc
+
+    def send(self, msg) -> None:
+        self.router.send_multipart([self.IDENTITY, encode(msg)])
+
+    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
+        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
+        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+        block = self.next_in
+        self.next_in += aligned_total([len(data)])
+        self.segment.buf[block:block + len(data)] = data
+        batch = Batch(batch_id=next(self.ids), model=model, version="1", rows=len(prompts), block=block,
+                      inputs=[BlockTensor(name="prompt", dtype="int64", shape=[len(prompts), len(prompts[0])],
+                                          offset=block, nbytes=len(data))],
+                      splits=[1] * len(prompts), sequences=[GenSeq(seq=q, max_outputs=max_outputs) for q in seqs])
+        self.send(batch)
+        return batch
+
+    def recv(self):
+        deadline = time.monotonic() + WAIT_S
+        while not self.router.poll(50):
+            assert self.thread.is_alive(), f"serve() ended: {self.error!r}"
+            assert time.monotonic() < deadline, "no message from the worker"
+        return from_worker_decoder.decode(self.router.recv_multipart()[1])
+
+    def close(self):
+        self.send(Stop())
+        self.thread.join(WAIT_S)
+        alive = self.thread.is_alive()
+        self.router.close(linger=0)
+        if not alive:
+            self.dealer.close(linger=0)
+            self.ctx.term()
+            self.segment.close()
+        self.segment.unlink()
+        assert not alive and self.error is None, self.error
+
+
+def test_through_the_serving_loop_a_batch_is_answered_at_once_then_streamed_and_cancelled():
+    runner = loaded(max_sequences=3)
+    b = Broker({runner.key: runner})
+    try:
+        batch = b.generate("counter", [[1, 2], [3, 4]], [10, 11], max_outputs=1000)
+        done = b.recv()
+        assert isinstance(done, Done) and done.batch_id == batch.batch_id and done.error is None and not done.outputs
+        got: dict[int, list[int]] = {}
+        cancelled = None
+        while cancelled is None:
+            st = b.recv()
+            assert isinstance(st, Steps) and st.key == "counter:1" and st.slots == 3
+            values = torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist() if st.seqs else []
+            for q, v in zip(st.seqs, values):
+                got.setdefault(q, []).append(v)
+            if len(got.get(10, [])) == 3:
+                b.send(CancelSequences(seqs=[10]))
+            ended = {e.seq: e for e in st.ended}
+            if 10 in ended:
+                cancelled = st
+        assert ended[10].reason == "cancelled" and cancelled.freed == 1 and 10 not in cancelled.seqs
+        n = len(got[10])
+        assert got[10] == counter_outputs([1, 2], n) and got[11] == counter_outputs([3, 4], len(got[11]))
+        b.send(CancelSequences(seqs=[11], reason="client_closed"))
+        while True:   # the rest of 11's outputs, then its end
+            st = b.recv()
+            if st.ended:
+                assert [(e.seq, e.reason) for e in st.ended] == [(11, "client_closed")] and st.active == 0
+                break
+    finally:
+        b.close()

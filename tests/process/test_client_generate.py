@@ -1,0 +1,95 @@
+"""Client.generate and AsyncClient.generate end to end: a real broker and worker running the test
+generator `Counter` (tgw.testing.generators: output n of a prompt is (sum(prompt) + n) % 1000).
+Its outputs in order with their `final` record; async streams side by side; a stream closed (sync
+close, async aclose, a dropped stream) cancels its sequence, and status shows the slots its
+worker freed. The stream object against a scripted peer: tests/unit/test_client_generation.py."""
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+import pytest
+from conftest import wait_until
+
+from tgw.client import AsyncClient, Client, InvalidArgumentError
+from tgw.testing.generators import entry
+
+MODEL = "count"
+
+
+def config() -> dict:
+    # a stream left unread a while is no slow reader here: the cancels are the test's
+    return {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 2, "output_arena_mb": 2},
+            "models": [entry(MODEL, "Counter", max_sequences=4, max_outputs=1_000_000,
+                             max_unread_outputs=10_000_000)]}
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    import shutil
+    import tempfile
+
+    from tgw.testing.child import BrokerProc
+    d = tempfile.mkdtemp(prefix="tgwcg-", dir="/tmp")
+    b = BrokerProc(config(), d).start()
+    try:
+        yield b
+    finally:
+        code = b.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        assert code == 0, b.output()
+
+
+def expected(prompt, n: int) -> list[int]:
+    return [(sum(prompt) + k) % 1000 for k in range(n)]
+
+
+def generation(c: Client) -> dict:
+    return c.status()["models"][MODEL]["generation"]
+
+
+def test_sync_generate_streams_outputs_in_order_and_final(broker):
+    with Client(broker.address) as c:
+        stream = c.generate(MODEL, np.array([300, 400, 299]), max_outputs=12, timeout=60)
+        assert list(stream) == expected([300, 400, 299], 12)   # 999, 0, 1, ... : wraps at 1000
+        f = stream.final
+        assert (f.reason, f.outputs, f.resumed, f.model, f.version) == ("max_outputs", 12, 0, MODEL, "1")
+        assert isinstance(f.seed, int) and 0 < f.first_output_ms <= f.total_ms
+        with pytest.raises(InvalidArgumentError, match="1..1000000"):
+            list(c.generate(MODEL, [1], max_outputs=2_000_000))   # the broker's cap
+
+
+def test_async_generates_side_by_side(broker):
+    prompts = [[1], [2, 3], [4, 5, 6], [7] * 9]
+
+    async def run():
+        async with AsyncClient(broker.address) as c:
+            async def one(prompt):
+                s = c.generate(MODEL, {"prompt": prompt}, max_outputs=20, seed=5)
+                return [t async for t in s], s.final
+            return await asyncio.gather(*(one(p) for p in prompts))
+    for prompt, (tokens, final) in zip(prompts, asyncio.run(run())):
+        assert tokens == expected(prompt, 20) and final.outputs == 20 and final.seed == 5
+
+
+def test_closing_a_stream_cancels_it_and_its_slot_is_freed(broker):
+    with Client(broker.address) as c:
+        before = generation(c)["freed_by_cancel"]
+        with c.generate(MODEL, [10], timeout=120) as stream:     # a million outputs: runs until closed
+            assert next(stream) == 10
+        dropped = c.generate(MODEL, [20], timeout=120)
+        assert next(dropped) == 20
+        del dropped
+        gc.collect()
+
+        async def aclose():
+            async with AsyncClient(broker.address) as ac:
+                s = ac.generate(MODEL, [30], timeout=120)
+                assert await s.__anext__() == 30
+                await s.aclose()
+        asyncio.run(aclose())
+        g = wait_until(lambda: (lambda g: g if g["freed_by_cancel"] >= before + 3 and g["active"] == 0 else None)(
+            generation(c)), what="three cancelled sequences' slots freed")
+        assert g["freed_by_cancel"] == before + 3 and g["ended"].get("cancelled", 0) >= 3 and g["slots"] == 4
+        assert list(c.generate(MODEL, [1], max_outputs=3)) == [1, 2, 3]   # the slots serve again
