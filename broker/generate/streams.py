@@ -100,13 +100,16 @@ class Streams:
 
     def admitted(self, ps: list, now: float) -> None:
         """The worker took these sequences into its loop (its Done): they run."""
-        c = self.of(ps[0].model)
         for p in ps:
             s = self.table.get(p.generate.seq)
             if s is not None and s.phase == ADMITTING:
-                s.phase = RUNNING
-                c.started += 1
-                c.active += 1
+                self._runs(s)
+
+    def _runs(self, s: Stream) -> None:
+        s.phase = RUNNING
+        c = self.of(s.p.model)
+        c.started += 1
+        c.active += 1
 
     def batch_done(self, batch_id: int, taken: list) -> None:
         """An admission batch's last completion: `taken`, requests withdrawn after the worker
@@ -117,8 +120,7 @@ class Streams:
             for p in taken:
                 s = self.table.get(p.generate.seq)
                 if s is not None and s.phase == ADMITTING:
-                    s.phase = RUNNING
-                    self.of(p.model).active += 1
+                    self._runs(s)
                     self.to_worker(s.worker.identity, CancelSequences(seqs=[s.seq], reason="cancelled"))
         for s in streams:
             if s.phase == ADMITTING and s.batch_id == batch_id:
@@ -227,8 +229,10 @@ class Streams:
             by_seq.setdefault(seq, []).append(i)
         for seq, idx in by_seq.items():
             s = self.table.get(seq)
-            if s is None or s.closed or s.worker is not w or s.phase != RUNNING:
+            if s is None or s.closed or s.worker is not w:
                 continue   # ended for its caller already: the worker is being told
+            if s.phase == ADMITTING:   # its outputs overtook its batch's Done: it runs
+                self._runs(s)
             idx = [i for i in idx if msg.positions[i] >= s.sent]   # sent already (never twice)
             if not idx:
                 continue
@@ -269,7 +273,8 @@ class Streams:
         s.last_at = now
         if tracker is not None:
             s.unread.append((tracker, n, sum(map(len, frames))))
-        limit = self.models[p.model].decl.generator.max_unread_outputs
+        entry = self.models.get(p.model)   # None: unloaded while it ran
+        limit = entry.decl.generator.max_unread_outputs if entry is not None else 1024
         held, nbytes = s.held()
         if held > limit:
             self._slow(s, now, f"{held} outputs unread (generator.max_unread_outputs {limit})")

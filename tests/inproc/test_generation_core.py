@@ -339,3 +339,26 @@ def test_a_caller_that_does_not_read_is_ended_overloaded_and_its_slot_freed():
         assert not rig.clients["b"].poll(0)
 
     run(scenario, max_unread_outputs=4)
+
+
+def test_a_cancel_before_the_worker_took_the_batch_in_withdraws_it_or_ends_it_there():
+    async def scenario(rig: Rig, clock):
+        rig.generate(1)
+        rig.generate(2)
+        batch = await rig.to_worker()
+        seqs = [g.seq for g in batch.sequences]
+        rig.clients["a"].send(encode(Cancel(v=PROTOCOL_VERSION, id=9, ids=[1, 2])))
+        reply, _ = await rig.reply()
+        assert isinstance(reply, CancelReply) and reply.running == 2
+        withdraw = await rig.to_worker()
+        assert type(withdraw).__name__ == "Withdraw" and withdraw.requests == [0, 1]
+        # the worker left the first out, but had taken the second in already
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, withdrawn=[0])))
+        ask = await rig.to_worker()
+        assert isinstance(ask, CancelSequences) and ask.seqs == [seqs[1]]
+        assert rig.handle.sequences == {KEY: 1}   # the second's slot: taken until the worker's end
+        rig.steps([], ended=[SeqEnd(seq=seqs[1], reason="cancelled")], freed=1)
+        await until(lambda: not rig.handle.sequences, "the slot freed")
+        assert not rig.clients["a"].poll(0) and rig.streams.table == {}
+
+    run(scenario)
