@@ -116,6 +116,27 @@ class LitServeServer(Server):
         urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).close()
         return True
 
+    def stop(self) -> None:
+        """The server, then its process tree (LitServe's workers and API servers outlive their
+        parent's SIGTERM), each by PID."""
+        import psutil
+        try:
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        super().stop()
+        for k in kids:
+            try:
+                k.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(kids, timeout=10)
+        for k in alive:
+            try:
+                k.kill()
+            except psutil.Error:
+                pass
+
     @property
     def processes(self) -> list[dict[str, Any]]:
         import psutil
