@@ -1,12 +1,12 @@
 """The generation benchmark's fault and load rows (`tgw-bench generate`), each against a broker
 of its own, bounded and self-stopping, on Unix sockets only:
 
-* `cancel_row`: streams cancelled mid-generation (after their first outputs) by four means - a
+* `cancel_row`: streams cancelled mid-generation (at their first output) by four means - a
   native cancel (closing the stream), the client closing its connection, a deadline, the
   caller's process SIGKILLed - beside bystander streams that run to their end; the slots the
   workers freed by their own count (status `generation.freed_by_cancel`) and the bystanders'
   outputs checked.
-* `flood_row`: many sequences submitted at once against one worker's slots: each answered or
+* `flood_row`: many sequences sent faster than one worker's slots serve them: each answered or
   refused OVERLOADED past the queue bound; the live sequences never above the slot pool (status
   sampled); broker and worker RSS over the run's second half.
 * `kill_row`: a worker SIGKILLed every few seconds under greedy streams: every stream complete
@@ -49,33 +49,25 @@ def _wait(pred: Callable[[], Any], limit_s: float, what: str) -> Any:
 # ---- cancellation ---------------------------------------------------------------------------------
 
 def _cancelled_stream(address: str, client, model: str, prompt: list[int], means: str, deadline_s: float,
-                      started: threading.Barrier, go: threading.Event, got: list) -> None:
-    """One stream, ended by `means` once it has its first output (a deadline ends it by itself,
-    mid-generation or, on a slow run, before its first output). `got` collects the outputs each
-    stream had when it was ended."""
+                      got: list) -> None:
+    """One stream, ended by `means` as soon as it has its first output (a deadline ends it by
+    itself, mid-generation or, on a slow run, before its first output). `got` collects (means,
+    outputs the stream had when it was ended)."""
     from tgw.client import Client
     own = Client(address) if means == "client_close" else None
-    it, n = None, 0
+    n = 0
     try:
         it = (own or client).generate(model, np.asarray(prompt, np.int64),
                                       timeout=deadline_s if means == "deadline" else 600)
         for _ in it:
             n += 1
-            break
-    except Exception:  # noqa: BLE001 - a deadline before the first output; counted by the outputs it got
-        pass
-    finally:
-        started.wait()
-    go.wait()
-    try:
+            if means != "deadline":
+                break
         if means == "cancel":
             it.close()
         elif means == "client_close":
             own.close()
-        elif means == "deadline":
-            for _ in it:   # the deadline ends it with DEADLINE_EXCEEDED (or it ran out of outputs first)
-                n += 1
-    except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: the point
+    except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED: the point of that means
         pass
     finally:
         got.append((means, n))
@@ -85,37 +77,36 @@ def _cancelled_stream(address: str, client, model: str, prompt: list[int], means
 
 def _wave(address: str, client, model: str, prompts: list[list[int]], means: str, deadline_s: float,
           side: list, got: list) -> None:
-    """One wave: len(prompts) streams ended by `means` once each has its first output, beside the
-    bystanders `side` (gen_drive Streams) that run to their end."""
+    """One wave: len(prompts) streams ended by `means` once each has its first output (the
+    process kill: once all have theirs), beside the bystanders `side` (gen_drive Streams) that
+    run to their end."""
     from tgw.bench.harness.gen_drive import _fill, generate_call
-    side_t = [threading.Thread(target=_fill, args=(generate_call(client, model, 64, timeout=120), s.prompt, s), daemon=True)
-              for s in side]
+    side_t = [threading.Thread(target=_fill, args=(generate_call(client, model, 64, timeout=120), s.prompt, s),
+                               daemon=True) for s in side]
     for t in side_t:
         t.start()
-    kill = means == "process_kill"
-    started, go = threading.Barrier(1 if kill else len(prompts) + 1, timeout=300), threading.Event()
-    ts = [] if kill else [threading.Thread(target=_cancelled_stream, daemon=True,
-                                           args=(address, client, model, p, means, deadline_s, started, go, got))
-                          for p in prompts]
-    for t in ts:
-        t.start()
-    child = subprocess.Popen([sys.executable, "-m", "tgw.bench.harness.gen_faults", address, model, str(len(prompts))],
-                             stdout=subprocess.PIPE, text=True) if kill else None
-    try:
-        if child is not None and child.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the caller process to kill exited with {child.wait()}")
-        started.wait()
-    finally:
-        if child is not None:
+    ts = []
+    if means == "process_kill":
+        child = subprocess.Popen([sys.executable, "-m", "tgw.bench.harness.gen_faults", address, model,
+                                  str(len(prompts))], stdout=subprocess.PIPE, text=True)
+        try:
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the caller process to kill exited with {child.wait()}")
+        finally:
             child.send_signal(signal.SIGKILL)   # by PID: the process started here
             child.wait()
-    go.set()
+        got += [(means, 1)] * len(prompts)
+    else:
+        ts = [threading.Thread(target=_cancelled_stream, daemon=True,
+                               args=(address, client, model, p, means, deadline_s, got)) for p in prompts]
+    for t in ts:
+        t.start()
     for t in ts + side_t:
         t.join(300)
 
 
 def cancel_row(address: str, model: str, plist: list[list[int]], check, total: int, wave: int, deadline_s: float,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], limit_s: float = 60.0) -> dict[str, Any]:
     """`total` streams cancelled, a quarter by each means, one means after the other, `wave` at a
     time beside 4 bystanders; after each means, once every sequence ended, the slots the workers
     freed by their own count and the reasons the broker counted; the bystanders checked."""
@@ -137,13 +128,18 @@ def cancel_row(address: str, model: str, plist: list[list[int]], check, total: i
                 n_means += n
                 k += n
             # every sequence ended: the slots freed by a cancel came in the same Steps messages
-            g = _wait(lambda: (lambda g: g if g["active"] == 0 else None)(generation(client, model)), 60,
-                      f"every sequence ended after the {means} streams")
+            try:
+                g, stuck = _wait(lambda: (lambda g: g if g["active"] == 0 else None)(generation(client, model)),
+                                 limit_s, f"every sequence ended after the {means} streams"), None
+            except TimeoutError as exc:
+                g = generation(client, model)
+                stuck = f"{exc}: {g['active']} still active"
             freed = g["freed_by_cancel"] - base["freed_by_cancel"]
             ended = {r: g["ended"].get(r, 0) - base["ended"].get(r, 0) for r in g["ended"]}
             rows[means] = {"streams": n_means, "freed_by_cancel": freed, "freed_pct": 100.0 * freed / n_means,
                            "ended": {r: v for r, v in ended.items() if v},
-                           "before_first_output": sum(1 for _, n in got if n == 0)}
+                           "before_first_output": sum(1 for _, n in got if n == 0),
+                           **({"error": stuck} if stuck else {})}
             log(f"cancel by {means}: {rows[means]}")
     finally:
         client.close()
@@ -178,8 +174,9 @@ def caller_main() -> None:
 # ---- many sequences against a pool --------------------------------------------------------------
 
 def flood_row(address: str, model: str, pids: Callable[[], dict[str, int]], plist: list[list[int]], total: int,
-              in_flight: int, max_outputs: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """`total` sequences, `in_flight` at a time, through one AsyncClient."""
+              rate: float, max_outputs: int, log: Callable[[str], None], in_flight: int = 1000) -> dict[str, Any]:
+    """`total` sequences sent at `rate` a second (open loop: a refusal does not hasten the next),
+    at most `in_flight` unanswered (the client's own cap), through one AsyncClient."""
     import psutil
     from tgw.client import AsyncClient, Client
     from tgw.shm.errors import TgwError
@@ -217,8 +214,11 @@ def flood_row(address: str, model: str, pids: Callable[[], dict[str, int]], plis
 
     async def main() -> None:
         async with AsyncClient(address) as ac:
-            sem = asyncio.Semaphore(in_flight)
-            await asyncio.gather(*(one(ac, sem, i) for i in range(total)))
+            sem, tasks, start = asyncio.Semaphore(in_flight), [], time.monotonic()
+            for i in range(total):
+                await asyncio.sleep(max(0.0, start + i / rate - time.monotonic()))
+                tasks.append(asyncio.create_task(one(ac, sem, i)))
+            await asyncio.gather(*tasks)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -231,7 +231,7 @@ def flood_row(address: str, model: str, pids: Callable[[], dict[str, int]], plis
     half = [r for r in rss if r["t"] >= wall / 2]
     growth = {role: (max(r.get(role, 0) for r in half) - half[0].get(role, 0)) if half else None
               for role in ("broker", "worker")}
-    return {"sequences": total, "in_flight": in_flight, "max_outputs": max_outputs, "outcomes": outcomes,
+    return {"sequences": total, "rate": rate, "in_flight": in_flight, "max_outputs": max_outputs, "outcomes": outcomes,
             "peak_active": peak["active"], "slots": peak["slots"], "wall_s": wall,
             "rss_mib_first": rss[0] if rss else None, "rss_mib_last": rss[-1] if rss else None,
             "rss_growth_second_half_mib": growth}
