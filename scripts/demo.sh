@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded demo: set up, start the broker, send real traffic to every demo
-# model (native socket and KServe v2 HTTP), check each answer against the model run in-process,
-# print a table, stop, check /dev/shm.
+# model (native socket and KServe v2 HTTP) and stream from its generator tiny-gpt (native client,
+# sync and async), check each answer and each sequence against the model run in-process, print
+# tables, stop, check /dev/shm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh server

@@ -2,7 +2,9 @@
 in-process; prints requests, errors, mismatches, p50/p99 latency and requests/s per model, over
 the native socket (a Client shared by threads, and one AsyncClient with ASYNC_INFLIGHT requests
 in flight) and over the KServe v2 HTTP face; the same for the two pipelines, classify and
-embed-text (demo_pipelines.py), and a corrupt image among good ones; then a hot swap of mlp
+embed-text (demo_pipelines.py), and a corrupt image among good ones; the generator tiny-gpt
+streaming over the native client, sync and async, each sequence checked against the model's
+greedy run in-process (demo_generate.py); then a hot swap of mlp
 under traffic (no request may fail), and the request counters /metrics shows.
 
 Exits non-zero on any error or mismatch. Used by scripts/demo.sh.
@@ -17,6 +19,7 @@ import time
 
 import numpy as np
 
+import demo_generate
 import demo_http
 import demo_pipelines
 from demo_load import CONCURRENCY, closed_loop
@@ -151,8 +154,10 @@ def main() -> int:
     with Client(args.address) as c:
         served = c.models()
         http = c.status()["http"]
-    # the pipelines and the stages they run are driven by demo_pipelines: images and text, not random tensors
-    models = [m for m in served if m["name"] not in (*demo_pipelines.PIPELINES, *demo_pipelines.STAGES)]
+    # the pipelines and the stages they run are driven by demo_pipelines: images and text, not random
+    # tensors; the generator by demo_generate: it streams
+    models = [m for m in served
+              if m["name"] not in (*demo_pipelines.PIPELINES, *demo_pipelines.STAGES, demo_generate.MODEL)]
     rows, failed = [], False
     for face, url in (("native", None), ("async", None), ("HTTP", http)):
         for model in models:
@@ -177,6 +182,9 @@ def main() -> int:
           f" pipelines: 1-4 images or texts per request, checked against the same stages and models run in-process, "
           f"labels equal, scores and embeddings within {demo_pipelines.TOLERANCE:g}; embed-text over HTTP as JSON)")
     failed |= not demo_pipelines.show_burst(args.address, args.models_dir)
+    generate_rows, generate_failed = demo_generate.run(args.address, args.models_dir)
+    demo_generate.show(generate_rows)
+    failed |= generate_failed
     if not any(m["name"] == "mlp-aoti" for m in models):
         print("mlp-aoti: not served, no C++ compiler was found to build its AOTInductor package (the broker log "
               "says so); install g++ and start again to add it")

@@ -212,6 +212,34 @@ def build_demo_models(out_dir: str, formats: bool = False, log: Callable[[str], 
     return built
 
 
+# The embedded demo's generator (tgw.workers.demo_generator): a small GPT trained on the text tgw
+# ships for a fixed number of steps (deterministic; ~12 s of one core, once per demo folder).
+GPT_CONFIG = {"vocab": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 256}
+GPT_TRAIN_STEPS = 1200
+GPT_FILE = f"tiny-gpt-v{DEMO_VERSION}.pt"
+
+
+def build_generator_decls(out_dir: str, log: Callable[[str], None] = lambda line: None) -> dict:
+    """tiny-gpt's weights in `out_dir` (trained first if missing) and its declaration as the demo
+    config takes it: name -> {handler, device, options, inputs, outputs, max_batch_size, max_queue,
+    generator}."""
+    from tgw.workers.demo_generator import END, GPTConfig, build_gpt, kv_shape, save_gpt
+    cfg = GPTConfig(**GPT_CONFIG)
+    path = os.path.join(out_dir, GPT_FILE)
+    if not os.path.exists(path):
+        log(f"tiny-gpt: training its weights ({GPT_TRAIN_STEPS} steps on the text tgw ships, once)")
+        save_gpt(build_gpt(cfg, seed=1234, train_steps=GPT_TRAIN_STEPS), path)
+    return {"tiny-gpt": {
+        "handler": "tgw.workers.demo_generator:TinyGPT", "device": "cpu", "options": {"weights": path},
+        "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],      # token ids (demo_tokenizer)
+        "outputs": [{"name": "token", "dtype": "int64", "shape": []}],
+        "max_batch_size": 32, "max_queue": 256,
+        "warmup_inputs": [{"prompt": [84, 104, 101, 32]}],                    # "The "
+        "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
+                      "max_sequences": 32, "max_length": cfg.max_len, "length_input": "prompt",
+                      "max_outputs": 200, "end_tokens": [END]}}}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m tgw.workers.demo_models", description="write the demo models, "
                                  "print name -> {path, format, inputs, outputs, max_batch_size} as JSON")
@@ -220,10 +248,14 @@ if __name__ == "__main__":
                     "export and AOTInductor files; the AOTInductor build takes ~30 s, once)")
     ap.add_argument("--stages", action="store_true", help="also the demo's stages (tgw.workers.demo_stages) and their "
                     "data (labels.txt, tokenizer.json, images/): name -> {handler, device, options, inputs, ...}")
+    ap.add_argument("--generators", action="store_true", help="also the demo's generator tiny-gpt (its weights "
+                    "trained on text tgw ships, once): name -> {handler, options, ..., generator}")
     args = ap.parse_args()
     models = build_demo_models(args.dir, args.formats, log=lambda line: print(line, file=sys.stderr))
     served = {name: {**m, **DEMO_MODELS[m["base"]][2]} for name, m in models.items()}
     if args.stages:
         from tgw.workers.demo_stages import demo_stage_decls
         served.update(demo_stage_decls(args.dir))
+    if args.generators:
+        served.update(build_generator_decls(args.dir, log=lambda line: print(line, file=sys.stderr)))
     print(json.dumps(served))

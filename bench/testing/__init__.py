@@ -11,5 +11,6 @@ imports tgw.bench; the benchmarks' harness and scenarios may import it.
 | `memory.py` | the wide on-demand models, the placement run, the fragmentation run |
 | `cancellation.py`, `cancel_stage.py` | callers giving up behind a gated batch; the stage that records what it computed |
 | `regions.py` | a minimal native caller that sends through a shared-memory region |
+| `generators.py` | small deterministic generators (`Counter`, `ToyLM`), their references and config entries (docs/GENERATION.md) |
 | `slow_first.py` | a model slow on its first call per shape (preloaded by workers as `tgw.testing.slow_first`) |
 """

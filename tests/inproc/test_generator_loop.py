@@ -11,22 +11,28 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
 
+import stages
+from test_worker_loader import LoaderSide
+
 from tgw.shm.errors import Code
 from tgw.shm.ring import aligned_total
 from tgw.shm.segment import Segment, new_name
+from tgw.shm.views import block_view
 from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CancelSequences, Done, GeneratorSpec, GenSeq, IOSpec,
-                          ModelSpec, Sampling, Steps, Stop, StateSpec, WorkerHello, encode, from_worker_decoder)
+                          LoadModel, ModelLoaded, ModelSpec, Sampling, Steps, Stop, StateSpec, WorkerHello, encode,
+                          from_worker_decoder)
 from tgw.testing import generators
 from tgw.testing.generators import counter_outputs, toylm_reference
 from tgw.workers.generate.intake import sequence
 from tgw.workers.generate.loop import StepLoop
 from tgw.workers.generate.runner import GeneratorLoadError, GeneratorProofError
 from tgw.workers.serve import Server
-from tgw.workers.stage_runner import make_runner
+from tgw.workers.stage_runner import StageRunner, make_runner
 
 CPU = torch.device("cpu")
 GENERATORS_FILE = os.path.abspath(generators.__file__)
@@ -304,6 +310,25 @@ def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
         loaded(options={"raise_at": 1})
 
 
+def test_the_loader_tells_the_slots_and_counts_the_pool_and_refuses_a_generator_that_fails_warm_up():
+    side = LoaderSide()
+    try:
+        side.recv()   # its hello: from now on the router can address it
+        side.send(encode(LoadModel(spec=spec(max_sequences=3))))
+        reply = side.recv()
+        assert isinstance(reply, ModelLoaded) and reply.error is None, reply
+        assert reply.slots == 3 and reply.bytes == 3 * 24 and reply.footprint.weights >= 72
+        assert isinstance(side.runners["counter:1"].state["acc"], torch.Tensor)
+        bad = spec(options={"raise_prefill_on": 0})
+        bad.name = "bad"
+        side.send(encode(LoadModel(spec=bad)))
+        reply = side.recv()
+        assert reply.reason == "warmup" and reply.slots == 0 and "bad:1" not in side.runners
+        assert "warm-up prefill raised ValueError" in reply.error and f"{GENERATORS_FILE}:" in reply.error
+    finally:
+        side.close()
+
+
 # ---- through the serving loop ------------------------------------------------------------------
 
 
@@ -336,12 +361,16 @@ class Broker:
     def send(self, msg) -> None:
         self.router.send_multipart([self.IDENTITY, encode(msg)])
 
-    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
-        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
-        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+    def lay(self, data: bytes) -> int:
         block = self.next_in
         self.next_in += aligned_total([len(data)])
         self.segment.buf[block:block + len(data)] = data
+        return block
+
+    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
+        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
+        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+        block = self.lay(data)
         batch = Batch(batch_id=next(self.ids), model=model, version="1", rows=len(prompts), block=block,
                       inputs=[BlockTensor(name="prompt", dtype="int64", shape=[len(prompts), len(prompts[0])],
                                           offset=block, nbytes=len(data))],
@@ -398,5 +427,46 @@ def test_through_the_serving_loop_a_batch_is_answered_at_once_then_streamed_and_
             if st.ended:
                 assert [(e.seq, e.reason) for e in st.ended] == [(11, "client_closed")] and st.active == 0
                 break
+    finally:
+        b.close()
+
+
+def values_of(st: Steps) -> dict[int, int]:
+    return dict(zip(st.seqs, torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist())) \
+        if st.seqs else {}
+
+
+def test_an_ordinary_batch_is_served_between_steps_and_an_unload_ends_the_live_sequences():
+    runner = loaded(max_sequences=2, options={"step_ms": 1})
+    stage = StageRunner(ModelSpec(name="addone", version="1", path="", format="stage", device="cpu",
+                                  handler=f"{os.path.abspath(stages.__file__)}:AddOne",
+                                  inputs=[IOSpec(**t) for t in stages.X_IN],
+                                  outputs=[IOSpec(**t) for t in stages.Y_OUT]), CPU)
+    b = Broker({runner.key: runner, stage.key: stage})
+    try:
+        b.generate("counter", [[5]], [1], max_outputs=100_000)
+        assert isinstance(b.recv(), Done)
+        assert values_of(b.recv()) == {1: 5}
+        x = np.arange(4, dtype=np.float32)[None]
+        ordinary = Batch(batch_id=next(b.ids), model="addone", version="1", rows=1, block=0,
+                         inputs=[BlockTensor(name="x", dtype="float32", shape=[1, 4], offset=b.lay(x.tobytes()),
+                                             nbytes=x.nbytes)], splits=[1])
+        b.send(ordinary)
+        got = [5]
+        while True:   # the sequence streams on until the stage's answer, and after it
+            msg = b.recv()
+            if isinstance(msg, Done):
+                assert msg.batch_id == ordinary.batch_id and msg.error is None
+                np.testing.assert_array_equal(block_view(b.segment.buf, msg.outputs[0]), x + 1)
+                break
+            got.append(values_of(msg)[1])
+        after = b.recv()
+        assert isinstance(after, Steps) and not after.ended
+        got.append(values_of(after)[1])
+        assert got == counter_outputs([5], len(got))
+        b.server.runners.pop(runner.key)   # as the loader unloads it
+        while not (st := b.recv()).ended:
+            pass
+        assert st.ended[0].seq == 1 and st.ended[0].error.code == Code.MODEL_NOT_READY.value and st.active == 0
     finally:
         b.close()

@@ -2,15 +2,18 @@
 generator `Counter` (tgw.testing.generators: output n of a prompt is (sum(prompt) + n) % 1000).
 Its outputs in order with their `final` record; async streams side by side; a stream closed (sync
 close, async aclose, a dropped stream) cancels its sequence, and status shows the slots its
-worker freed. The stream object against a scripted peer: tests/unit/test_client_generation.py."""
+worker freed; status, its printout and /metrics show the generator. The stream object against a scripted peer: tests/unit/test_client_generation.py."""
 from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from conftest import wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from tgw.client import AsyncClient, Client, InvalidArgumentError
 from tgw.testing.generators import entry
@@ -93,3 +96,23 @@ def test_closing_a_stream_cancels_it_and_its_slot_is_freed(broker):
             generation(c)), what="three cancelled sequences' slots freed")
         assert g["freed_by_cancel"] == before + 3 and g["ended"].get("cancelled", 0) >= 3 and g["slots"] == 4
         assert list(c.generate(MODEL, [1], max_outputs=3)) == [1, 2, 3]   # the slots serve again
+
+
+def test_status_printout_and_metrics_show_the_generator(broker):
+    with Client(broker.address) as c:
+        assert list(c.generate(MODEL, [7], max_outputs=5)) == [7, 8, 9, 10, 11]
+        g = generation(c)
+    assert g["outputs"] >= 5 and g["slots"] == 4 and g["ended"]["max_outputs"] >= 1 and g["first_output_ms"] > 0
+    printed = subprocess.run([sys.executable, "-m", "tgw.broker", "status", "--address", broker.address],
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    assert f"generator {MODEL}: " in printed.stdout and "slots busy" in printed.stdout
+    scraped = subprocess.run([sys.executable, "-m", "tgw.broker", "metrics", "--address", broker.address],
+                             capture_output=True, text=True, timeout=60)
+    assert scraped.returncode == 0, scraped.stderr
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(scraped.stdout) for s in f.samples}
+    assert samples["tgw_generator_slots", (("model", MODEL),)] == 4
+    assert samples["tgw_generator_outputs_total", (("model", MODEL),)] >= 5
+    assert samples["tgw_generator_sequences_total", (("model", MODEL), ("reason", "max_outputs"))] >= 1
+    assert samples["tgw_generator_first_output_seconds_count", (("model", MODEL),)] >= 1
