@@ -26,11 +26,11 @@ from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, LoadPhase, ModelLo
 
 from .footprint import Gauge, rss_bytes, trim_heap, warm_measured
 from .formats import FormatMismatch
+from .generate.runner import GeneratorRunner
 from .load_errors import error_text, log_traceback
 from .replay import warm_replay
 from .runner import ChecksumMismatch, ModelRunner
 from .sidethread import SideThread
-from .generate.runner import GeneratorRunner
 from .stage_runner import StageRunner
 
 log = logging.getLogger("tgw.worker")

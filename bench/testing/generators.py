@@ -3,9 +3,10 @@ training, every output computable by the test that reads it. A config names them
 handlers, e.g. `handler: tgw.testing.generators:Counter`; `entry(...)` gives a whole model entry.
 
 * `Counter`: output n of a prompt is (sum(prompt) + n) % 1000 (int64 scalar `value`, returned by
-  name). It checks what the worker hands its step (last outputs, positions) against its own
-  state and fails a row whose inputs are wrong, so a test sees a loop that mixes rows up. Resumes
-  exactly (the prefix's length is n).
+  name); its prompt may be int64 tokens or a `bytes` input (its byte values); prefill says each
+  prompt's `lengths`. It checks what the worker hands its step (last outputs, positions) against
+  its own state and fails a row whose inputs are wrong, so a test sees a loop that mixes rows up.
+  Resumes exactly (the prefix's length is n).
 * `ToyLM`: a sampled generator (int64 scalar `token`, returns `logits` [rows, vocab]) whose
   logits are a fixed hash of (last token, its position): greedy and seeded sampling are
   reproducible one row at a time (`toylm_reference`), independent of the batch.
@@ -43,6 +44,7 @@ class _Knobs:
 
     def _prefill_knobs(self, batch) -> None:
         for row, prompt in enumerate(batch[self.input_name]):
+            prompt = tokens_of(prompt)
             first = int(prompt.flatten()[0]) if prompt.numel() else None
             if self.raise_prefill_on is not None and first == self.raise_prefill_on:
                 raise ValueError(f"prefill refuses prompts starting with {first}")
@@ -67,14 +69,17 @@ class Counter(_Knobs):
     def prefill(self, batch) -> dict[str, Any]:
         self._prefill_knobs(batch)
         acc = batch.state["acc"]
+        lengths = []
         for row, prompt in enumerate(batch["prompt"]):
+            prompt = tokens_of(prompt)
             n = batch.prefix["value"][row].shape[0]
             acc[batch.slots[row]] = torch.tensor([int(prompt.sum()), n, prompt.numel()], device=acc.device)
+            lengths.append(prompt.numel())
         rows = acc[batch.slots]
         index = rows[:, 1]
         if self.bad_return == "prefill":
             return {"value": torch.zeros(len(batch), 2)}
-        return {"value": (rows[:, 0] + index) % 1000, "done": self._done(index)}
+        return {"value": (rows[:, 0] + index) % 1000, "done": self._done(index), "lengths": torch.tensor(lengths)}
 
     def step(self, batch) -> dict[str, Any]:
         acc = batch.state["acc"]
@@ -92,8 +97,16 @@ class Counter(_Knobs):
         return {"value": (rows[:, 0] + index) % 1000, "done": self._done(index)}
 
 
-def counter_outputs(prompt: list[int], n: int) -> list[int]:
-    """Counter's first n outputs of `prompt`."""
+def tokens_of(prompt) -> torch.Tensor:
+    """A prompt row as tokens: a tensor as it is, a bytes prompt (a `bytes` input) as its byte values."""
+    if isinstance(prompt, torch.Tensor):
+        return prompt
+    data = b"".join(prompt) if isinstance(prompt, list) else prompt
+    return torch.tensor(list(data), dtype=torch.int64)
+
+
+def counter_outputs(prompt, n: int) -> list[int]:
+    """Counter's first n outputs of `prompt` (token ids, or bytes)."""
     return [(sum(prompt) + k) % 1000 for k in range(n)]
 
 

@@ -19,6 +19,7 @@ import zmq
 import stages
 from test_worker_loader import LoaderSide
 
+from tgw.shm.bytes_tensor import pack
 from tgw.shm.errors import Code
 from tgw.shm.ring import aligned_total
 from tgw.shm.segment import Segment, new_name
@@ -28,7 +29,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, CancelSequences,
                           from_worker_decoder)
 from tgw.testing import generators
 from tgw.testing.generators import counter_outputs, toylm_reference
-from tgw.workers.generate.intake import sequence
+from tgw.workers.generate.intake import Refused, sequence
 from tgw.workers.generate.loop import StepLoop
 from tgw.workers.generate.runner import GeneratorLoadError, GeneratorProofError
 from tgw.workers.serve import Server
@@ -39,13 +40,14 @@ GENERATORS_FILE = os.path.abspath(generators.__file__)
 WAIT_S = 10.0
 
 
-def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, **gen) -> ModelSpec:
+def spec(cls: str = "Counter", options: dict | None = None, state_memory: int = 0, prompt: str = "int64",
+         **gen) -> ModelSpec:
     out, state = {"Counter": ("value", StateSpec(name="acc", dtype="int64", shape=[3])),
                   "ToyLM": ("token", StateSpec(name="n", dtype="int64", shape=[2]))}[cls]
     g = GeneratorSpec(state=[state], max_sequences=0 if state_memory else gen.pop("max_sequences", 4),
                       state_memory=state_memory, **gen)
     return ModelSpec(name=cls.lower(), version="1", path="", format="stage", handler=f"tgw.testing.generators:{cls}",
-                     device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                     device="cpu", inputs=[IOSpec(name="prompt", dtype=prompt, shape=[-1] if prompt == "int64" else [])],
                      outputs=[IOSpec(name=out, dtype="int64", shape=[])], options=options or {}, generator=g)
 
 
@@ -65,10 +67,16 @@ class Driver:
         self.ends: dict[int, object] = {}
         self.steps: list[Steps] = []
 
-    def admit(self, seq: int, prompt: list[int], max_outputs: int = 0, **kw) -> None:
+    def admit(self, seq: int, prompt, max_outputs: int = 0, **kw) -> None:
         sampling = Sampling(**{k: kw.pop(k) for k in list(kw) if k in Sampling.__struct_fields__})
         gs = GenSeq(seq=seq, max_outputs=max_outputs, sampling=sampling, **kw)
-        self.loop.admit(sequence(self.runner, gs, 0, 1, {"prompt": torch.tensor(prompt)}, self.loop.tokens))
+        row = prompt if isinstance(prompt, bytes) else torch.tensor(prompt)
+        try:   # as the serving loop admits (generate/serving.py)
+            s = sequence(self.runner, gs, 0, 1, {"prompt": row}, self.loop.tokens)
+        except Refused as exc:
+            self.loop.refuse(seq, exc.code, str(exc))
+        else:
+            self.loop.admit(s)
 
     def iterate(self) -> Steps | None:
         st = self.loop.iterate()
@@ -199,12 +207,24 @@ def test_max_length_ends_after_the_last_position_and_refuses_a_prompt_that_does_
     d.admit(1, [1, 1, 1], max_outputs=50)   # outputs sit at 3, 4, 5: a step from 4 would write position 4, then none
     d.admit(2, [1] * 5, max_outputs=50)     # fills it: its one output, from the prefill alone
     d.admit(3, [1] * 6, max_outputs=50)
+    d.admit(4, [], max_outputs=50)
     d.run()
+    assert "the prompt ('prompt') is empty" in d.error(4).message
     assert (len(d.outputs[1]), d.reason(1)) == (3, "max_length")
     assert (len(d.outputs[2]), d.reason(2)) == (1, "max_length")
     err = d.error(3)
     assert err.code == Code.INVALID_ARGUMENT.value and "6 position(s)" in err.message and "max_length is 5" in err.message
     assert 3 not in d.outputs and d.loop.free_slots == 4
+
+
+def test_a_length_the_prefill_says_is_held_to_max_length_too():
+    d = Driver(loaded(prompt="bytes", max_length=5))
+    d.admit(1, b"abc", max_outputs=50)      # a bytes prompt's default length is 1: prefill says 3
+    d.admit(2, b"abcdef", max_outputs=50)
+    d.run()
+    assert (d.outputs[1], d.reason(1)) == (counter_outputs(b"abc", 3), "max_length")
+    err = d.error(2)
+    assert "prefill said its prompt takes 6 position(s)" in err.message and 2 not in d.outputs
 
 
 # ---- a handler that fails --------------------------------------------------------------------
@@ -258,6 +278,47 @@ def test_a_row_the_handler_fails_ends_with_its_message_and_a_bad_return_names_th
     assert "step returned 'value' float32 [1]; declared int64 [1]" in err.message and "Counter.step" in err.message
 
 
+TWO_OUTPUTS = """
+import torch
+
+class Pair:
+    def prefill(self, batch):
+        for row, p in enumerate(batch["prompt"]):
+            batch.state["at"][batch.slots[row]] = p.sum()
+        at = batch.state["at"][batch.slots]
+        return {"n": at, "vec": torch.stack([at.float(), -at.float()], 1)}
+
+    def step(self, batch):
+        at = batch.state["at"][batch.slots] + 1
+        batch.state["at"][batch.slots] = at
+        assert torch.equal(batch["vec"][:, 0], (at - 1).float())   # the last outputs come back as sent
+        return {"n": at, "vec": torch.stack([at.float(), -at.float()], 1)}
+"""
+
+
+def test_a_generator_file_with_several_outputs_streams_each_by_name(tmp_path):
+    (tmp_path / "pair.py").write_text(TWO_OUTPUTS)
+    sp = ModelSpec(name="pair", version="1", path="", format="stage", handler=f"{tmp_path / 'pair.py'}:Pair",
+                   device="cpu", inputs=[IOSpec(name="prompt", dtype="int64", shape=[-1])],
+                   outputs=[IOSpec(name="n", dtype="int64", shape=[]), IOSpec(name="vec", dtype="float32", shape=[2])],
+                   generator=GeneratorSpec(state=[StateSpec(name="at", dtype="int64", shape=[])], max_sequences=2))
+    runner = make_runner(sp, CPU)
+    runner.warm_up()
+    loop = StepLoop(runner)
+    for q, p in ((1, [1, 2]), (2, [10])):
+        loop.admit(sequence(runner, GenSeq(seq=q, max_outputs=3), 0, 1, {"prompt": torch.tensor(p)}, loop.tokens))
+    st = loop.iterate()
+    n, vec = st.outputs
+    assert (n.name, n.shape, vec.name, vec.dtype, vec.shape) == ("n", [2], "vec", "float32", [2, 2])
+    assert torch.frombuffer(bytearray(vec.data), dtype=torch.float32).tolist() == [3, -3, 10, -10]
+    st = loop.iterate()
+    assert torch.frombuffer(bytearray(st.outputs[0].data), dtype=torch.int64).tolist() == [4, 11] and not st.ended
+    d = Driver(runner)
+    d.admit(3, [1], max_outputs=2, stop_tokens=[5])   # stop tokens need one integer scalar output
+    d.iterate()
+    assert "stop_tokens and stop_sequences need a generator whose one output is an integer scalar" in d.error(3).message
+
+
 # ---- sampling and resumption ---------------------------------------------------------------------
 
 
@@ -308,6 +369,12 @@ def test_a_warm_up_that_raises_or_returns_the_wrong_thing_fails_the_load():
     with pytest.raises(GeneratorProofError, match=rf"warm-up step raised RuntimeError: step refuses output 1 "
                                                   rf"\(at {GENERATORS_FILE}:\d+\)"):
         loaded(options={"raise_at": 1})
+    example = spec(options={"raise_prefill_on": 7})   # zeros would pass: the example is what is tried
+    example.warmup_inputs = [{"prompt": [7, 1]}]
+    with pytest.raises(GeneratorProofError, match="prefill refuses prompts starting with 7"):
+        make_runner(example, CPU).warm_up()
+    example.warmup_inputs = [{"prompt": [6, 1]}]
+    make_runner(example, CPU).warm_up()
 
 
 def test_the_loader_tells_the_slots_and_counts_the_pool_and_refuses_a_generator_that_fails_warm_up():
@@ -367,12 +434,15 @@ class Broker:
         self.segment.buf[block:block + len(data)] = data
         return block
 
-    def generate(self, model: str, prompts: list[list[int]], seqs: list[int], max_outputs: int) -> Batch:
-        """One admission batch: equal-length prompts, one row each, laid in the input arena."""
-        data = torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
+    def generate(self, model: str, prompts: list, seqs: list[int], max_outputs: int) -> Batch:
+        """One admission batch, one row a prompt, laid in the input arena: equal-length int64
+        prompts, or bytes prompts (a bytes input: their lengths may differ)."""
+        as_bytes = isinstance(prompts[0], bytes)
+        data = pack(prompts) if as_bytes else torch.tensor(prompts, dtype=torch.int64).numpy().tobytes()
         block = self.lay(data)
+        shape = [len(prompts)] if as_bytes else [len(prompts), len(prompts[0])]
         batch = Batch(batch_id=next(self.ids), model=model, version="1", rows=len(prompts), block=block,
-                      inputs=[BlockTensor(name="prompt", dtype="int64", shape=[len(prompts), len(prompts[0])],
+                      inputs=[BlockTensor(name="prompt", dtype="bytes" if as_bytes else "int64", shape=shape,
                                           offset=block, nbytes=len(data))],
                       splits=[1] * len(prompts), sequences=[GenSeq(seq=q, max_outputs=max_outputs) for q in seqs])
         self.send(batch)
@@ -468,5 +538,24 @@ def test_an_ordinary_batch_is_served_between_steps_and_an_unload_ends_the_live_s
         while not (st := b.recv()).ended:
             pass
         assert st.ended[0].seq == 1 and st.ended[0].error.code == Code.MODEL_NOT_READY.value and st.active == 0
+    finally:
+        b.close()
+
+
+def test_bytes_prompts_of_different_lengths_are_taken_from_the_ring():
+    runner = loaded(prompt="bytes")
+    b = Broker({runner.key: runner})
+    try:
+        b.generate("counter", [b"hello", b"tgw!!!!"], [1, 2], max_outputs=3)
+        assert isinstance(b.recv(), Done)
+        got: dict[int, list[int]] = {}
+        ends = {}
+        while len(ends) < 2:
+            st = b.recv()
+            for q, v in values_of(st).items():
+                got.setdefault(q, []).append(v)
+            ends.update({e.seq: e.reason for e in st.ended})
+        assert got == {1: counter_outputs(b"hello", 3), 2: counter_outputs(b"tgw!!!!", 3)}
+        assert ends == {1: "max_outputs", 2: "max_outputs"}
     finally:
         b.close()

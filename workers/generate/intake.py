@@ -47,9 +47,13 @@ def sequence(runner, gs: GenSeq, request_id: int, rows: int, row: dict[str, Any]
     prefix = _prefix(runner, gs)
     history = prefix[runner.outputs[0].name].flatten().tolist() if tokens and gs.delivered else []
     stops = Stops([*runner.gen.end_tokens, *s.stop_tokens], s.stop_sequences, history) if tokens else Stops((), ())
+    length = prompt_length(row[runner.length_input])
+    if length < 1:
+        raise Refused(Code.INVALID_ARGUMENT, f"{label}: the prompt ({runner.length_input!r}) is empty; a generation "
+                      "starts from at least one position")
     device = runner.device
     inputs = {name: (x.to(device, copy=True) if isinstance(x, torch.Tensor) else x) for name, x in row.items()}
-    return Sequence(gs, request_id, inputs, prefix, max_outputs, stops, prompt_length(inputs[runner.length_input]))
+    return Sequence(gs, request_id, inputs, prefix, max_outputs, stops, length)
 
 
 def _prefix(runner, gs: GenSeq) -> dict[str, torch.Tensor]:

@@ -51,11 +51,13 @@ class StepLoop:
         self.live: dict[int, Sequence] = {}       # seq id -> every sequence holding a slot
         self.newcomers: deque[Sequence] = deque()
         self.active: list[Sequence] = []          # the rows of the next step, in order
+        self.last: dict[str, torch.Tensor] = {}   # their last outputs, [rows, *shape] per declared output
         self.cancels: dict[int, str] = {}         # seq id -> reason, applied at the next iteration
         self.ended: list[SeqEnd] = []             # told in the next Steps
         self.freed = 0                            # slots freed by cancellation (a count, since start)
         self.tokens = sampleable(runner.outputs)  # stop tokens and sequences apply
         self._lines = (0.0, 0)                    # failure lines: window start, lines in it
+        self._left_out = 0                        # failure lines not logged since the last one
 
     @property
     def key(self) -> str:
@@ -100,7 +102,7 @@ class StepLoop:
         for s in list(self.live.values()):
             self._end(s, ERROR, fail(code, message).to_body())
         self.newcomers.clear()
-        self.active, self.cancels = [], {}
+        self.active, self.last, self.cancels = [], {}, {}
         return self._steps(_Rows(self.runner.outputs), 0, 0)
 
     # ---- one iteration -----------------------------------------------------------------------
@@ -115,14 +117,21 @@ class StepLoop:
                     self._end(s, reason)
                     self.freed += 1
             self.cancels = {}
-            self.active = [s for s in self.active if s.seq in self.live]
+            alive = [i for i, s in enumerate(self.active) if s.seq in self.live]
+            if len(alive) < len(self.active):   # compacted: the rows and their last outputs
+                self.active = [self.active[i] for i in alive]
+                self.last = {k: v[alive] for k, v in self.last.items()}
             self.newcomers = deque(s for s in self.newcomers if s.seq in self.live)
         rows = _Rows(self.runner.outputs)
-        stepping, self.active = self.active, []
+        stepping, last, self.active, self.last = self.active, self.last, [], {}
         take = [self.newcomers.popleft() for _ in range(min(self.gen.max_prefill_rows, len(self.newcomers)))]
-        joined = self._prefill(take, rows) if take else []
-        kept = self._step(stepping, rows) if stepping else []
-        self.active = kept + joined
+        joined = self._prefill(take, rows) if take else _Went()
+        kept = self._step(stepping, last, rows) if stepping else _Went()
+        # the next step's rows: the stepped ones that go on, then the newcomers that joined
+        self.active = kept.seqs + joined.seqs
+        parts = [w for w in (kept, joined) if w.seqs]
+        if parts:
+            self.last = {t.name: torch.cat([w.values[t.name][w.index] for w in parts]) for t in self.runner.outputs}
         return self._steps(rows, int((time.perf_counter() - t0) * 1e6), len(take))
 
     def _steps(self, rows: "_Rows", step_us: int, prefilled: int) -> Optional[Steps]:
@@ -133,7 +142,7 @@ class StepLoop:
                      outputs=rows.wire() if rows.seqs else [], ended=ended, active=len(self.live),
                      slots=self.runner.slots, freed=self.freed, step_us=step_us, prefilled=prefilled)
 
-    def _prefill(self, take: list[Sequence], rows: "_Rows") -> list[Sequence]:
+    def _prefill(self, take: list[Sequence], rows: "_Rows") -> "_Went":
         ready = []
         for s in take:
             if s.produced >= s.max_outputs:   # a resumed sequence that had delivered them all
@@ -143,14 +152,14 @@ class StepLoop:
             else:
                 ready.append(s)
         if not ready:
-            return []
+            return _Went()
         inputs = {name: [s.inputs[name] for s in ready] for name in ready[0].inputs}
         prefix = {t.name: [s.prefix[t.name] for s in ready] for t in self.runner.outputs}
         try:
             returned, failed = self.runner.prefill(inputs, prefix, [s.slot for s in ready])
         except Exception as exc:
             self._fail(ready, "prefill", exc)
-            return []
+            return _Went()
         for s in ready:
             s.release_inputs()
         if returned.lengths is not None:
@@ -173,23 +182,22 @@ class StepLoop:
                                  f"the generator's max_length is {limit}", reason="max_length").to_body())
         return False
 
-    def _step(self, stepping: list[Sequence], rows: "_Rows") -> list[Sequence]:
-        last = {name: torch.stack([s.last[name] for s in stepping]) for name in stepping[0].last}
+    def _step(self, stepping: list[Sequence], last: dict[str, torch.Tensor], rows: "_Rows") -> "_Went":
         try:
             returned, failed = self.runner.step(last, [s.position for s in stepping], [s.slot for s in stepping])
         except Exception as exc:
             self._fail(stepping, "step", exc)
-            return []
+            return _Went()
         return self._emit(stepping, returned, failed, rows)
 
-    def _emit(self, seqs: list[Sequence], returned, failed: dict, rows: "_Rows") -> list[Sequence]:
+    def _emit(self, seqs: list[Sequence], returned, failed: dict, rows: "_Rows") -> "_Went":
         """Each row's output picked, checked against its ends and emitted; the rows that go on."""
         values = self.runner.values(returned, [s.temperature for s in seqs], [s.top_k for s in seqs],
                                     [s.top_p for s in seqs], [s.seed for s in seqs], [s.produced for s in seqs])
         bad = set(bad_rows(returned.logits)) if returned.logits is not None else set()
         name = self.runner.outputs[0].name
         tokens = values[name].tolist() if self.tokens else None
-        kept = []
+        went, emitted, positions = _Went(values), [], []
         for i, s in enumerate(seqs):
             if s.seq not in self.live:
                 continue
@@ -205,17 +213,19 @@ class StepLoop:
             if tokens is not None and s.stops.is_stop_token(tokens[i]):
                 self._end(s, STOP_TOKEN)
                 continue
-            s.last = {k: v[i].clone() for k, v in values.items()}
-            rows.add(s.seq, s.produced, s.last)
+            emitted.append(i)
+            positions.append(s.produced)
             s.produced += 1
             hit = tokens is not None and s.stops.emitted(tokens[i])
             reason = after_emit(hit, bool(returned.done[i]) if returned.done is not None else False, s.produced,
                                 s.max_outputs, s.prompt_len + s.produced - 1, self.gen.max_length)
             if reason is None:
-                kept.append(s)
+                went.seqs.append(s)
+                went.index.append(i)
             else:
                 self._end(s, reason)
-        return kept
+        rows.add([seqs[i].seq for i in emitted], positions, values, emitted)
+        return went
 
     def _fail(self, seqs: list[Sequence], phase: str, exc: Exception) -> None:
         """A prefill or step that raised (or returned what breaks the contract): its rows end."""
@@ -235,21 +245,28 @@ class StepLoop:
         for s in seqs:
             if s.seq in self.live:
                 self._end(s, ERROR, body)
-        self._warn(phase, len(seqs), body, [s.seq for s in seqs])
+        self._warn(phase, seqs, body)
 
-    def _warn(self, phase: str, count: int, body: ErrorBody, seqs: list[int]) -> None:
+    def _warn(self, phase: str, seqs: list[Sequence], body: ErrorBody) -> None:
+        """One WARNING line per failed call, at most LINES_PER_S a second (the next says how many
+        were left out), as failure_log.py's batch_failed."""
         now = time.monotonic()
         start, lines = self._lines
         if now - start >= 1.0:
             start, lines = now, 0
         self._lines = (start, lines + 1)
         if lines >= LINES_PER_S:
+            self._left_out += 1
             return
-        log.warning("%s failed %s: %s of %d sequence(s) (seqs %s): %s", self.key, body.code, phase, count,
-                    " ".join(map(str, seqs[:16])), body.message,
+        left_out, self._left_out = self._left_out, 0
+        ids = [s.request_id for s in seqs if s.request_id]
+        log.warning("%s failed %s: %s of %d sequence(s)%s: %s%s", self.key, body.code, phase, len(seqs),
+                    f" (ids {' '.join(map(str, ids[:16]))})" if ids else "", body.message,
+                    f" ({left_out} more failure line(s) of {self.key} left out)" if left_out else "",
                     extra={"event": "generation_failed", "model": self.runner.spec.name,
                            "version": self.runner.spec.version, "code": body.code, "phase": phase,
-                           "sequences": count})
+                           "sequences": len(seqs), "seqs": [s.seq for s in seqs[:16]], "request_ids": ids[:16],
+                           "left_out": left_out})
 
     def _end(self, s: Sequence, reason: str, error: Optional[ErrorBody] = None) -> None:
         """The sequence leaves: its slot back to the pool now, its end told in the next Steps."""
@@ -260,25 +277,34 @@ class StepLoop:
         self.ended.append(SeqEnd(seq=s.seq, reason=reason, error=error))
 
 
+class _Went:
+    """The rows of one call that go on: their sequences, and where their outputs are in `values`."""
+
+    def __init__(self, values: Optional[dict[str, torch.Tensor]] = None):
+        self.values = values or {}
+        self.seqs: list[Sequence] = []
+        self.index: list[int] = []
+
+
 class _Rows:
-    """The outputs an iteration emits, row by row, made into Steps fields at its end."""
+    """The outputs an iteration emits, a call's rows at a time, made into Steps fields at its end."""
 
     def __init__(self, outputs):
         self.outputs = outputs
         self.seqs: list[int] = []
         self.positions: list[int] = []
-        self.values: dict[str, list[torch.Tensor]] = {t.name: [] for t in outputs}
+        self.parts: list[tuple[dict[str, torch.Tensor], list[int]]] = []   # (a call's values, the rows emitted)
 
-    def add(self, seq: int, position: int, values: dict[str, torch.Tensor]) -> None:
-        self.seqs.append(seq)
-        self.positions.append(position)
-        for k, v in values.items():
-            self.values[k].append(v)
+    def add(self, seqs: list[int], positions: list[int], values: dict[str, torch.Tensor], index: list[int]) -> None:
+        if seqs:
+            self.seqs += seqs
+            self.positions += positions
+            self.parts.append((values, index))
 
     def wire(self) -> list[StepRows]:
         out = []
         for t in self.outputs:
-            stacked = torch.stack(self.values[t.name]).contiguous()
+            stacked = torch.cat([values[t.name][index] for values, index in self.parts]).contiguous()
             out.append(StepRows(name=t.name, dtype=t.dtype, shape=list(stacked.shape),
                                 data=stacked.reshape(-1).view(torch.uint8).numpy().tobytes()))
         return out

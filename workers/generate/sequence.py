@@ -19,7 +19,7 @@ from .stops import Stops
 
 class Sequence:
     __slots__ = ("seq", "request_id", "slot", "inputs", "prefix", "delivered", "max_outputs", "temperature", "top_k",
-                 "top_p", "seed", "stops", "prompt_len", "produced", "last")
+                 "top_p", "seed", "stops", "prompt_len", "produced")
 
     def __init__(self, gs: GenSeq, request_id: int, inputs: dict[str, Any], prefix: dict[str, torch.Tensor],
                  max_outputs: int, stops: Stops, prompt_len: Optional[int]):
@@ -34,7 +34,6 @@ class Sequence:
         self.stops = stops
         self.prompt_len = prompt_len         # None until prefill says (a handler that returns `lengths`)
         self.produced = gs.delivered         # outputs so far: the next output's index
-        self.last: dict[str, torch.Tensor] = {}   # each declared output's last value [*shape], on the CPU
 
     @property
     def position(self) -> int:
