@@ -1,6 +1,7 @@
 """tgw.client: the Python client library (numpy in, numpy out; torch tensors in and out, torch
 imported only when the caller uses it): Client (threads), AsyncClient (asyncio), streams,
-generation (outputs streamed from a generator model), shared-memory regions, CUDA tensors by IPC handle.
+generation (a generator model's outputs as they come), shared-memory regions, CUDA tensors by
+IPC handle.
 
     from tgw.client import Client
     with Client() as c:
@@ -40,6 +41,7 @@ from .settings import ConnectError
 from .stream import StreamResult
 
 __all__ = [
-    "Client", "AsyncClient", "ConnectError", "Generation", "AsyncGeneration", "GenerationEnd", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
+    "Client", "AsyncClient", "ConnectError", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
+    "Generation", "AsyncGeneration", "GenerationEnd",
     'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

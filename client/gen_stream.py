@@ -58,7 +58,8 @@ class Generation:
                  timeout: float | None = None, **options):
         params = generate_params(max_outputs, sampling, seed)
         self._client = client
-        call = _prepare(client.next_id(), client, client.input_ranks(model), model, inputs, params, dict(options, timeout=timeout))
+        call = _prepare(client.next_id(), client, client.input_ranks(model), model, inputs, params,
+                        dict(options, timeout=timeout))
         self._seq = Sequence(call.msg.id)
         self._timeout = timeout
         self._until = None if timeout is None else time.monotonic() + reply_wait(timeout)
@@ -171,7 +172,7 @@ class AsyncGeneration:
         self._seq: Sequence | None = None
         self._link = None
         self._held = False          # a slot of the broker's per-caller cap
-        self._changed: asyncio.Event | None = None
+        self._waiter: asyncio.Future | None = None   # the reader's, while it waits for news
         self._until: float | None = None
         self._closed = False
 
@@ -202,7 +203,6 @@ class AsyncGeneration:
         call = _prepare(client.next_id(), client, ranks, self._model, self._inputs, self._params, self._options)
         self._inputs = None
         seq = self._seq = Sequence(call.msg.id)
-        self._changed = asyncio.Event()
         link = self._link = client.generation_link()
         wait_s = reply_wait(self._timeout)
         self._until = None if self._timeout is None else link.loop.time() + wait_s
@@ -259,11 +259,16 @@ class AsyncGeneration:
 
     def feed(self, reply, parts: list) -> None:
         self._seq.feed(reply, parts)
-        self._changed.set()
+        self._wake(True)
 
     def fail(self, error: BaseException) -> None:
         self._seq.fail(error)
-        self._changed.set()
+        self._wake(True)
+
+    def _wake(self, news: bool) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(news)
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -274,17 +279,21 @@ class AsyncGeneration:
             self._held = False
 
     async def _wait(self) -> None:
-        """Until something came for this stream; past the deadline, it is cancelled and fails."""
-        changed, seq = self._changed, self._seq
-        changed.clear()
-        loop = asyncio.get_running_loop()
+        """Until something came for this stream; past the deadline, it is cancelled and fails.
+        (A future and a timer: wait_for's task per output would cost more than the output.)"""
+        seq, loop = self._seq, asyncio.get_running_loop()
         until = self._until if self._until is not None else loop.time() + NO_TIMEOUT_WAIT_S
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_at(until, self._wake, False)
         try:
-            await asyncio.wait_for(changed.wait(), max(0.0, until - loop.time()))
-        except asyncio.TimeoutError:
-            waited = reply_wait(self._timeout) if self._until is not None else NO_TIMEOUT_WAIT_S
-            self._end(cancel=True)
-            seq.fail(_expired(seq.id, waited))
+            news = await waiter
         except asyncio.CancelledError:   # nobody will read it: the broker stops it
             self.close()
             raise
+        finally:
+            timer.cancel()
+            self._waiter = None
+        if not news:
+            waited = reply_wait(self._timeout) if self._until is not None else NO_TIMEOUT_WAIT_S
+            self._end(cancel=True)
+            seq.fail(_expired(seq.id, waited))

@@ -17,7 +17,7 @@ ADMITTING, RUNNING, QUEUED = "admitting", "running", "queued"
 
 class Stream:
     __slots__ = ("p", "seq", "phase", "worker", "key", "batch_id", "closed", "sent", "kept", "first_at", "last_at",
-                 "resumed", "unread")
+                 "resumed", "unread", "unread_n", "unread_bytes")
 
     def __init__(self, p, outputs: list):
         self.p = p                       # its Pending (state/pending.py); p.generate is its GenSeq
@@ -33,6 +33,7 @@ class Stream:
         self.last_at: float | None = None
         self.resumed = 0                 # prefills again after its worker died
         self.unread: deque = deque()     # (zmq tracker, outputs, bytes) of replies libzmq still holds
+        self.unread_n = self.unread_bytes = 0   # their sums
 
     @property
     def gen(self) -> GenSeq:
@@ -50,9 +51,18 @@ class Stream:
         gen.delivered = self.sent
         gen.prefix = [bytes(b) for b in self.kept.values()]
 
+    def sent_unread(self, tracker, n: int, nbytes: int) -> None:
+        """A reply of n outputs went out; `tracker` tells when libzmq is done with it."""
+        self.unread.append((tracker, n, nbytes))
+        self.unread_n += n
+        self.unread_bytes += nbytes
+
     def held(self) -> tuple[int, int]:
-        """Outputs, and their bytes, in replies libzmq still holds (the caller has not taken them)."""
+        """Outputs, and their bytes, in replies libzmq still holds (the caller has not taken them):
+        they leave in order, so the oldest done ones are forgotten first."""
         q = self.unread
         while q and q[0][0].done:
-            q.popleft()
-        return sum(e[1] for e in q), sum(e[2] for e in q)
+            _, n, nbytes = q.popleft()
+            self.unread_n -= n
+            self.unread_bytes -= nbytes
+        return self.unread_n, self.unread_bytes

@@ -272,7 +272,7 @@ class Streams:
             c.between_outputs.observe(now - s.last_at)
         s.last_at = now
         if tracker is not None:
-            s.unread.append((tracker, n, sum(map(len, frames))))
+            s.sent_unread(tracker, n, sum(map(len, frames)))
         entry = self.models.get(p.model)   # None: unloaded while it ran
         limit = entry.decl.generator.max_unread_outputs if entry is not None else 1024
         held, nbytes = s.held()

@@ -204,7 +204,8 @@ def test_outputs_stream_at_once_and_the_end_follows_the_last():
             assert isinstance(out, GenerateOutputs) and (out.id, out.first, out.count) == (1, pos, 1)
             assert token(frames) == [10 + pos] and out.outputs[0].shape == [1]
         end, _ = await rig.reply()
-        assert isinstance(end, GenerateEnd) and (end.reason, end.outputs, end.seed, end.resumed) == ("max_outputs", 3, 7, 0)
+        assert isinstance(end, GenerateEnd)
+        assert (end.reason, end.outputs, end.seed, end.resumed) == ("max_outputs", 3, 7, 0)
         assert end.first_output_ms == pytest.approx(10.0) and end.total_ms == pytest.approx(30.0)
         c = rig.streams.counters["gen"].as_dict()
         assert (c["active"], c["started"], c["outputs"], c["ended"], c["slots"]) == (0, 1, 3, {"max_outputs": 1}, 2)

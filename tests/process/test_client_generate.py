@@ -2,7 +2,9 @@
 generator `Counter` (tgw.testing.generators: output n of a prompt is (sum(prompt) + n) % 1000).
 Its outputs in order with their `final` record; async streams side by side; a stream closed (sync
 close, async aclose, a dropped stream) cancels its sequence, and status shows the slots its
-worker freed; status, its printout and /metrics show the generator. The stream object against a scripted peer: tests/unit/test_client_generation.py."""
+worker freed; status, its printout and /metrics show the generator. The stream object against a
+scripted peer: tests/unit/test_client_generation.py; a stream over its worker's death:
+tests/process/test_generation.py."""
 from __future__ import annotations
 
 import asyncio
@@ -116,3 +118,4 @@ def test_status_printout_and_metrics_show_the_generator(broker):
     assert samples["tgw_generator_outputs_total", (("model", MODEL),)] >= 5
     assert samples["tgw_generator_sequences_total", (("model", MODEL), ("reason", "max_outputs"))] >= 1
     assert samples["tgw_generator_first_output_seconds_count", (("model", MODEL),)] >= 1
+

@@ -25,9 +25,9 @@ import zmq
 from conftest import served
 from tgw.client import Client
 from tgw.shm.wire import PROTOCOL_VERSION, Cancel, ErrorReply, GenerateEnd, GenerateOutputs, GenerateParams, \
-    Goodbye, Infer, TensorMeta, encode, reply_decoder
+    Goodbye, Infer, Sampling, TensorMeta, encode, reply_decoder
 from tgw.testing.cancellation import wait_for
-from tgw.testing.generators import counter_outputs, entry
+from tgw.testing.generators import counter_outputs, entry, toylm_reference
 
 pytestmark = pytest.mark.process
 WAIT_S = 60.0
@@ -42,6 +42,7 @@ def broker():
                {**entry("tight", options={"step_ms": 5}, max_sequences=2, max_outputs=30), "max_queue": 2},
                entry("lazy", max_sequences=2, max_outputs=1_000_000, max_unread_outputs=8),
                entry("bad", options={"raise_prefill_on": 666, "raise_at": 3}, max_sequences=4, max_outputs=10),
+               entry("lm", "ToyLM", options={"step_ms": 5}, max_sequences=4, max_outputs=1000),
            ]}
     yield from served(cfg, d)
 
@@ -74,6 +75,8 @@ class Caller:
         go to `outputs` by id."""
         outputs = {} if outputs is None else outputs
         while True:
+            if ("end", req_id) in outputs:   # read while another stream was awaited
+                return outputs.get(req_id, []), outputs.pop(("end", req_id))
             msg, frames = self.read()
             if isinstance(msg, GenerateOutputs):
                 got = outputs.setdefault(msg.id, [])
@@ -155,9 +158,11 @@ def test_each_means_of_cancellation_frees_its_slot(broker):
 
             b = Caller(broker.address)
             try:
-                b.generate(4, "cnt", [3], timeout_ms=1_000, max_outputs=100_000)
-                got, end = b.stream(4)
-                assert isinstance(end, ErrorReply) and end.error.code == "DEADLINE_EXCEEDED" and got
+                b.generate(4, "cnt", [3], timeout_ms=3_000, max_outputs=100_000)
+                first, frames = b.read()
+                assert isinstance(first, GenerateOutputs), f"no output before the deadline: {first}"
+                got, end = b.stream(4, {4: np.frombuffer(frames[0], np.int64).tolist()})
+                assert isinstance(end, ErrorReply) and end.error.code == "DEADLINE_EXCEEDED"
                 assert got == counter_outputs([3], len(got))
                 freed(3)
             finally:
@@ -244,25 +249,31 @@ def test_a_handler_raising_in_prefill_or_step_answers_with_its_message(broker):
 
 
 def test_a_stream_survives_its_worker_being_killed(broker):
-    """Last: it kills the module's worker, and stops the broker. The stream continues on the
+    """Last: it kills the module's worker, and stops the broker. Each stream continues on the
     restarted worker from the outputs sent, with none repeated or missing, equal to an
-    uninterrupted run."""
+    uninterrupted run: a greedy one, and a sampled one (its draws depend on (seed, position) only)."""
     a = Caller(broker.address)
     try:
         n = 300
+        sampled = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=1234)
         a.generate(1, "cnt", [4, 4], max_outputs=n)
-        outputs = {}
-        while len(outputs.get(1, [])) < 10:
+        a.generate(2, "lm", [3, 9, 27], max_outputs=n, sampling=sampled)
+        outputs: dict = {}
+        while min(len(outputs.get(1, [])), len(outputs.get(2, []))) < 10:
             msg, frames = a.read()
-            assert isinstance(msg, GenerateOutputs)
-            outputs.setdefault(1, []).extend(np.frombuffer(frames[0], np.int64).tolist())
+            assert isinstance(msg, GenerateOutputs) and msg.first == len(outputs.get(msg.id, []))
+            outputs.setdefault(msg.id, []).extend(np.frombuffer(frames[0], np.int64).tolist())
         (pid,) = broker.worker_pids()
         os.kill(pid, signal.SIGKILL)
         got, end = a.stream(1, outputs)
         assert isinstance(end, GenerateEnd), end
         assert got == counter_outputs([4, 4], n) and end.outputs == n and end.resumed == 1
+        got, end = a.stream(2, outputs)
+        assert isinstance(end, GenerateEnd) and end.resumed == 1 and end.seed == 1234, end
+        assert got == toylm_reference([3, 9, 27], n, temperature=1.0, top_k=20, top_p=0.9, seed=1234)
         with Client(broker.address) as c:
             assert generation(c, "cnt")["resumed"] >= 1
     finally:
         a.close()
-    assert broker.stop() == 0   # its restarted worker is this test's child: gone with it (the module's end checks again)
+    # its restarted worker is this test's child: gone with the broker (the module's end checks again)
+    assert broker.stop() == 0

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tgw.client import AsyncClient, Client, ModelExecutionError, OverloadedError, TgwError
+from tgw.client import AsyncClient, Client, DeadlineExceededError, ModelExecutionError, OverloadedError, TgwError
 from tgw.client.generation import GenerationEnd, Sequence, generate_params, one_row
 from tgw.shm.errors import Code
 from tgw.shm.wire import (PROTOCOL_VERSION, Cancel, CancelReply, ErrorBody, ErrorReply, GenerateEnd, GenerateOutputs,
@@ -337,4 +337,25 @@ def test_async_error_mid_stream_and_lost_connection(peer):
             with pytest.raises(ModelExecutionError, match="boom"):
                 await stream.__anext__()
             assert c._link.cap.held == 0 and not c._link.streams
+    asyncio.run(run())
+
+
+def test_past_its_timeout_a_silent_stream_fails_and_is_cancelled(peer):
+    with Client(peer.address) as c:
+        stream = c.generate("gpt", [1], timeout=0.05)
+        _, msg, _ = peer.next_request(Infer)
+        with pytest.raises(DeadlineExceededError, match="no output from the broker"):
+            next(stream)
+        _, cancel, _ = peer.next_request(Cancel)
+        assert cancel.ids == [msg.id]
+
+    async def run():
+        async with AsyncClient(peer.address) as ac:
+            loop = asyncio.get_running_loop()
+            s = ac.generate("gpt", [1], timeout=0.05)
+            with pytest.raises(DeadlineExceededError, match="no output from the broker"):
+                await s.__anext__()
+            _, msg, _ = await loop.run_in_executor(None, peer.next_request, Infer)
+            _, cancel, _ = await loop.run_in_executor(None, peer.next_request, Cancel)
+            assert cancel.ids == [msg.id] and ac._link.cap.held == 0 and not ac._link.streams
     asyncio.run(run())
