@@ -29,7 +29,8 @@ from .request import Call, prepare
 from .results import InferResult, health_dict, model_dict, stats_dict, status_dict
 from .retry import REREGISTER, Attempts, RetryPolicy
 from .settings import CONNECT_TIMEOUT_S, ConnectError, settings
-from .transport import ENOTSUP, EVENTS, NOBLOCK, POLLIN, check_size, read_reply, reply_wait, say_goodbye, send_request
+from .transport import ENOTSUP, EVENTS, GOODBYE_LINGER_MS, NOBLOCK, POLLIN, check_size, read_reply, reply_wait, \
+    say_goodbye, send_request
 from .transport import REPLY_GRACE_S  # noqa: F401 - read here by bench/harness/openloop.py
 
 IDLE_GEN_LINKS = 8   # sockets of ended generations kept for the next ones (a new one costs a handshake)
@@ -258,13 +259,14 @@ class Client:
                 return self._idle_gen_links.pop()
         return self.new_link()
 
-    def generation_link_done(self, link: Link) -> None:
-        """The generation on `link` is over: keep it for the next (a few), else close it."""
+    def generation_link_done(self, link: Link, reuse: bool) -> None:
+        """The generation on `link` is over: `reuse` (the broker ended it) keeps it for the next
+        (a few), else it is closed once what was sent went out (a cancel)."""
         with self._lock:
-            if not self._closed and link in self._links and len(self._idle_gen_links) < IDLE_GEN_LINKS:
+            if reuse and not self._closed and link in self._links and len(self._idle_gen_links) < IDLE_GEN_LINKS:
                 self._idle_gen_links.append(link)
                 return
-        self.drop_link(link)
+        self.drop_link(link, GOODBYE_LINGER_MS)
 
     def late_reply(self, req_id: int) -> None:
         """A reply came for a call that gave up: what its regions kept for it may be reused. The
@@ -285,11 +287,11 @@ class Client:
             self._cancels.pop(next(iter(self._cancels)), None)
         self._cancels[cancel_id] = req_id
 
-    def drop_link(self, link: Link) -> None:
+    def drop_link(self, link: Link, linger_ms: int = 0) -> None:
         with self._lock:
             if link in self._links:
                 self._links.remove(link)
-                link.close()
+                link.close(linger_ms)
 
     def _link(self) -> Link:
         link = getattr(self._local, "link", None)

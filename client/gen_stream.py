@@ -7,8 +7,9 @@
 
 Client: each live generation has a socket of its own (a Link taken from the client's idle ones,
 or a new one), so a stream may be read from any thread, one at a time, and many run at once in
-as many threads; it goes back to the idle ones when the stream ends (a later stream drops any
-late message of this one by its id). AsyncClient: every generation shares the client's one
+as many threads. It goes back to the idle ones once the broker ended the stream (nothing more
+comes for it); a stream the client ends (a close, its deadline) closes its socket after the
+cancel went out, so the outputs still on their way cannot crowd the next stream's connection. AsyncClient: every generation shares the client's one
 connection, whose reader routes each `gen`, `gen_end` or `error` to its stream by request id
 (client/async_link.py), holding a slot of the broker's per-caller cap until the stream ends.
 
@@ -71,7 +72,7 @@ class Generation:
             client.send(link, call.msg, call.frames, reply_wait(timeout), call.sent)
         except BaseException:
             self._link = None
-            client.generation_link_done(link)
+            client.generation_link_done(link, reuse=False)
             raise
         self._losses = link.losses
 
@@ -116,7 +117,7 @@ class Generation:
             if self._closed:
                 return
             self._closed = True
-            if self._link is not None and not self._seq.ended:
+            if self._link is not None and not self._seq.answered:
                 self._client._withdraw(self._link, self._seq.id)
             self._release()
 
@@ -130,7 +131,7 @@ class Generation:
     def _release(self) -> None:
         link, self._link = self._link, None
         if link is not None:
-            self._client.generation_link_done(link)
+            self._client.generation_link_done(link, reuse=self._seq.answered)
 
     def _pump(self) -> None:
         """Read the stream's socket until this sequence has an output or has ended."""

@@ -151,6 +151,7 @@ class Sequence:
         self.scalar: bool | None = None    # items are ints (one integer scalar output); None: nothing yet
         self.final: GenerationEnd | None = None
         self.error: BaseException | None = None
+        self.answered = False   # the broker ended it (gen_end or error): nothing more comes for it
 
     @property
     def ended(self) -> bool:
@@ -164,8 +165,10 @@ class Sequence:
         if type(reply) is GenerateOutputs:
             self._outputs(reply, parts)
         elif type(reply) is GenerateEnd:
+            self.answered = True
             self._end(reply)
         elif type(reply) is ErrorReply:
+            self.answered = True
             self.error = error_from_body(reply.error)
         else:
             self.error = fail(Code.INTERNAL, f"a generation's request was answered by a {type(reply).__name__} "

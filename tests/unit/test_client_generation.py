@@ -254,14 +254,20 @@ def test_sync_close_cancels_and_late_messages_are_dropped(peer):
             assert next(stream) == 8
         _, cancel, _ = peer.next_request(Cancel)
         assert cancel.ids == [msg.id]
-        peer.send(ident, CancelReply(v=PROTOCOL_VERSION, id=cancel.id, cancelled=0, running=1))
-        answer(peer, ident, msg.id, [9, 10], first=1)   # late, on the socket the next stream reuses
+        assert list(stream) == []                        # closed: nothing more
+        # its socket is closed (what was still on its way cannot crowd the next stream's connection)
         second = c.generate("gpt", [3])
         ident2, msg2, _ = peer.next_request(Infer)
-        assert ident2 == ident                           # the idle socket was taken again
+        assert ident2 != ident
         answer(peer, ident2, msg2.id, [4, 5])
         assert list(second) == [4, 5] and second.final.outputs == 2
-        assert list(stream) == []                        # closed: nothing more
+        # ended by the broker: its socket serves the next stream, which drops a late message for it
+        peer.send(ident2, *gen(msg2.id, 2, [6]))
+        third = c.generate("gpt", [7])
+        ident3, msg3, _ = peer.next_request(Infer)
+        assert ident3 == ident2
+        answer(peer, ident3, msg3.id, [9])
+        assert list(third) == [9]
 
 
 def test_sync_stream_dropped_unfinished_is_cancelled(peer):
