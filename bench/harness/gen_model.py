@@ -22,8 +22,9 @@ import numpy as np
 
 OUTPUTS = 64        # outputs per request
 # one step at 64 rows costs >= 10 ms with one torch thread on the 2-core box the results were taken
-# on (14 ms measured while sizing it; each run reports its own floor's step time)
-DIMS = {"vocab": 512, "d_model": 128, "n_layers": 4, "n_heads": 4, "max_len": 160}
+# on (20 ms measured while sizing it, 4 layers gave 9.7 ms on a quiet box; each run reports its
+# own floor's step time)
+DIMS = {"vocab": 512, "d_model": 128, "n_layers": 6, "n_heads": 4, "max_len": 160}
 QUICK_DIMS = {"vocab": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 128}
 PROMPT_LENGTHS = (8, 64)   # uniform, inclusive; a prompt + OUTPUTS - 1 positions must fit max_len
 
