@@ -1,8 +1,9 @@
 """`tgw-bench generate --quick` end to end: the tiny decoder through every system (the floor,
 Flask+gunicorn streaming, tgw one-shot loops, LitServe where installed, tgw generate) at 1, 16 and
-64 streams. Structure, zero failures and every stream's outputs equal to the model's own greedy
-run, never timings; the run stops every server it started by PID (the leak guard checks no
-child or segment is left)."""
+64 streams, and the small fault rows (cancellation by four means, a flood against the slot pool,
+a worker killed under load). Structure, zero failures and every stream's outputs equal to the
+model's own greedy run, never timings; the run stops every server it started by PID (the leak
+guard checks no child or segment is left)."""
 from __future__ import annotations
 
 import json
@@ -39,6 +40,17 @@ def test_generate_quick_fills_every_row(tmp_path, capsys):
         if name != "oneshot":
             assert row["newcomer"]["others"] == 63 and row["newcomer"]["ttfo_ms"] > 0, row["newcomer"]
     assert systems["generate"]["server"] == {"exit_status": 0, "shm_leftovers": []}
+    faults = data["faults"]
+    assert faults["servers"] == {k: {"exit_status": 0, "shm_leftovers": []} for k in ("cancel", "flood")}
+    cancel, flood, kill = faults["cancel"], faults["flood"], faults["kill"]
+    assert sorted(cancel["by_means"]) == ["cancel", "client_close", "deadline", "process_kill"], cancel
+    assert all("error" not in m and m["streams"] == 10 for m in cancel["by_means"].values()), cancel
+    assert cancel["bystanders_failed"] == cancel["bystanders_wrong"] == 0
+    # the flood: each answered or refused OVERLOADED, never more live sequences than slots
+    assert sum(flood["outcomes"].values()) == flood["sequences"] == 300, flood
+    assert set(flood["outcomes"]) <= {"answered", "OVERLOADED"} and flood["peak_active"] <= flood["slots"] == 64
+    # a worker killed under load: every sequence complete and equal to the model's greedy run
+    assert kill["kills"] >= 1 and kill["sequences"] > 0 and kill["failed"] == kill["wrong"] == 0, kill
     goals = {g["goal"]: g for g in data["goals"]}
     assert len(goals) == 7 and all(g["target"] is not None for g in goals.values())
     assert all(g["value"] is not None for name, g in goals.items() if "(d)" not in name)
