@@ -2,7 +2,7 @@
 static batch), Flask + gunicorn streaming each request, tgw one-shot requests looping from the
 client, LitServe with stream=True and tgw generate - on the demo's GPT decoder, prompts of
 seeded varied length, 64 outputs each, at 1, 16 and 64 concurrent streams; then the issue's goals
-as ratios (bench/README.md, "generate"). Writes bench/results/generate-<date>[-quick].json.
+as ratios (bench/README.md, "Generation"). Writes bench/results/generate-<date>[-quick].json.
 Exit status 0 when every row was filled without a failed request, 1 otherwise, 130 when
 interrupted.
 
@@ -327,6 +327,10 @@ def run(a: argparse.Namespace) -> int:
         print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}",
               file=sys.stderr)
         return 2
+    for flag, value in (("--workers", a.workers), ("--litserve-batch", a.litserve_batch)):
+        if value < 1:
+            print(f"{flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
     log = lambda msg: print(f"[generate {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     dims = gen_model.QUICK_DIMS if a.quick else gen_model.DIMS
     custom = set(a.systems) != set(SYSTEMS) or levels != [1, 16, 64] or a.workers != 2
