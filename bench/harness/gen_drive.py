@@ -127,6 +127,37 @@ def closed_loop(call: Call, prompt_list: list[list[int]], streams: int, per_stre
     return out, time.perf_counter() - t0
 
 
+def async_closed_loop(address: str, model: str, prompt_list: list[list[int]], streams: int, per_stream: int,
+                      max_outputs: int, timeout: float, first_index: int = 0) -> tuple[list[Stream], float]:
+    """As closed_loop, for tgw generate through one AsyncClient: `streams` tasks on one event
+    loop (in this thread), each its requests back to back."""
+    import asyncio
+    from tgw.client import AsyncClient
+    out: list[Stream] = []
+
+    async def one(ac, i: int) -> None:
+        for k in range(per_stream):
+            s = Stream(time.perf_counter(), prompt_list[(first_index + i * per_stream + k) % len(prompt_list)])
+            try:
+                it = ac.generate(model, np.asarray(s.prompt, np.int64), max_outputs=max_outputs, timeout=timeout)
+                async for value in it:
+                    s.add(value)
+                s.final = it.final
+            except Exception as exc:  # noqa: BLE001 - recorded: the row counts its failures
+                s.error = f"{type(exc).__name__}: {exc}"
+            out.append(s)
+
+    async def main() -> float:
+        async with AsyncClient(address) as ac:
+            await ac.health()   # connected before the clock starts, as the threads' clients are
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(ac, i) for i in range(streams)))
+            return time.perf_counter() - t0
+
+    wall = asyncio.run(main())
+    return out, wall
+
+
 def _pct(values: list[float], q: float) -> Optional[float]:
     return float(np.percentile(values, q)) if values else None
 

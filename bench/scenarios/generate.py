@@ -1,6 +1,6 @@
 """`tgw-bench generate`: streamed generation side by side in one run - the in-process floor (one
 static batch), Flask + gunicorn streaming each request, tgw one-shot requests looping from the
-client, LitServe with stream=True and tgw generate - on the demo's GPT decoder, prompts of
+client, LitServe with stream=True and tgw generate (Client and AsyncClient) - on the demo's GPT decoder, prompts of
 seeded varied length, 64 outputs each, at 1, 16 and 64 concurrent streams; then the issue's goals
 as ratios (bench/README.md, "Generation"). Writes bench/results/generate-<date>[-quick].json.
 Exit status 0 when every row was filled without a failed request, 1 otherwise, 130 when
@@ -27,10 +27,12 @@ from tgw.testing.child import BrokerProc, finish_run
 
 NAME = "generate"
 HELP = "streamed generation: floor, Flask streaming, tgw one-shot loops, LitServe, tgw generate"
-SYSTEMS = ("floor", "flask", "oneshot", "litserve", "generate")
+SYSTEMS = ("floor", "flask", "oneshot", "litserve", "generate", "generate_async")
 LABELS = {"floor": "(a) in-process floor", "flask": "(b) Flask+gunicorn stream", "oneshot": "(c) tgw one-shot loop",
-          "litserve": "(d) LitServe stream", "generate": "(e) tgw generate"}
+          "litserve": "(d) LitServe stream", "generate": "(e) tgw generate",
+          "generate_async": "(e) tgw generate, AsyncClient"}
 GEN, ONESHOT = "gpt", "gpt-oneshot"
+TGW = ("oneshot", "generate", "generate_async")   # the systems served by one tgw broker
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +72,8 @@ def tgw_config(weights: str, module, workers: int, systems: list[str]) -> dict[s
                     {"name": "length", "dtype": "int64", "shape": []}],
          "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common}]
     return {"workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},
-            "models": [m for m, s in zip(models, ("generate", "oneshot")) if s in systems]}
+            "models": [m for m, s in zip(models, (("generate", "generate_async"), ("oneshot",)))
+                       if set(s) & set(systems)]}
 
 
 def per_stream(system: str, streams: int, quick: bool) -> int:
@@ -83,13 +86,30 @@ def per_stream(system: str, streams: int, quick: bool) -> int:
 class Systems:
     """Starts each served system once, gives its Call, stops it by PID."""
 
-    def __init__(self, a: argparse.Namespace, work: str, weights: str, module, log: Callable[[str], None]):
-        self.a, self.work, self.weights, self.module, self.log = a, work, weights, module, log
+    def __init__(self, a: argparse.Namespace, work: str, weights: str, module, plist: list[list[int]]):
+        self.a, self.work, self.weights, self.module, self.plist = a, work, weights, module, plist
+        self.call: Optional[gen_drive.Call] = None
         self.server: Any = None
         self.broker: Optional[BrokerProc] = None
         self.client = None
 
-    def start(self, system: str) -> gen_drive.Call:
+    def start(self, system: str) -> Callable[..., tuple[list, float]]:
+        """The system started; its closed loop: loop(streams, per_stream, first_index) -> (Streams, wall)."""
+        if system == "generate_async":
+            self._broker()
+            address = self.broker.address
+            return lambda n, k, first=0: gen_drive.async_closed_loop(address, GEN, self.plist, n, k, gen_model.OUTPUTS,
+                                                                     600, first)
+        self.call = call = self._call(system)
+        return lambda n, k, first=0: gen_drive.closed_loop(call, self.plist, n, k, first)
+
+    def _broker(self) -> None:
+        if self.broker is None:
+            from tgw.client import Client
+            self.broker = BrokerProc(tgw_config(self.weights, self.module, self.a.workers, self.a.systems), self.work)
+            self.client = Client(self.broker.start(timeout=300).address)
+
+    def _call(self, system: str) -> gen_drive.Call:
         n = gen_model.OUTPUTS
         if system == "flask":
             self.server = FlaskStreamServer(self.weights, self.a.workers, self.work)
@@ -100,16 +120,13 @@ class Systems:
                 raise RuntimeError(missing)
             self.server = LitServeServer(self.weights, self.a.workers, self.a.litserve_batch, self.work)
             return gen_drive.litserve_call(self.server.port, n)
-        if self.broker is None:
-            from tgw.client import Client
-            self.broker = BrokerProc(tgw_config(self.weights, self.module, self.a.workers, self.a.systems), self.work)
-            self.client = Client(self.broker.start(timeout=300).address)
+        self._broker()
         if system == "oneshot":
             return gen_drive.oneshot_call(self.client, ONESHOT, self.module.cfg.max_len, n)
         return gen_drive.generate_call(self.client, GEN, n, timeout=600)   # bounded: a lost stream fails, not hangs
 
     def processes(self, system: str) -> list[dict[str, Any]]:
-        if system in ("oneshot", "generate"):
+        if system in TGW:
             return self.client.stats().get("processes", []) if self.client is not None else []
         return self.server.processes if self.server is not None else []
 
@@ -117,8 +134,8 @@ class Systems:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        if system == "generate" or (system == "oneshot" and "generate" not in self.a.systems):
-            return self.stop_broker()
+        if system in TGW and not [s for s in SYSTEMS[SYSTEMS.index(system) + 1:] if s in TGW and s in self.a.systems]:
+            return self.stop_broker()   # the last tgw system of the run
         return {}
 
     def stop_broker(self) -> dict[str, Any]:
@@ -140,28 +157,28 @@ def measure_system(systems: Systems, system: str, levels: list[int], plist: list
                    check: Callable[[list[int], list[int]], str], log: Callable[[str], None]) -> dict[str, Any]:
     """One system's rows: each level's closed loop and, for a streaming system, the newcomer."""
     try:
-        call = systems.start(system)
+        loop = systems.start(system)
     except Exception as exc:  # noqa: BLE001 - recorded; the other systems still run
         log(f"{LABELS[system]} could not start: {type(exc).__name__}: {exc}")
         return {"error": f"{type(exc).__name__}: {exc}"}
     out: dict[str, Any] = {"levels": {}}
     try:
-        gen_drive.closed_loop(call, plist, min(2, max(levels)), 1, first_index=len(plist) // 2)   # warm-up
+        loop(min(2, max(levels)), 1, len(plist) // 2)   # warm-up
         for n in levels:
             k = per_stream(system, n, quick)
-            streams, wall = gen_drive.closed_loop(call, plist, n, k)
+            streams, wall = loop(n, k)
             row = out["levels"][n] = gen_drive.summary(streams, wall, gen_model.OUTPUTS, check)
             row["per_stream"] = k
-            if system == "generate":
+            if system.startswith("generate"):
                 row["resumed"] = sum(getattr(s.final, "resumed", 0) or 0 for s in streams)
             log(f"{LABELS[system]} x{n}: {_f(row['outputs_per_s'], ',.0f')} outputs/s, first output p50 "
                 f"{_f(row['ttfo_ms']['p50'], '.1f')} ms, between p99 {_f(row['between_ms']['p99'], '.2f')} ms"
                 + (f", {row['requests_failed']} failed {row['errors']}" if row["requests_failed"] else "")
                 + (f", {row['outputs_wrong']} WRONG: {row['first_wrong']}" if row["outputs_wrong"] else ""))
         out["processes"] = systems.processes(system)
-        if system != "oneshot" and max(levels) > 1:
+        if system not in ("oneshot", "generate_async") and max(levels) > 1:
             others = max(levels) - 1
-            out["newcomer"] = nc = gen_drive.newcomer(call, plist, others, 8, 120 if quick else 600)
+            out["newcomer"] = nc = gen_drive.newcomer(systems.call, plist, others, 8, 120 if quick else 600)
             log(f"{LABELS[system]} newcomer beside {others}: " + (nc.get("error") or
                 f"first output after {nc['ttfo_ms']:.1f} ms, {nc['steps_waited']:g} steps of the others"))
     except Exception as exc:  # noqa: BLE001
@@ -244,26 +261,29 @@ def goals(res: dict[str, Any], levels: list[int]) -> list[dict[str, Any]]:
         return {"goal": name, "value": value, "target": target, "met": met, "unit": unit}
 
     out = []
-    for other, want in (("flask", 5.0), ("litserve", 2.0), ("floor", 0.8)):
-        e, o = ops("generate", hi), ops(other, hi)
-        out.append(goal(f"outputs/s at {hi} streams, (e)/{LABELS[other][:3]}", e / o if e and o else None, want,
-                        True, "x"))
-    e, o = ops("generate", lo), ops("floor", lo)
-    out.append(goal(f"outputs/s at {lo} stream(s), (e)/(a)", e / o if e and o else None, 0.9, True, "x"))
-    mid = 16 if 16 in levels else hi
-    gen = (rows.get("generate") or {}).get("levels") or {}
     fl = (floor.get("levels") or {})
-    if mid in gen and mid in fl:
-        target = floor["prefill_one_ms"] + 2 * fl[mid]["step_ms"]
-        out.append(goal(f"time to first output p50 at {mid} streams <= one prefill + 2 steps",
-                        gen[mid]["ttfo_ms"]["p50"], target, False, "ms"))
-    nc = (rows.get("generate") or {}).get("newcomer") or {}
-    if "steps_waited" in nc:
-        out.append(goal(f"newcomer beside {nc['others']}: steps from its call to its first output",
-                        nc["steps_waited"], 2, False, "steps"))
-    if hi in gen and hi in fl:
-        out.append(goal(f"time between outputs p99 at {hi} streams <= 1.5 x the floor's step",
-                        gen[hi]["between_ms"]["p99"], 1.5 * fl[hi]["step_ms"], False, "ms"))
+    mid = 16 if 16 in levels else hi
+    for e_sys, tag in (("generate", "(e)"), ("generate_async", "(e async)")):
+        if e_sys not in rows:
+            continue
+        for other, want in (("flask", 5.0), ("litserve", 2.0), ("floor", 0.8)):
+            e, o = ops(e_sys, hi), ops(other, hi)
+            out.append(goal(f"outputs/s at {hi} streams, {tag}/{LABELS[other][:3]}", e / o if e and o else None, want,
+                            True, "x"))
+        e, o = ops(e_sys, lo), ops("floor", lo)
+        out.append(goal(f"outputs/s at {lo} stream(s), {tag}/(a)", e / o if e and o else None, 0.9, True, "x"))
+        gen = (rows.get(e_sys) or {}).get("levels") or {}
+        if mid in gen and mid in fl:
+            target = floor["prefill_one_ms"] + 2 * fl[mid]["step_ms"]
+            out.append(goal(f"{tag} time to first output p50 at {mid} streams <= one prefill + 2 steps",
+                            gen[mid]["ttfo_ms"]["p50"], target, False, "ms"))
+        nc = (rows.get(e_sys) or {}).get("newcomer") or {}
+        if "steps_waited" in nc:
+            out.append(goal(f"{tag} newcomer beside {nc['others']}: steps from its call to its first output",
+                            nc["steps_waited"], 2, False, "steps"))
+        if hi in gen and hi in fl:
+            out.append(goal(f"{tag} time between outputs p99 at {hi} streams <= 1.5 x the floor's step",
+                            gen[hi]["between_ms"]["p99"], 1.5 * fl[hi]["step_ms"], False, "ms"))
     return out
 
 
@@ -355,17 +375,19 @@ def run(a: argparse.Namespace) -> int:
             "oneshot": "tgw stage NextToken (the whole sequence, no cache), one Client.infer per output",
             "litserve": f"LitAPI(stream=True, max_batch_size={a.litserve_batch}, batch_timeout=0.005), "
                         f"workers_per_device={a.workers} on cpu x 1 torch thread; a static batch runs to its end",
-            "generate": f"Client.generate, {a.workers} tgw workers x 1 torch thread, 64 slots each, greedy"}
+            "generate": f"Client.generate, a thread per stream, {a.workers} tgw workers x 1 torch thread, 64 slots "
+                        "each, greedy",
+            "generate_async": "AsyncClient.generate, a task per stream on one event loop, the same broker"}
         log(f"{mode} mode: model {res['settings']['model']}, streams {levels}, work dir {work}")
         if "floor" in a.systems:
             floor(res, weights, levels, plist, a.quick, log)
-        systems = Systems(a, work, weights, module, log)
+        systems = Systems(a, work, weights, module, plist)
         for system in [s for s in SYSTEMS if s in a.systems and s != "floor"]:
             res["systems"][system] = measure_system(systems, system, levels, plist, a.quick, check, log)
         systems.stop_broker()
         if "floor" in a.systems and not a.quick:   # a second round after the systems: the box is noisy
             floor(res, weights, levels, plist, a.quick, log)
-        if "generate" in a.systems and not a.no_faults:
+        if ("generate" in a.systems or "generate_async" in a.systems) and not a.no_faults:
             res["faults"] = fault_rows(a, work, weights, module, plist, check, log)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
