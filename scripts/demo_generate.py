@@ -49,6 +49,8 @@ def stream_sync(address: str, prompts: list[str]) -> list[dict]:
             results[i] = {"tokens": tokens, "final": stream.final, "seconds": time.perf_counter() - t0}
         except TgwError as err:
             results[i] = {"tokens": tokens, "error": f"{err.code.name}: {err}"}
+        except Exception as exc:   # anything else still ends as this stream's error, not a lost row
+            results[i] = {"tokens": tokens, "error": f"{type(exc).__name__}: {exc}"}
 
     with Client(address) as c:
         threads = [threading.Thread(target=one, args=(c, i)) for i in range(len(prompts))]
@@ -75,15 +77,22 @@ def stream_async(address: str, prompts: list[str]) -> list[dict]:
                     return {"tokens": tokens, "final": stream.final, "seconds": time.perf_counter() - t0}
                 except TgwError as err:
                     return {"tokens": tokens, "error": f"{err.code.name}: {err}"}
+                except Exception as exc:
+                    return {"tokens": tokens, "error": f"{type(exc).__name__}: {exc}"}
             return await asyncio.gather(*(one(p) for p in prompts))
     return asyncio.run(main())
 
 
-def check(models_dir: str, prompts: list[str], results: list[dict]) -> None:
-    """Adds each result's verdict (tgw.workers.demo_generator.Verdict) against the float64 reference."""
-    from tgw.workers.demo_generator import END, check_against_reference, float64_reference, load_gpt
+def reference_model(models_dir: str):
+    """The served weights as a float64 module in this process."""
+    from tgw.workers.demo_generator import float64_reference, load_gpt
     from tgw.workers.demo_models import GPT_FILE   # torch: only after the timed traffic
-    reference = float64_reference(load_gpt(os.path.join(models_dir, GPT_FILE)))
+    return float64_reference(load_gpt(os.path.join(models_dir, GPT_FILE)))
+
+
+def check(reference, prompts: list[str], results: list[dict]) -> None:
+    """Adds each result's verdict (tgw.workers.demo_generator.Verdict) against the float64 reference."""
+    from tgw.workers.demo_generator import END, check_against_reference
     tok = Tokenizer()
     for prompt, r in zip(prompts, results):
         if "final" in r:
@@ -104,12 +113,12 @@ def run(address: str, models_dir: str) -> tuple[list[tuple], bool]:
     got["async"] = stream_async(address, faces["async"])
     threads[0].join()
     elapsed = time.perf_counter() - t0
-    tok, rows, failed = Tokenizer(), [], False
-    print(f"\n{MODEL}: {len(PROMPTS)} prompts streamed at once, greedy, up to {MAX_OUTPUTS} tokens each "
-          f"(the end token ends a sentence):")
+    tok, rows, failed, reference = Tokenizer(), [], False, reference_model(models_dir)
+    print(f"\n{MODEL}: {len(PROMPTS)} prompts streamed at once in {elapsed:.2f} s, greedy, up to {MAX_OUTPUTS} "
+          f"tokens each (the end token ends a sentence):")
     for face, prompts in faces.items():
         results = got[face]
-        check(models_dir, prompts, results)
+        check(reference, prompts, results)
         for prompt, r in list(zip(prompts, results))[:SHOWN]:
             end = r["final"].reason if "final" in r else r["error"]
             print(f"  {face:<6} {prompt + tok.decode(r['tokens'])!r}  ({len(r['tokens'])} tokens, {end})")

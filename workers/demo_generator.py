@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .demo_tokenizer import END, VOCAB, Tokenizer
+from .demo_tokenizer import END, Tokenizer
 from .generator import Generator, PrefillBatch, StepBatch
 
 __all__ = ["GPTConfig", "TinyGPTModule", "kv_shape", "build_gpt", "save_gpt", "load_gpt", "reference_generate",
@@ -32,10 +32,11 @@ __all__ = ["GPTConfig", "TinyGPTModule", "kv_shape", "build_gpt", "save_gpt", "l
 
 # A token is checked only where the float64 reference's top two logits are further apart than
 # this. tgw computes in float32 and in batches, whose rounding differs from one sequence alone:
-# the demo model's worst |float32 - float64| logit difference measured ~2e-5 (its logits reach
-# ~16), so a gap above MARGIN (100 times that) cannot flip the argmax; a gap within it is a near
-# tie, where either token is right and the sequences may part: the comparison stops there.
-MARGIN = 2e-3
+# the demo model's worst |float32 - float64| logit difference measured 4.1e-5 (its 16 demo
+# prompts, 120 outputs each; its logits reach ~17), so a gap above MARGIN (over 100 times that)
+# cannot flip the argmax; a gap within it is a near tie, where either token is right and the
+# sequences may part: the comparison stops there.
+MARGIN = 5e-3
 
 
 @dataclass(frozen=True)

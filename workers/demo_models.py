@@ -213,7 +213,8 @@ def build_demo_models(out_dir: str, formats: bool = False, log: Callable[[str], 
 
 
 # The embedded demo's generator (tgw.workers.demo_generator): a small GPT trained on the text tgw
-# ships for a fixed number of steps (deterministic; ~12 s of one core, once per demo folder).
+# ships for a fixed number of steps (deterministic; ~12 s of one core, once per demo folder: a
+# file already there is kept, so name a new file when the weights would change).
 GPT_CONFIG = {"vocab": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_len": 256}
 GPT_TRAIN_STEPS = 1200
 GPT_FILE = f"tiny-gpt-v{DEMO_VERSION}.pt"

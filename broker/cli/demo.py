@@ -50,8 +50,7 @@ DEMO_PIPELINES = [
 def build_demo_models(out_dir: str) -> dict:
     """name -> {path, format, inputs, outputs, max_batch_size} for a model, {handler, device,
     options, inputs, outputs, max_batch_size} for a stage (plus max_queue and generator for a
-    generator); builds the files if missing (what it
-    skipped, it logs)."""
+    generator); builds the files if missing (what it skipped, it logs)."""
     proc = subprocess.run([sys.executable, "-m", "tgw.workers.demo_models", out_dir, "--formats", "--stages",
                            "--generators"],
                           capture_output=True, text=True)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+from conftest import readme_block
 from tgw.testing.child import BrokerProc
 from tgw.broker.cli.demo import DEMO_PIPELINES, demo_config, demo_config_data
 from tgw.client import AsyncClient, Client, InvalidArgumentError
@@ -105,9 +106,10 @@ def test_a_corrupt_image_fails_alone(demo_dir, pipelines_broker):
         assert len(c.infer("classify", {"image": images(folder)[:1]}, timeout=60)["labels"][0]) == 5
 
 
-def test_the_generator_streams_what_the_model_generates_in_process(demo_dir, tmp_path):
+def test_the_generator_streams_what_the_model_generates_in_process(demo_dir, tmp_path, monkeypatch, capsys):
     """tiny-gpt alone: three prompts from threads of one Client and three from one AsyncClient at
-    once, each sequence checked against the float64 reference (check_against_reference)."""
+    once, each sequence checked against the float64 reference (check_against_reference); and
+    docs/GENERATION.md's client example, run as printed."""
     import threading
 
     from tgw.workers.demo_generator import END, check_against_reference, float64_reference, load_gpt
@@ -141,8 +143,12 @@ def test_the_generator_streams_what_the_model_generates_in_process(demo_dir, tmp
             asyncio.run(streams(broker.address))
             for t in threads:
                 t.join()
+        monkeypatch.setenv("TGW_ADDRESS", broker.address)
+        exec(readme_block("generator-example:stream"), {})
     finally:
         broker.stop()
+    printed = capsys.readouterr().out   # the decoded text (here maybe blanks: 150 steps of training), the reason
+    assert printed.rstrip().endswith(("max_outputs", "stop_token")), printed
     reference = float64_reference(load_gpt(os.path.join(folder, GPT_FILE)))
     compared = 0
     for i, prompt in enumerate(prompts):

@@ -51,6 +51,9 @@ MARKERS = {
     "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
     "load-example:curl": "test_readiness.py::test_the_docs_load_example_runs_as_printed",
     "scale-out-example:instance": "test_recipe_files.py::test_the_docs_instance_config_passes_check_config",
+    "generator-example:config": "test_demo_generator.py::test_the_docs_config_is_the_demos_declaration",
+    "generator-example:handler": "test_demo_generator.py::test_the_docs_handler_excerpt_is_the_code",
+    "generator-example:stream": "test_demo.py::test_the_generator_streams_what_the_model_generates_in_process",
 }
 
 
