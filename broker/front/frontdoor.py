@@ -257,14 +257,15 @@ class FrontDoor:
         else:
             ident.deliver(msg, tensors)
 
-    def send_out(self, ident, msg, *frames) -> tuple[str, object]:
-        """A generation's reply, tracked: ("", tracker) once queued (the tracker tells when libzmq
-        is done with it: a slow reader's unread outputs are those it still holds), else why not
-        ("full", "gone"). Small frames too: the bound is on outputs, not bytes."""
+    def send_out(self, ident, msg, *frames, track: bool = False) -> tuple[str, object]:
+        """A generation's reply: ("", tracker) once queued (with `track`, the tracker tells when
+        libzmq is done with it: a slow reader's unread outputs are those it still holds; a tracked
+        send costs some 20 us, so the generate wing tracks one reply in several), else why not
+        ("full", "gone")."""
         if type(ident) is not bytes:
             ident.deliver(msg, frames)
             return "", None
-        why, tracker = self.pump.send([ident, encode(msg), *frames], track=True)
+        why, tracker = self.pump.send([ident, encode(msg), *frames], track=track)
         if why:
             self.complaints.note("dropped", "client_queue_messages" if why == "full" else "client_gone",
                                  "a generation's reply was dropped: its caller is gone or not reading")

@@ -20,9 +20,10 @@ class GenerateCheck:
         self._seq = itertools.count(1)
         self._rng = rng or random.SystemRandom()
 
-    def check(self, entry, params: GenerateParams | None, rows: int) -> GenSeq | None:
+    def check(self, entry, msg, rows: int) -> GenSeq | None:
         """The request's GenSeq (None: a plain request of a plain model); raises the TgwError
-        that refuses it. `entry`: its model (models/entry.py ModelEntry)."""
+        that refuses it. `entry`: its model (models/entry.py ModelEntry); `msg`: its Infer."""
+        params: GenerateParams | None = msg.generate
         if params is None:
             if entry.is_generator:
                 raise fail(Code.INVALID_ARGUMENT, f"model {entry.name!r} is a generator: use Client.generate "
@@ -31,6 +32,9 @@ class GenerateCheck:
         if not entry.is_generator:
             raise fail(Code.INVALID_ARGUMENT, f"model {entry.name!r} is not a generator: `generate` asks for "
                        "outputs a generator streams; send a plain infer", reason="not_a_generator", model=entry.name)
+        if msg.output_region is not None or msg.output_cuda or any(t.cuda is not None for t in msg.inputs):
+            raise fail(Code.INVALID_ARGUMENT, "a generation's outputs stream back in frames and its prompt comes in "
+                       "frames: no output_region, output_cuda or CUDA input handles", reason="generate_transport")
         if rows != 1:
             raise fail(Code.INVALID_ARGUMENT, f"a generation is one sequence: its inputs have one row (batch "
                        f"dim 1), not {rows}; send one request per prompt", reason="generate_rows", rows=rows)

@@ -17,7 +17,7 @@ ADMITTING, RUNNING, QUEUED = "admitting", "running", "queued"
 
 class Stream:
     __slots__ = ("p", "seq", "phase", "worker", "key", "batch_id", "closed", "sent", "kept", "first_at", "last_at",
-                 "resumed", "unread", "unread_n", "unread_bytes")
+                 "resumed", "unread", "read", "sent_bytes", "read_bytes", "tracked_at")
 
     def __init__(self, p, outputs: list):
         self.p = p                       # its Pending (state/pending.py); p.generate is its GenSeq
@@ -32,8 +32,11 @@ class Stream:
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.resumed = 0                 # prefills again after its worker died
-        self.unread: deque = deque()     # (zmq tracker, outputs, bytes) of replies libzmq still holds
-        self.unread_n = self.unread_bytes = 0   # their sums
+        # the caller's reading: (zmq tracker, outputs sent, bytes sent) as of each tracked reply
+        # libzmq may still hold; outputs and bytes of the replies libzmq is done with
+        self.unread: deque = deque()
+        self.read = self.sent_bytes = self.read_bytes = 0
+        self.tracked_at = -1 << 62       # outputs sent as of the last tracked reply
 
     @property
     def gen(self) -> GenSeq:
@@ -51,18 +54,19 @@ class Stream:
         gen.delivered = self.sent
         gen.prefix = [bytes(b) for b in self.kept.values()]
 
-    def sent_unread(self, tracker, n: int, nbytes: int) -> None:
-        """A reply of n outputs went out; `tracker` tells when libzmq is done with it."""
-        self.unread.append((tracker, n, nbytes))
-        self.unread_n += n
-        self.unread_bytes += nbytes
+    def went_out(self, n: int, nbytes: int, tracker) -> None:
+        """A reply of n outputs went out; `tracker` (None: untracked) tells when libzmq is done with it."""
+        self.sent += n
+        self.sent_bytes += nbytes
+        if tracker is not None:
+            self.unread.append((tracker, self.sent, self.sent_bytes))
+            self.tracked_at = self.sent
 
     def held(self) -> tuple[int, int]:
-        """Outputs, and their bytes, in replies libzmq still holds (the caller has not taken them):
-        they leave in order, so the oldest done ones are forgotten first."""
+        """Outputs, and their bytes, in replies libzmq may still hold (the caller has not taken
+        them): replies leave in order, so a tracked one done says every one before it is too;
+        those after the newest done one count as held (an overcount of at most one tracking step)."""
         q = self.unread
         while q and q[0][0].done:
-            _, n, nbytes = q.popleft()
-            self.unread_n -= n
-            self.unread_bytes -= nbytes
-        return self.unread_n, self.unread_bytes
+            _, self.read, self.read_bytes = q.popleft()
+        return self.sent - self.read, self.sent_bytes - self.read_bytes

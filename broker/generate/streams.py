@@ -32,6 +32,9 @@ from tgw.broker.state.generation import GeneratorCounters
 from .stream import ADMITTING, QUEUED, RUNNING, Stream
 
 log = logging.getLogger("tgw.broker")
+# a reply is tracked every max_unread_outputs / TRACK_STEPS outputs (a tracked send costs ~20x an
+# untracked one): a slow reader is noticed within an eighth of its bound
+TRACK_STEPS = 8
 
 
 class Streams:
@@ -257,13 +260,16 @@ class Streams:
             if o.name in p.outputs:
                 metas.append(TensorMeta(name=o.name, dtype=o.dtype, shape=[n, *o.shape[1:]]))
                 frames.append(rows)
+        entry = self.models.get(p.model)   # None: unloaded while it ran
+        limit = entry.decl.generator.max_unread_outputs if entry is not None else 1024
+        track = s.sent - s.tracked_at >= max(1, limit // TRACK_STEPS)
         why, tracker = self.send_out(p.client, GenerateOutputs(v=PROTOCOL_VERSION, id=p.req_id, first=s.sent,
-                                                               count=n, outputs=metas), *frames)
+                                                               count=n, outputs=metas), *frames, track=track)
         if why == "gone":   # the caller's connection is gone: nobody to answer
             return self._close(s, now, "ABANDONED", "cancelled")
         if why:
             return self._slow(s, now, "its queue is full (server.client_queue_messages)")
-        s.sent += n
+        s.went_out(n, sum(map(len, frames)), tracker)
         c.outputs += n
         if s.first_at is None:
             s.first_at = now
@@ -271,10 +277,6 @@ class Streams:
         else:
             c.between_outputs.observe(now - s.last_at)
         s.last_at = now
-        if tracker is not None:
-            s.sent_unread(tracker, n, sum(map(len, frames)))
-        entry = self.models.get(p.model)   # None: unloaded while it ran
-        limit = entry.decl.generator.max_unread_outputs if entry is not None else 1024
         held, nbytes = s.held()
         if held > limit:
             self._slow(s, now, f"{held} outputs unread (generator.max_unread_outputs {limit})")

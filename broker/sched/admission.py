@@ -156,7 +156,7 @@ class Admission:
                        f"has levels 0..{model.priority_levels - 1} (0 is served first)",
                        priority=msg.priority, priority_levels=model.priority_levels)
         # a generator's request is a generation, and only then (docs/GENERATION.md)
-        gen = self.generating.check(checked.model, msg.generate, checked.rows) \
+        gen = self.generating.check(checked.model, msg, checked.rows) \
             if msg.generate is not None or checked.model.is_generator else None
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         deadline = now + timeout_ms / 1000.0
