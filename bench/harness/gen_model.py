@@ -142,6 +142,58 @@ def measure_floor(weights: str, streams: list[int], prompt_list: list[list[int]]
             p.terminate()   # by PID: only the process started here
 
 
+def _split_copy(weights: str, streams: list[int], prompt_list: list[list[int]], rounds: int, procs: int, index: int,
+                barrier, results) -> None:
+    import torch
+    torch.set_num_threads(1)
+    module = load(weights)
+    kv = kv_pool(module, -(-max(streams) // procs))
+    walls: dict[int, list[float]] = {}
+    with torch.inference_mode():
+        generate_batch(module, prompt_list[:2], kv, 4)   # warm-up
+        for n in streams:
+            share = range(index, n, procs)   # this copy's sequences of the level
+            for r in range(rounds):
+                batch = [prompt_list[(r * n + i) % len(prompt_list)] for i in share]
+                barrier.wait()
+                t0 = time.perf_counter()
+                if batch:
+                    generate_batch(module, batch, kv)
+                walls.setdefault(n, []).append(time.perf_counter() - t0)
+    results.put(walls)
+
+
+def measure_split_floor(weights: str, streams: list[int], prompt_list: list[list[int]], rounds: int,
+                        procs: int) -> dict[str, Any]:
+    """The floor on `procs` processes at once (one torch thread each, as many as the served
+    systems' workers): each level's sequences dealt among them, each copy a static batch of its
+    share; outputs/s = all outputs over the slowest copy's time, the best of `rounds`."""
+    ctx = mp.get_context("spawn")
+    results, barrier = ctx.Queue(), ctx.Barrier(procs, timeout=300)
+    copies = [ctx.Process(target=_split_copy, args=(weights, streams, prompt_list, rounds, procs, i, barrier, results),
+                          daemon=True) for i in range(procs)]
+    out: list[dict] = []
+    try:
+        for c in copies:
+            c.start()
+        while len(out) < procs:
+            try:
+                out.append(results.get(timeout=1))
+            except queue.Empty:
+                if any(c.exitcode not in (None, 0) for c in copies):
+                    raise RuntimeError(f"a floor copy exited with {[c.exitcode for c in copies]}") from None
+    finally:
+        for c in copies:
+            c.join(10)
+            if c.is_alive():
+                c.terminate()   # by PID: only the copies started here
+    levels = {}
+    for n in streams:
+        wall = min(max(w[n][r] for w in out) for r in range(rounds))
+        levels[n] = {"outputs_per_s": n * OUTPUTS / wall, "wall_s": wall, "procs": procs, "rounds": rounds}
+    return {"procs": procs, "threads": 1, "levels": levels}
+
+
 def checker(module) -> Callable[[list[int], list[int]], str]:
     """check(prompt, outputs): "" when `outputs` are the greedy continuation of `prompt`, else why -
     the demo's exactness check (a float64 reference; a near tie between its top two ends the

@@ -13,6 +13,7 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import sys
@@ -33,6 +34,7 @@ LABELS = {"floor": "(a) in-process floor", "flask": "(b) Flask+gunicorn stream",
           "generate_async": "(e) tgw generate, AsyncClient"}
 GEN, ONESHOT = "gpt", "gpt-oneshot"
 TGW = ("oneshot", "generate", "generate_async")   # the systems served by one tgw broker
+STREAM_TIMEOUT_S = 120.0   # a generation's deadline: a lost stream fails its row instead of hanging the run
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +101,7 @@ class Systems:
             self._broker()
             address = self.broker.address
             return lambda n, k, first=0: gen_drive.async_closed_loop(address, GEN, self.plist, n, k, gen_model.OUTPUTS,
-                                                                     600, first)
+                                                                     STREAM_TIMEOUT_S, first)
         self.call = call = self._call(system)
         return lambda n, k, first=0: gen_drive.closed_loop(call, self.plist, n, k, first)
 
@@ -123,7 +125,7 @@ class Systems:
         self._broker()
         if system == "oneshot":
             return gen_drive.oneshot_call(self.client, ONESHOT, self.module.cfg.max_len, n)
-        return gen_drive.generate_call(self.client, GEN, n, timeout=600)   # bounded: a lost stream fails, not hangs
+        return gen_drive.generate_call(self.client, GEN, n, timeout=STREAM_TIMEOUT_S)
 
     def processes(self, system: str) -> list[dict[str, Any]]:
         if system in TGW:
@@ -254,6 +256,8 @@ def goals(res: dict[str, Any], levels: list[int]) -> list[dict[str, Any]]:
     def ops(system: str, n: int) -> Optional[float]:
         if system == "floor":
             return (floor.get("levels") or {}).get(n, {}).get("outputs_per_s")
+        if system == "split":
+            return ((floor.get("split") or {}).get("levels") or {}).get(n, {}).get("outputs_per_s")
         return ((rows.get(system) or {}).get("levels") or {}).get(n, {}).get("outputs_per_s")
 
     def goal(name: str, value: Optional[float], target: Optional[float], higher: bool, unit: str = "") -> dict:
@@ -266,8 +270,13 @@ def goals(res: dict[str, Any], levels: list[int]) -> list[dict[str, Any]]:
     for e_sys, tag in (("generate", "(e)"), ("generate_async", "(e async)")):
         if e_sys not in rows:
             continue
-        for other, want in (("flask", 5.0), ("litserve", 2.0), ("floor", 0.8)):
+        for other, want in (("flask", 5.0), ("litserve", 2.0), ("floor", 0.8), ("split", 0.8)):
             e, o = ops(e_sys, hi), ops(other, hi)
+            if other == "split":
+                if o is not None:
+                    out.append(goal(f"outputs/s at {hi} streams, {tag}/(a) on {floor['split']['procs']} processes",
+                                    e / o if e and o else None, want, True, "x"))
+                continue
             out.append(goal(f"outputs/s at {hi} streams, {tag}/{LABELS[other][:3]}", e / o if e and o else None, want,
                             True, "x"))
         e, o = ops(e_sys, lo), ops("floor", lo)
@@ -295,6 +304,10 @@ def tables(res: dict[str, Any], levels: list[int]) -> str:
     if fl:
         body.append([LABELS["floor"]] + [f"{fl[n]['outputs_per_s']:,.0f}" if n in fl else "-" for n in levels] +
                     ["-"] * len(levels) + [f"(step {fl[levels[-1]]['step_ms']:.2f})" if levels[-1] in fl else "-"])
+    sp = (res.get("floor", {}).get("split") or {}).get("levels") or {}
+    if sp:
+        body.append([f"(a) floor on {res['floor']['split']['procs']} processes"] +
+                    [f"{sp[n]['outputs_per_s']:,.0f}" if n in sp else "-" for n in levels] + ["-"] * (len(levels) + 1))
     for system, row in res["systems"].items():
         lv = row.get("levels") or {}
         if not lv:
@@ -312,10 +325,12 @@ def tables(res: dict[str, Any], levels: list[int]) -> str:
     return report.text_table(body) + "\n\n" + report.text_table(g)
 
 
-def floor(res: dict[str, Any], weights: str, levels: list[int], plist: list[list[int]], quick: bool,
+def floor(res: dict[str, Any], weights: str, levels: list[int], plist: list[list[int]], quick: bool, workers: int,
           log: Callable[[str], None]) -> None:
     """A round of the floor into res["floor"]: per level the best of this round and the one before
-    (the most outputs/s, the shortest prefill and step), each round kept in "rounds"."""
+    (the most outputs/s, the shortest prefill and step), each round kept in "rounds"; and the same
+    sequences dealt among `workers` processes at once ("split": what the served systems' worker
+    count buys)."""
     try:
         new = gen_model.measure_floor(weights, levels, plist, 1 if quick else 3)
     except Exception as exc:  # noqa: BLE001 - recorded; the served systems still run
@@ -326,12 +341,25 @@ def floor(res: dict[str, Any], weights: str, levels: list[int], plist: list[list
     log(f"{LABELS['floor']}: " + ", ".join(f"x{n} {fl[n]['outputs_per_s']:,.0f} outputs/s (step "
                                            f"{fl[n]['step_ms']:.2f} ms)" for n in levels)
         + f"; one prompt's prefill {new['prefill_one_ms']:.2f} ms")
+    try:
+        split = gen_model.measure_split_floor(weights, levels, plist, 1 if quick else 3, workers)
+        new["split"] = split
+        log(f"{LABELS['floor']} on {workers} processes: " + ", ".join(
+            f"x{n} {lv['outputs_per_s']:,.0f} outputs/s" for n, lv in split["levels"].items()))
+    except Exception as exc:  # noqa: BLE001 - recorded
+        new["split"] = {"error": f"{type(exc).__name__}: {exc}"}
     old = res.get("floor")
     if not old or "levels" not in old:
-        res["floor"] = {**new, "rounds": [new]}
+        res["floor"] = {**copy.deepcopy(new), "rounds": [new]}   # the best-of figures; each round as measured
         return
     old["rounds"].append(new)
     old["prefill_one_ms"] = min(old["prefill_one_ms"], new["prefill_one_ms"])
+    if "levels" in new["split"]:
+        if "levels" not in old.get("split", {}):
+            old["split"] = new["split"]
+        for n, lv in new["split"]["levels"].items():
+            o = old["split"]["levels"][n]
+            o.update(outputs_per_s=max(o["outputs_per_s"], lv["outputs_per_s"]), wall_s=min(o["wall_s"], lv["wall_s"]))
     for n, lv in fl.items():
         o = old["levels"][n]
         o.update(outputs_per_s=max(o["outputs_per_s"], lv["outputs_per_s"]), wall_s=min(o["wall_s"], lv["wall_s"]),
@@ -380,13 +408,13 @@ def run(a: argparse.Namespace) -> int:
             "generate_async": "AsyncClient.generate, a task per stream on one event loop, the same broker"}
         log(f"{mode} mode: model {res['settings']['model']}, streams {levels}, work dir {work}")
         if "floor" in a.systems:
-            floor(res, weights, levels, plist, a.quick, log)
+            floor(res, weights, levels, plist, a.quick, a.workers, log)
         systems = Systems(a, work, weights, module, plist)
         for system in [s for s in SYSTEMS if s in a.systems and s != "floor"]:
             res["systems"][system] = measure_system(systems, system, levels, plist, a.quick, check, log)
         systems.stop_broker()
         if "floor" in a.systems and not a.quick:   # a second round after the systems: the box is noisy
-            floor(res, weights, levels, plist, a.quick, log)
+            floor(res, weights, levels, plist, a.quick, a.workers, log)
         if ("generate" in a.systems or "generate_async" in a.systems) and not a.no_faults:
             res["faults"] = fault_rows(a, work, weights, module, plist, check, log)
     except KeyboardInterrupt:

@@ -52,6 +52,7 @@ def test_generate_quick_fills_every_row(tmp_path, capsys):
     # a worker killed under load: every sequence complete and equal to the model's greedy run
     assert kill["kills"] >= 1 and kill["sequences"] > 0 and kill["failed"] == kill["wrong"] == 0, kill
     goals = {g["goal"]: g for g in data["goals"]}
-    assert len(goals) == 7 + 6 and all(g["target"] is not None for g in goals.values())   # async: no newcomer
+    assert len(goals) == 8 + 7 and all(g["target"] is not None for g in goals.values())   # async: no newcomer
+    assert floor["split"]["procs"] == 2 and all(lv["outputs_per_s"] > 0 for lv in floor["split"]["levels"].values())
     assert all(g["value"] is not None for name, g in goals.items() if "(d)" not in name)
     assert "(e) tgw generate" in out and "newcomer" in out
