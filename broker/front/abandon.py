@@ -10,8 +10,9 @@ launched the batch leaves it out, else its rows are computed and dropped; which 
 happened is known at the batch's completion (core/serving.py). A pipeline's run stops: none
 of its steps still to come is sent, and its steps in flight are withdrawn in turn. Every
 withdrawn request is counted by model and where (`cancelled`: queued, staged, computing,
-pipeline; /metrics tgw_requests_cancelled_total) and leaves the broker's accounts at once
-(its caller's cap, its tenant, code ABANDONED).
+pipeline, generating - a generation in its worker's loop; /metrics
+tgw_requests_cancelled_total) and leaves the broker's accounts at once (its caller's cap, its
+tenant, code ABANDONED).
 
 Who is gone: ZeroMQ hides connections behind the ROUTER, and its monitor names a closed
 connection by file descriptor only. An ipc caller's process is known from the peer
@@ -94,6 +95,7 @@ class Abandonment:
                 queued.append(p)
             elif p.generate is not None and self.streams is not None and self.streams.cancel(p):
                 generating += 1   # in its worker's loop: ended at the next step
+                self.cancelled[p.model, "generating"] += 1
             else:
                 running.add(id(p))
         self._drop(queued, "cancelled")
@@ -111,7 +113,9 @@ class Abandonment:
         self._drop(taken, reason)
         on_workers = self._withdraw_running(lambda p: p.client in idents)
         if self.streams is not None:
-            on_workers += self.streams.drop(lambda p: p.client in idents)
+            for p in self.streams.drop(lambda p: p.client in idents):
+                self.cancelled[p.model, "generating"] += 1
+                on_workers += 1
         stopped = 0
         if self.runs is not None and self.runs.runs:
             stopped = self._stop_runs([key for key in self.runs.runs if key[0] in idents],

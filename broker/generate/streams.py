@@ -166,14 +166,14 @@ class Streams:
         self._close(s, self.clock(), "ABANDONED", "cancelled")
         return True
 
-    def drop(self, wanted: Callable) -> int:
+    def drop(self, wanted: Callable) -> list:
         """The running generations `wanted(p)` picks (their callers left or are gone): ended,
-        unanswered; how many."""
+        unanswered; their requests."""
         hits = [s for s in self.table.values() if s.phase == RUNNING and not s.closed and wanted(s.p)]
         now = self.clock()
         for s in hits:
             self._close(s, now, "ABANDONED", "cancelled")
-        return len(hits)
+        return [s.p for s in hits]
 
     def sweep(self, now: float) -> None:
         """The periodic look: running generations past their deadline."""

@@ -275,6 +275,7 @@ def test_cancel_goodbye_and_deadline_reach_the_worker_and_free_the_slot_at_its_e
         assert isinstance(ask, CancelSequences) and ask.seqs == [seq3]
         c = rig.streams.counters["gen"]
         assert c.freed_by_cancel == 2 and c.ended["cancelled"] == 2
+        assert rig.broker.door.cancelled() == {"gen": {"generating": 2}}   # the cancel and the bye
         stats = rig.broker.callers.owed.by_caller
         assert stats == {}, "every generation left the callers' accounts"
 
