@@ -17,7 +17,7 @@ import importlib
 from types import ModuleType
 
 # in the order `tgw-bench --help` lists them
-NAMES = ("load", "compare", "overload", "fleet", "formats", "compress", "gpu")
+NAMES = ("load", "compare", "overload", "fleet", "formats", "compress", "gpu", "generate")
 
 
 def scenario(name: str) -> ModuleType:
