@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 MEANS = ("cancel", "client_close", "deadline", "process_kill")
+LONG = 128   # prompt + outputs of a stream to cancel (the bench's max_len is 160; quick's 128)
 
 
 def generation(client, model: str) -> dict[str, Any]:
@@ -56,8 +57,8 @@ def _cancelled_stream(address: str, client, model: str, prompt: list[int], means
     from tgw.client import Client
     own = Client(address) if means == "client_close" else None
     n = 0
-    try:
-        it = (own or client).generate(model, np.asarray(prompt, np.int64),
+    try:   # as long as the state holds: the cancel lands mid-generation, not after a short run ended by itself
+        it = (own or client).generate(model, np.asarray(prompt, np.int64), max_outputs=LONG - len(prompt),
                                       timeout=deadline_s if means == "deadline" else 600)
         for _ in it:
             n += 1
@@ -156,7 +157,8 @@ def caller_main() -> None:
     from tgw.client import Client
     address, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     client = Client(address)
-    streams = [client.generate(model, (np.arange(8, dtype=np.int64) + i) % 32, timeout=600) for i in range(n)]
+    streams = [client.generate(model, (np.arange(8, dtype=np.int64) + i) % 32, max_outputs=LONG - 8, timeout=600)
+               for i in range(n)]
     barrier = threading.Barrier(n + 1)
 
     def first(it) -> None:

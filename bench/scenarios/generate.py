@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from tgw.bench.harness import gen_drive, gen_model, report, subset
+from tgw.bench.harness import gen_drive, gen_faults, gen_model, report, subset
 from tgw.bench.harness.gen_baselines import FlaskStreamServer, LitServeServer, litserve_missing
 from tgw.testing.child import BrokerProc, finish_run
 
@@ -67,7 +67,7 @@ def tgw_config(weights: str, module, workers: int, systems: list[str]) -> dict[s
          "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common,
          "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
                        "max_sequences": 64, "max_length": cfg.max_len, "length_input": "prompt",
-                       "max_outputs": gen_model.OUTPUTS}},
+                       "max_outputs": gen_faults.LONG}},   # the cancel rows' long streams; the rest ask OUTPUTS
         {"name": ONESHOT, "versions": [{"version": "1", "handler": "tgw.bench.harness.gen_baselines:NextToken"}],
          "options": {"weights": weights},
          "inputs": [{"name": "tokens", "dtype": "int64", "shape": [cfg.max_len]},
@@ -206,7 +206,6 @@ def fault_rows(a: argparse.Namespace, work: str, weights: str, module, plist: li
                log: Callable[[str], None]) -> dict[str, Any]:
     """The cancel and kill rows on a broker like (e)'s, the flood on one of one worker whose queue
     is bounded; each row bounded, its broker stopped by PID."""
-    from tgw.bench.harness import gen_faults
     from tgw.client import Client
     pick = 1 if a.quick else 0
     out: dict[str, Any] = {}

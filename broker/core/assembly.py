@@ -103,7 +103,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                           drained=placement.drained)
     handshake = Handshake(registry, phase.is_serving, placement.forget_failed, placement.budget)
     # generations from their dispatch to their end: outputs out, cancels, slow readers, deaths
-    streams = Streams(registry.models, clock, door.send_out, door.fail, admission.finished, link.send, stats,
+    streams = Streams(registry.models, clock, door.send_out, admission.finished, link.send, stats,
                       server.client_queue_bytes)
     serving = Serving(clock=clock, phase=phase, roster=roster, registry=registry, batcher=batcher, costs=costs,
                       admission=admission, placement=placement, unserved=unserved, handshake=handshake,

@@ -126,6 +126,9 @@ class Serving:
         retry = self.phase.now is not Phase.STOPPING
         resumed = self.streams.lost(w, retry)   # its running generations, to continue elsewhere
         again, gone = self.handshake.lost(w, retry=retry)
+        # a generation whose outputs overtook its admission batch's Done is in both: resumed once
+        taken = {id(p) for p in resumed}
+        again, gone = [p for p in again if id(p) not in taken], [p for p in gone if id(p) not in taken]
         for p in reversed(again + resumed):
             self.batcher.push(p, front=True)
         for p in gone:

@@ -21,11 +21,12 @@ generation's dispatch and its end. The one writer of each generator's GeneratorC
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Callable
 
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
-from tgw.shm.wire import PROTOCOL_VERSION, CancelSequences, GenerateEnd, GenerateOutputs, ModelLoaded, Steps, \
-    TensorMeta, split_model_key
+from tgw.shm.wire import PROTOCOL_VERSION, CancelSequences, ErrorReply, GenerateEnd, GenerateOutputs, ModelLoaded, \
+    Steps, TensorMeta, split_model_key
 
 from tgw.broker.state.generation import GeneratorCounters
 
@@ -35,17 +36,19 @@ log = logging.getLogger("tgw.broker")
 # a reply is tracked every max_unread_outputs / TRACK_STEPS outputs (a tracked send costs ~20x an
 # untracked one): a slow reader is noticed within an eighth of its bound
 TRACK_STEPS = 8
+# a stream's closing message (its end, or its error) that its caller's full queue refused is sent
+# again at each sweep for this long, a bounded number of them: a stream ends, it never hangs
+OWED_S, OWED_MAX = 60.0, 65536
 
 
 class Streams:
-    def __init__(self, models: dict, clock: Callable[[], float], send_out: Callable, fail_request: Callable,
-                 finished: Callable, to_worker: Callable, stats, max_bytes: int):
+    def __init__(self, models: dict, clock: Callable[[], float], send_out: Callable, finished: Callable,
+                 to_worker: Callable, stats, max_bytes: int):
         """`models`: the registry's entries by name; `send_out(ident, msg, *frames)`: a reply sent
-        with a tracker -> (why not sent, tracker); `fail_request(p, err)`: an admitted request
-        answered with an error (the door's fail: its exit accounted); `finished(p, code, now)`:
-        admission's accounting of an exit; `to_worker(ident, msg)`; `max_bytes`: a caller's
-        unread bytes at most (server.client_queue_bytes)."""
-        self.models, self.clock, self.send_out, self.fail_request = models, clock, send_out, fail_request
+        with a tracker -> (why not sent, tracker); `finished(p, code, now)`: admission's
+        accounting of an exit; `to_worker(ident, msg)`; `stats`: the counters its errors and
+        replies count in; `max_bytes`: a caller's unread bytes at most (server.client_queue_bytes)."""
+        self.models, self.clock, self.send_out = models, clock, send_out
         self.finished, self.to_worker, self.stats, self.max_bytes = finished, to_worker, stats, max_bytes
         self.table: dict[int, Stream] = {}           # seq -> its stream, from its first dispatch to its end
         self.by_batch: dict[int, list[Stream]] = {}  # admission batch id -> its streams, until its Done
@@ -54,6 +57,7 @@ class Streams:
         self.slots: dict[tuple, int] = {}
         self._freed: dict[tuple, int] = {}           # (worker identity, key) -> its last Steps.freed
         self.counters: dict[str, GeneratorCounters] = {}   # model -> its figures (status, /metrics)
+        self.owed: deque = deque()   # (caller, closing message, since): refused by a full queue, sent again
 
     def of(self, model: str) -> GeneratorCounters:
         c = self.counters.get(model)
@@ -176,10 +180,21 @@ class Streams:
         return [s.p for s in hits]
 
     def sweep(self, now: float) -> None:
-        """The periodic look: running generations past their deadline."""
+        """The periodic look: running generations past their deadline; closing messages a full
+        queue refused, sent again (in order, per caller)."""
         late = [s for s in self.table.values() if s.phase == RUNNING and not s.closed and s.p.deadline <= now]
         for s in late:
             self._expire(s, now)
+        if self.owed:
+            owed, self.owed, full = self.owed, deque(), set()
+            for ident, msg, since in owed:
+                if ident in full or self.send_out(ident, msg)[0] == "full":
+                    full.add(ident)
+                    if now - since < OWED_S:
+                        self.owed.append((ident, msg, since))
+                    else:
+                        log.warning("generation %d's closing message dropped: its caller read nothing for %.0f s",
+                                    msg.id, OWED_S)
 
     def _expire(self, s: Stream, now: float) -> None:
         self._close(s, now, None, "deadline", fail(Code.DEADLINE_EXCEEDED, f"deadline passed after {s.sent} "
@@ -191,7 +206,7 @@ class Streams:
         tell the worker to end the sequence (`worker_reason`); its slot frees at the worker's end."""
         s.closed = True
         if err is not None:
-            self.fail_request(s.p, err)
+            self._fail(s.p, err, now)
         else:
             self.finished(s.p, code, now)
         if worker_reason is not None and s.phase == RUNNING and s.worker is not None:
@@ -294,17 +309,31 @@ class Streams:
         if end.reason == "error":
             err = error_from_body(end.error) if end.error is not None else \
                 fail(Code.MODEL_EXECUTION_ERROR, "the generator failed this sequence")
-            return self.fail_request(p, err)
+            return self._fail(p, err, now)
         if end.reason == "cancelled":   # the broker did not ask: a worker-side end
-            return self.fail_request(p, fail(Code.INTERNAL, "the worker cancelled this sequence unasked"))
+            return self._fail(p, fail(Code.INTERNAL, "the worker cancelled this sequence unasked"), now)
         self.finished(p, None, now)
         self.stats.models[p.model].replies += 1
         first = (s.first_at - p.arrived) * 1000 if s.first_at is not None else 0.0
-        self.send_out(p.client, GenerateEnd(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
+        self._deliver(p.client, GenerateEnd(v=PROTOCOL_VERSION, id=p.req_id, model=p.model, version=p.version,
                                             reason=end.reason, outputs=s.sent, seed=s.gen.sampling.seed,
                                             first_output_ms=round(first, 3),
                                             total_ms=round((now - p.arrived) * 1000, 3), resumed=s.resumed,
-                                            traceparent=p.trace))
+                                            traceparent=p.trace), now)
+
+    def _fail(self, p, err: TgwError, now: float) -> None:
+        """An admitted generation answered with an error (the door's fail, but through send_out:
+        a caller whose queue is full gets it at a later sweep)."""
+        self.finished(p, err.code.value, now)
+        self.stats.error(p.model, err.code.value)
+        err.details.setdefault("model", p.model)
+        self._deliver(p.client, ErrorReply(v=PROTOCOL_VERSION, id=p.req_id, error=err.to_body(), traceparent=p.trace),
+                      now)
+
+    def _deliver(self, ident, msg, now: float) -> None:
+        """A stream's closing message; kept for the sweep when the caller's queue is full."""
+        if self.send_out(ident, msg)[0] == "full" and len(self.owed) < OWED_MAX:
+            self.owed.append((ident, msg, now))
 
     # ---- a worker's death (the core) ----------------------------------------------------------
 
@@ -328,14 +357,14 @@ class Streams:
                 s.closed = True
                 self.table.pop(s.seq, None)
                 if not retry:   # the broker is stopping
-                    self.fail_request(p, fail(Code.WORKER_DIED, f"{w.name} ended while this generation ran "
-                                              f"({w.last_death}); the broker is stopping", outputs=s.sent))
+                    self._fail(p, fail(Code.WORKER_DIED, f"{w.name} ended while this generation ran "
+                                       f"({w.last_death}); the broker is stopping", outputs=s.sent), self.clock())
                     continue
                 log.error("generation %d of %s running at two worker deaths: not retried", s.seq, p.model,
                           extra={"event": "poison_request", "request_id": p.req_id, "model": p.model})
-                self.fail_request(p, fail(Code.WORKER_DIED, f"generation {p.req_id} of {p.model!r} killed its worker "
-                                          f"twice ({w.name}: {w.last_death}): not retried", worker_deaths=p.attempts,
-                                          poison=True, outputs=s.sent))
+                self._fail(p, fail(Code.WORKER_DIED, f"generation {p.req_id} of {p.model!r} killed its worker "
+                                   f"twice ({w.name}: {w.last_death}): not retried", worker_deaths=p.attempts,
+                                   poison=True, outputs=s.sent), self.clock())
                 continue
             s.requeued()
             p.take_back()

@@ -72,6 +72,7 @@ class Rig:
         n = next(_ports)
         front_addr, self.back_addr = f"inproc://gfront{n}", f"inproc://gback{n}"
         front, back = self.ctx.socket(zmq.ROUTER), self.ctx.socket(zmq.ROUTER)
+        front.setsockopt(zmq.ROUTER_MANDATORY, 1)   # as the broker's own (front/endpoints.py): a full queue says so
         front.bind(front_addr)
         back.bind(self.back_addr)
         self.broker = assemble(cfg, asyncio.get_running_loop(), front, back, clock=clock)
@@ -341,6 +342,35 @@ def test_a_caller_that_does_not_read_is_ended_overloaded_and_its_slot_freed():
         assert not rig.clients["b"].poll(0)
 
     run(scenario, max_unread_outputs=4)
+
+
+def test_a_caller_whose_queue_is_full_still_gets_its_streams_end_once_it_reads():
+    """Its queue (server.client_queue_messages, 1,000 by default, before max_unread_outputs'
+    5,000 here) full: an output is dropped, the stream is ended OVERLOADED, and that error -
+    refused by the same full queue - is sent again at the sweep until it goes out: the stream
+    ends, it never hangs."""
+    async def scenario(rig: Rig, clock):
+        rig.generate(1, caller="b", max_outputs=6000)
+        seq = (await rig.admit(1)).sequences[0].seq
+        stream = rig.streams.table[seq]
+        for pos in range(2100):   # inproc: the pipe holds both ends' high-water marks, 2 x 1,000
+            rig.steps([(seq, pos, pos)])
+            if pos % 500 == 499:   # the worker's own queue must not fill: the broker reads on this loop
+                await until(lambda: stream.sent > pos or stream.closed, "the broker to take the steps")
+        ask = await rig.to_worker()
+        assert isinstance(ask, CancelSequences) and ask.seqs == [seq] and ask.reason == "slow_reader"
+        assert len(rig.streams.owed) == 1
+        got = []
+        while rig.clients["b"].poll(0):
+            got.append(reply_decoder.decode(rig.clients["b"].recv_multipart()[0]))
+        assert {type(r).__name__ for r in got} == {"GenerateOutputs"} and len(got) >= 2000
+        rig.streams.sweep(clock())
+        assert not rig.streams.owed
+        err, _ = await rig.reply("b")
+        assert type(err) is ErrorReply and err.id == 1 and err.error.code == "OVERLOADED"
+        assert "queue is full" in err.error.message
+
+    run(scenario, max_unread_outputs=5000, max_outputs=6000)
 
 
 def test_a_cancel_before_the_worker_took_the_batch_in_withdraws_it_or_ends_it_there():

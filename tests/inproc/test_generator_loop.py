@@ -351,6 +351,28 @@ def test_a_resumed_sequence_continues_exactly():
         assert resumed.outputs[1] == full[4:] and resumed.positions[1] == list(range(4, 9)), cls
 
 
+def test_a_resumed_sequence_whose_delivered_outputs_had_ended_it_ends_so_without_an_output():
+    """Its worker died after the last output went out and before the broker heard of the end:
+    the resumption ends as the uninterrupted run did, emitting nothing more."""
+    whole = Driver(loaded("Counter"))
+    whole.admit(1, [3, 4], max_outputs=6)
+    whole.admit(2, [3, 4], max_outputs=20, stop_sequences=[[9, 10]])
+    whole.run()
+    assert whole.ends[1].reason == "max_outputs" and whole.ends[2].reason == "stop_sequence"
+    limited = Driver(loaded("Counter", max_length=5))   # a prompt of 2: outputs 0..3, the 4th would not fit
+    limited.admit(4, [3, 4], max_outputs=20)
+    limited.run()
+    assert limited.ends[4].reason == "max_length"
+    for d, seq, full, kw in ((Driver(loaded("Counter")), 1, whole.outputs[1], {"max_outputs": 6}),
+                             (Driver(loaded("Counter")), 2, whole.outputs[2], {"max_outputs": 20,
+                                                                               "stop_sequences": [[9, 10]]}),
+                             (Driver(loaded("Counter", max_length=5)), 4, limited.outputs[4], {"max_outputs": 20})):
+        d.admit(seq, [3, 4], delivered=len(full), prefix=[torch.tensor(full, dtype=torch.int64).numpy().tobytes()],
+                **kw)
+        d.run()
+        assert d.outputs.get(seq, []) == [] and d.ends[seq].reason == whole.ends.get(seq, limited.ends.get(seq)).reason
+
+
 # ---- the load --------------------------------------------------------------------------------
 
 

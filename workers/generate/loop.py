@@ -37,7 +37,7 @@ from ..oom import is_oom, oom_text
 from .returns import ReturnError, sampleable
 from .sampling import bad_rows
 from .sequence import Sequence
-from .stops import CANCELLED, ERROR, MAX_OUTPUTS, STOP_TOKEN, after_emit
+from .stops import CANCELLED, ERROR, MAX_LENGTH, MAX_OUTPUTS, STOP_SEQUENCE, STOP_TOKEN, after_emit
 
 log = logging.getLogger("tgw.worker")
 LINES_PER_S = 5   # failure lines a second per generator, at most (as failure_log.py's)
@@ -145,7 +145,11 @@ class StepLoop:
     def _prefill(self, take: list[Sequence], rows: "_Rows") -> "_Went":
         ready = []
         for s in take:
-            if s.produced >= s.max_outputs:   # a resumed sequence that had delivered them all
+            # a resumed sequence whose delivered outputs had ended it (its worker died before the
+            # broker heard of the end): it ends as the uninterrupted run did, after_emit's order
+            if s.delivered and s.stops.ended():
+                self._end(s, STOP_SEQUENCE)
+            elif s.produced >= s.max_outputs:
                 self._end(s, MAX_OUTPUTS)
             elif not self._fits(s):
                 pass
@@ -176,6 +180,9 @@ class StepLoop:
         limit = self.gen.max_length
         if not limit or s.prompt_len is None or s.prompt_len + s.delivered <= limit:
             return True
+        if s.delivered and s.prompt_len + s.delivered - 1 >= limit:   # resumed: its last output had ended it
+            self._end(s, MAX_LENGTH)
+            return False
         said = "prefill said its prompt takes" if told else "its prompt takes"
         also = f" and {s.delivered} output(s) already delivered" if s.delivered else ""
         self._end(s, ERROR, fail(Code.INVALID_ARGUMENT, f"{self.runner.label}: {said} {s.prompt_len} position(s){also}; "

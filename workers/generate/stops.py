@@ -39,6 +39,11 @@ class Stops:
         if not self.sequences:
             return False
         self.tail.append(value)
+        return self.ended()
+
+    def ended(self) -> bool:
+        """Whether the outputs so far end with a stop sequence (a resumed sequence's delivered
+        ones may: its worker died after the stop, before the broker heard of its end)."""
         tail = tuple(self.tail)
         return any(tail[len(tail) - len(s):] == s for s in self.sequences if len(s) <= len(tail))
 
