@@ -47,7 +47,9 @@ zipp"""
 # opentelemetry only when a config turns it on, which no GPU test or the GPU bench does
 # imported by nothing the GPU run executes: tracing's exporter, and the demo's stages (their image
 # and text libraries; torchvision's decoder is used only where it imports)
-NOT_ON_THE_GPU_RUN = {"opentelemetry", "PIL", "simplejpeg", "tokenizers", "torchvision"}
+# litserve and fastapi: the generate bench's LitServe row, an optional extra (bench-litserve) whose
+# absence the row records
+NOT_ON_THE_GPU_RUN = {"opentelemetry", "PIL", "simplejpeg", "tokenizers", "torchvision", "litserve", "fastapi"}
 # run, not imported: the GPU bench's Flask row is `python -m gunicorn`
 RUN_AS_COMMANDS = {"gunicorn"}
 MUST_CARRY = ("pyzmq", "msgspec", "lz4", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
