@@ -129,6 +129,23 @@ def test_a_late_sequence_starts_before_the_early_ones_finish_and_slots_are_reuse
     assert d.positions[1] == list(range(10)) and d.loop.free_slots == 2 and not d.loop.live
 
 
+def test_with_early_a_newcomers_first_output_goes_out_before_the_running_rows_step():
+    """What the serving loop does: the prefill's Steps is handed over before the step runs."""
+    d = Driver(loaded(max_sequences=2))
+    d.admit(1, [1, 2, 3], max_outputs=10)
+    d.iterate()
+    d.admit(2, [5], max_outputs=3)
+    early: list[Steps] = []
+    st = d.loop.iterate(early=early.append)
+    assert [(m.seqs, m.positions, m.prefilled) for m in early] == [([2], [0], 1)]
+    assert st.seqs == [1] and st.positions == [1] and st.prefilled == 0
+    alone = Driver(loaded(max_sequences=2))   # nothing running: one Steps, as without early
+    alone.admit(1, [1, 2, 3], max_outputs=10)
+    early.clear()
+    st = alone.loop.iterate(early=early.append)
+    assert not early and st.seqs == [1] and st.prefilled == 1
+
+
 def test_prefill_takes_at_most_max_prefill_rows_a_step():
     d = Driver(loaded(max_sequences=4, max_prefill_rows=2))
     for q in range(3):

@@ -10,6 +10,9 @@ An iteration:
       the next iteration: a newcomer's first output never waits for others to finish);
   (d) makes one Steps: each emitted output's row, the sequences that ended (after their last
       output), the loop's counts.
+The serving loop passes `early`: the newcomers' first outputs then go out in a Steps of their
+own as soon as (b) is done, not after (c) - a newcomer's first output waits for its prefill
+only, not for the step of the rows already running.
 A sequence gets its slot as it is admitted (from the broker's batch); with none free it is ended
 at once (OVERLOADED: the broker sends a generator batch only to a worker with free slots, so
 this is a race or a bug, never a wait). Ended rows give their slot back at once; the next
@@ -25,7 +28,7 @@ import heapq
 import logging
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -107,8 +110,10 @@ class StepLoop:
 
     # ---- one iteration -----------------------------------------------------------------------
 
-    def iterate(self) -> Optional[Steps]:
-        """One iteration; its Steps (None when it had nothing to tell)."""
+    def iterate(self, early: Optional[Callable[[Steps], None]] = None) -> Optional[Steps]:
+        """One iteration; its Steps (None when it had nothing to tell). With `early`, what the
+        cancels and the prefill told is handed to it before the step runs, and the Steps
+        returned holds the step's rows only."""
         t0 = time.perf_counter()
         if self.cancels:
             for q, reason in self.cancels.items():
@@ -126,6 +131,9 @@ class StepLoop:
         stepping, last, self.active, self.last = self.active, self.last, [], {}
         take = [self.newcomers.popleft() for _ in range(min(self.gen.max_prefill_rows, len(self.newcomers)))]
         joined = self._prefill(take, rows) if take else _Went()
+        if early is not None and stepping and (rows.seqs or self.ended):
+            early(self._steps(rows, int((time.perf_counter() - t0) * 1e6), len(take)))
+            rows, take, t0 = _Rows(self.runner.outputs), [], time.perf_counter()
         kept = self._step(stepping, last, rows) if stepping else _Went()
         # the next step's rows: the stepped ones that go on, then the newcomers that joined
         self.active = kept.seqs + joined.seqs

@@ -111,8 +111,8 @@ class Generation:
             if self.server.runners.get(key) is not loop.runner:
                 self._close(loop)
                 continue
-            if loop.busy:
-                steps = loop.iterate()
+            if loop.busy:   # the newcomers' first outputs go out before the running rows' step
+                steps = loop.iterate(early=self.server.mail.send)
                 if steps is not None:
                     self.server.mail.send(steps)
             if not loop.live and not loop.busy:   # idle: the loop goes (the runner keeps the pool)
