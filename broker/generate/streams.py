@@ -345,6 +345,7 @@ class Streams:
         again = []
         for s in sorted((s for s in self.table.values() if s.worker is w), key=lambda s: s.seq):
             running = s.phase == RUNNING
+            self.by_batch.pop(s.batch_id, None)   # its admission batch's Done never comes (a retry is a new batch)
             self._forget(s)
             if s.closed:
                 continue

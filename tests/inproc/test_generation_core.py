@@ -310,6 +310,22 @@ def test_a_dead_workers_sequence_resumes_with_its_prefix_then_fails_at_the_secon
     run(scenario)
 
 
+def test_an_admission_batch_lost_with_its_worker_is_retried_as_a_new_batch_and_forgotten():
+    async def scenario(rig: Rig, clock):
+        rig.generate(1, max_outputs=4)
+        lost = await rig.to_worker()   # the worker dies before its Done
+        assert isinstance(lost, Batch) and list(rig.streams.by_batch) == [lost.batch_id]
+        rig.handle.exited("killed")
+        rig.broker.serving.remove_worker(rig.handle)
+        assert rig.streams.by_batch == {}
+        await rig.start_worker()
+        again = await rig.admit(1)
+        assert again.batch_id != lost.batch_id and again.sequences[0].seq == lost.sequences[0].seq
+        assert again.sequences[0].delivered == 0
+
+    run(scenario)
+
+
 def test_a_handlers_error_ends_its_stream_with_its_message():
     async def scenario(rig: Rig, clock):
         rig.generate(1)
