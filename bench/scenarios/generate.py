@@ -73,7 +73,10 @@ def tgw_config(weights: str, module, workers: int, systems: list[str]) -> dict[s
          "inputs": [{"name": "tokens", "dtype": "int64", "shape": [cfg.max_len]},
                     {"name": "length", "dtype": "int64", "shape": []}],
          "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common}]
-    return {"workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},
+    # 64 streams on one AsyncClient share one connection's queue, one message per output per stream:
+    # quick mode's tiny model outruns a busy reader past the default 1,000 (a slow reader is not measured here)
+    return {"server": {"client_queue_messages": 100_000},
+            "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},
             "models": [m for m, s in zip(models, (("generate", "generate_async"), ("oneshot",)))
                        if set(s) & set(systems)]}
 
