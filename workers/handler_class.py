@@ -2,7 +2,7 @@
 broker confined to model_roots: the very bytes hashed, when the config gives a sha256, are the ones
 executed; its folder joins sys.path so it can import its siblings) or "package.module:Class"
 (imported like workers.preload's modules); the folder its setup finds its files in, and the file
-its frames are told from.
+its frames are told from; the instance made and set up, as both runners make theirs.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import importlib.util
 import os
 import sys
 
+import torch
+
 from .runner import ChecksumMismatch
+from .stage import StageContext
 
 
 class StageLoadError(ImportError):
@@ -78,3 +81,21 @@ def code_file(cls: type) -> str:
     is shared by every path of the same content: the first path loaded names it)."""
     module = sys.modules.get(cls.__module__)
     return os.path.abspath(module.__file__) if getattr(module, "__file__", None) else ""
+
+
+def made(spec, who: str) -> tuple[object, str]:
+    """The instance of the class `spec.handler` names and the file its frames are told from;
+    StageLoadError (prefixed `who`) when the class cannot be made."""
+    cls = load_class(spec.handler, spec.sha256)
+    try:
+        return cls(), code_file(cls)
+    except Exception as exc:
+        raise StageLoadError(f"{who}: {cls.__name__}() failed: {type(exc).__name__}: {exc}") from exc
+
+
+def set_up(module, spec, device: torch.device) -> None:
+    """The instance's own setup(context), when it has one: once per worker process."""
+    setup = getattr(module, "setup", None)
+    if setup is not None:
+        setup(StageContext(name=spec.name, version=spec.version, dir=handler_dir(spec.handler), device=device,
+                           threads=torch.get_num_threads(), options=dict(spec.options)))

@@ -14,9 +14,9 @@ import torch
 from tgw.shm.wire import ModelSpec, model_key
 
 from .generate.runner import GeneratorRunner
-from .handler_class import StageLoadError, code_file, handler_dir, load_class  # noqa: F401 - re-exported
+from .handler_class import StageLoadError, handler_dir, load_class, made, set_up  # noqa: F401 - StageLoadError, load_class re-exported
 from .runner import ModelRunner
-from .stage import StageBatch, StageContext
+from .stage import StageBatch
 from .stage_outputs import host_outputs
 from .stage_proof import prove
 
@@ -31,18 +31,10 @@ class StageRunner:
         self.device = device if spec.device == "cuda" else torch.device("cpu")
         self.nbytes, self.min_batch = 0, 1
         self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
-        cls = load_class(spec.handler, spec.sha256)
-        self.code_file = code_file(cls)   # where its frames are told from (failure_where.py)
-        try:
-            self.module = cls()
-        except Exception as exc:
-            raise StageLoadError(f"stage {self.key}: {cls.__name__}() failed: {type(exc).__name__}: {exc}") from exc
+        self.module, self.code_file = made(spec, f"stage {self.key}")   # code_file: where its frames are told from
         if not callable(self.module):
-            raise StageLoadError(f"stage {self.key}: {cls.__name__} has no __call__(batch)")
-        setup = getattr(self.module, "setup", None)
-        if setup is not None:
-            setup(StageContext(name=spec.name, version=spec.version, dir=handler_dir(spec.handler),
-                               device=self.device, threads=torch.get_num_threads(), options=dict(spec.options)))
+            raise StageLoadError(f"stage {self.key}: {type(self.module).__name__} has no __call__(batch)")
+        set_up(self.module, spec, self.device)
 
     @property
     def key(self) -> str:

@@ -25,9 +25,8 @@ from tgw.shm.wire import ModelSpec, model_key
 
 from ..failure_where import code_where, definition_where
 from ..generator import PrefillBatch, StepBatch
-from ..handler_class import StageLoadError, code_file, handler_dir, load_class
+from ..handler_class import StageLoadError, handler_dir, made, set_up
 from ..runner import TORCH_DTYPES
-from ..stage import StageContext
 from ..stage_proof import example_inputs
 from .returns import ReturnError, Returned, checked
 from .sampling import sample
@@ -83,19 +82,12 @@ class GeneratorRunner:
         self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
         self.slots = pool_slots(spec)
         self.slot_bytes = slot_bytes(spec)[0]
-        cls = load_class(spec.handler, spec.sha256)
-        self.code_file = code_file(cls)
-        try:
-            self.module = cls()
-        except Exception as exc:
-            raise StageLoadError(f"{self.label}: {cls.__name__}() failed: {type(exc).__name__}: {exc}") from exc
+        self.module, self.code_file = made(spec, self.label)
         missing = [m for m in ("prefill", "step") if not callable(getattr(self.module, m, None))]
         if missing:
-            raise StageLoadError(f"{self.label}: {cls.__name__} has no {' and no '.join(f'{m}(batch)' for m in missing)}")
-        setup = getattr(self.module, "setup", None)
-        if setup is not None:
-            setup(StageContext(name=spec.name, version=spec.version, dir=handler_dir(spec.handler),
-                               device=self.device, threads=torch.get_num_threads(), options=dict(spec.options)))
+            raise StageLoadError(f"{self.label}: {type(self.module).__name__} has no "
+                                 f"{' and no '.join(f'{m}(batch)' for m in missing)}")
+        set_up(self.module, spec, self.device)
         self.state = {s.name: torch.zeros([self.slots, *s.shape], dtype=TORCH_DTYPES[s.dtype], device=self.device)
                       for s in self.gen.state}
         self.nbytes = self.slots * self.slot_bytes   # the pool is resident however the allocator reports it
