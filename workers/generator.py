@@ -38,6 +38,20 @@ class _Rows:
         self.rows, self.device, self.slots, self.state = rows, device, slots, state
         self.failed: dict[int, str] = {}   # row -> message, in the order the handler failed them
 
+    # batch[name]: the mapping a subclass names (_named) and what its keys are (_what), for the error
+    _named, _what = "inputs", "input"
+
+    def __getitem__(self, name: str):
+        named = getattr(self, self._named)
+        try:
+            return named[name]
+        except KeyError:
+            raise KeyError(f"this generator has no {self._what} {name!r}; its {self._what}s are {sorted(named)}") \
+                from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in getattr(self, self._named)
+
     def __len__(self) -> int:
         return self.rows
 
@@ -62,15 +76,6 @@ class PrefillBatch(_Rows):
         super().__init__(rows, device, slots, state)
         self.inputs, self.prefix = inputs, prefix
 
-    def __getitem__(self, name: str) -> list[torch.Tensor]:
-        try:
-            return self.inputs[name]
-        except KeyError:
-            raise KeyError(f"this generator has no input {name!r}; its inputs are {sorted(self.inputs)}") from None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.inputs
-
 
 class StepBatch(_Rows):
     """Running sequences: `batch[name]` is each row's last output of the declared output `name`
@@ -83,14 +88,7 @@ class StepBatch(_Rows):
         super().__init__(rows, device, slots, state)
         self.last, self.positions = last, positions
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        try:
-            return self.last[name]
-        except KeyError:
-            raise KeyError(f"this generator has no output {name!r}; its outputs are {sorted(self.last)}") from None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.last
+    _named, _what = "last", "output"
 
 
 class Generator:
