@@ -20,6 +20,8 @@ from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, M
                            RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_generate import (CancelSequences, GenerateEnd, GenerateOutputs, GenerateParams, GeneratorSpec,  # noqa: F401
                             GenSeq, Sampling, SeqEnd, StateSpec, StepRows, Steps)
+from .wire_sequence import (CONTROL_KINDS, ControlSpec, CorrId, ImplicitStateSpec, SeqStep, SequenceRef,  # noqa: F401
+                            SequenceSpec)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
                           LoadModels, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, Release, Replay, ReplayBatch,
                           ReplayReport, SnapshotRequest, Stop, UnloadModel, Withdraw, WorkerFailed, WorkerFault,
@@ -53,6 +55,10 @@ class Infer(Struct, tag_field="op", tag="infer"):
     output_cuda: dict[str, CudaIpc] = {}     # output name -> the caller's CUDA buffer to write it into
     # a generation (the model is a generator): answered by GenerateOutputs messages, then GenerateEnd
     generate: Optional[GenerateParams] = None
+    # a step of a sequence model (shm/wire_sequence.py): its correlation id and start/end flags
+    sequence: Optional[SequenceRef] = None
+    # a job (docs/JOBS.md): answered at once with the job's id; its result is fetched later
+    job: bool = False
 
 
 class RegionSlice(Struct):

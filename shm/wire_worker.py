@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from .wire_base import CudaIpc, ErrorBody, IOSpec, Struct
 from .wire_generate import GeneratorSpec, GenSeq
+from .wire_sequence import SeqStep, SequenceSpec
 
 # ---- broker <-> worker -----------------------------------------------------------------------
 
@@ -53,6 +54,7 @@ class ModelSpec(Struct):
     # a stage's config `warmup_inputs`: examples it is called with once at load (workers/stage_proof.py)
     warmup_inputs: list[dict[str, Any]] = []
     generator: Optional[GeneratorSpec] = None   # a generator's (docs/GENERATION.md): its state, slots, limits
+    sequence: Optional[SequenceSpec] = None     # a sequence model's (docs/SEQUENCES.md): its state, controls, slots
 
 
 class BlockTensor(Struct):
@@ -144,7 +146,7 @@ class ModelLoaded(Struct, tag_field="op", tag="w_loaded"):
     startup: bool = False           # one of the models its LoadModels named (WorkerReady follows the last)
     footprint: Optional[Footprint] = None   # measured at load and warm-up (None: failed, or an old worker)
     replay: Optional[ReplayReport] = None   # the replay warm-up's figures (None: the spec had no replay)
-    slots: int = 0                  # a generator's state slots (sequences it holds at once); 0 otherwise
+    slots: int = 0                  # a generator's or sequence model's state slots (sequences it holds at once); 0 otherwise
 
 
 class ModelUnloaded(Struct, tag_field="op", tag="w_unloaded"):
@@ -189,6 +191,8 @@ class Batch(Struct, tag_field="op", tag="w_batch"):
     # a generator's admission batch (shm/wire_generate.py): each request as a sequence, in order;
     # the worker answers the batch with a Done without outputs once it has taken them in
     sequences: list[GenSeq] = []
+    # a sequence model's batch (shm/wire_sequence.py): each request's slot and flags, in order
+    steps: list[SeqStep] = []
 
 
 class Done(Struct, tag_field="op", tag="w_done"):

@@ -117,6 +117,60 @@ class GeneratorDecl(Strict):
         return self
 
 
+class ControlInputDecl(Strict):
+    """A control input the worker feeds a sequence model written for Triton's PyTorch backend
+    (Triton's control_input): [batch, 1] of `dtype`, 1/0 for start, end and ready, the
+    correlation id for corrid."""
+    name: Annotated[str, Field(min_length=1)]
+    kind: Literal["start", "end", "ready", "corrid"]
+    dtype: str = "int32"
+
+    @field_validator("dtype")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPES)}")
+        return v
+
+
+class SequenceStateDecl(Strict):
+    """A per-sequence state tensor of a sequence model (Triton's implicit state): its worker
+    allocates [slots, *shape] once, at load. For a model file, `name` is the input the state is
+    fed as and `output` the output the model returns its next value in (Triton's input_name and
+    output_name); a handler class reads and writes batch.state[name] itself (no `output`)."""
+    name: Annotated[str, Field(min_length=1)]
+    output: Optional[str] = None
+    dtype: str
+    shape: list[Annotated[int, Field(ge=1)]] = Field(description="per sequence, every dim fixed")
+    initial: float = 0.0   # every element of a slot at its sequence's start
+
+    _numeric = field_validator("dtype")(StateDecl._numeric.__func__)
+
+
+class SequenceBatchingDecl(Strict):
+    """A sequence model (docs/SEQUENCES.md): the caller steps each sequence with requests carrying
+    its correlation id and start/end flags; the state lives in worker-owned slots between them."""
+    state: list[SequenceStateDecl] = []
+    control_inputs: list[ControlInputDecl] = []
+    max_sequences: Optional[Annotated[int, Field(ge=1, le=65536)]] = None   # slots per worker ...
+    state_memory_mb: Optional[Annotated[float, Field(gt=0)]] = None          # ... or as many as this holds
+    # Triton's max_sequence_idle_microseconds: a sequence with no request for this long ends, its slot freed
+    max_sequence_idle_us: Annotated[int, Field(ge=1000)] = 1_000_000
+    correlation_id: Literal["uint64", "string"] = "uint64"   # the kind of id its requests carry
+
+    @model_validator(mode="after")
+    def _sized(self) -> "SequenceBatchingDecl":
+        if (self.max_sequences is None) == (self.state_memory_mb is None):
+            raise ValueError("a sequence model sizes its slot pool by exactly one of max_sequences and state_memory_mb")
+        names = [t.name for t in self.state] + [c.name for c in self.control_inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"state and control input names repeat: {names}")
+        kinds = [c.kind for c in self.control_inputs]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"control_inputs: each kind at most once, got {kinds}")
+        return self
+
+
 class ModelDecl(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
     versions: Annotated[list[VersionDecl], Field(min_length=1)]
@@ -147,6 +201,8 @@ class ModelDecl(Strict):
     cache: Optional[CacheDecl] = None   # models only: a response cache; None: off
     # a stage that generates (docs/GENERATION.md): requests answer many times; None: once
     generator: Optional[GeneratorDecl] = None
+    # a sequence model (docs/SEQUENCES.md): client-driven steps with state kept per sequence; None: stateless
+    sequence_batching: Optional[SequenceBatchingDecl] = None
 
     @property
     def is_stage(self) -> bool:
@@ -196,6 +252,8 @@ class ModelDecl(Strict):
                              "same outputs for the same inputs (docs/CACHE.md)")
         if self.generator is not None:
             self._generator_fits()
+        if self.sequence_batching is not None:
+            self._sequence_fits()
         if self.breaker and self.breaker.fallback == self.name:
             raise ValueError(f"breaker.fallback of model {self.name!r} names the model itself")
         return self
@@ -213,6 +271,28 @@ class ModelDecl(Strict):
         if any(t.dtype == BYTES or -1 in t.shape for t in self.outputs):
             raise ValueError(f"generator {self.name!r}: each output is one fixed-shape numeric value per step "
                              "(no bytes, no -1 dims)")
+
+    def _sequence_fits(self) -> None:
+        sb = self.sequence_batching
+        if self.generator is not None:
+            raise ValueError(f"model {self.name!r}: generator and sequence_batching exclude each other (a generator "
+                             "steps its sequences itself; a sequence model is stepped by its callers)")
+        if self.cache is not None:
+            raise ValueError(f"cache: sequence model {self.name!r} answers from its state; a response cache cannot")
+        declared = {t.name for t in (*self.inputs, *self.outputs)}
+        clash = [n for n in [t.name for t in sb.state] + [c.name for c in sb.control_inputs] if n in declared]
+        if clash:
+            raise ValueError(f"sequence_batching: {clash} are fed by the worker, not sent by callers: leave them out "
+                             "of inputs/outputs")
+        if self.is_stage:
+            if sb.control_inputs or any(t.output for t in sb.state):
+                raise ValueError(f"sequence_batching: model {self.name!r} is a handler class: it reads the flags and "
+                                 "state from its batch (no control_inputs, no state output names)")
+        else:
+            missing = [t.name for t in sb.state if not t.output]
+            if missing:
+                raise ValueError(f"sequence_batching.state {missing}: a model file returns each state's next value "
+                                 "in an output: name it (output:)")
 
     def signature(self) -> tuple:
         """What a fallback must share with this model: every input and output, as declared."""

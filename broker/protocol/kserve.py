@@ -6,8 +6,8 @@ each element a 4-byte little-endian length and its bytes, tgw's own layout, so a
 input goes to the ring as it came) and `BF16` is bfloat16 (JSON numbers, rounded to nearest
 even; binary: 2 bytes an element). No ml_dtypes here: bfloat16 is handled as its bit patterns.
 
-Parameters: priority, timeout (microseconds, as Triton's) and routing_key are read; sequence
-batching and classification are refused by name, never silently ignored. The gRPC face reads
+Parameters: priority, timeout (microseconds, as Triton's), routing_key and the sequence's
+(streaming.py) are read; classification is refused by name, never silently ignored. The gRPC face reads
 its typed parameters with the same functions.
 
 A body (the HTTP face's, as KServe's REST binding has it) is a JSON header, optionally followed
@@ -37,11 +37,12 @@ import orjson
 from tgw.shm.bfloat16 import from_bfloat16_bits, to_bfloat16_bits
 from tgw.shm.bytes_tensor import BytesTensorError, pack, unpack
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, TensorMeta
+from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, SequenceRef, TensorMeta
 
 from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for a ZeroMQ frame
 
 from .errors import bad
+from .streaming import sequence_ref
 
 DATATYPES = {"BOOL": "bool", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
              "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
@@ -54,8 +55,7 @@ TAKES = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 HEADER_LENGTH = "Inference-Header-Content-Length"
 ROUTING_HEADER = "tgw-routing-key"   # the routing key as a header (gRPC: metadata), for balancers to hash on too
 # request parameters tgw has no meaning for: refused rather than silently ignored
-UNOFFERED = {"sequence_id": "sequence batching", "sequence_start": "sequence batching",
-             "sequence_end": "sequence batching", "classification": "classification outputs"}
+UNOFFERED = {"classification": "classification outputs"}
 SHM_REGION = "shared_memory_region"   # Triton's client shared memory: only with a registry (triton_shm.py)
 
 
@@ -239,6 +239,7 @@ class Header(NamedTuple):
     timeout_ms: int | None
     routing_key: str | None
     shm_outputs: dict | None = None  # outputs naming a shared memory region: name -> their parameters
+    sequence: SequenceRef | None = None   # Triton's sequence_id/sequence_start/sequence_end
 
 
 HEADERS_MAX = 256           # binary-only headers remembered (a steady stream repeats one)
@@ -276,7 +277,8 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
                   "must add up to the body after the JSON header)")
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=head.metas, outputs=head.outputs,
                 priority=head.priority, timeout_ms=head.timeout_ms,
-                routing_key=routing_key(head.routing_key, routing_header, f"header {ROUTING_HEADER}"))
+                routing_key=routing_key(head.routing_key, routing_header, f"header {ROUTING_HEADER}"),
+                sequence=head.sequence)
     places = {}
     if head.shm_outputs:
         if shm is None:
@@ -313,7 +315,7 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
         raise bad(f"\"id\" must be a string, got {type(request_id).__name__}")
     head = Header(metas, sizes if None not in sizes else None, outputs, binary, request_id,
                   int_param(params, "priority", 0), timeout_ms(params), str_param(params, "routing_key"),
-                  shm_outputs)
+                  shm_outputs, sequence_ref(params))
     return head, frames, end
 
 

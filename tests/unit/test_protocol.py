@@ -114,7 +114,26 @@ def test_repository_parameters_as_both_faces_send_them():
 
 def test_the_grpc_face_refuses_what_http_refuses_but_leaves_regions_to_itself():
     from tgw.broker.faces.grpc import tensors
-    with pytest.raises(TgwError, match="sequence batching") as info:
-        tensors.refuse_unoffered({"sequence_id": 3}, "")
-    assert info.value.details == {"parameter": "sequence_id"}
+    with pytest.raises(TgwError, match="classification outputs") as info:
+        tensors.refuse_unoffered({"classification": 3}, "")
+    assert info.value.details == {"parameter": "classification"}
     tensors.refuse_unoffered({"shared_memory_region": "r", "priority": 1}, "input 'x': ", input="x")
+
+
+def test_sequence_and_generate_parameters_are_read_the_same_on_every_face():
+    from tgw.broker.protocol.streaming import generate_params, sequence_ref
+    assert sequence_ref({}) is None and sequence_ref({"sequence_id": 0}) is None
+    ref = sequence_ref({"sequence_id": 7, "sequence_start": True})
+    assert (ref.id, ref.start, ref.end) == (7, True, False)
+    assert sequence_ref({"sequence_id": "abc", "sequence_end": True}).id == "abc"
+    for bad_params, word in [({"sequence_id": -1}, "uint64"), ({"sequence_id": 1.5}, "uint64"),
+                             ({"sequence_id": 3, "sequence_start": 1}, "boolean"),
+                             ({"sequence_id": 0, "sequence_start": True}, "non-zero")]:
+        with pytest.raises(TgwError, match=word):
+            sequence_ref(bad_params)
+    g = generate_params({"max_tokens": 5, "temperature": 0.5, "seed": 3, "stop_tokens": 9})
+    assert (g.max_outputs, g.sampling.temperature, g.sampling.seed, g.sampling.stop_tokens) == (5, 0.5, 3, [9])
+    with pytest.raises(TgwError, match="one limit"):
+        generate_params({"max_tokens": 5, "max_outputs": 5})
+    with pytest.raises(TgwError, match="an integer"):
+        generate_params({"top_k": "3"})

@@ -25,6 +25,7 @@ from tgw.broker.front.regions import SliceFrame
 from tgw.broker.protocol import kserve
 from tgw.broker.protocol.errors import bad
 from tgw.broker.protocol.kserve import DATATYPE_OF, SHM_REGION, datatype
+from tgw.broker.protocol.streaming import sequence_ref
 
 from .proto import grpc_service_pb2 as pb
 
@@ -104,7 +105,7 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
         timeout = deadline_ms if timeout is None else min(timeout, deadline_ms)
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=req.model_name, version=version, inputs=metas, outputs=outputs,
                 priority=kserve.int_param(params, "priority", 0), timeout_ms=timeout,
-                routing_key=kserve.str_param(params, "routing_key"))
+                routing_key=kserve.str_param(params, "routing_key"), sequence=sequence_ref(params))
     return Decoded(msg, frames, req.id, places)
 
 
