@@ -154,10 +154,16 @@ class Serving:
         self.admission.breakers.check(now)
         self.streams.sweep(now)
         self.sequences.sweep(now)
+        self.sequences.held(self._holds)
         if self.sequences.orphans:
             self.schedule()
         self.memory.snapshots.tick(now)
         self.door.tick()
+
+    def _holds(self, ident: bytes, key: str) -> bool:
+        """Whether the worker life `ident` still holds version `key` (the sequence wing's slots)."""
+        w = self.routes.get(ident)
+        return w is not None and key in w.models
 
     def abandon(self, message: str) -> None:
         self.unserved.everything(message)

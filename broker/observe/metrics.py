@@ -356,7 +356,7 @@ def sequence_families(view: BrokerView) -> Iterator:
     slots = GaugeMetricFamily("tgw_sequence_slots", "State slots of the workers that hold a version of the model",
                               labels=["model"])
     started = CounterMetricFamily("tgw_sequence_started", "Requests with sequence_start admitted", labels=["model"])
-    ended = CounterMetricFamily("tgw_sequence_ended", "Sequences ended, by reason (end, idle, worker_died)",
+    ended = CounterMetricFamily("tgw_sequence_ended", "Sequences ended, by reason (end, idle, worker_died, unloaded)",
                                 labels=["model", "reason"])
     refused = CounterMetricFamily("tgw_sequence_refused", "Requests refused by the sequence checks (no id, an "
                                   "unknown or ended id, ...)", labels=["model"])

@@ -12,7 +12,7 @@ holds which worker and state slot. Pure: an injected clock, no sockets.
   `dispatched` binds starts to the lowest free slot and gives each request its SeqStep.
 * End: a dispatched request with the end flag frees the slot when it leaves (its batch's Done);
   a sequence with nothing queued or running for max_sequence_idle_us ends at the next sweep; a
-  dead worker's sequences end. Ended ids are remembered (a bounded LRU) with why, for the error
+  dead worker's sequences end, and those of a version its worker no longer holds (`held`). Ended ids are remembered (a bounded LRU) with why, for the error
   a later request gets; requests still queued for an ended sequence are the core's to answer
   (`orphaned`, `orphan_error`).
 """
@@ -29,7 +29,7 @@ from .counters import SequenceCounters
 
 REMEMBER = 65536   # ended sequences whose ids are remembered, for a clear error
 U64 = 1 << 64
-END, IDLE, WORKER_DIED = "end", "idle", "worker_died"
+END, IDLE, WORKER_DIED, UNLOADED = "end", "idle", "worker_died", "unloaded"
 
 
 class Seq:
@@ -277,6 +277,15 @@ class Sequences:
             model = split_model_key(pk[1])[0]
             del self.pools[pk]
             self._recount(model)
+
+    def held(self, holds: Callable[[bytes, str], bool]) -> None:
+        """End the sequences of every pool whose worker no longer holds its version (`holds(worker
+        identity, key)`: unloaded, evicted, rolled out): their state went with it."""
+        for ident, key in [pk for pk in self.pools if not holds(*pk)]:
+            for seq in [s for s in self.table.values() if s.worker == ident and s.key == key]:
+                self._end(seq, UNLOADED, f"its version {key} was unloaded from its worker, and its state with it")
+            del self.pools[ident, key]
+            self._recount(split_model_key(key)[0])
 
     def death_error(self, w, p) -> TgwError:
         """The answer to a sequence request in flight on a worker that died: never run elsewhere

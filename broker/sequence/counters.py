@@ -12,7 +12,7 @@ class SequenceCounters:
     live: int = 0            # sequences bound to a worker's slot now
     slots: int = 0           # state slots of the live workers that hold a version of it
     started: int = 0         # requests with sequence_start admitted (a restart counts again)
-    ended: Counter = field(default_factory=Counter)   # reason (end, idle, worker_died) -> sequences
+    ended: Counter = field(default_factory=Counter)   # reason (end, idle, worker_died, unloaded) -> sequences
     refused: int = 0         # requests refused by the sequence checks (no id, unknown or ended id, ...)
     steps: int = 0           # requests dispatched to the worker that holds their sequence
     misrouted: int = 0       # requests dispatched to a worker that did not hold their sequence (always 0)

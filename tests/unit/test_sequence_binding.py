@@ -210,3 +210,18 @@ def test_slots_follow_the_worker_and_the_remembered_ids_are_bounded():
     r.done()
     assert list(r.seqs.ended) == [("acc", 2), ("acc", 3)]
     assert "no sequence of that id was started" in r.refused(1)
+
+
+def test_a_version_its_worker_no_longer_holds_takes_its_sequences_along():
+    r, w1, w2 = Rig(), worker(1), worker(2)
+    r.admit(1, start=True)
+    r.dispatch(w1)
+    r.admit(2, start=True)
+    r.dispatch(w2)
+    r.done()
+    queued = r.admit(1)
+    r.seqs.held(lambda ident, key: ident != w1.identity)   # w1 unloaded acc:1
+    assert r.batcher.take_where(r.seqs.orphaned) == [queued]
+    assert "its version acc:1 was unloaded from its worker" in r.seqs.orphan_error(queued).message
+    c = r.seqs.of("acc")
+    assert dict(c.ended) == {"unloaded": 1} and c.live == 1 and c.slots == 2 and "unloaded" in r.refused(1)
