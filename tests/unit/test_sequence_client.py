@@ -1,10 +1,12 @@
 """The native client's sequence arguments (client/request.py), checked before anything is sent:
-what Client.infer and AsyncClient.infer put in `Infer.sequence`, and the clear refusals."""
+what Client.infer and AsyncClient.infer put in `Infer.sequence`, and the clear refusals; and the
+status printout's line for a sequence model (cli/main.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tgw.broker.cli.main import sequences_line
 from tgw.client.request import prepare
 from tgw.shm.errors import TgwError
 from tgw.shm.wire import SequenceRef
@@ -35,3 +37,9 @@ def test_a_bad_sequence_argument_is_refused_before_sending(seq, said):
     with pytest.raises(TgwError, match=said) as info:
         sent(**seq)
     assert info.value.code.value == "INVALID_ARGUMENT"
+
+
+def test_the_status_printout_has_a_line_per_sequence_model():
+    line = sequences_line("acc", {"live": 3, "slots": 128, "started": 40, "ended": {"end": 37}, "refused": 2,
+                                  "steps": 1200, "misrouted": 0})
+    assert line == "sequences acc: 3/128 slots live, 40 started, 1200 steps, 0 misrouted, 2 refused, ended {'end': 37}"
