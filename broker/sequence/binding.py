@@ -149,6 +149,16 @@ class Sequences:
             raise self.unknown(name, cid)
         return Ticket(seq, ref, seq.priority, seq.version)
 
+    def on_version(self, ticket: Ticket, msg) -> None:
+        """A request whose routing picked another version than its sequence's: refused when it named
+        that version (its state is on the other), else it goes to the sequence's."""
+        if msg.version is not None:
+            self.of(msg.model).refused += 1
+            raise fail(Code.INVALID_ARGUMENT, f"sequence {ticket.ref.id!r} of model {msg.model!r} runs on version "
+                       f"{ticket.version!r}, which holds its state: name that version or none (or end the sequence and "
+                       f"start it again on {msg.version!r})", reason="sequence_version", model=msg.model,
+                       version=ticket.version)
+
     def unknown(self, model: str, cid) -> TgwError:
         """The error for a non-start request of a sequence that is not live (Triton's words first)."""
         why = self.ended.get((model, cid))

@@ -225,3 +225,12 @@ def test_a_version_its_worker_no_longer_holds_takes_its_sequences_along():
     assert "its version acc:1 was unloaded from its worker" in r.seqs.orphan_error(queued).message
     c = r.seqs.of("acc")
     assert dict(c.ended) == {"unloaded": 1} and c.live == 1 and c.slots == 2 and "unloaded" in r.refused(1)
+
+
+def test_a_step_naming_another_version_than_its_sequences_is_refused():
+    r = Rig()
+    r.admit(1, start=True)
+    ticket = r.seqs.check(r.models["acc"], r.msg(1), 1)
+    r.seqs.on_version(ticket, r.msg(1))   # named none: it goes to the sequence's version
+    with pytest.raises(TgwError, match="runs on version '1', which holds its state"):
+        r.seqs.on_version(ticket, r.msg(1, version="2"))
