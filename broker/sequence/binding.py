@@ -35,7 +35,7 @@ END, IDLE, WORKER_DIED, UNLOADED = "end", "idle", "worker_died", "unloaded"
 class Seq:
     """One life of a sequence, from its start to its end."""
     __slots__ = ("model", "corrid", "priority", "version", "worker", "key", "slot", "last_use", "outstanding",
-                 "closing", "ended")
+                 "closing", "began", "ended")
 
     def __init__(self, model: str, corrid, priority: int, version: str, now: float):
         self.model, self.corrid, self.priority, self.version = model, corrid, priority, version
@@ -45,6 +45,7 @@ class Seq:
         self.last_use = now
         self.outstanding = 0               # its requests admitted and not yet answered
         self.closing = False               # its end request is admitted: only a start may follow
+        self.began = False                 # a start of it ran on its worker (its slot's state is its own)
         self.ended: tuple | None = None    # (reason, text) once it ended
 
 
@@ -309,8 +310,9 @@ class Sequences:
 
     def exits(self, ps: list, code: str | None, now: float) -> None:
         """Requests leave (admission's exit hook): a dispatched end request frees its slot; an end
-        never dispatched leaves the sequence live; a start never dispatched of a sequence never
-        bound ends it (its later requests have no state to step)."""
+        never dispatched leaves the sequence live; a start that did not run (withdrawn, expired,
+        left out by its worker) ends a sequence none of whose starts ran: its later requests have
+        no state to step."""
         for p in ps:
             step = p.sequence
             if step is None:
@@ -325,7 +327,9 @@ class Sequences:
                 self._end(seq, END, "its request with sequence_end was answered")
             elif step.end:
                 seq.closing = False
-            elif step.start and not ran and seq.slot is None:
+            if step.start and ran:
+                seq.began = True
+            elif step.start and not seq.began and seq.ended is None:
                 self._end(seq, END, f"its start request was not run ({code or 'withdrawn'})")
 
     def sweep(self, now: float) -> None:
