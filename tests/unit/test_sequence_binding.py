@@ -175,8 +175,8 @@ def test_an_end_never_run_leaves_the_sequence_live_and_a_start_never_run_ends_it
     r.seqs.exits([start], "DEADLINE_EXCEEDED", r.clock())
     assert "its start request was not run (DEADLINE_EXCEEDED)" in r.refused(2)
     r.admit(3, start=True)
-    assert r.dispatch(w) == [(3, 1, True, False)]
-    r.last[0].take_back()   # withdrawn from its batch on the worker: it never ran, its slot holds no state of 3
+    assert r.dispatch(w) == [(1, 0, False, False), (3, 1, True, False)]
+    r.last[1].take_back()   # withdrawn from its batch on the worker: it never ran, its slot holds no state of 3
     r.done()
     assert "its start request was not run (withdrawn)" in r.refused(3) and r.seqs.of("acc").live == 1
 
