@@ -6,9 +6,11 @@ holds which worker and state slot. Pure: an injected clock, no sockets.
   non-start request names a live sequence, else the error says why (never started, ended by its
   end flag, idle, lost with its worker). Every request of a sequence takes its start's priority
   level, so the level's FIFO order is the sequence's order.
-* Dispatch: the pump sends a head whose sequence is bound only to its worker, an unbound one
-  (a start) only to a worker with a free slot (`can_run`); a batch takes at most one request of
-  a sequence and starts only up to the worker's free slots (`chooser`, the batcher's `fits`);
+* Dispatch: the pump offers a head to a worker that may run it first - its sequence's worker,
+  or (a start) one with a free slot (`can_run`) - then to the others; a batch to a worker takes
+  the queued requests that may run there, in queue order: at most one of a sequence, none
+  behind one of its own left waiting, bound ones only there, starts only into its free slots
+  (`chooser`, the batcher's `fits`); what cannot run waits without holding back the rest;
   `dispatched` binds starts to the lowest free slot and gives each request its SeqStep.
 * End: a dispatched request with the end flag frees the slot when it leaves (its batch's Done);
   a sequence with nothing queued or running for max_sequence_idle_us ends at the next sweep; a
@@ -213,12 +215,13 @@ class Sequences:
         return bool(self.pool(w, key).free)
 
     def chooser(self, w, key: str) -> Callable:
-        """The batcher's `fits(p, ok)` for one batch to `w`, shown every request it scans in queue
-        order: at most one request of a sequence (and none after one skipped), bound ones only of
-        `w`, unbound ones only up to `w`'s free slots."""
+        """The batcher's `fits(p, ok)` for one batch of `key` to `w`, shown every request it scans in
+        queue order: at most one request of a sequence (and none after one skipped), bound ones
+        only of `w`, unbound ones only up to `w`'s free slots. What it refuses keeps its place and
+        does not hold back the other sequences behind it (no head-of-line blocking)."""
         seen: set = set()
         free = [len(self.pool(w, key).free)]
-        ident = w.identity
+        ident, version = w.identity, split_model_key(key)[1]
 
         def fits(p, ok: bool) -> bool:
             step = p.sequence
@@ -228,7 +231,7 @@ class Sequences:
             if seq in seen:
                 return False
             seen.add(seq)
-            if not ok or seq.ended is not None:
+            if not ok or seq.ended is not None or p.version != version:
                 return False
             if seq.slot is not None:
                 return seq.worker == ident and seq.key == key
