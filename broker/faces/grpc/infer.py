@@ -208,7 +208,7 @@ class Stream:
         task = loop.create_task(decoupled.pump(self, caller, decoded, version, empty_final))
         self.pumps.add(task)
         task.add_done_callback(self.pumps.discard)
-        self.deps.infer(caller, decoded.infer, decoded.frames)   # may answer at once (a refusal)
+        self.deps.infer(caller, decoded.infer, decoded.frames, *route(decoded))   # may answer at once (a refusal)
 
     def overflowed(self, caller) -> None:
         """A generation this stream's client reads too slowly: its slot is freed (not from
