@@ -201,6 +201,12 @@ def test_triton_sequence_pattern_unary_and_stream(broker):
     client = grpcclient.InferenceServerClient(broker.grpc)
     got = Collector()
     try:
+        sb = client.get_model_config("accumulator").config.sequence_batching
+        assert sb.max_sequence_idle_microseconds == 5_000_000 and sb.WhichOneof("strategy_choice") == "oldest"
+        assert [(c.name, c.control[0].int32_false_true) for c in sb.control_input] == [
+            ("START", [0, 1]), ("END", [0, 1]), ("READY", [0, 1])]
+        assert (sb.state[0].input_name, sb.state[0].output_name, sb.state[0].initial_state[0].zero_data) == \
+            ("INPUT_STATE", "OUTPUT_STATE", True)
         client.start_stream(got)
         unary, streamed = [], []
         for i, v in enumerate(values):
