@@ -154,6 +154,16 @@ def test_a_cancelled_stream_frees_its_slots(broker):
     client.async_stream_infer("slowcount", [prompt([10])], request_id="s")
     first, err = got.take(1)[0]
     assert err is None and int(first.as_numpy("value")[0]) == 10
+    # another request on the same stream runs beside it: their responses interleave
+    client.async_stream_infer("count", [prompt([5])], request_id="i", parameters={"max_tokens": 3},
+                              enable_empty_final_response=True)
+    seen, last = {"s": [10], "i": []}, ""
+    while len(seen["i"]) < 4 or len(seen["s"]) < 2 or last != "s":   # i's three and its final, then s again
+        result, err = got.take(1)[0]
+        assert err is None
+        last = result.get_response().id
+        seen[last].append(int(result.as_numpy("value")[0]) if result.get_response().outputs else None)
+    assert seen["i"] == [5, 6, 7, None] and seen["s"] == list(range(10, 10 + len(seen["s"])))
     client.stop_stream(cancel_requests=True)
     client.close()
 
