@@ -1,7 +1,8 @@
 """Triton's generate extension on the HTTP face end to end: a real broker serving the demo's
 tiny-gpt (150 training steps), the test model `mixed` and the test generator `slowcount`
-(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed), driven by aiohttp reading the SSE
-stream, urllib and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
+(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed) and
+`failcount` (a Counter whose step raises at output 3), driven by aiohttp reading the SSE
+stream line by line, and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
 for the same prompt (the same worker computes both); a client that closes its stream frees its
 slot at the next step."""
 from __future__ import annotations
@@ -35,7 +36,8 @@ def gen_broker(model_files, tmp_path_factory):
     gpt = demo_model_entry("tiny-gpt", build_generator_decls(folder)["tiny-gpt"])
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, model_entry(model_files, "mixed"),
-                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000)],
+                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000),
+                      entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2)],
            "http": {"port": 0}}
     yield from served(cfg, tempfile.mkdtemp(prefix="tgwg-", dir="/tmp"), http=True)
 
@@ -95,7 +97,8 @@ def test_generate_and_generate_stream_answer_the_native_tokens(gen_broker):
     body = {"a": [1, 2, 3, 4], "b": [True, False, True], "c": [5, 6, 7]}
     status, doc = asyncio.run(call(f"{gen_broker.http}/v2/models/mixed/generate", body))
     assert status == 200 and doc["model_name"] == "mixed"
-    assert doc["a2"] == ref["a2"][0].tolist() and doc["nb"] == ref["nb"][0].tolist() and doc["csum"] == int(ref["csum"][0])
+    assert doc["a2"] == ref["a2"][0].tolist() and doc["nb"] == ref["nb"][0].tolist()
+    assert doc["csum"] == int(ref["csum"][0])
     status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/mixed/generate_stream", body))
     assert status == 200 and len(events) == 1 and events[0]["csum"] == doc["csum"]
 
@@ -147,3 +150,15 @@ def test_a_client_that_closes_its_stream_frees_its_slot(gen_broker):
     after = wait_until(lambda: (g := generation())["active"] == 0 and g["freed_by_cancel"] > before["freed_by_cancel"]
                        and g, what="the closed stream's slot freed")
     assert after["ended"].get("cancelled", 0) > before["ended"].get("cancelled", 0), after
+
+
+def test_an_error_after_the_first_output_is_an_error_event(gen_broker):
+    """The status went out with the first event: the failure is Triton's error object as the
+    last event; /generate answers the same failure as a JSON error with its status."""
+    status, ctype, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/failcount/generate_stream",
+                                            {"prompt": [10], "max_tokens": 10}))
+    assert status == 200 and ctype.startswith("text/event-stream")
+    assert [e.get("value") for e in events[:-1]] == [10, 11, 12], events
+    assert events[-1]["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in events[-1]["error"], events
+    status, doc = asyncio.run(call(f"{gen_broker.http}/v2/models/failcount/generate", {"prompt": [10]}))
+    assert status == 500 and doc["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in doc["error"], doc
