@@ -22,6 +22,7 @@ from tgw.shm.errors import TgwError
 from tgw.shm.wire import GenerateEnd, GenerateOutputs, Infer, InferReply
 
 from tgw.broker.observe.load import HEADER as LOAD_HEADER
+from tgw.broker.protocol import kserve
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT, bad
 from tgw.broker.protocol.streaming import StreamCaller, output_arrays
@@ -81,7 +82,7 @@ class GenerateRoutes:
             raise bad(f"a generate request's body is a JSON object: {exc}") from None
         headers = request.headers
         msg, frames = generate_json.request(doc, inputs, model, version, next(self.ids), generator,
-                                            headers.get("tgw-routing-key"))
+                                            headers.get(kserve.ROUTING_HEADER))
         msg.tenant, msg.traceparent = headers.get(self.tenant_header), headers.get(TRACEPARENT)
         return msg, frames, outputs, shown
 
