@@ -4,7 +4,8 @@ tiny-gpt (150 training steps), the test model `mixed` and the test generator `sl
 `failcount` (a Counter whose step raises at output 3), driven by aiohttp reading the SSE
 stream line by line, and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
 for the same prompt (the same worker computes both); a client that closes its stream frees its
-slot at the next step."""
+slot at the next step. The same broker serves the demo's `accumulator` (a Triton-PyTorch-backend
+sequence model): Triton's sequence example pattern over tritonclient.http, sync and async."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,8 @@ import tempfile
 import aiohttp
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from conftest import model_entry, readme_block, served, wait_until
 from tgw.client import Client
@@ -31,13 +34,15 @@ def gen_broker(model_files, tmp_path_factory):
     from tgw.workers.demo_models import GPT_CONFIG, GPT_FILE, build_generator_decls
     from tgw.testing.generators import entry
     from tgw.broker.cli.demo import model_entry as demo_model_entry
+    from tgw.workers.demo_sequence import build_sequence_decls
     folder = str(tmp_path_factory.mktemp("gpt"))
     save_gpt(build_gpt(GPTConfig(**GPT_CONFIG), seed=1, train_steps=150), os.path.join(folder, GPT_FILE))
     gpt = demo_model_entry("tiny-gpt", build_generator_decls(folder)["tiny-gpt"])
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, model_entry(model_files, "mixed"),
                       entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000),
-                      entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2)],
+                      entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2),
+                      demo_model_entry("accumulator", build_sequence_decls(folder)["accumulator"])],
            "http": {"port": 0}}
     yield from served(cfg, tempfile.mkdtemp(prefix="tgwg-", dir="/tmp"), http=True)
 
@@ -162,3 +167,37 @@ def test_an_error_after_the_first_output_is_an_error_event(gen_broker):
     assert events[-1]["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in events[-1]["error"], events
     status, doc = asyncio.run(call(f"{gen_broker.http}/v2/models/failcount/generate", {"prompt": [10]}))
     assert status == 500 and doc["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in doc["error"], doc
+
+
+def test_triton_sequence_pattern_over_http(gen_broker):
+    """Triton's simple_http_sequence clients' pattern: two sequences interleaved, start, middle
+    and end flags, one stepped with infer and the other with async_infer; each answer is its
+    sequence's running sum. A step of an ended or unknown sequence is refused by name."""
+    c = httpclient.InferenceServerClient(gen_broker.http.removeprefix("http://"), concurrency=2)
+
+    def request(value: int) -> list:
+        inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], np.int32))
+        return [inp]
+
+    def step(cid, value: int, **flags) -> int:
+        return int(c.infer("accumulator", request(value), sequence_id=cid, **flags).as_numpy("OUTPUT")[0, 0])
+
+    values = [11, 7, 5, 3, 2, 0, 1]
+    got_a, got_b = [], []
+    try:
+        for i, v in enumerate(values):
+            flags = {"sequence_start": i == 0, "sequence_end": i == len(values) - 1}
+            pending = c.async_infer("accumulator", request(-v), sequence_id=1001, **flags)   # B, in flight ...
+            got_a.append(step(1000, v, **flags))                                             # ... while A steps
+            got_b.append(int(pending.get_result().as_numpy("OUTPUT")[0, 0]))
+        assert got_a == np.cumsum(values).tolist() and got_b == (-np.cumsum(values)).tolist()
+        with pytest.raises(InferenceServerException, match="sequence 1000 .*must specify the START flag.*ended"):
+            step(1000, 1)
+        with pytest.raises(InferenceServerException, match="sequence 4242 .*must specify the START flag"):
+            step(4242, 1)
+        with pytest.raises(InferenceServerException, match="takes uint64 correlation IDs"):
+            step("abc", 1, sequence_start=True)
+        assert step(1000, 4, sequence_start=True, sequence_end=True) == 4   # started again: a sequence of one
+    finally:
+        c.close()
