@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,8 +41,10 @@ def gen_broker(model_files, tmp_path_factory):
     gpt = demo_model_entry("tiny-gpt", build_generator_decls(folder)["tiny-gpt"])
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, model_entry(model_files, "mixed"),
-                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000),
+                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000,
+                            max_unread_outputs=25),
                       entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2),
+                      entry("fastcount", "Counter", max_sequences=2, max_outputs=1_000_000, max_unread_outputs=64),
                       demo_model_entry("accumulator", build_sequence_decls(folder)["accumulator"])],
            "http": {"port": 0}}
     yield from served(cfg, tempfile.mkdtemp(prefix="tgwg-", dir="/tmp"), http=True)
@@ -201,3 +204,42 @@ def test_triton_sequence_pattern_over_http(gen_broker):
         assert step(1000, 4, sequence_start=True, sequence_end=True) == 4   # started again: a sequence of one
     finally:
         c.close()
+
+
+def test_a_reader_that_falls_behind_is_ended_overloaded(gen_broker):
+    """A reader that keeps up reads all of 30 outputs, more than slowcount's `max_unread_outputs`
+    (25: a face's caller takes each output at once, so the door counts none unread); a client
+    that stops reading (a small receive buffer, so the face's writes block soon) falls fastcount's
+    64 behind: its generation ends and the slot is freed, and what it reads at last ends with the
+    OVERLOADED error event."""
+    import socket
+    from urllib.parse import urlsplit
+
+    def generation() -> dict:
+        with Client(gen_broker.address) as c:
+            return c.status()["models"]["fastcount"]["generation"]
+    # a reader that keeps up (slowcount: 100 outputs/s; it may lag 250 ms) reads more than 25 ...
+    status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/slowcount/generate_stream",
+                                        {"prompt": [1], "max_tokens": 30}))
+    assert status == 200 and [e.get("value") for e in events] == list(range(1, 31)), events[-1]
+    before = generation()   # ... and one that stops reading
+    url = urlsplit(gen_broker.http)
+    body = json.dumps({"prompt": [1]}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((url.hostname, url.port))
+    s.sendall(b"POST /v2/models/fastcount/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    try:
+        wait_until(lambda: (g := generation())["active"] == 0 and g["freed_by_cancel"] > before["freed_by_cancel"],
+                   what="the slow reader's slot freed")
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    events = [json.loads(m) for m in re.findall(rb"^data: (.*)$", data, re.M)]   # chunked: one event a chunk
+    assert [e["value"] for e in events[:3]] == [1, 2, 3]
+    assert events[-1]["code"] == "OVERLOADED" and "fell more than 64 outputs behind" in events[-1]["error"], events[-1]
+

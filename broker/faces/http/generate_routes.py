@@ -31,6 +31,7 @@ from . import generate_json
 from .answers import json_response
 
 EVENT_STREAM = "text/event-stream; charset=utf-8"
+UNREAD = 1024
 
 
 class HttpStreamCaller(StreamCaller):
@@ -57,11 +58,11 @@ class GenerateRoutes:
         output names and the version its events name."""
         model = request.match_info["model"]
         try:
-            msg, frames, outputs, shown = await self.decode(request, model)
+            msg, frames, outputs, shown, unread = await self.decode(request, model)
         except TgwError as err:   # counted as the native door counts its refusals
             self.deps.count_error(model, err.code.value)
             raise
-        caller = HttpStreamCaller(asyncio.get_running_loop(),
+        caller = HttpStreamCaller(asyncio.get_running_loop(), unread,
                                   on_overflow=lambda c: self.deps.withdraw(c, "slow_reader"))
         self.deps.infer(caller, msg, frames)   # the door answers refusals through the caller
         return caller, msg, outputs, shown
@@ -69,12 +70,15 @@ class GenerateRoutes:
     async def decode(self, request: web.Request, model: str):
         plan = self.deps.view.pipelines.table.get(model)
         model, version = self.named(model, request.match_info.get("version"))
+        unread = UNREAD   # a plain model answers once
         if plan is not None:
             inputs, outputs, generator, shown = plan.inputs, [t.name for t in plan.outputs], False, plan.version
         else:
             entry = self.deps.entry(model)   # MODEL_NOT_FOUND before the body is read
             inputs, outputs, generator = entry.inputs, [t.name for t in entry.outputs], entry.is_generator
             shown = version or entry.default or ""
+            if generator:   # a reader this many outputs behind is ended OVERLOADED, as a native one is
+                unread = entry.decl.generator.max_unread_outputs
         body = await self.body(request)
         try:
             doc = orjson.loads(body)
@@ -84,7 +88,7 @@ class GenerateRoutes:
         msg, frames = generate_json.request(doc, inputs, model, version, next(self.ids), generator,
                                             headers.get(kserve.ROUTING_HEADER))
         msg.tenant, msg.traceparent = headers.get(self.tenant_header), headers.get(TRACEPARENT)
-        return msg, frames, outputs, shown
+        return msg, frames, outputs, shown, unread
 
     async def generate(self, request: web.Request) -> web.Response:
         """One answer: a generator's outputs collected, or a plain model's result."""
