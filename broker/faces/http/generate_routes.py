@@ -103,19 +103,21 @@ class GenerateRoutes:
                     return json_response(generate_json.collected(answer.model, answer.version, chunks, outputs))
                 else:
                     return json_response(generate_json.one_shot(answer, frames))
-        except asyncio.CancelledError:   # the client closed its connection
-            self.deps.withdraw(caller, "disconnected")
+        except BaseException as exc:   # the client closed its connection (aiohttp cancels the handler), a bug
+            self.left(caller, exc)
             raise
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events, one per output, each flushed as it comes."""
+        """Server-sent events, one per output, each written as it comes."""
         caller, msg, _, shown = await self.start(request)
         try:
             answer, frames = await caller.next()   # an error before any output: a JSON error
-        except asyncio.CancelledError:
-            self.deps.withdraw(caller, "disconnected")
+        except BaseException as exc:
+            self.left(caller, exc)
             raise
-        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+        # X-Accel-Buffering: nginx (configs/nginx) passes each event on rather than buffering the stream
+        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
         if self.deps.load is not None:   # set before the headers go out (the face's wrapper is too late)
             resp.headers[LOAD_HEADER] = self.deps.load.header
         try:
@@ -134,12 +136,19 @@ class GenerateRoutes:
                     await resp.write(sse([{"error": err.message, "code": err.code.value}]))
                     break
             await resp.write_eof()
-        except asyncio.CancelledError:   # the client closed its connection (aiohttp cancels the handler)
-            self.deps.withdraw(caller, "disconnected")
+        except ConnectionResetError as exc:   # a write found the connection closed: nobody to answer
+            self.left(caller, exc)
+        except BaseException as exc:
+            self.left(caller, exc)
             raise
-        except ConnectionResetError:     # ... or a write found it closed
-            self.deps.withdraw(caller, "disconnected")
         return resp
+
+    def left(self, caller: HttpStreamCaller, exc: BaseException) -> None:
+        """The handler ends before the caller's last answer: its generation is withdrawn (the
+        worker frees the slot at its next step)."""
+        if not caller.done:
+            gone = isinstance(exc, (asyncio.CancelledError, ConnectionResetError))
+            self.deps.withdraw(caller, "disconnected" if gone else "broker_error")
 
 
 def sse(docs: list[dict]) -> bytes:
