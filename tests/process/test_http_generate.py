@@ -1,7 +1,9 @@
 """Triton's generate extension on the HTTP face end to end: a real broker serving the demo's
 tiny-gpt (150 training steps), the test model `mixed` and the test generator `slowcount`
-(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed) and
-`failcount` (a Counter whose step raises at output 3), driven by aiohttp reading the SSE
+(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed; its
+readers may leave them all unread, so only a withdrawal ends it), `pacedcount` (as
+slow, 25 unread at most), `fastcount` (unpaced, 64 unread at most) and `failcount` (a Counter
+whose step raises at output 3), driven by aiohttp reading the SSE
 stream line by line, and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
 for the same prompt (the same worker computes both); a client that closes its stream frees its
 slot at the next step. The same broker serves the demo's `accumulator` (a Triton-PyTorch-backend
@@ -42,7 +44,8 @@ def gen_broker(model_files, tmp_path_factory):
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, model_entry(model_files, "mixed"),
                       entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000,
-                            max_unread_outputs=25),
+                            max_unread_outputs=1_000_000),
+                      entry("pacedcount", "Counter", {"step_ms": 10}, max_sequences=2, max_unread_outputs=25),
                       entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2),
                       entry("fastcount", "Counter", max_sequences=2, max_outputs=1_000_000, max_unread_outputs=64),
                       demo_model_entry("accumulator", build_sequence_decls(folder)["accumulator"])],
@@ -207,7 +210,7 @@ def test_triton_sequence_pattern_over_http(gen_broker):
 
 
 def test_a_reader_that_falls_behind_is_ended_overloaded(gen_broker):
-    """A reader that keeps up reads all of 30 outputs, more than slowcount's `max_unread_outputs`
+    """A reader that keeps up reads all of 30 outputs, more than pacedcount's `max_unread_outputs`
     (25: a face's caller takes each output at once, so the door counts none unread); a client
     that stops reading (a small receive buffer, so the face's writes block soon) falls fastcount's
     64 behind: its generation ends and the slot is freed, and what it reads at last ends with the
@@ -218,8 +221,8 @@ def test_a_reader_that_falls_behind_is_ended_overloaded(gen_broker):
     def generation() -> dict:
         with Client(gen_broker.address) as c:
             return c.status()["models"]["fastcount"]["generation"]
-    # a reader that keeps up (slowcount: 100 outputs/s; it may lag 250 ms) reads more than 25 ...
-    status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/slowcount/generate_stream",
+    # a reader that keeps up (pacedcount: 100 outputs/s; it may lag 250 ms) reads more than 25 ...
+    status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/pacedcount/generate_stream",
                                         {"prompt": [1], "max_tokens": 30}))
     assert status == 200 and [e.get("value") for e in events] == list(range(1, 31)), events[-1]
     before = generation()   # ... and one that stops reading
