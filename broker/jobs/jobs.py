@@ -102,7 +102,7 @@ class Jobs:
         job, store = caller.job, self.store
         kind = type(msg)
         if kind is GenerateOutputs:
-            if not store.outputs(job, msg.first, msg.count, msg.outputs, [bytes(f) for f in frames]):
+            if not store.outputs(job, msg.first, msg.count, msg.outputs, frames):
                 # over jobs.max_result_bytes: the generation is withdrawn, once the door is done with this answer
                 self.loop.call_soon(self.drop_caller, caller, "job_too_large")
         elif kind is InferReply:
@@ -144,7 +144,7 @@ class Jobs:
         metas, frames, first, count = [], [], 0, 0
         if job.generate:
             first, count = min(since, job.total), max(0, job.total - since)
-            metas, frames = outputs_since(job.chunks, since) if count else ([], [])
+            metas, frames = outputs_since(job, since) if count else ([], [])
         elif job.result is not None:
             metas, frames = job.result
         status = JobStatus(v=PROTOCOL_VERSION, id=req_id, job_id=job.id, model=job.model, state=state,
@@ -155,22 +155,8 @@ class Jobs:
         self.reply(ident, status, *frames)
 
 
-def outputs_since(chunks: list, since: int) -> tuple[list[TensorMeta], list[bytes]]:
-    """A generation's outputs from position `since` on, one tensor [n, *shape] per declared
-    output, out of the chunks (first, count, metas, frames) as they came (each tensor [count, *shape])."""
-    parts: list[list] = []
-    metas: list[TensorMeta] = []
-    n = 0
-    for first, count, chunk_metas, frames in chunks:
-        if first + count <= since:
-            continue
-        skip = max(0, since - first)
-        if not metas:
-            metas = chunk_metas
-            parts = [[] for _ in chunk_metas]
-        for i, frame in enumerate(frames):
-            row = len(frame) // count
-            parts[i].append(frame[skip * row:] if skip else frame)
-        n += count - skip
-    return ([TensorMeta(name=m.name, dtype=m.dtype, shape=[n, *m.shape[1:]]) for m in metas],
-            [b"".join(p) for p in parts])
+def outputs_since(job: Job, since: int) -> tuple[list[TensorMeta], list[bytes]]:
+    """A generation's outputs from position `since` on, one tensor [n, *shape] per declared output."""
+    n = job.total - since
+    frames = [bytes(memoryview(part)[since * (len(part) // job.total):]) for part in job.parts]
+    return [TensorMeta(name=m.name, dtype=m.dtype, shape=[n, *m.shape[1:]]) for m in job.metas], frames

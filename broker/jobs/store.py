@@ -29,7 +29,7 @@ ENDED = ("done", "failed", "cancelled")
 class Job:
     """One job. `caller` stands in for a socket identity at the door (the wing's JobCaller)."""
     __slots__ = ("id", "model", "version", "tenant", "generate", "state", "submitted", "started", "ended",
-                 "caller", "req_id", "result", "chunks", "total", "end", "error", "nbytes", "waiters")
+                 "caller", "req_id", "result", "metas", "parts", "total", "end", "error", "nbytes", "waiters")
 
     def __init__(self, job_id: str, model: str, tenant: str | None, generate: bool, now: float):
         self.id, self.model, self.version, self.tenant, self.generate = job_id, model, "", tenant, generate
@@ -38,8 +38,11 @@ class Job:
         self.caller: Any = None
         self.req_id = 0
         self.result: tuple[list, list[bytes]] | None = None   # a one-shot's (output metas, frames)
-        self.chunks: list[tuple[int, int, list, list[bytes]]] = []   # a generation's (first, count, metas, frames)
-        self.total = 0                      # a generation's outputs so far
+        # a generation's outputs so far: the first message's tensor descriptions, and per declared
+        # output its rows joined (outputs 0 .. total - 1)
+        self.metas: list = []
+        self.parts: list[bytearray] = []
+        self.total = 0
         self.end: dict = {}                 # a generation's end (reason, seed, ...)
         self.error: ErrorBody | None = None
         self.nbytes = 0                     # bytes of outputs held
@@ -86,15 +89,24 @@ class JobStore:
         if job.state == "queued":
             job.state, job.started = "running", self.clock()
 
-    def outputs(self, job: Job, first: int, count: int, metas: list, frames: list[bytes]) -> bool:
-        """A generation's outputs appended; False when they do not fit (the job failed)."""
-        if job.over:
+    def outputs(self, job: Job, first: int, count: int, metas: list, frames: list) -> bool:
+        """A generation's outputs `first` .. `first + count - 1` appended (those already held are
+        skipped); False when they do not fit (the job failed)."""
+        skip = job.total - first
+        if job.over or skip >= count:
             return True
-        if not self._room(job, sum(map(len, frames))):
+        if skip < 0:   # the door answers in order: a gap is a broker bug, failed loudly rather than kept wrong
+            self.failed(job, fail(Code.INTERNAL, f"job {job.id}: outputs from {first} came after {job.total}").to_body())
+            return False
+        rows = [memoryview(f)[skip * (len(f) // count):] for f in frames]
+        if not self._room(job, sum(map(len, rows))):
             return False
         self.started_now(job)
-        job.chunks.append((first, count, metas, frames))
-        job.total = max(job.total, first + count)
+        if not job.parts:
+            job.metas, job.parts = metas, [bytearray() for _ in frames]
+        for part, row in zip(job.parts, rows):
+            part += row
+        job.total = first + count
         return True
 
     def result(self, job: Job, version: str, metas: list, frames: list[bytes]) -> bool:
@@ -178,7 +190,7 @@ class JobStore:
             held, wanted = self.nbytes - job.nbytes, job.nbytes + n
             self.counts["too_large"] += 1
             self._release(job)
-            job.chunks, job.result = [], None
+            job.parts, job.result = [], None
             job.error = fail(Code.PAYLOAD_TOO_LARGE, f"job {job.id}: its outputs ({wanted} bytes so far) "
                              f"would pass jobs.max_result_bytes ({self.max_result_bytes} bytes for all jobs, "
                              f"{held} held by running jobs)", limit=self.max_result_bytes).to_body()

@@ -1,7 +1,7 @@
 """Polled jobs end to end (docs/JOBS.md): one real broker with the HTTP face, one CPU worker
 serving the Recorder stage (tgw.testing.cancel_stage: a gated row holds its batch until a file
 exists, so a job is seen running before it ends) and the Counter generator (output n of a prompt
-is (sum(prompt) + n) % 1000). The store's rules under an injected clock: tests/unit/test_jobs.py.
+is (sum(prompt) + n) % 1000). The store's rules under an injected clock: tests/unit/test_job_store.py.
 
 Native client: a one-shot job seen running, then its result equal to the direct call's, read
 again from another client by id; a generation's outputs read so far, then its result equal to
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import tempfile
 
 import aiohttp
@@ -153,6 +155,9 @@ async def http_jobs(base: str, work: str) -> None:
             assert r.status == 404 and "unknown job" in (await r.json())["error"]
         async with s.get(gen, params={"since": "-1"}) as r:
             assert r.status == 400
+        async with s.get("/metrics") as r:
+            metrics = await r.text()
+        assert 'tgw_jobs_events_total{event="cancelled"} 2.0' in metrics and 'tgw_jobs{state="live"} 0.0' in metrics
 
 
 def test_http_jobs_one_shot_generation_cancel_and_errors(broker):
@@ -162,9 +167,13 @@ def test_http_jobs_one_shot_generation_cancel_and_errors(broker):
 
 
 def test_a_restarted_broker_answers_old_ids_clearly(broker):
-    with Client(broker.address) as c:
+    with Client(broker.address) as c:   # the submitter gone: its job goes on
         old = c.submit("cnt", np.array([2]), generate={"max_outputs": 3})
-        assert old.result(timeout=WAIT_S) == [2, 3, 4]
+    with Client(broker.address) as c:
+        assert c.job(old.id).result(timeout=WAIT_S) == [2, 3, 4]
+        printed = subprocess.run([sys.executable, "-m", "tgw.broker", "status", "--address", broker.address],
+                                 capture_output=True, text=True, timeout=60)
+        assert printed.returncode == 0 and "jobs: 0 live, " in printed.stdout, printed.stderr
     assert broker.stop() == 0
     broker.start()
     try:

@@ -98,12 +98,16 @@ def test_a_job_is_read_by_its_tenant_only():
     assert code is Code.JOB_NOT_FOUND and "not yours" in message
 
 
-def test_outputs_since_slices_and_joins_the_chunks():
-    chunks = [(0, 2, meta(2), [np.array([10, 11]).tobytes()]), (2, 3, meta(3), [np.array([12, 13, 14]).tobytes()])]
-    metas, frames = outputs_since(chunks, 1)
-    assert metas[0].shape == [4] and np.frombuffer(frames[0], np.int64).tolist() == [11, 12, 13, 14]
-    metas, frames = outputs_since(chunks, 4)
-    assert metas[0].shape == [1] and np.frombuffer(frames[0], np.int64).tolist() == [14]
+def test_a_generation_s_outputs_are_joined_and_read_from_since():
+    s = store(Clock())
+    job = s.new("g", None, True)
+    assert s.outputs(job, 0, 2, meta(2), [np.array([10, 11]).tobytes()])
+    assert s.outputs(job, 1, 3, meta(3), [np.array([11, 12, 13]).tobytes()])   # a repeated position skipped
+    assert job.total == 4 and s.nbytes == 32
+    metas, frames = outputs_since(job, 1)
+    assert metas[0].shape == [3] and np.frombuffer(frames[0], np.int64).tolist() == [11, 12, 13]
+    assert not s.outputs(job, 6, 1, meta(1), [np.array([15]).tobytes()])   # a gap: failed, never kept wrong
+    assert job.state == "failed" and job.error.code == "INTERNAL"
 
 
 class Door:
