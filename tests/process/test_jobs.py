@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import served, wait_until
 
-from tgw.client import Client, JobCancelled, JobNotFoundError, ModelNotFoundError
+from tgw.client import AsyncClient, Client, JobCancelled, JobNotFoundError, ModelNotFoundError
 from tgw.testing.cancellation import recorder
 from tgw.testing.generators import counter_outputs, entry
 
@@ -89,12 +89,18 @@ def test_native_jobs_one_shot_generation_cancel_and_refusals(broker):
         with pytest.raises(JobCancelled):
             long.result(timeout=WAIT_S)
 
+        async def via_async() -> tuple[list, list]:   # AsyncClient: the same calls, awaited
+            async with AsyncClient(broker.address) as ac:
+                one = await ac.submit("cnt", np.array([8]), generate={"max_outputs": 5})
+                return await one.result(timeout=WAIT_S), await ac.job(one.id).outputs()
+        assert asyncio.run(via_async()) == (counter_outputs([8], 5), counter_outputs([8], 5))
+
         with pytest.raises(ModelNotFoundError):   # refused at submit: no job
             c.submit("nope", {"x": gated(1)})
         with pytest.raises(JobNotFoundError, match="unknown job"):
             c.job("nonsense").status()
         counts = c.status()["jobs"]
-        assert (counts["submitted"], counts["done"], counts["cancelled"], counts["live"]) == (3, 2, 1, 0)
+        assert (counts["submitted"], counts["done"], counts["cancelled"], counts["live"]) == (4, 3, 1, 0)
 
 
 async def http_jobs(base: str, work: str) -> None:
@@ -121,6 +127,11 @@ async def http_jobs(base: str, work: str) -> None:
             async with s.post("/v2/models/gate/infer", json=body) as r:
                 direct = await r.json()
             assert result["outputs"] == direct["outputs"] and result["model_name"] == "gate"
+            async with s.get(url + "/result", params={"binary_data": "true"}) as r:
+                raw = await r.read()
+                n = int(r.headers["Inference-Header-Content-Length"])
+            assert np.array_equal(np.frombuffer(raw[n:], np.float32), np.asarray(direct["outputs"][0]["data"],
+                                                                                  np.float32))
         finally:
             os.remove(os.path.join(work, "gate"))
 

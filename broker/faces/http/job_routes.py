@@ -7,7 +7,8 @@ messages and back.
 binary); for a generator it is a generation, its parameters (max_tokens, temperature, top_k,
 top_p, seed, stop_tokens) read by broker/protocol/streaming.generate_params. 202 with the job's
 id and status URL. `GET /v2/jobs/{id}` (`?since=N`, `?wait_ms=M`): the state and the outputs so
-far as KServe JSON outputs. `GET /v2/jobs/{id}/result`: the KServe infer response once done;
+far as KServe JSON outputs. `GET /v2/jobs/{id}/result`: the KServe infer response once done
+(JSON, or with `?binary_data=true` the binary tensor extension's);
 202 with the status while the job runs; the job's error (its own status) when it failed; 409
 when it was cancelled. `DELETE /v2/jobs/{id}`: cancel; the status after.
 """
@@ -19,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from tgw.shm.errors import Code, error_from_body, fail
-from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, JobCancel, JobQuery
+from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, InferReply, JobCancel, JobQuery
 
 from tgw.broker.protocol import door, kserve
 from tgw.broker.protocol.door import DoorPort
@@ -93,6 +94,14 @@ class JobRoutes:
             resp = tensors_response(status_doc(reply, frames), 202)
             resp.headers["Retry-After"] = "1"
             return resp
+        binary = request.rel_url.query.get("binary_data", "false")
+        if binary not in ("true", "false"):
+            raise bad(f"query parameter binary_data must be true or false, got {binary!r}", parameter="binary_data")
+        if binary == "true":   # the binary tensor extension: the JSON header, then the outputs' bytes
+            header, blobs = kserve.encode(InferReply(v=PROTOCOL_VERSION, id=0, model=reply.model,
+                                                     version=reply.version, outputs=reply.outputs), frames, None, True)
+            return web.Response(body=b"".join([header, *blobs]), content_type="application/octet-stream",
+                                headers={kserve.HEADER_LENGTH: str(len(header))})
         doc = {"model_name": reply.model, "model_version": reply.version, "outputs": json_outputs(reply, frames)}
         return tensors_response(doc)
 
