@@ -59,8 +59,8 @@ class JobState:
         self.result: dict | None = None
 
     def query(self, wait_ms: int = 0) -> JobQuery:
-        return JobQuery(v=PROTOCOL_VERSION, id=0, job_id=self.id, since=len(self.items), wait_ms=wait_ms,
-                        tenant=self.tenant)
+        since = len(self.items) if self.result is None else 1   # a one-shot's result, once held, is not sent again
+        return JobQuery(v=PROTOCOL_VERSION, id=0, job_id=self.id, since=since, wait_ms=wait_ms, tenant=self.tenant)
 
     def cancel(self) -> JobCancel:
         return JobCancel(v=PROTOCOL_VERSION, id=0, job_id=self.id, tenant=self.tenant)

@@ -30,7 +30,7 @@ class JobQuery(Struct, tag_field="op", tag="job_get"):
     v: int
     id: int
     job_id: str
-    since: int = 0                     # a generation's outputs from this position on
+    since: int = 0                     # a generation's outputs from this position on (a one-shot: >= 1 leaves its result out)
     wait_ms: int = 0                   # > 0: answer when the state changes or outputs past `since` arrive
     token: Optional[str] = None
     tenant: Optional[str] = None       # a job is read by the tenant that submitted it
@@ -61,7 +61,7 @@ class JobAccepted(Struct, tag_field="op", tag="job_accepted"):
 class JobStatus(Struct, tag_field="op", tag="job_status"):
     """A job as it stands. `outputs` (their bytes in the frames that follow): for a generation,
     outputs `first` .. `first + count - 1`, one tensor [count, *shape] per declared output; for a
-    one-shot request, its result once `state` is done (`count` 1), else none."""
+    one-shot request, its result once `state` is done and the query's `since` is 0, else none."""
     v: int
     id: int
     job_id: str

@@ -145,7 +145,7 @@ class Jobs:
         if job.generate:
             first, count = min(since, job.total), max(0, job.total - since)
             metas, frames = outputs_since(job, since) if count else ([], [])
-        elif job.result is not None:
+        elif job.result is not None and since == 0:   # since >= 1: the caller holds the result already
             metas, frames = job.result
         status = JobStatus(v=PROTOCOL_VERSION, id=req_id, job_id=job.id, model=job.model, state=state,
                            generate=job.generate, version=job.version, outputs=metas, first=first, count=count,
