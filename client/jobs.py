@@ -147,7 +147,7 @@ class Job:
         while True:
             wait = wait_ms_for(until)
             reply = self._ask(self._state.query(wait), wait)
-            if ended(reply) and (not reply.generate or len(self._state.items) >= reply.total):
+            if ended(reply) and (reply.state != "done" or not reply.generate or len(self._state.items) >= reply.total):
                 return self._state.outcome()
             if until is not None and time.monotonic() >= until:
                 raise self._state.expired(timeout)
@@ -189,7 +189,7 @@ class AsyncJob:
         while True:
             wait = wait_ms_for(until)
             reply = await self._ask(self._state.query(wait), wait)
-            if ended(reply) and (not reply.generate or len(self._state.items) >= reply.total):
+            if ended(reply) and (reply.state != "done" or not reply.generate or len(self._state.items) >= reply.total):
                 return self._state.outcome()
             if until is not None and time.monotonic() >= until:
                 raise self._state.expired(timeout)

@@ -30,7 +30,8 @@ class JobQuery(Struct, tag_field="op", tag="job_get"):
     v: int
     id: int
     job_id: str
-    since: int = 0                     # a generation's outputs from this position on (a one-shot: >= 1 leaves its result out)
+    # a generation's outputs from this position on (a one-shot: >= 1 leaves its result out)
+    since: int = 0
     wait_ms: int = 0                   # > 0: answer when the state changes or outputs past `since` arrive
     token: Optional[str] = None
     tenant: Optional[str] = None       # a job is read by the tenant that submitted it

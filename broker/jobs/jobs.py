@@ -143,7 +143,8 @@ class Jobs:
                 state = job.state
         metas, frames, first, count = [], [], 0, 0
         if job.generate:
-            first, count = min(since, job.total), max(0, job.total - since)
+            # a job failed over max_result_bytes holds none of its outputs any more
+            first, count = min(since, job.total), max(0, job.total - since) if job.parts else 0
             metas, frames = outputs_since(job, since) if count else ([], [])
         elif job.result is not None and since == 0:   # since >= 1: the caller holds the result already
             metas, frames = job.result

@@ -96,7 +96,8 @@ class JobStore:
         if job.over or skip >= count:
             return True
         if skip < 0:   # the door answers in order: a gap is a broker bug, failed loudly rather than kept wrong
-            self.failed(job, fail(Code.INTERNAL, f"job {job.id}: outputs from {first} came after {job.total}").to_body())
+            gap = fail(Code.INTERNAL, f"job {job.id}: outputs from {first} came after {job.total}")
+            self.failed(job, gap.to_body())
             return False
         rows = [memoryview(f)[skip * (len(f) // count):] for f in frames]
         if not self._room(job, sum(map(len, rows))):

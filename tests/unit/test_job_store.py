@@ -14,8 +14,8 @@ from fake_clock import Clock
 from tgw.broker.jobs.jobs import Jobs, outputs_since
 from tgw.broker.jobs.store import JobStore
 from tgw.shm.errors import Code, TgwError, fail
-from tgw.shm.wire import PROTOCOL_VERSION as V, ErrorReply, GenerateEnd, GenerateOutputs, GenerateParams, Infer, InferReply, \
-    JobAccepted, JobCancel, JobQuery, JobStatus, TensorMeta
+from tgw.shm.wire import PROTOCOL_VERSION as V, ErrorReply, GenerateEnd, GenerateOutputs, GenerateParams, Infer, \
+    InferReply, JobAccepted, JobCancel, JobQuery, JobStatus, TensorMeta
 
 pytestmark = pytest.mark.unit
 
@@ -177,3 +177,20 @@ def test_a_generation_read_from_since_a_long_poll_woken_and_a_cancel():
     assert door.dropped == [(caller, "cancelled")] and door.sent[-1][1].state == "cancelled"
     caller.deliver(GenerateEnd(v=V, id=1, model="g", version="1", reason="cancelled", outputs=3), [])
     assert jobs.store.jobs[job_id].state == "cancelled"   # a late answer changes nothing
+
+
+def test_a_generation_past_max_result_bytes_fails_and_is_withdrawn():
+    jobs, door = wing()
+    jobs.submit(b"me", Infer(v=V, id=1, model="g", inputs=[], job=True, generate=GenerateParams()), [])
+    job_id = door.sent[-1][1].job_id
+    (caller, _), = door.infers
+    caller.deliver(GenerateOutputs(v=V, id=1, first=0, count=2, outputs=meta(2)), [bytes(16)])
+    caller.deliver(GenerateOutputs(v=V, id=1, first=2, count=200, outputs=meta(200)), [bytes(1600)])
+    assert door.dropped == []   # withdrawn once the door is done with this answer, not inside it
+    jobs.loop.call_soon(jobs.loop.stop)
+    jobs.loop.run_forever()
+    assert door.dropped == [(caller, "job_too_large")]
+    jobs.query(b"me", JobQuery(v=V, id=2, job_id=job_id))
+    status = door.sent[-1][1]
+    assert status.state == "failed" and status.error.code == "PAYLOAD_TOO_LARGE" and status.count == 0
+    assert status.outputs == [] and status.total == 2 and jobs.store.nbytes == 0
