@@ -4,7 +4,7 @@ exists, so a job is seen running before it ends) and the Counter generator (outp
 is (sum(prompt) + n) % 1000). The store's rules under an injected clock: tests/unit/test_job_store.py.
 
 Native client: a one-shot job seen running, then its result equal to the direct call's, read
-again from another client by id; a generation's outputs read so far, then its result equal to
+again from another client by id; a pipeline's; a generation's outputs read so far, then its result equal to
 the direct stream's; a cancelled generation's slot freed by the worker's own count; refusals at
 submit. HTTP (aiohttp): the same through /v2/models/{m}/jobs and /v2/jobs/{id}. Last, the broker
 restarted: both faces answer the old ids "jobs do not survive a broker restart".
@@ -36,7 +36,10 @@ def broker():
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 4, "output_arena_mb": 2},
            "http": {"host": "127.0.0.1", "port": 0},
            "models": [recorder("gate", os.path.join(d, "computed.log"), os.path.join(d, "gate"), max_batch_size=1),
-                      entry("cnt", options={"step_ms": 5}, max_sequences=2, max_outputs=1_000_000)]}
+                      entry("cnt", options={"step_ms": 5}, max_sequences=2, max_outputs=1_000_000)],
+           "pipelines": [{"name": "twice", "inputs": ["x"], "outputs": {"y": "b.y"},
+                          "steps": [{"name": "a", "model": "gate", "inputs": {"x": "x"}},
+                                    {"name": "b", "model": "gate", "inputs": {"x": "a.y"}}]}]}
     yield from served(cfg, d, http=True, work=d)
 
 
@@ -89,6 +92,9 @@ def test_native_jobs_one_shot_generation_cancel_and_refusals(broker):
         with pytest.raises(JobCancelled):
             long.result(timeout=WAIT_S)
 
+        row = {"x": np.array([[4, 5, 5, 6]], np.float32)}   # a pipeline as a job: its steps ungated
+        assert np.array_equal(c.submit("twice", row).result(timeout=WAIT_S)["y"], c.infer("twice", row)["y"])
+
         async def via_async() -> tuple[list, list]:   # AsyncClient: the same calls, awaited
             async with AsyncClient(broker.address) as ac:
                 one = await ac.submit("cnt", np.array([8]), generate={"max_outputs": 5})
@@ -100,7 +106,7 @@ def test_native_jobs_one_shot_generation_cancel_and_refusals(broker):
         with pytest.raises(JobNotFoundError, match="unknown job"):
             c.job("nonsense").status()
         counts = c.status()["jobs"]
-        assert (counts["submitted"], counts["done"], counts["cancelled"], counts["live"]) == (4, 3, 1, 0)
+        assert (counts["submitted"], counts["done"], counts["cancelled"], counts["live"]) == (5, 4, 1, 0)
 
 
 async def http_jobs(base: str, work: str) -> None:
