@@ -28,6 +28,8 @@ from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
 from tgw.broker.generate.streams import Streams
+from tgw.broker.jobs.jobs import Jobs
+from tgw.broker.jobs.store import JobStore
 from tgw.broker.faces.http.face import HttpFace
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
@@ -119,6 +121,11 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     shadows = Shadows(registry.models, serving.admit_copy, admission.copies.withdraw, clock)
     guards = Guards(shadows, clock)
 
+    # polled jobs: their requests go back through the door with a caller of the wing's
+    job_store = JobStore(cfg.jobs.max_jobs, cfg.jobs.max_result_bytes, cfg.jobs.keep_s, clock)
+    jobs = Jobs(job_store, loop, cfg.jobs.max_wait_ms, door.reply, door.error, door.infer, door.drop_caller,
+                door.admitted)
+
     # what the read-only answers read; then the operator (control ops, reloads), which reads it
     listening = Listening()
     reload_outcome: dict = {}   # the operator's reloader writes it
@@ -130,7 +137,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
                       faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
-                      generators=streams.counters, sequences=sequences.counters)
+                      generators=streams.counters, sequences=sequences.counters,
+                      jobs=job_store.as_dict)
     operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
                                        unserved, shadows, guards, door, phase, view, clock),
                         cfg, address, config_path, reload_outcome)
@@ -143,7 +151,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     door.open(DoorRoutes(roster=roster, models=registry.models, admit=admission.admit, finished=admission.finished,
                          leave=admission.leave, batcher=batcher, schedule=serving.schedule, flush=serving.flush,
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
-                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams))
+                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams,
+                         jobs=jobs))
     link.listen(workers_side.on_message, after=serving.flush)
     admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)

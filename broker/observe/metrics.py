@@ -92,6 +92,7 @@ class Metrics(Collector):
         yield from gpu_families(view.roster)
         yield from device_families(view)
         yield from rollout_families(view)
+        yield from job_families(view)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;
@@ -489,3 +490,26 @@ def rollout_families(view: BrokerView) -> Iterator:
     for g in r.get("guarded", []):
         guarded.add_metric([g["model"], g["version"], g["kind"]], 1.0)
     yield from (requests, diverge, compute, decisions, guarded)
+
+
+JOB_COUNTS = ("submitted", "done", "failed", "cancelled", "expired", "evicted", "refused", "too_large")
+
+
+def job_families(view: BrokerView) -> Iterator:
+    """Polled jobs (docs/JOBS.md): those held now, their bytes, and every way one ended or went."""
+    jobs = view.jobs()
+    if not jobs:
+        return
+    held = GaugeMetricFamily("tgw_jobs", "Polled jobs held now: live (queued or running) and kept (ended, "
+                             "kept jobs.keep_s)", labels=["state"])
+    held.add_metric(["live"], jobs["live"])
+    held.add_metric(["kept"], jobs["kept"])
+    yield held
+    yield GaugeMetricFamily("tgw_jobs_bytes", "Bytes of outputs the jobs hold now (bound: jobs.max_result_bytes)",
+                            jobs["bytes"])
+    events = CounterMetricFamily("tgw_jobs_events", "Jobs by what happened to them: submitted, done, failed, "
+                                 "cancelled, expired (past keep_s), evicted (room for newer results), refused "
+                                 "(max_jobs), too_large (max_result_bytes)", labels=["event"])
+    for name in JOB_COUNTS:
+        events.add_metric([name], jobs[name])
+    yield events

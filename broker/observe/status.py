@@ -75,6 +75,7 @@ class BrokerView:
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
     rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
     replay: Callable[[str], dict] = lambda model: {}   # its replay warm-up sample (models/replay.py as_dict)
+    jobs: Callable[[], dict] = dict        # polled jobs held and their counts (jobs/store.py JobStore.as_dict)
     # each generator model's counters, by name (the generate wing's; none counted yet: absent)
     generators: dict[str, GeneratorCounters] = field(default_factory=dict)
     # each sequence model's counters, by name (the sequence wing's; none counted yet: absent)
@@ -222,7 +223,7 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
                        http=view.listening.http, grpc=view.listening.grpc, devices=device_states(view),
-                       cuda_faults=view.faults(), rollouts=view.rollouts(),
+                       cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 

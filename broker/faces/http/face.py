@@ -34,6 +34,7 @@ from . import shm_routes
 from .generate_routes import GenerateRoutes
 from .answers import HttpCaller, error_response, infer_response, json_response
 from .repository_routes import RepositoryRoutes
+from .job_routes import JobRoutes
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
@@ -52,6 +53,7 @@ class HttpFace:
         self.generate_routes = GenerateRoutes(deps, self.body, self.repository.named, self.ids, TENANT_HEADER)
         self.runner: web.AppRunner | None = None
         self.address = ""            # http://host:port once listening
+        self.job_routes = JobRoutes(deps, self.body, self.decode, TENANT_HEADER)   # polled jobs (docs/JOBS.md)
 
     def app(self) -> web.Application:
         # each handler wrapped by `guarded` rather than an aiohttp middleware: measured here, a
@@ -77,6 +79,8 @@ class HttpFace:
         for method, path, handler in self.generate_routes.routes():   # Triton's generate extension
             add(method, path, self.guarded(handler))
         for method, path, handler in self.shm_routes.routes():
+            add(method, path, self.guarded(handler))
+        for method, path, handler in self.job_routes.routes():
             add(method, path, self.guarded(handler))
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
@@ -207,7 +211,8 @@ class HttpFace:
         return fail(Code.PAYLOAD_TOO_LARGE, f"request body over http.max_body_bytes ({self.decl.max_body_bytes})",
                     limit=self.decl.max_body_bytes)
 
-    async def decode(self, request: web.Request, model: str) -> kserve.Decoded:
+    async def decode(self, request: web.Request, model: str, body: bytes | None = None) -> kserve.Decoded:
+        """The request's Decoded infer (`body`: already read, else read here)."""
         if model not in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
             self.deps.entry(model)   # an unknown model is named before anything in the body
         headers = request.headers
@@ -215,11 +220,12 @@ class HttpFace:
         if version is not None:
             version = self.repository.named(model, version)[1]
         content_type, length = headers.get("Content-Type"), headers.get(kserve.HEADER_LENGTH)
+        body = body if body is not None else await self.body(request)
         if kserve.is_raw(request.method, content_type, length):   # an image as the body, answered in JSON
-            decoded = kserve.decode_raw(await self.body(request), content_type, self.inputs_of(model), model, version,
+            decoded = kserve.decode_raw(body, content_type, self.inputs_of(model), model, version,
                                         next(self.ids), headers.get(kserve.ROUTING_HEADER))
         else:
-            decoded = kserve.decode(await self.body(request), length, model, version, next(self.ids), self.shm,
+            decoded = kserve.decode(body, length, model, version, next(self.ids), self.shm,
                                     headers.get(kserve.ROUTING_HEADER))
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
