@@ -22,7 +22,6 @@ from tgw.broker.cli.demo import model_entry
 from tgw.client import Client
 from tgw.shm.byte_tokenizer import Tokenizer
 
-pytestmark = pytest.mark.process
 TOKEN = "0penai-face-t0ken"
 MODEL = "tiny-gpt"
 TOK = Tokenizer()
@@ -70,6 +69,9 @@ def test_four_modes_answer_the_native_text(broker, native):
     """Completions and chat, sync and async, streamed and not: each text, finish_reason and usage
     as the native stream's; the chat prompt is the model's template of the messages."""
     want, reason, count = generated(native, PROMPT, 40)
+    messages = [{"role": "system", "content": "Batching"}, {"role": "user", "content": "A model decodes"}]
+    chat_want, chat_reason, chat_count = generated(native, "Batching\nA model decodes", 30)
+    requests = native.stats()["models"][MODEL]["requests"]
     sync = openai.OpenAI(base_url=f"{broker.http}/v1", api_key=TOKEN)
     assert [m.id for m in sync.models.list().data] == [MODEL]
     assert sync.models.retrieve(MODEL).id == MODEL
@@ -85,8 +87,6 @@ def test_four_modes_answer_the_native_text(broker, native):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == FINISH[reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == count
 
-    messages = [{"role": "system", "content": "Batching"}, {"role": "user", "content": "A model decodes"}]
-    chat_want, chat_reason, chat_count = generated(native, "Batching\nA model decodes", 30)
 
     async def chat_modes():
         client = openai.AsyncOpenAI(base_url=f"{broker.http}/v1", api_key=TOKEN)
@@ -107,6 +107,7 @@ def test_four_modes_answer_the_native_text(broker, native):
     assert whole.choices[0].finish_reason == FINISH[chat_reason] == finish
     assert whole.usage.completion_tokens == chat_count and whole.usage.prompt_tokens == len("Batching\nA model decodes")
     assert streamed == chat_want and roles[0] == "assistant"
+    assert native.stats()["models"][MODEL]["requests"] == requests + 4   # counted as every face's
 
 
 def test_stop_n_and_seeds(broker, native):
@@ -156,6 +157,9 @@ def test_errors_in_openai_shape(broker):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
     assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.get("/nothing-here", cast_to=object)
+    assert e.value.body["code"] == "unknown_url"
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=f"{broker.http}/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"

@@ -56,7 +56,15 @@ class OpenAiFace:
 
     def routes(self) -> list[tuple[str, str, object]]:
         return [("GET", "/v1/models", self.list_models), ("GET", "/v1/models/{model}", self.get_model),
-                ("POST", "/v1/completions", self.completions), ("POST", "/v1/chat/completions", self.chat)]
+                ("POST", "/v1/completions", self.completions), ("POST", "/v1/chat/completions", self.chat),
+                ("*", "/v1/{anything:.*}", self.nowhere)]
+
+    async def nowhere(self, request: web.Request) -> web.Response:
+        async def refuse(request):
+            raise OpenAiError(f"no such endpoint: {request.method} {request.path} (this server serves /v1/models, "
+                              "/v1/completions and /v1/chat/completions)", None, 404, "invalid_request_error",
+                              "unknown_url")
+        return await self.answer(request, refuse)
 
     def check(self, models: list[str]) -> None:
         """At start-up: each OpenAI model's tokenizer made and chat template compiled (ValueError)."""
@@ -278,6 +286,15 @@ class OpenAiFace:
                     break
         except TgwError as err:   # mid-stream: an error event, as OpenAI sends one, then the end
             await resp.write(_sse(from_tgw(err).body()))
+            await resp.write_eof()
+            return resp
+        except (ConnectionResetError, asyncio.CancelledError):   # the client is gone: generate() withdraws
+            raise
+        except Exception as exc:   # a broker bug after the headers went: said in the stream, logged
+            self.port.note("broker_error", type(exc).__name__, f"OpenAI stream {request.path} failed inside the "
+                           "broker", exc_info=True)
+            await resp.write(_sse(OpenAiError(f"broker error: {type(exc).__name__}: {exc}", None, 500,
+                                              "server_error").body()))
             await resp.write_eof()
             return resp
         if plan.include_usage:

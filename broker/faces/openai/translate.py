@@ -50,7 +50,7 @@ class Plan:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts) * self.n
+        return sum(len(p) for p in self.prompts)   # each prompt once, as OpenAI counts it with n > 1
 
     def prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.n]
