@@ -40,7 +40,7 @@ def broker(tmp_path_factory):
     os.chmod(token_file, 0o600)
     cfg = {"server": {"auth_token_file": token_file}, "supervisor": {"hang_timeout_s": 120},   # a paused worker
            "workers": {"devices": ["cpu"], "threads_per_worker": 1},
-           "http": {"port": 0},
+           "http": {"port": 0}, "tenants": {"tiny": {"rate": 0.001, "burst": 1}},
            "models": [model_entry(n, m) for n, m in build_generator_decls(folder).items()]}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TGW_TOKEN", TOKEN)   # the native client's
@@ -140,8 +140,8 @@ def test_stop_n_and_seeds(broker, native):
 
 
 def test_errors_in_openai_shape(broker):
-    """An unknown model is 404, an unsupported or bad parameter 400 naming it, a wrong key 401;
-    each in OpenAI's error shape."""
+    """An unknown model or path is 404, an unsupported or bad parameter 400 naming it, a tenant
+    over its rate 429, a wrong key 401; each in OpenAI's error shape."""
     client = openai.OpenAI(base_url=f"{broker.http}/v1", api_key=TOKEN, max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="mlp", prompt="x")
@@ -160,6 +160,11 @@ def test_errors_in_openai_shape(broker):
     with pytest.raises(openai.NotFoundError) as e:
         client.get("/nothing-here", cast_to=object)
     assert e.value.body["code"] == "unknown_url"
+    tiny = {"tgw-tenant": "tiny"}   # a tenant's quota, as every face's: one request, then 429
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_headers=tiny)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_headers=tiny)
+    assert e.value.body["type"] == "rate_limit_error" and "RATE_LIMITED" in e.value.body["message"]
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=f"{broker.http}/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
