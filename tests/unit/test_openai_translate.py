@@ -118,3 +118,22 @@ def test_tgw_errors_keep_their_status_in_openai_shape():
     assert from_tgw(fail(Code.MODEL_NOT_FOUND, "x")).status == 404
     assert from_tgw(fail(Code.INTERNAL, "x")).status == 500
     assert from_tgw(fail(Code.INVALID_ARGUMENT, "x", parameter="top_p")).param == "top_p"
+
+
+def test_the_config_names_a_bad_tokenizer_or_template_by_its_key():
+    from pydantic import ValidationError
+
+    from tgw.broker.config.schema_models import ModelDecl
+    gen = {"state": [{"name": "kv", "dtype": "float32", "shape": [2]}], "max_sequences": 2, "tokenizer": "bytes"}
+    base = dict(name="g", versions=[{"version": "1", "handler": "a.b:C"}],
+                inputs=[{"name": "p", "dtype": "int64", "shape": [-1]}],
+                outputs=[{"name": "t", "dtype": "int64", "shape": []}], generator=gen)
+    assert ModelDecl(**base, options={"chat_template": "{{ messages }}"}).generator.tokenizer == "bytes"
+    for change, words in (({"generator": {**gen, "tokenizer": "no.such.module:T"}}, "cannot be imported"),
+                          ({"generator": {**gen, "tokenizer": "json:loads"}}, "encode(str)"),
+                          ({"generator": {**gen, "tokenizer": "sentencepiece"}}, "package.module:Class"),
+                          ({"inputs": [{"name": "p", "dtype": "float32", "shape": [-1]}]}, "integer token ids"),
+                          ({"options": {"chat_template": "{% for %}"}}, "options.chat_template")):
+        with pytest.raises(ValidationError, match=words) as e:
+            ModelDecl(**{**base, **change})
+        assert "tokenizer" in str(e.value) or "chat_template" in str(e.value)
