@@ -130,7 +130,7 @@ def test_the_config_names_a_bad_tokenizer_or_template_by_its_key():
                 outputs=[{"name": "t", "dtype": "int64", "shape": []}], generator=gen)
     assert ModelDecl(**base, options={"chat_template": "{{ messages }}"}).generator.tokenizer == "bytes"
     for change, words in (({"generator": {**gen, "tokenizer": "no.such.module:T"}}, "cannot be imported"),
-                          ({"generator": {**gen, "tokenizer": "json:loads"}}, "encode(str)"),
+                          ({"generator": {**gen, "tokenizer": "json:loads"}}, "not a class with encode"),
                           ({"generator": {**gen, "tokenizer": "sentencepiece"}}, "package.module:Class"),
                           ({"inputs": [{"name": "p", "dtype": "float32", "shape": [-1]}]}, "integer token ids"),
                           ({"options": {"chat_template": "{% for %}"}}, "options.chat_template")):
