@@ -148,7 +148,7 @@ def test_errors_in_openai_shape(broker):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     for kwargs, param in (({"logprobs": 2}, "logprobs"), ({"top_p": 5}, "top_p"), ({"n": 99}, "n"),
                           ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"echo": True}, "echo"),
-                          ({"extra_body": {"bogus": 1}}, "bogus"), ({"max_tokens": 10_000}, None)):
+                          ({"extra_body": {"bogus": 1}}, "bogus"), ({"max_tokens": 10_000}, "max_tokens")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", **kwargs)
         assert set(e.value.body) == {"message", "type", "param", "code"} and e.value.body["param"] == param, kwargs

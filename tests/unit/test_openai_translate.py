@@ -137,3 +137,14 @@ def test_the_config_names_a_bad_tokenizer_or_template_by_its_key():
         with pytest.raises(ValidationError, match=words) as e:
             ModelDecl(**{**base, **change})
         assert "tokenizer" in str(e.value) or "chat_template" in str(e.value)
+
+
+def test_the_models_cap_on_outputs_in_openai_words():
+    from tgw.broker.faces.openai.face import OpenAiFace
+    plan = translate.completion_plan({"model": "m", "prompt": "x"}, TOK)
+    OpenAiFace.capped(plan, 8)   # OpenAI's default of 16 lowered to the model's cap
+    assert plan.params[0].max_outputs == 8
+    plan = translate.chat_plan({"model": "m", "messages": [], "max_completion_tokens": 9}, TOK, "x")
+    with pytest.raises(OpenAiError) as e:
+        OpenAiFace.capped(plan, 8)
+    assert e.value.param == "max_completion_tokens" and "at most 8" in e.value.message

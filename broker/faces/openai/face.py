@@ -157,6 +157,7 @@ class OpenAiFace:
                 plan = translate.chat_plan(body, served.tokenizer, prompt)
             else:
                 plan = translate.completion_plan(body, served.tokenizer)
+            self.capped(plan, served.decl.generator.max_outputs)
         except OpenAiError:
             self.port.count_error(model, Code.INVALID_ARGUMENT.value)
             raise
@@ -174,6 +175,18 @@ class OpenAiFace:
             for c in callers:   # disconnected, failed or cut at a stop string: the rest is not wanted
                 if not c.done:
                     self.port.withdraw(c, "disconnected")
+
+    @staticmethod
+    def capped(plan: translate.Plan, cap: int) -> None:
+        """The model's cap on outputs (generator.max_outputs) in OpenAI's words: a limit asked
+        above it refused naming the parameter; OpenAI's default of 16 lowered to it."""
+        for p in plan.params:
+            if p.max_outputs is not None and p.max_outputs > cap:
+                if not plan.limit_given:
+                    p.max_outputs = cap
+                    continue
+                raise invalid(f"'{plan.limit_given}' is {p.max_outputs}: model {plan.model!r} generates at most "
+                              f"{cap} tokens a choice", plan.limit_given)
 
     def start(self, request: web.Request, plan: translate.Plan, served: Served) -> list[StreamCaller]:
         """Each choice's generation sent through the door."""

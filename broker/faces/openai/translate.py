@@ -47,6 +47,7 @@ class Plan:
     params: list[GenerateParams] = field(default_factory=list)   # one per choice, index order
     priority: int = 0
     id: str = ""
+    limit_given: str | None = None        # the parameter that set the output limit, if one did
 
     @property
     def prompt_tokens(self) -> int:
@@ -170,6 +171,7 @@ def completion_plan(body: dict, tokenizer) -> Plan:
     max_tokens = _number(body, "max_tokens", 1, 1 << 31, integer=True)
     plan = _plan(body, False, _prompts(body, tokenizer),
                  COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    plan.limit_given = None if max_tokens is None else "max_tokens"
     _stop_sequences(plan, tokenizer)
     return plan
 
@@ -185,6 +187,7 @@ def chat_plan(body: dict, tokenizer, prompt: str) -> Plan:
     if not ids:
         raise invalid("the messages make an empty prompt: a generation needs at least one token", "messages")
     plan = _plan(body, True, [ids], max_tokens)
+    plan.limit_given = next((k for k in ("max_completion_tokens", "max_tokens") if limits[k] is not None), None)
     _stop_sequences(plan, tokenizer)
     return plan
 
