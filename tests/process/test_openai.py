@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -168,6 +170,9 @@ def test_errors_in_openai_shape(broker):
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=f"{broker.http}/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(urllib.error.HTTPError) as e:   # no token at all
+        urllib.request.urlopen(f"{broker.http}/v1/models", timeout=30)
+    assert e.value.code == 401 and json.loads(e.value.read())["error"]["type"] == "authentication_error"
 
 
 def test_a_client_that_disconnects_frees_its_slot(broker, native):
