@@ -148,3 +148,14 @@ def test_the_models_cap_on_outputs_in_openai_words():
     with pytest.raises(OpenAiError) as e:
         OpenAiFace.capped(plan, 8)
     assert e.value.param == "max_completion_tokens" and "at most 8" in e.value.message
+
+
+def test_a_pieces_event_rendered_once_is_the_chunk():
+    import orjson
+    for chat in (False, True):
+        plan = translate.chat_plan({"model": "m", "messages": []}, TOK, "x") if chat else \
+            translate.completion_plan({"model": "m", "prompt": "x"}, TOK)
+        head, tail = translate.chunk_frame(plan, 7, 1)
+        piece = 'a "quoted"\n\u00e9'
+        assert head + orjson.dumps(piece) + tail == \
+            b"data: " + orjson.dumps(translate.chunk(plan, 7, 1, piece, None)) + b"\n\n"

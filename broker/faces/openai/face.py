@@ -219,7 +219,7 @@ class OpenAiFace:
                 msg, frames = await caller.next()
                 if type(msg) is GenerateOutputs:
                     tokens[i] += msg.count
-                    piece = text.feed(output_arrays(msg, frames)[served.output].reshape(-1).tolist())
+                    piece = text.feed(token_ids(msg, frames, served.output))
                     if text.stopped:   # a stop string: the text ends before it, the generation here
                         if not caller.done:
                             self.port.withdraw(caller, "stop_string")
@@ -278,6 +278,7 @@ class OpenAiFace:
             resp.headers["tgw-load"] = self.port.load.header
         await resp.prepare(request)
         created, used = int(time.time()), [0] * len(callers)
+        frames = [translate.chunk_frame(plan, created, i) for i in range(len(callers))]
         if plan.chat:   # OpenAI opens each choice with the assistant's role
             await resp.write(b"".join(_sse(translate.chunk(plan, created, i, "", None, first=True))
                                       for i in range(len(callers))))
@@ -288,7 +289,8 @@ class OpenAiFace:
                     used[i] = tokens
                     out = []
                     if piece:
-                        out.append(_sse(translate.chunk(plan, created, i, piece, None)))
+                        head, tail = frames[i]
+                        out.append(head + orjson.dumps(piece) + tail)
                     if finish is not None:
                         out.append(_sse(translate.chunk(plan, created, i, None, finish)))
                     if out:
@@ -315,6 +317,14 @@ class OpenAiFace:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def token_ids(msg: GenerateOutputs, frames: list, output: str) -> list[int]:
+    """The token ids of a GenerateOutputs' output `output` (its one integer per step)."""
+    for meta, frame in zip(msg.outputs, frames):
+        if meta.name == output:
+            return np.frombuffer(frame, dtype=meta.dtype).tolist()
+    return output_arrays(msg, frames)[output].reshape(-1).tolist()   # absent: output_arrays says so
 
 
 def _sse(doc: dict) -> bytes:

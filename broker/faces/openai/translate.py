@@ -10,6 +10,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+import orjson
+
 from tgw.shm.wire import GenerateParams, Sampling
 
 from .errors import invalid
@@ -240,6 +242,17 @@ def chunk(plan: Plan, created: int, index: int, text: str | None, finish: str | 
     if plan.include_usage:
         doc["usage"] = None
     return doc
+
+
+_MARK = "\u0000tgw-piece\u0000"
+
+
+def chunk_frame(plan: Plan, created: int, index: int) -> tuple[bytes, bytes]:
+    """A text piece's SSE event of choice `index` as (head, tail): head + orjson.dumps(piece) +
+    tail is `data: {chunk(...)}\n\n`, rendered once per choice rather than once per piece."""
+    raw = b"data: " + orjson.dumps(chunk(plan, created, index, _MARK, None)) + b"\n\n"
+    head, tail = raw.split(orjson.dumps(_MARK))
+    return head, tail
 
 
 def usage_chunk(plan: Plan, created: int, completion_tokens: int) -> dict:
