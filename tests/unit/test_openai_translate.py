@@ -58,7 +58,7 @@ def test_chat_takes_either_limit_and_opens_with_the_role():
     ({"stop": ["a"] * 5}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": ""}, "prompt"),
     ({"prompt": "a\0b"}, "prompt"), ({"prompt": {"x": 1}}, "prompt"), ({"max_tokens": 0}, "max_tokens"),
-    ({"seed": 1.5}, "seed"), ({"user": 3}, "user"),
+    ({"seed": 1.5}, "seed"), ({"user": 3}, "user"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [[1 << 40]]}, "prompt"),
 ])
 def test_what_is_not_served_is_refused_by_name(body, param):
     assert refused({"model": "m", "prompt": "x", **body}).param == param

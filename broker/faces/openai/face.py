@@ -166,15 +166,20 @@ class OpenAiFace:
             raise OpenAiError(f"{self.inflight} OpenAI requests in flight (http.max_inflight)", None, 429,
                               "rate_limit_error", "rate_limit_exceeded")
         self.inflight += 1
-        callers = self.start(request, plan, served)
+        callers: list[StreamCaller] = []
+        reason = "answered"   # a choice failed: the others are not wanted
         try:
+            self.start(request, plan, served, callers)
             return await (self.stream(request, plan, served, callers) if plan.stream
                           else self.whole(plan, served, callers))
+        except (asyncio.CancelledError, ConnectionResetError):
+            reason = "disconnected"
+            raise
         finally:
             self.inflight -= 1
-            for c in callers:   # disconnected, failed or cut at a stop string: the rest is not wanted
+            for c in callers:
                 if not c.done:
-                    self.port.withdraw(c, "disconnected")
+                    self.port.withdraw(c, reason)
 
     @staticmethod
     def capped(plan: translate.Plan, cap: int) -> None:
@@ -188,11 +193,10 @@ class OpenAiFace:
                 raise invalid(f"'{plan.limit_given}' is {p.max_outputs}: model {plan.model!r} generates at most "
                               f"{cap} tokens a choice", plan.limit_given)
 
-    def start(self, request: web.Request, plan: translate.Plan, served: Served) -> list[StreamCaller]:
-        """Each choice's generation sent through the door."""
+    def start(self, request: web.Request, plan: translate.Plan, served: Served, callers: list) -> None:
+        """Each choice's generation sent through the door (its caller put in `callers`)."""
         loop, h = asyncio.get_running_loop(), request.headers
         decl, port = served.decl, self.port
-        callers = []
         for i, params in enumerate(plan.params):
             ids = np.asarray(plan.prompt_of(i), dtype=served.input.dtype)
             msg = Infer(v=PROTOCOL_VERSION, id=next(self.ids), model=plan.model,
@@ -203,7 +207,6 @@ class OpenAiFace:
                                   on_overflow=lambda c: port.withdraw(c, "slow_reader"))
             callers.append(caller)
             port.infer(caller, msg, [SliceFrame(memoryview(ids).cast("B"))])
-        return callers
 
     # ---- answers -----------------------------------------------------------------------------
 

@@ -119,6 +119,8 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
                       "prompt")
     if any(not ids for ids in prompts):
         raise invalid("'prompt' is empty: a generation needs at least one token", "prompt")
+    if any(not 0 <= t < 1 << 31 for ids in prompts for t in ids):
+        raise invalid("'prompt' token ids must be integers from 0 to 2**31 - 1", "prompt")
     return prompts
 
 
