@@ -173,6 +173,7 @@ def test_errors_in_openai_shape(broker):
     with pytest.raises(urllib.error.HTTPError) as e:   # no token at all
         urllib.request.urlopen(f"{broker.http}/v1/models", timeout=30)
     assert e.value.code == 401 and json.loads(e.value.read())["error"]["type"] == "authentication_error"
+    assert e.value.headers["endpoint-load-metrics"]   # the load report, as on every HTTP answer
 
 
 def test_a_client_that_disconnects_frees_its_slot(broker, native):

@@ -21,6 +21,7 @@ from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, GenerateOutputs, Infer, TensorMeta
 
 from tgw.broker.config.schema_models import tokenizer_class
+from tgw.broker.observe.load import HEADER as LOAD_HEADER
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
 from tgw.broker.protocol.kserve import ROUTING_HEADER, SliceFrame   # a tensor frame as admission reads one
@@ -134,8 +135,11 @@ class OpenAiFace:
             self.port.note("broker_error", type(exc).__name__, f"OpenAI {request.method} {request.path} failed "
                            "inside the broker", exc_info=True)
             resp = OpenAiError(f"broker error: {type(exc).__name__}: {exc}", None, 500, "server_error").response()
-        if self.port.load is not None and not resp.prepared:
-            resp.headers["tgw-load"] = self.port.load.header
+        load = self.port.load
+        if load is not None and not resp.prepared:   # as every HTTP answer: the load report, the drain notice
+            resp.headers[LOAD_HEADER] = load.header
+            if load.draining:
+                resp.force_close()
         return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -278,7 +282,7 @@ class OpenAiFace:
             first = None
         resp = web.StreamResponse(headers=SSE_HEADERS)
         if self.port.load is not None:
-            resp.headers["tgw-load"] = self.port.load.header
+            resp.headers[LOAD_HEADER] = self.port.load.header
         await resp.prepare(request)
         created, used = int(time.time()), [0] * len(callers)
         frames = [translate.chunk_frame(plan, created, i) for i in range(len(callers))]
