@@ -28,7 +28,7 @@ from tgw.broker.observe.load import HEADER as LOAD_HEADER
 from tgw.broker.protocol import door, kserve, triton_docs, triton_shm
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
-from tgw.broker.protocol.repository import Repository
+from tgw.broker.protocol.repository import EXTENSIONS, Repository
 
 from . import shm_routes
 from .generate_routes import GenerateRoutes
@@ -259,7 +259,7 @@ class HttpFace:
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
-                              "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics",
+                              "extensions": [*EXTENSIONS, "generate",
                                              *(triton_shm.EXTENSIONS if self.shm is not None else [])]})
 
     def named(self, request: web.Request) -> tuple[str, str | None]:
