@@ -53,20 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def broker_config(weights: str, module, workers: int) -> dict[str, Any]:
     """One broker, every face on: the generator on `workers` CPU workers, 64 slots each, greedy,
     no end token (every request gets its max_tokens), the byte tokenizer for the OpenAI face."""
-    from tgw.workers.demo_generator import kv_shape
-    cfg = module.cfg
     return {"server": {"client_queue_messages": 100_000},   # 64 streams share one native connection
             "http": {"host": "127.0.0.1", "port": 0}, "grpc": {"host": "127.0.0.1", "port": 0},
             "workers": {"devices": ["cpu"] * workers, "threads_per_worker": 1},
-            "models": [{
-                "name": GEN, "versions": [{"version": "1", "handler": "tgw.workers.demo_generator:TinyGPT"}],
-                "options": {"weights": weights, "tokenizer": "tgw.workers.demo_tokenizer:Tokenizer"},
-                "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],
-                "outputs": [{"name": "token", "dtype": "int64", "shape": []}],
-                "max_batch_size": 64, "max_queue": 4096, "timeout_ms": 600_000,
-                "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
-                              "max_sequences": 64, "max_length": cfg.max_len, "length_input": "prompt",
-                              "max_outputs": gen_model.OUTPUTS}}]}
+            "models": [gen_model.generator_entry(GEN, weights, module.cfg, gen_model.OUTPUTS,
+                                                 tokenizer="tgw.workers.demo_tokenizer:Tokenizer")]}
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -245,10 +236,7 @@ def run(a: argparse.Namespace) -> int:
     res["goals"] = goals(res, levels)
     res["wall_s"] = time.monotonic() - t0
     print("\n" + tables(res, levels))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dest = a.out or ("bench" if os.path.isfile("bench/cli.py") else
-                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
-    path = os.path.join(dest, "results", f"generate-faces-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
+    path = report.result_path(a.out, "generate-faces", date, mode)
     report.write_json(path, res)
     print(f"wrote {path}; {res['wall_s']:.0f} s")
     complete = "error" not in res and all(

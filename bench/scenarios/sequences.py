@@ -135,10 +135,7 @@ def run(a: argparse.Namespace) -> int:
     g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f"), str(x["target"]),
                                                  {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
     print("\n" + report.text_table(body) + "\n\n" + report.text_table(g))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dest = a.out or ("bench" if os.path.isfile("bench/cli.py") else
-                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
-    path = os.path.join(dest, "results", f"sequences-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
+    path = report.result_path(a.out, "sequences", date, mode)
     report.write_json(path, res)
     print(f"wrote {path}; {res['wall_s']:.0f} s")
     complete = "error" not in res and all(
