@@ -34,8 +34,9 @@ def save_model(path: str, d: int, h: int, seed: int) -> str:
             self.cell = torch.nn.GRUCell(d, h)
             self.head = torch.nn.Linear(h, d)
 
-        def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            s = self.cell(x, state)
+        # the arguments named as the config's inputs and state (Triton's FORWARD_ARGUMENT naming)
+        def forward(self, INPUT: torch.Tensor, INPUT_STATE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: N803
+            s = self.cell(INPUT, INPUT_STATE)
             return self.head(s), s
 
     torch.manual_seed(seed)
