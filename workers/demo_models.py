@@ -251,6 +251,8 @@ if __name__ == "__main__":
                     "data (labels.txt, tokenizer.json, images/): name -> {handler, device, options, inputs, ...}")
     ap.add_argument("--generators", action="store_true", help="also the demo's generator tiny-gpt (its weights "
                     "trained on text tgw ships, once): name -> {handler, options, ..., generator}")
+    ap.add_argument("--sequences", action="store_true", help="also the demo's sequence models (accumulator, "
+                    "tiny-rnn: tgw.workers.demo_sequence): name -> {path or handler, ..., sequence_batching}")
     args = ap.parse_args()
     models = build_demo_models(args.dir, args.formats, log=lambda line: print(line, file=sys.stderr))
     served = {name: {**m, **DEMO_MODELS[m["base"]][2]} for name, m in models.items()}
@@ -259,4 +261,7 @@ if __name__ == "__main__":
         served.update(demo_stage_decls(args.dir))
     if args.generators:
         served.update(build_generator_decls(args.dir, log=lambda line: print(line, file=sys.stderr)))
+    if args.sequences:
+        from tgw.workers.demo_sequence import build_sequence_decls
+        served.update(build_sequence_decls(args.dir))
     print(json.dumps(served))

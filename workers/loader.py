@@ -30,6 +30,7 @@ from .generate.runner import GeneratorRunner
 from .load_errors import error_text, log_traceback
 from .replay import warm_replay
 from .runner import ChecksumMismatch, ModelRunner
+from .sequence_runner import SequenceFileRunner, SequenceStageRunner
 from .sidethread import SideThread
 from .stage_runner import StageRunner
 
@@ -170,6 +171,8 @@ class Loader(SideThread):
 
 def _runner_class(spec: ModelSpec) -> type:
     """As stage_runner.make_runner picks (read here, where tests replace ModelRunner)."""
+    if spec.sequence is not None:   # its ModelLoaded.slots: the pool's
+        return SequenceStageRunner if spec.format == "stage" else SequenceFileRunner
     if spec.format == "stage":
         return GeneratorRunner if spec.generator is not None else StageRunner
     return ModelRunner

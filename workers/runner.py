@@ -38,9 +38,10 @@ class ChecksumMismatch(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, spec: ModelSpec, device: torch.device):
+    def __init__(self, spec: ModelSpec, device: torch.device, program: Program | None = None):
+        """`program`: already loaded (load_verified) by a caller that reads it first (sequence_runner.py)."""
         self.spec, self.device = spec, device
-        self.program = _load_verified(spec, device)
+        self.program = program if program is not None else load_verified(spec, device)
         problems = export_refusals(spec, self.program)
         if problems:
             raise self._refused("; ".join(problems))
@@ -156,7 +157,7 @@ class ModelRunner:
         raise OutputMismatch(f"model returned {type(result).__name__}; expected a tensor, tuple, list or dict")
 
 
-def _load_verified(spec: ModelSpec, device: torch.device) -> Program:
+def load_verified(spec: ModelSpec, device: torch.device) -> Program:
     """Load a private copy of the file, hashed and its format told as it was copied: what loads
     is what was checked even if the file changes meanwhile. The copy is an anonymous in-memory
     file (memfd) torch reads record by record, so the load's RSS peak is about the model itself

@@ -9,7 +9,7 @@ stream per batch in flight, and launches a batch that is waiting before it waits
 before, so one's copies overlap the other's compute; completions go out in order, each once
 its batch's CUDA event has completed (so the broker frees its input block only then). A batch
 that runs out of GPU memory is run again in halves (oom.py). A stage's batch (a StageRunner's)
-goes to stage_serve.py.
+and a sequence model's (a SequenceRunner's: its Batch.steps fed to it) go to stage_serve.py.
 
 Withdrawn requests (the broker's Withdraw, read by the mailbox) are taken out of a batch as it
 launches: the rest run as a smaller batch (withdrawn.py), on the CPU, a GPU and a stage alike.
@@ -48,6 +48,7 @@ from .oom import halves, is_oom, oom_text
 from .output_blocks import OutputBlocks, request_starts
 from .progress import Progress
 from .runner import TORCH_DTYPES, ModelRunner
+from .sequence_runner import SequenceRunner
 from .stage_runner import StageRunner
 from .stage_serve import serve_stage
 from .tracing import Observer
@@ -236,7 +237,7 @@ class Server:
         runner = self.runners.get(key)
         if runner is None:
             return error_done(batch, Code.MODEL_NOT_READY, f"{key} is not loaded on this worker")
-        if isinstance(runner, StageRunner):   # Python code, on its own device: no slot (stage_serve.py)
+        if isinstance(runner, (StageRunner, SequenceRunner)):   # no device slot, steps to feed (stage_serve.py)
             return serve_stage(self, batch, runner)
         if batch.cuda_inputs or batch.cuda_outputs:   # CUDA tensors by IPC handle (cuda_ipc.py)
             return cuda_ipc.run(self, batch, runner, item.t0)

@@ -16,6 +16,7 @@ from tgw.shm.wire import ModelSpec, model_key
 from .generate.runner import GeneratorRunner
 from .handler_class import StageLoadError, handler_dir, load_class, made, set_up  # noqa: F401 - StageLoadError, load_class re-exported
 from .runner import ModelRunner
+from .sequence_runner import SequenceRunner, make_sequence_runner
 from .stage import StageBatch
 from .stage_outputs import host_outputs
 from .stage_proof import prove
@@ -61,9 +62,11 @@ class StageRunner:
         return host_outputs(self.label, self.outputs, result, rows), batch.failed
 
 
-def make_runner(spec: ModelSpec, device: torch.device) -> ModelRunner | StageRunner | GeneratorRunner:
-    """The runner a spec calls for: a generator's (a stage with `generator`), a stage's (format
-    "stage") or a model file's."""
+def make_runner(spec: ModelSpec, device: torch.device) -> ModelRunner | StageRunner | GeneratorRunner | SequenceRunner:
+    """The runner a spec calls for: a sequence model's (sequence_runner.py), a generator's (a
+    stage with `generator`), a stage's (format "stage") or a model file's."""
+    if spec.sequence is not None:
+        return make_sequence_runner(spec, device)
     if spec.format == "stage":
         return GeneratorRunner(spec, device) if spec.generator is not None else StageRunner(spec, device)
     return ModelRunner(spec, device)

@@ -19,12 +19,14 @@ from tgw.shm.wire import Batch, BlockTensor, Done, ErrorBody
 from .answers import error_done, failed
 from .oom import is_oom, oom_text
 from .output_blocks import request_starts
+from .sequence_runner import SequenceRunner
 from .stage_runner import StageRunner
 
 
-def serve_stage(server, batch: Batch, runner: StageRunner) -> Done:
+def serve_stage(server, batch: Batch, runner: StageRunner | SequenceRunner) -> Done:
     """The completion of one stage batch (parts but the last are sent on the way); `server`
-    (serve.Server) lends its ring views, output blocks and out-of-memory handling."""
+    (serve.Server) lends its ring views, output blocks and out-of-memory handling. A sequence
+    model's batch (sequence_runner.py) is served alike, each piece with its requests' steps."""
     if batch.cuda_inputs or batch.cuda_outputs:
         return error_done(batch, Code.INVALID_ARGUMENT, f"{runner.label} takes its inputs and outputs through "
                           "shared memory; CUDA tensors by IPC handle are for models")
@@ -38,7 +40,8 @@ def serve_stage(server, batch: Batch, runner: StageRunner) -> Done:
     def compute(lo: int, hi: int) -> list:
         a, b = starts[lo], starts[hi]
         named = {t.name: x[a:b] if (a, b) != (0, batch.rows) else x for t, x in zip(batch.inputs, inputs)}
-        outs, rows_failed = runner.call(named, b - a)
+        steps = (batch.steps[lo:hi],) if isinstance(runner, SequenceRunner) else ()
+        outs, rows_failed = runner.call(named, *steps, b - a)
         for row, message in rows_failed.items():
             failures.setdefault(a + row, message)
         return outs

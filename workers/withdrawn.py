@@ -55,5 +55,6 @@ def shrink(batch: Batch, gone: set[int]) -> Shrunk | None:
                     traces=[batch.traces[i] for i in kept] if batch.traces else [],
                     ids=[batch.ids[i] for i in kept] if batch.ids else [],
                     cuda_inputs=[batch.cuda_inputs[i] for i in kept] if batch.cuda_inputs else [],
-                    cuda_outputs=[batch.cuda_outputs[i] for i in kept] if batch.cuda_outputs else [])
+                    cuda_outputs=[batch.cuda_outputs[i] for i in kept] if batch.cuda_outputs else [],
+                    steps=[batch.steps[i] for i in kept] if batch.steps else [])
     return Shrunk(derived, withdrawn, runs)

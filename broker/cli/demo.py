@@ -52,7 +52,7 @@ def build_demo_models(out_dir: str) -> dict:
     options, inputs, outputs, max_batch_size} for a stage (plus max_queue and generator for a
     generator); builds the files if missing (what it skipped, it logs)."""
     proc = subprocess.run([sys.executable, "-m", "tgw.workers.demo_models", out_dir, "--formats", "--stages",
-                           "--generators"],
+                           "--generators", "--sequences"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise ConfigError(f"could not build the demo models in {out_dir}:\n{proc.stderr.strip()}")
@@ -70,10 +70,11 @@ def model_entry(name: str, m: dict) -> dict:
     if "handler" in m:
         version = {"version": "1", "handler": m["handler"]}
         extra = {"device": m["device"], "options": m["options"], "warmup_inputs": m.get("warmup_inputs", []),
-                 **{k: m[k] for k in ("generator", "max_queue") if k in m}}
+                 **{k: m[k] for k in ("generator", "max_queue", "sequence_batching") if k in m}}
     else:
         version = {"version": "1", "path": m["path"], "format": m["format"]}
-        extra = {"warmup_batch_sizes": [1, m["max_batch_size"]]}
+        extra = {"warmup_batch_sizes": [1, m["max_batch_size"]],
+                 **({"sequence_batching": m["sequence_batching"]} if "sequence_batching" in m else {})}
     return {"name": name, "versions": [version], "inputs": m["inputs"], "outputs": m["outputs"],
             "max_batch_size": m["max_batch_size"], **extra}
 

@@ -168,7 +168,21 @@ class SequenceBatchingDecl(Strict):
         kinds = [c.kind for c in self.control_inputs]
         if len(set(kinds)) != len(kinds):
             raise ValueError(f"control_inputs: each kind at most once, got {kinds}")
+        self._controls_feedable()
         return self
+
+    def _controls_feedable(self) -> None:
+        """Each control input a tensor a model file can take (TorchScript takes no strings)."""
+        for c in self.control_inputs:
+            if c.kind == "corrid" and self.correlation_id == "string":
+                raise ValueError(f"control_inputs: {c.name!r} (corrid) cannot carry string correlation ids: Triton "
+                                 "feeds them as BYTES, which a TorchScript or torch.export model cannot take; use "
+                                 "correlation_id: uint64, or drop the corrid control")
+            if c.kind == "corrid" and c.dtype not in ("int64", "uint64"):
+                raise ValueError(f"control_inputs: {c.name!r} (corrid) carries uint64 ids: dtype int64 or uint64, "
+                                 f"not {c.dtype}")
+            if c.dtype == "bytes":
+                raise ValueError(f"control_inputs: {c.name!r} ({c.kind}) is 1/0: a numeric or bool dtype, not bytes")
 
 
 class ModelDecl(Strict):

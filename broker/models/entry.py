@@ -16,7 +16,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 
-from tgw.shm.wire import BYTES, GeneratorSpec, IOSpec, ModelInfo, ModelSpec, StateSpec, nbytes_of
+from tgw.shm.wire import BYTES, ControlSpec, GeneratorSpec, ImplicitStateSpec, IOSpec, ModelInfo, ModelSpec, \
+    SequenceSpec, StateSpec, nbytes_of
 
 from tgw.broker.cache.responses import ResponseCache
 from tgw.broker.config.load import ModelDecl
@@ -97,11 +98,18 @@ class ModelEntry:
                         device=(self.decl.device or "cpu") if stage else "", options=self.decl.options if stage else None)
         spec.warmup_inputs = list(self.decl.warmup_inputs) if stage else []
         spec.generator = generator_spec(self.decl.generator) if self.decl.generator is not None else None
+        sb = self.decl.sequence_batching
+        spec.sequence = sequence_spec(sb) if sb is not None else None
         return spec
 
     @property
     def is_generator(self) -> bool:
         return self.decl.generator is not None
+
+    @property
+    def is_sequence(self) -> bool:
+        """A sequence model (docs/SEQUENCES.md): its callers step its sequences."""
+        return self.decl.sequence_batching is not None
 
     def info(self, ready: bool) -> ModelInfo:
         return ModelInfo(name=self.name, versions=self.routable(), default_version=self.default or "",
@@ -116,6 +124,14 @@ def generator_spec(g) -> GeneratorSpec:
                          state_memory=int((g.state_memory_mb or 0) * (1 << 20)), max_length=g.max_length or 0,
                          length_input=g.length_input or "", max_outputs=g.max_outputs,
                          max_prefill_rows=g.max_prefill_rows, end_tokens=list(g.end_tokens))
+
+
+def sequence_spec(sb) -> SequenceSpec:
+    """What a sequence model's worker is told of its `sequence_batching:` declaration."""
+    return SequenceSpec(state=[ImplicitStateSpec(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                                                 output=t.output or "", initial=t.initial) for t in sb.state],
+                        controls=[ControlSpec(kind=c.kind, name=c.name, dtype=c.dtype) for c in sb.control_inputs],
+                        max_sequences=sb.max_sequences or 0, state_memory=int((sb.state_memory_mb or 0) * (1 << 20)))
 
 
 def _io(t) -> IOSpec:

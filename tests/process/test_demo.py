@@ -41,14 +41,17 @@ def demo_dir(tmp_path_factory):
 def test_the_demo_config_serves_the_stages_on_a_stage_worker_both_pipelines_and_the_generator(demo_dir):
     folder, _ = demo_dir
     cfg = demo_config(out_dir=folder)
-    stages = {m.name for m in cfg.models if m.is_stage and m.generator is None}
-    assert stages == STAGES
+    plain = [m for m in cfg.models if m.is_stage and m.generator is None and m.sequence_batching is None]
+    assert {m.name for m in plain} == STAGES
     gpt = next(m for m in cfg.models if m.generator is not None)
     assert gpt.name == "tiny-gpt" and gpt.versions[0].handler == "tgw.workers.demo_generator:TinyGPT"
     assert gpt.generator.state[0].shape == [2, 2, 4, 256, 16] and gpt.generator.end_tokens == [0]
     assert {"mlp", "resnet", "embed", "mlp-export"} <= {m.name for m in cfg.models if not m.is_stage}
     assert all(m.device in (None, "cpu") and m.versions[0].handler.startswith("tgw.workers.demo_stages:")
-               for m in cfg.models if m.is_stage and m.generator is None)
+               for m in plain)
+    seq = {m.name: m for m in cfg.models if m.sequence_batching is not None}   # workers/demo_sequence.py
+    assert sorted(seq) == ["accumulator", "tiny-rnn"] and not seq["accumulator"].is_stage and seq["tiny-rnn"].is_stage
+    assert [c.name for c in seq["accumulator"].sequence_batching.control_inputs] == ["START", "END", "READY"]
     assert cfg.workers.stage_workers == 1
     assert [p.name for p in cfg.pipelines] == ["classify", "embed-text"]
     for name in ("labels.txt", "tokenizer.json"):

@@ -95,14 +95,14 @@ def test_example_config_validates_with_the_real_loader(tmp_path):
     check takes for TorchScript archives) and the sha256 placeholder replaced by the file's."""
     text = read(EXAMPLE)
     assert "/var/lib/tgw/models" in text
-    for i, name in enumerate(("mlp-v1.pt", "mlp-v2.pt", "resnet-v1.pt", "embed-v1.pt")):
+    for i, name in enumerate(("mlp-v1.pt", "mlp-v2.pt", "resnet-v1.pt", "embed-v1.pt", "accumulator-v1.pt")):
         unloaded_model(str(tmp_path / name), salt=bytes([i]))
     digest = hashlib.sha256((tmp_path / "mlp-v2.pt").read_bytes()).hexdigest()
     text = text.replace("/var/lib/tgw/models", str(tmp_path)).replace("0" * 64, digest)
     (tmp_path / "example.yaml").write_text(text)
     load_config, _ = loader()
     cfg = load_config(str(tmp_path / "example.yaml"))
-    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed", "top5", "tiny-gpt"]
+    assert [m.name for m in cfg.models] == ["mlp", "resnet", "embed", "top5", "tiny-gpt", "accumulator"]
     assert [p.name for p in cfg.pipelines] == ["classify-logits"] and cfg.workers.stage_workers == 1
     assert cfg.workers.cuda_host_memory == "register" and cfg.http is not None
 

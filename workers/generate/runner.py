@@ -4,9 +4,7 @@ step, then called by the step loop (loop.py) - the counterpart of StageRunner fo
 `generator:`.
 
 The pool: per declared state tensor, zeros [slots, *shape] on the generator's device, allocated
-here and never again. Slots are `max_sequences`, or as many as `state_memory` bytes hold (at most
-MAX_SLOTS); none is a load failure that gives the arithmetic. The pool's bytes are the runner's
-`nbytes` (a floor of its measured footprint), so the broker's residency counts them.
+here and never again (slot_pool.py sizes and makes it; its bytes are the runner's `nbytes`).
 
 Warm-up proves the generator before it serves, as a stage's warmup_inputs do (stage_proof.py): a
 one-row sequence (the first warmup_inputs example, else zeros of length 1 per -1 dim, b"a" per
@@ -15,7 +13,6 @@ declaration fails the load with the handler's message and file:line.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -25,16 +22,16 @@ from tgw.shm.wire import ModelSpec, model_key
 
 from ..failure_where import code_where, definition_where
 from ..generator import PrefillBatch, StepBatch
+from .. import slot_pool
 from ..handler_class import StageLoadError, handler_dir, made, set_up
 from ..runner import TORCH_DTYPES
+from ..slot_pool import PoolSizeError, slot_bytes
 from ..stage_proof import example_inputs
 from .returns import ReturnError, Returned, checked
 from .sampling import sample
 
-MAX_SLOTS = 65536   # as the config's max_sequences allows
 
-
-class GeneratorLoadError(ValueError):
+class GeneratorLoadError(PoolSizeError):
     """A generator whose slot pool cannot be sized or made."""
 
 
@@ -42,32 +39,12 @@ class GeneratorProofError(RuntimeError):
     """A generator that failed its warm-up sequence: it is not served."""
 
 
-def slot_bytes(spec: ModelSpec) -> tuple[int, str]:
-    """One sequence's state bytes, and how they add up (for messages)."""
-    parts, total = [], 0
-    for s in spec.generator.state:
-        if s.dtype not in TORCH_DTYPES:
-            raise GeneratorLoadError(f"state {s.name!r}: dtype {s.dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
-        n = math.prod(s.shape) * TORCH_DTYPES[s.dtype].itemsize
-        parts.append(f"{s.name} {s.dtype} {list(s.shape)} = {n:,} bytes")
-        total += n
-    return total, "; ".join(parts)
-
-
 def pool_slots(spec: ModelSpec) -> int:
-    """Slots: max_sequences, else what state_memory holds (capped at MAX_SLOTS)."""
-    g = spec.generator
-    per, how = slot_bytes(spec)
-    if g.max_sequences > 0:
-        return g.max_sequences
-    if per == 0:
-        raise GeneratorLoadError("a generator sized by state_memory needs state of at least one byte a sequence")
-    slots = min(g.state_memory // per, MAX_SLOTS)
-    if slots < 1:
-        raise GeneratorLoadError(f"state_memory of {g.state_memory:,} bytes holds 0 slots: one sequence's state is "
-                                 f"{per:,} bytes ({how}); raise state_memory_mb to at least "
-                                 f"{math.ceil(per / (1 << 20) * 100) / 100} or shrink the state")
-    return slots
+    """A generator's slots (slot_pool.pool_slots)."""
+    try:
+        return slot_pool.pool_slots(spec.generator)
+    except PoolSizeError as exc:
+        raise GeneratorLoadError(str(exc)) from None
 
 
 class GeneratorRunner:
@@ -81,15 +58,14 @@ class GeneratorRunner:
         self.min_batch = 1
         self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
         self.slots = pool_slots(spec)
-        self.slot_bytes = slot_bytes(spec)[0]
+        self.slot_bytes = slot_bytes(self.gen.state)[0]
         self.module, self.code_file = made(spec, self.label)
         missing = [m for m in ("prefill", "step") if not callable(getattr(self.module, m, None))]
         if missing:
             raise StageLoadError(f"{self.label}: {type(self.module).__name__} has no "
                                  f"{' and no '.join(f'{m}(batch)' for m in missing)}")
         set_up(self.module, spec, self.device)
-        self.state = {s.name: torch.zeros([self.slots, *s.shape], dtype=TORCH_DTYPES[s.dtype], device=self.device)
-                      for s in self.gen.state}
+        self.state = slot_pool.new_pool(self.gen.state, self.slots, self.device)
         self.nbytes = self.slots * self.slot_bytes   # the pool is resident however the allocator reports it
         names = [t.name for t in spec.inputs]
         self.length_input = self.gen.length_input or names[0]
