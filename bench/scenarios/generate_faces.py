@@ -84,15 +84,19 @@ def measure(face: str, addresses: dict[str, str], n: int, k: int, plist: list[li
             check: Callable[[list[int], list[int]], str]) -> dict[str, Any]:
     """One face at one level: gen_drive's row, the broker's CPU per output and first output p99."""
     streams, wall, c0, c1 = asyncio.run(face_drive.face_loop(
-        face, addresses, GEN, plist, n, k, gen_model.OUTPUTS, TIMEOUT_S, around=lambda: _cpu(broker_pid)))
+        face, addresses, GEN, plist, n, k, gen_model.OUTPUTS, TIMEOUT_S,
+        around=lambda: (_cpu(broker_pid), time.process_time())))
+    (b0, p0), (b1, p1) = c0, c1
     row = gen_drive.summary(streams, wall, gen_model.OUTPUTS, None if face == "openai" else check)
     ok = [s for s in streams if not s.error and len(s.outputs) == gen_model.OUTPUTS]
     ttfo = [1e3 * (s.times[0] - s.start) for s in ok]
     row["ttfo_ms"]["p99"] = float(np.percentile(ttfo, 99)) if ttfo else None
     row["per_stream"] = k
-    row["broker_cpu_s"] = None if None in (c0, c1) else c1 - c0
+    row["broker_cpu_s"] = None if None in (b0, b1) else b1 - b0
     row["broker_cpu_us_per_output"] = (1e6 * row["broker_cpu_s"] / row["outputs"]
                                        if row["broker_cpu_s"] is not None and row["outputs"] else None)
+    # the clients' side (this process): what the face's protocol costs its caller
+    row["client_cpu_us_per_output"] = 1e6 * (p1 - p0) / row["outputs"] if row["outputs"] else None
     if face == "openai":   # its text against the tokenizer's decoding of the model's greedy run
         row["text_checked"] = len(ok)
     return row
@@ -123,25 +127,27 @@ def goals(res: dict[str, Any], levels: list[int]) -> list[dict[str, Any]]:
 def tables(res: dict[str, Any], levels: list[int]) -> str:
     head = ["face"]
     for n in levels:
-        head += [f"outputs/s x{n}", f"/native x{n}", f"broker us/output x{n}", f"first p50/p99 ms x{n}"]
+        head += [f"outputs/s x{n}", f"/native x{n}", f"broker us/out x{n}", f"client us/out x{n}",
+                 f"first p50/p99 ms x{n}"]
     body = [head]
     for face, row in res["faces"].items():
         lv = row.get("levels") or {}
         if not lv:
-            body.append([face, (row.get("error") or "not run")[:70]] + [""] * (4 * len(levels) - 1))
+            body.append([face, (row.get("error") or "not run")[:70]] + [""] * (5 * len(levels) - 1))
             continue
         ref = res["faces"].get("native", {}).get("levels", {})
         cells = [face]
         for n in levels:
             r = lv.get(n)
             if r is None:
-                cells += ["-"] * 4
+                cells += ["-"] * 5
                 continue
             base = (ref.get(n) or {}).get("outputs_per_s")
             t = r["ttfo_ms"]
             cells += [_f(r["outputs_per_s"], ",.0f") + (f" ({r['requests_failed']} failed)" if r["requests_failed"] else ""),
                       _f(r["outputs_per_s"] / base if base and r["outputs_per_s"] else None, ".2f"),
-                      _f(r["broker_cpu_us_per_output"], ".0f"), f"{_f(t['p50'], '.1f')}/{_f(t['p99'], '.1f')}"]
+                      _f(r["broker_cpu_us_per_output"], ".0f"), _f(r.get("client_cpu_us_per_output"), ".0f"),
+                      f"{_f(t['p50'], '.1f')}/{_f(t['p99'], '.1f')}"]
         body.append(cells)
     g = [["goal", "value", "target", "met"]] + [
         [x["goal"], _f(x["value"], ".2f"), f"{x['target']:.2f}", {True: "yes", False: "NO", None: "-"}[x["met"]]]
@@ -189,6 +195,7 @@ def run(a: argparse.Namespace) -> int:
                        "tritonclient.grpc.aio, one decoupled stream per caller; aiohttp, one POST per request to "
                        "generate_stream; openai.AsyncOpenAI completions stream=True",
             "broker_cpu": "user+system seconds of the broker process (not its workers) over the row / outputs",
+            "client_cpu": "process_time of the bench process (every client runs in it) over the row / outputs",
             "order": "per round, per level, the faces in turn (native first); each row's best round kept"}
         broker = BrokerProc(broker_config(weights, module, a.workers), work).start(timeout=300)
         from tgw.client import Client
