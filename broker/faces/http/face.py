@@ -31,6 +31,7 @@ from tgw.broker.protocol.errors import TRACEPARENT
 from tgw.broker.protocol.repository import Repository
 
 from . import shm_routes
+from .generate_routes import GenerateRoutes
 from .answers import HttpCaller, error_response, infer_response, json_response
 from .repository_routes import RepositoryRoutes
 
@@ -48,6 +49,7 @@ class HttpFace:
         self.repository_routes = RepositoryRoutes(self.repository, self.body)
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
         self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
+        self.generate_routes = GenerateRoutes(deps, self.body, self.repository.named, self.ids, TENANT_HEADER)
         self.runner: web.AppRunner | None = None
         self.address = ""            # http://host:port once listening
 
@@ -72,6 +74,8 @@ class HttpFace:
                                       ("POST", "/v2/repository/models/{model}/unload",
                                        self.repository_routes.unload)):
             add(method, path, self.guarded(handler, open_path=path in OPEN_PATHS))
+        for method, path, handler in self.generate_routes.routes():   # Triton's generate extension
+            add(method, path, self.guarded(handler))
         for method, path, handler in self.shm_routes.routes():
             add(method, path, self.guarded(handler))
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
