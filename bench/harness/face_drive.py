@@ -2,9 +2,9 @@
 event loop, each with the client its users would use -
 
 * native: tgw's `AsyncClient.generate` (one connection, a task per stream);
-* grpc: tritonclient's `grpc.aio` client, Triton's decoupled `ModelStreamInfer` - one gRPC stream
-  per concurrent caller, its requests sent one after another on it, each answered by one response
-  per output until `triton_final_response`;
+* grpc: tritonclient.grpc's `start_stream` / `async_stream_infer`, Triton's decoupled
+  `ModelStreamInfer` - one stream, every caller's requests interleaved on it by request id, each
+  answered by one response per output, then the empty final response it asks for;
 * http: aiohttp POSTs to Triton's generate extension `/v2/models/{m}/generate_stream`, one
   `data:` event per output (an event with "error" fails the request);
 * openai: the `openai` package's AsyncOpenAI, `completions.create(stream=True)` against
@@ -47,55 +47,52 @@ async def native(address: str, model: str, n: int, timeout: float) -> AsyncItera
 
 @contextlib.asynccontextmanager
 async def grpc(url: str, model: str, n: int, timeout: float) -> AsyncIterator[Callable[[], Caller]]:
-    """Each caller opens its own decoupled stream at its first request and keeps it."""
+    """One stream (`start_stream`), every caller's requests interleaved on it by request id, each
+    read until the empty final response it asks for. tritonclient.grpc's sync client: its aio
+    client refuses `triton_enable_empty_final_response`, without which a decoupled request's end
+    is not seen. Its stream's thread hands each response to this loop."""
     import tritonclient.grpc as gc
-    from tritonclient.grpc import aio
-    client = aio.InferenceServerClient(url)
-    streams: list[Any] = []
+    loop = asyncio.get_running_loop()
+    client = gc.InferenceServerClient(url)
+    pending: dict[str, asyncio.Queue] = {}
+
+    def deliver(result, error) -> None:   # on the stream's thread
+        if result is None:   # tritonclient drops an error response's id: every request open fails
+            for q in list(pending.values()):
+                loop.call_soon_threadsafe(q.put_nowait, (None, error))
+            return
+        q = pending.get(result.get_response().id)
+        if q is not None:
+            loop.call_soon_threadsafe(q.put_nowait, (result, None))
+
+    ids = iter(range(1, 1 << 62))
+    client.start_stream(callback=deliver, stream_timeout=timeout)
     try:
-        await client.is_server_ready()
-
         def caller() -> Caller:
-            send: asyncio.Queue = asyncio.Queue()
-            state: dict[str, Any] = {"it": None, "count": 0}
-
-            async def requests():
-                while True:
-                    req = await send.get()
-                    if req is None:
-                        return
-                    yield req
-
             async def call(prompt: list[int], s: Stream) -> None:
-                if state["it"] is None:
-                    state["it"] = client.stream_infer(requests(), stream_timeout=timeout)
-                    streams.append((send, state["it"]))
-                state["count"] += 1
-                rid = str(state["count"])
+                rid = str(next(ids))
+                q = pending[rid] = asyncio.Queue()
                 inp = gc.InferInput("prompt", [1, len(prompt)], "INT64")   # [batch, length]
                 inp.set_data_from_numpy(np.asarray([prompt], np.int64))
-                await send.put({"model_name": model, "inputs": [inp], "request_id": rid,
-                                "parameters": {"max_tokens": n}})
-                async for result, error in state["it"]:
-                    if error is not None:
-                        raise RuntimeError(f"gRPC stream error: {error}")
-                    resp = result.get_response()
-                    if resp.id != rid:
-                        raise RuntimeError(f"a response for request {resp.id!r} while {rid!r} streams")
-                    token = result.as_numpy("token")
-                    if token is not None and token.size:
-                        s.add(int(token.reshape(-1)[0]))
-                    final = resp.parameters.get("triton_final_response")
-                    if final is not None and final.bool_param:
-                        return
-                raise RuntimeError("the gRPC stream ended before triton_final_response")
+                try:
+                    client.async_stream_infer(model, [inp], request_id=rid, parameters={"max_tokens": n},
+                                              enable_empty_final_response=True)
+                    while True:
+                        result, error = await asyncio.wait_for(q.get(), timeout)
+                        if error is not None:
+                            raise RuntimeError(f"gRPC stream error: {error}")
+                        token = result.as_numpy("token")
+                        if token is not None and token.size:
+                            s.add(int(token.reshape(-1)[0]))
+                        if result.get_response().parameters["triton_final_response"].bool_param:
+                            return
+                finally:
+                    del pending[rid]
             return call
         yield caller
     finally:
-        for send, it in streams:
-            send.put_nowait(None)
-            it.cancel()
-        await client.close()
+        await loop.run_in_executor(None, client.stop_stream)
+        client.close()
 
 
 @contextlib.asynccontextmanager

@@ -30,7 +30,8 @@ NAME = "generate-faces"
 HELP = "one generator over native, gRPC stream, HTTP generate_stream and OpenAI stream: outputs/s, CPU/output"
 FACES = face_drive.FACES
 GEN = "gpt"
-TIMEOUT_S = 120.0   # a generation's deadline: a lost stream fails its row instead of hanging the run
+# a generation's deadline (full, quick): a lost stream fails its row instead of hanging the run
+TIMEOUT_S = (120.0, 30.0)
 # the byte tokenizer's vocabulary (the OpenAI face speaks text); prompts are printable ASCII
 DIMS = {**gen_model.DIMS, "vocab": 256}
 QUICK_DIMS = {**gen_model.QUICK_DIMS, "vocab": 256}
@@ -81,10 +82,10 @@ def _cpu(pid: int) -> Optional[float]:
 
 
 def measure(face: str, addresses: dict[str, str], n: int, k: int, plist: list[list[int]], broker_pid: int,
-            check: Callable[[list[int], list[int]], str]) -> dict[str, Any]:
+            check: Callable[[list[int], list[int]], str], timeout: float) -> dict[str, Any]:
     """One face at one level: gen_drive's row, the broker's CPU per output and first output p99."""
     streams, wall, c0, c1 = asyncio.run(face_drive.face_loop(
-        face, addresses, GEN, plist, n, k, gen_model.OUTPUTS, TIMEOUT_S,
+        face, addresses, GEN, plist, n, k, gen_model.OUTPUTS, timeout,
         around=lambda: (_cpu(broker_pid), time.process_time())))
     (b0, p0), (b1, p1) = c0, c1
     row = gen_drive.summary(streams, wall, gen_model.OUTPUTS, None if face == "openai" else check)
@@ -167,6 +168,7 @@ def run(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}", file=sys.stderr)
         return 2
+    timeout = TIMEOUT_S[1 if a.quick else 0]
     rounds = a.rounds if a.rounds is not None else (1 if a.quick else 2)
     if rounds < 1 or a.workers < 1:
         print("--rounds and --workers must be at least 1", file=sys.stderr)
@@ -207,9 +209,12 @@ def run(a: argparse.Namespace) -> int:
         log(f"{mode} mode: model {res['settings']['model']}, streams {levels}, faces {faces}, broker {addresses}")
         for f in faces:   # warm-up: each face's connections and the model's first steps
             try:
-                measure(f, addresses, 2, 1, plist[-8:], broker.pid, check)
-            except Exception as exc:  # noqa: BLE001 - the face's rows say so below
-                log(f"{f} warm-up failed: {type(exc).__name__}: {exc}")
+                w = measure(f, addresses, 2, 1, plist[-8:], broker.pid, check, timeout)
+                if w["requests_failed"]:
+                    raise RuntimeError(next(iter(w["errors"])))
+            except Exception as exc:  # noqa: BLE001 - a face that cannot stream once is not measured
+                res["faces"][f]["error"] = f"warm-up: {type(exc).__name__}: {exc}"
+                log(f"{f} warm-up failed, not measured: {type(exc).__name__}: {exc}")
         for r in range(rounds):
             for n in levels:
                 for f in faces:
@@ -217,7 +222,7 @@ def run(a: argparse.Namespace) -> int:
                     if "error" in row:
                         continue
                     try:
-                        new = measure(f, addresses, n, per_stream(n, a.quick), plist, broker.pid, check)
+                        new = measure(f, addresses, n, per_stream(n, a.quick), plist, broker.pid, check, timeout)
                     except Exception as exc:  # noqa: BLE001 - recorded; the other faces still run
                         row["error"] = f"{type(exc).__name__}: {exc}"
                         row["traceback"] = traceback.format_exc()
