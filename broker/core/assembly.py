@@ -22,6 +22,7 @@ from tgw.broker.canary.guards import Guards
 from tgw.broker.canary.policy import checked
 from tgw.broker.canary.shadow import Shadows
 from tgw.broker.config.load import Config, ModelDecl
+from tgw.broker.config.startup import StartupError
 from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.memory import MemoryWatch
@@ -29,6 +30,7 @@ from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
 from tgw.broker.generate.streams import Streams
 from tgw.broker.faces.http.face import HttpFace
+from tgw.broker.faces.openai.face import OpenAiFace
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
 from tgw.broker.models.placement import Placement
@@ -182,8 +184,13 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
 def _faces(cfg: Config, port: DoorPort) -> dict:
     """The faces configured by name ("http", "grpc"), not yet listening (run.py starts them)."""
     faces = {}
-    if cfg.http is not None:
-        faces["http"] = HttpFace(port, cfg.http)
+    if cfg.http is not None:   # the OpenAI face's routes share the HTTP face's port (/v1/...)
+        openai = OpenAiFace(port, cfg.http.max_inflight)
+        try:
+            openai.check(openai.names())   # each tokenizer made, each chat template compiled, now
+        except ValueError as exc:
+            raise StartupError(f"openai face: {exc}") from None
+        faces["http"] = HttpFace(port, cfg.http, mounts=openai.routes())
     if cfg.grpc is not None:   # imported only when configured: grpc is a large import
         from tgw.broker.faces.grpc.face import GrpcFace
         faces["grpc"] = GrpcFace(port, cfg.grpc, cfg.server.max_request_bytes, cfg.workers.output_bytes)

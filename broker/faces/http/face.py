@@ -41,8 +41,11 @@ OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/v2/load")   # balancers p
 
 
 class HttpFace:
-    def __init__(self, deps: DoorPort, decl: HttpDecl):
+    def __init__(self, deps: DoorPort, decl: HttpDecl, mounts: list | None = None):
+        """`mounts`: (method, path, handler) routes another face serves on this port (the OpenAI
+        face's /v1/...), answering and guarding in their own protocol's shape."""
         self.deps, self.decl = deps, decl
+        self.mounts = mounts or []
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
         self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token)
@@ -78,6 +81,8 @@ class HttpFace:
             add(method, path, self.guarded(handler))
         for method, path, handler in self.shm_routes.routes():
             add(method, path, self.guarded(handler))
+        for method, path, handler in self.mounts:
+            add(method, path, handler)
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
 
