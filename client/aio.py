@@ -136,8 +136,9 @@ class AsyncClient:
 
     async def infer(self, model: str, inputs: dict[str, Any], *, retry: RetryPolicy | None = None,
                     **options) -> dict[str, Any]:
-        """As Client.infer, awaited (the same options and errors). Cancelling the awaiting task
-        cancels the request at the broker if it is still queued."""
+        """As Client.infer, awaited (the same options and errors, `sequence_id`, `sequence_start`
+        and `sequence_end` among them). Cancelling the awaiting task cancels the request at the
+        broker if it is still queued."""
         return (await self.infer_with_meta(model, inputs, retry=retry, **options)).outputs
 
     async def infer_with_meta(self, model: str, inputs: dict[str, Any], *, retry: RetryPolicy | None = None,

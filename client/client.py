@@ -96,7 +96,8 @@ class Client:
               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
               compress: bool | str = False, tenant: str | None = None, routing_key: str | None = None,
               traceparent: str | None = None, return_type: str = "numpy", region=None,
-              retry: RetryPolicy | None = None, **options) -> dict[str, Any]:
+              retry: RetryPolicy | None = None, sequence_id: int | str | None = None, sequence_start: bool = False,
+              sequence_end: bool = False, **options) -> dict[str, Any]:
         """Run `model` on `inputs` (name -> numpy array or torch tensor, leading batch dim);
         returns name -> numpy array (torch tensors with `return_type="torch"`).
 
@@ -110,14 +111,18 @@ class Client:
         context, "00-<trace id>-<span id>-<flags>") makes the broker's spans children of your
         span (infer_with_meta returns the one that comes back); `region` (from `self.region()`)
         carries large tensors through shared memory instead of the socket; `retry` overrides the
-        client's retry policy. Further options (`wire_dtype`, `cuda_out`) are described in the
+        client's retry policy. `sequence_id` (a non-zero uint64 or a non-empty string, as the
+        model's sequence_batching.correlation_id says), `sequence_start`, `sequence_end`: a step of
+        a sequence model's sequence (docs/SEQUENCES.md), as Triton's clients send them. Further options (`wire_dtype`, `cuda_out`) are described in the
         client guide, docs/CLIENT.md."""
         tries = Attempts(retry if retry is not None else self.retry, timeout, region)
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
                            address=self.address, version=version, timeout=tries.left(), outputs=outputs,
                            priority=priority, compress=compress, tenant=tenant, routing_key=routing_key,
-                           traceparent=traceparent, return_type=return_type, region=region, **options)
+                           traceparent=traceparent, return_type=return_type, region=region,
+                           sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end,
+                           **options)
             try:
                 reply, frames = self._infer(call)
                 self._local.reply = reply   # for infer_with_meta (this thread's last answer)

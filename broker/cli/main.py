@@ -108,6 +108,8 @@ def print_status(address: str, reply) -> None:
             print(cache_line(name, m["cache"]))
         if m.get("generation"):
             print(generation_line(name, m["generation"]))
+        if m.get("sequences"):
+            print(sequences_line(name, m["sequences"]))
     for name, p in reply.pipelines.items():
         print(f"pipeline {name}: {p['requests']} requests, {p['replies']} replies, {p['inflight']} in flight"
               + (f", errors {p['errors']}" if p["errors"] else ""))
@@ -137,6 +139,13 @@ def generation_line(model: str, g: dict) -> str:
             f"({g['outputs_per_s']:.1f}/s), first output {g['first_output_ms']:.1f} ms, between outputs "
             f"{g['between_outputs_ms']:.1f} ms (means), resumed {g['resumed']}, freed by cancel "
             f"{g['freed_by_cancel']}, ended {g['ended']}")
+
+
+def sequences_line(model: str, s: dict) -> str:
+    """A sequence model's sequences: "sequences accumulator: 3/128 slots live, 40 started, 1200 steps,
+    0 misrouted, 2 refused, ended {'end': 37}" (docs/SEQUENCES.md)."""
+    return (f"sequences {model}: {s['live']}/{s['slots']} slots live, {s['started']} started, {s['steps']} steps, "
+            f"{s['misrouted']} misrouted, {s['refused']} refused, ended {s['ended']}")
 
 
 def gpu_line(w: dict) -> str:

@@ -50,6 +50,7 @@ from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.sched.tenants import Tenants
 from tgw.broker.sched.unserved import Unserved, answer_load_failure
+from tgw.broker.sequence.binding import Sequences
 from tgw.broker.state.complaints import Complaints
 from tgw.broker.state.stats import Stats
 
@@ -100,9 +101,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                           on_resize=memory.forget)   # a load is no leak: judge afresh
     unserved = Unserved(batcher, roster, door.fail, placement.resident)   # answers for requests no worker will run
     tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
+    sequences = Sequences(registry.models, clock)   # which sequence holds which worker and slot (sequence models)
     admission = Admission(server, cfg.workers, cfg.models, tenants, registry, batcher, stats, callers.owed, clock,
                           unserved.unavailable, shed=door.fail, workers=workers, demand=placement.demand,
-                          drained=placement.drained)
+                          drained=placement.drained, sequences=sequences)
     handshake = Handshake(registry, phase.is_serving, placement.forget_failed, placement.budget)
     # generations from their dispatch to their end: outputs out, cancels, slow readers, deaths
     streams = Streams(registry.models, clock, door.send_out, admission.finished, link.send, stats,
@@ -130,7 +132,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
                       faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
-                      generators=streams.counters)
+                      generators=streams.counters, sequences=sequences.counters)
     operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
                                        unserved, shadows, guards, door, phase, view, clock),
                         cfg, address, config_path, reload_outcome)
@@ -145,7 +147,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
                          pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams))
     link.listen(workers_side.on_message, after=serving.flush)
-    admission.exits_to(*(hook for hook in (streams.exits, guards.exits, metrics.finished, slow, tracer,
+    admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)
                          if hook is not None))
 

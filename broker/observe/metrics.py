@@ -27,7 +27,7 @@ from tgw.broker.state.stats import Buckets
 from tgw.broker.state.versions import VersionState
 
 from .devices import DEVICE_STATES, device_states
-from .status import BrokerView, generator_counters, gpu_status, listed, serving, worker_status
+from .status import BrokerView, generator_counters, gpu_status, listed, sequence_counters, serving, worker_status
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
 OK = "OK"                                               # the code label of a request answered with outputs
@@ -88,6 +88,7 @@ class Metrics(Collector):
         yield from pipeline_families(view)
         yield from cache_families(view)
         yield from generator_families(view)
+        yield from sequence_families(view)
         yield from gpu_families(view.roster)
         yield from device_families(view)
         yield from rollout_families(view)
@@ -347,6 +348,32 @@ def generator_families(view: BrokerView) -> Iterator:
         histogram(first, [m.name], c.first_output)
         histogram(between, [m.name], c.between_outputs)
     yield from (active, slots, outputs, ended, resumed, first, between)
+
+
+def sequence_families(view: BrokerView) -> Iterator:
+    """Each sequence model's live sequences, slots, starts, ends and refusals (status' models[].sequences)."""
+    live = GaugeMetricFamily("tgw_sequence_live", "Sequences bound to a worker's state slot now", labels=["model"])
+    slots = GaugeMetricFamily("tgw_sequence_slots", "State slots of the workers that hold a version of the model",
+                              labels=["model"])
+    started = CounterMetricFamily("tgw_sequence_started", "Requests with sequence_start admitted", labels=["model"])
+    ended = CounterMetricFamily("tgw_sequence_ended", "Sequences ended, by reason (end, idle, worker_died, unloaded)",
+                                labels=["model", "reason"])
+    refused = CounterMetricFamily("tgw_sequence_refused", "Requests refused by the sequence checks (no id, an "
+                                  "unknown or ended id, ...)", labels=["model"])
+    steps = CounterMetricFamily("tgw_sequence_steps", "Requests dispatched to the worker holding their sequence",
+                                labels=["model"])
+    misrouted = CounterMetricFamily("tgw_sequence_misrouted", "Requests dispatched to a worker that did not hold "
+                                    "their sequence (always 0)", labels=["model"])
+    for m in listed(view):
+        c = sequence_counters(view, m)
+        if c is None:
+            continue
+        for family, value in ((live, c.live), (slots, c.slots), (started, c.started), (refused, c.refused),
+                              (steps, c.steps), (misrouted, c.misrouted)):
+            family.add_metric([m.name], value)
+        for reason, n in sorted(c.ended.items()):
+            ended.add_metric([m.name, reason], n)
+    yield from (live, slots, started, ended, refused, steps, misrouted)
 
 
 def pipeline_families(view: BrokerView) -> Iterator:
