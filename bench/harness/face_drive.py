@@ -8,7 +8,8 @@ event loop, each with the client its users would use -
 * http: aiohttp POSTs to Triton's generate extension `/v2/models/{m}/generate_stream`, one
   `data:` event per output (an event with "error" fails the request);
 * openai: the `openai` package's AsyncOpenAI, `completions.create(stream=True)` against
-  `/v1/completions`, one chunk per output (text: the prompt's bytes as ASCII, the byte tokenizer's).
+  `/v1/completions` (the prompt's bytes as ASCII text, the byte tokenizer's); a chunk is a piece
+  of text (a character's bytes come together), the outputs are the usage chunk's completion_tokens.
 
 `face_loop` runs N callers at once, each its requests back to back, and returns gen_drive's
 Streams (one per request: outputs and when each came) for `gen_drive.summary`.
@@ -125,12 +126,21 @@ async def openai(base: str, model: str, n: int, timeout: float) -> AsyncIterator
         def caller() -> Caller:
             async def call(prompt: list[int], s: Stream) -> None:
                 stream = await client.completions.create(model=model, prompt=bytes(prompt).decode("ascii"),
-                                                         max_tokens=n, temperature=0, stream=True)
-                text = []
+                                                         max_tokens=n, temperature=0, stream=True,
+                                                         stream_options={"include_usage": True})
+                text, times, usage = [], [], None
                 async for chunk in stream:
-                    if chunk.choices:
+                    if chunk.choices:   # a piece of text, one token or more (or the finish_reason alone)
                         text.append(chunk.choices[0].text)
-                        s.add(0)   # a chunk is an output; its text is checked below, not per token
+                        times.append(time.perf_counter())
+                    if chunk.usage is not None:
+                        usage = chunk.usage.completion_tokens
+                if usage is None or not times:
+                    raise RuntimeError("no text or no usage chunk (stream_options.include_usage)")
+                # the outputs are the tokens the usage counts, each timed by the chunk it came in (at
+                # the latest the last): a chunk per token, unless a character's bytes came together
+                s.outputs = [0] * usage
+                s.times = (times + [times[-1]] * usage)[:usage]
                 s.final = "".join(text)
             return call
         yield caller

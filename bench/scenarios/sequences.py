@@ -41,11 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (model, logs, sockets)")
 
 
-def misrouted(status: dict[str, Any]) -> Optional[int]:
-    """The broker's count of sequence steps sent to a worker that did not hold the sequence
-    (status "sequences": {"misrouted": N}); None when the broker does not report one."""
-    seq = status.get("sequences")
-    return seq.get("misrouted") if isinstance(seq, dict) else None
+def sequence_counters(status: dict[str, Any], model: str) -> Optional[dict[str, Any]]:
+    """The broker's counters of a sequence model (status, model `sequences`: live, started,
+    ended, steps, misrouted - the steps dispatched to a worker that did not hold their sequence)."""
+    return (status.get("models", {}).get(model) or {}).get("sequences")
 
 
 def _f(v: Optional[float], fmt: str) -> str:
@@ -105,8 +104,8 @@ def run(a: argparse.Namespace) -> int:
                     + (f", {new['sequences_wrong']} WRONG" if new["sequences_wrong"] else ""))
         with Client(broker.address) as c:
             st = c.status()
-        res["misrouted_steps"] = misrouted(st)
-        res["broker_sequences"] = st.get("sequences")
+        res["broker_sequences"] = counters = sequence_counters(st, SEQ)
+        res["misrouted_steps"] = (counters or {}).get("misrouted")
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
         return 130
@@ -132,7 +131,8 @@ def run(a: argparse.Namespace) -> int:
         body.append([row, _f(r.get("steps_per_s"), ",.0f"), _f((r.get("step_ms") or {}).get("p50"), ".2f"),
                      _f((r.get("step_ms") or {}).get("p99"), ".2f"), str(r.get("sequences_failed", "-")),
                      str(r.get("sequences_wrong", "-"))])
-    g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f"), str(x["target"]),
+    g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f" if x["unit"] == "x" else "d"),
+                                                 str(x["target"]),
                                                  {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
     print("\n" + report.text_table(body) + "\n\n" + report.text_table(g))
     path = report.result_path(a.out, "sequences", date, mode)

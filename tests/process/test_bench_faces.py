@@ -48,6 +48,9 @@ def test_sequences_quick_fills_both_rows(tmp_path, capsys):
     for name, row in data["rows"].items():
         assert row["steps"] == 16 * 10 and row["steps_per_s"] > 0, (name, row)
         assert row["sequences_failed"] == 0 and row["sequences_checked"] == 16 and row["sequences_wrong"] == 0, row
-    assert data["misrouted_steps"] == 0
+    # the broker's own counters: every step dispatched to its sequence's worker, every sequence ended by its flag
+    counters = data["broker_sequences"]
+    assert counters["steps"] == 16 * 10 and counters["misrouted"] == data["misrouted_steps"] == 0, counters
+    assert counters["started"] == 16 and counters["ended"] == {"end": 16} and counters["live"] == 0, counters
     goals = [g["goal"] for g in data["goals"]]
     assert len(goals) == 2 and all(g["value"] is not None for g in data["goals"])
