@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny model, 16 sequences of 10 steps (seconds)")
     p.add_argument("--sequences", type=int, default=None, help="concurrent sequences (default 64, quick 16)")
     p.add_argument("--steps", type=int, default=None, help="steps per sequence (default 100, quick 10)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of both rows, each row's best kept (default 2, "
+    p.add_argument("--rounds", type=int, default=None, help="rounds of both rows, each row's best kept (default 5, "
                                                              "quick 1)")
     p.add_argument("--workers", type=int, default=2, help="tgw CPU workers, one torch thread each (default 2)")
     p.add_argument("--seed", type=int, default=1, help="weights and inputs (default 1)")
@@ -47,6 +47,14 @@ def sequence_counters(status: dict[str, Any], model: str) -> Optional[dict[str, 
     return (status.get("models", {}).get(model) or {}).get("sequences")
 
 
+def batches(address: str, model: str) -> tuple[int, int]:
+    """The model's batches and rows so far (the broker's stats)."""
+    from tgw.client import Client
+    with Client(address) as c:
+        m = c.stats()["models"].get(model) or {}
+    return m.get("batches", 0), m.get("rows", 0)
+
+
 def _f(v: Optional[float], fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
@@ -54,7 +62,7 @@ def _f(v: Optional[float], fmt: str) -> str:
 def run(a: argparse.Namespace) -> int:
     sequences = a.sequences or (16 if a.quick else 64)
     steps = a.steps or (10 if a.quick else 100)
-    rounds = a.rounds or (1 if a.quick else 2)
+    rounds = a.rounds or (1 if a.quick else 5)
     if min(sequences, steps, rounds, a.workers) < 1:
         print("--sequences, --steps, --rounds and --workers must be at least 1", file=sys.stderr)
         return 2
@@ -92,12 +100,17 @@ def run(a: argparse.Namespace) -> int:
         first_id = 1
         for r in range(rounds):
             for row, model, stateful in (("sequence", SEQ, True), ("oneshot", PLAIN, False)):
+                before = batches(broker.address, model)
                 new = seq_drive.run_sequences(broker.address, model, xs, h, stateful, expected, first_id)
+                after = batches(broker.address, model)
+                new["batches"] = after[0] - before[0]   # the batch sizes the broker formed for this row
+                new["mean_batch_rows"] = (after[1] - before[1]) / new["batches"] if new["batches"] else None
                 first_id += sequences   # fresh ids each round
                 old = res["rows"][row]
                 kept = new if not old or (new["steps_per_s"] or 0) > (old["steps_per_s"] or 0) else old
                 res["rows"][row] = {**kept, "rounds": old.get("rounds", []) + [new["steps_per_s"]]}
-                log(f"round {r + 1} {row}: {_f(new['steps_per_s'], ',.0f')} steps/s, step p50 "
+                log(f"round {r + 1} {row}: {_f(new['steps_per_s'], ',.0f')} steps/s, mean batch "
+                    f"{_f(new['mean_batch_rows'], '.1f')} rows, step p50 "
                     f"{_f(new['step_ms']['p50'], '.2f')} ms p99 {_f(new['step_ms']['p99'], '.2f')} ms"
                     + (f", {new['sequences_failed']} failed, e.g. {next(iter(new['errors']))}"
                        if new["sequences_failed"] else "")
@@ -126,9 +139,10 @@ def run(a: argparse.Namespace) -> int:
         {"goal": "steps routed to a worker that did not hold the sequence", "value": mis, "target": 0,
          "unit": "steps", "met": None if mis is None else mis == 0}]
     res["wall_s"] = time.monotonic() - t0
-    body = [["row", "steps/s", "step p50 ms", "step p99 ms", "failed", "wrong"]]
+    body = [["row", "steps/s", "mean batch", "step p50 ms", "step p99 ms", "failed", "wrong"]]
     for row, r in res["rows"].items():
-        body.append([row, _f(r.get("steps_per_s"), ",.0f"), _f((r.get("step_ms") or {}).get("p50"), ".2f"),
+        body.append([row, _f(r.get("steps_per_s"), ",.0f"), _f(r.get("mean_batch_rows"), ".1f"),
+                     _f((r.get("step_ms") or {}).get("p50"), ".2f"),
                      _f((r.get("step_ms") or {}).get("p99"), ".2f"), str(r.get("sequences_failed", "-")),
                      str(r.get("sequences_wrong", "-"))])
     g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f" if x["unit"] == "x" else "d"),
