@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(FACES)} (default: all; native is the reference)")
     p.add_argument("--streams", default="16,64", help="concurrent streams per level (default 16,64)")
     p.add_argument("--rounds", type=int, default=None,
-                   help="rounds over every face and level, each row's best kept (default 2, quick 1)")
+                   help="rounds over every face and level, each row's best kept (default 3, quick 1)")
     p.add_argument("--workers", type=int, default=2, help="tgw CPU workers, one torch thread each (default 2)")
     p.add_argument("--seed", type=int, default=1, help="weights and prompts (default 1)")
     p.add_argument("--out", help="folder for results/ (default: bench/ of the checkout, else .)")
@@ -69,7 +69,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def per_stream(streams: int, quick: bool) -> int:
-    return 1 if quick else (8 if streams <= 16 else 4)
+    return 1 if quick else (4 if streams <= 16 else 2)
 
 
 def _cpu(pid: int) -> Optional[float]:
@@ -167,7 +167,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}", file=sys.stderr)
         return 2
     timeout = TIMEOUT_S[1 if a.quick else 0]
-    rounds = a.rounds if a.rounds is not None else (1 if a.quick else 2)
+    rounds = a.rounds if a.rounds is not None else (1 if a.quick else 3)
     if rounds < 1 or a.workers < 1:
         print("--rounds and --workers must be at least 1", file=sys.stderr)
         return 2
