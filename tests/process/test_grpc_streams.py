@@ -1,13 +1,15 @@
 """Decoupled gRPC streams (broker/faces/grpc/decoupled.py) read by the real tritonclient.grpc: one
 broker for the module with the demo's generator tiny-gpt (weights trained for 150 steps, here),
 the test generator `count` (output n of a prompt is (sum(prompt) + n) % 1000) and `slowcount`
-(the same at 100 outputs/s, a million of them: it runs until cancelled).
+(the same at 100 outputs/s, a million of them: it runs until cancelled), and the demo's sequence
+model `accumulator` (a Triton-PyTorch-backend model file: OUTPUT is its sequence's running sum).
 
 tiny-gpt's greedy stream equals the native Client.generate of the same prompt; each output is
 one response with the request's id; `triton_final_response` and the empty final as Triton's;
 requests on one stream answered each in order, errors as `error_message` while the stream goes
 on; unary ModelInfer refused with Triton's words; the config says decoupled; a cancelled stream
-(sync client's stop_stream(cancel_requests=True), the aio client's cancel) frees its slots."""
+(sync client's stop_stream(cancel_requests=True), the aio client's cancel) frees its slots;
+Triton's sequence examples' pattern, unary and stream."""
 from __future__ import annotations
 
 import asyncio
@@ -37,12 +39,14 @@ def broker():
     from tgw.testing.child import BrokerProc
     from tgw.workers.demo_generator import GPTConfig, build_gpt, save_gpt
     from tgw.workers.demo_models import GPT_CONFIG, GPT_FILE, build_generator_decls
+    from tgw.workers.demo_sequence import build_sequence_decls
     d = tempfile.mkdtemp(prefix="tgwgs-", dir="/tmp")
     save_gpt(build_gpt(GPTConfig(**GPT_CONFIG), seed=1, train_steps=150), os.path.join(d, GPT_FILE))
     gpt = model_entry("tiny-gpt", build_generator_decls(d)["tiny-gpt"])
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, entry("count", "Counter", max_sequences=4, max_outputs=1000),
-                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=4, max_outputs=1_000_000)],
+                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=4, max_outputs=1_000_000),
+                      model_entry("accumulator", build_sequence_decls(d)["accumulator"])],
            "grpc": {"port": 0}}
     b = BrokerProc(cfg, d).start(timeout=120)
     try:
@@ -150,6 +154,16 @@ def test_a_cancelled_stream_frees_its_slots(broker):
     client.async_stream_infer("slowcount", [prompt([10])], request_id="s")
     first, err = got.take(1)[0]
     assert err is None and int(first.as_numpy("value")[0]) == 10
+    # another request on the same stream runs beside it: their responses interleave
+    client.async_stream_infer("count", [prompt([5])], request_id="i", parameters={"max_tokens": 3},
+                              enable_empty_final_response=True)
+    seen, last = {"s": [10], "i": []}, ""
+    while len(seen["i"]) < 4 or len(seen["s"]) < 2 or last != "s":   # i's three and its final, then s again
+        result, err = got.take(1)[0]
+        assert err is None
+        last = result.get_response().id
+        seen[last].append(int(result.as_numpy("value")[0]) if result.get_response().outputs else None)
+    assert seen["i"] == [5, 6, 7, None] and seen["s"] == list(range(10, 10 + len(seen["s"])))
     client.stop_stream(cancel_requests=True)
     client.close()
 
@@ -177,3 +191,64 @@ def test_doc_example_runs_as_printed(broker):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[-1] == "final" and len(lines) == 2, out.stdout
+
+
+def test_triton_sequence_pattern_unary_and_stream(broker):
+    """Triton's simple_grpc_sequence clients' pattern: two sequences interleaved with start,
+    middle and end flags, each answer its sequence's running sum; first one stepped by unary
+    infer while the other steps on a stream, then two sent whole on one stream (each sequence's
+    steps run in the order sent). A step of an ended or unknown sequence is refused by name."""
+    def request(value: int) -> list:
+        inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], np.int32))
+        return [inp]
+
+    def total(result) -> int:
+        return int(result.as_numpy("OUTPUT")[0, 0])
+
+    values = [11, 7, 5, 3, 2, 0, 1]
+    sums = np.cumsum(values).tolist()
+    client = grpcclient.InferenceServerClient(broker.grpc)
+    got = Collector()
+    try:
+        sb = client.get_model_config("accumulator").config.sequence_batching
+        assert sb.max_sequence_idle_microseconds == 5_000_000 and sb.WhichOneof("strategy_choice") == "oldest"
+        assert [(c.name, c.control[0].int32_false_true) for c in sb.control_input] == [
+            ("START", [0, 1]), ("END", [0, 1]), ("READY", [0, 1])]
+        assert (sb.state[0].input_name, sb.state[0].output_name, sb.state[0].initial_state[0].zero_data) == \
+            ("INPUT_STATE", "OUTPUT_STATE", True)
+        client.start_stream(got)
+        unary, streamed = [], []
+        for i, v in enumerate(values):
+            flags = {"sequence_start": i == 0, "sequence_end": i == len(values) - 1}
+            client.async_stream_infer("accumulator", request(-v), request_id=f"b{i}", sequence_id=1001, **flags)
+            unary.append(total(client.infer("accumulator", request(v), sequence_id=1000, **flags)))
+            result, err = got.take(1)[0]
+            assert err is None and result.get_response().id == f"b{i}"
+            streamed.append(total(result))
+        assert unary == sums and streamed == [-s for s in sums]
+
+        for i, v in enumerate(values):   # all at once: no step waits for the one before
+            flags = {"sequence_start": i == 0, "sequence_end": i == len(values) - 1}
+            client.async_stream_infer("accumulator", request(v), request_id=f"c{i}", sequence_id=2000, **flags)
+            client.async_stream_infer("accumulator", request(2 * v), request_id=f"d{i}", sequence_id=2001, **flags)
+        answers = got.take(2 * len(values))
+        assert all(err is None for _, err in answers)
+        by_id = {r.get_response().id: total(r) for r, _ in answers}
+        assert [by_id[f"c{i}"] for i in range(len(values))] == sums
+        assert [by_id[f"d{i}"] for i in range(len(values))] == [2 * s for s in sums]
+
+        client.async_stream_infer("accumulator", request(1), request_id="late", sequence_id=2000)
+        result, err = got.take(1)[0]
+        assert result is None and "[INVALID_ARGUMENT]" in err.message() and "sequence 2000" in err.message() \
+            and "ended" in err.message()
+        with pytest.raises(InferenceServerException, match="sequence 4242 .*must specify the START flag") as unknown:
+            client.infer("accumulator", request(1), sequence_id=4242)
+        assert unknown.value.status() == "StatusCode.INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException, match="takes uint64 correlation IDs"):
+            client.infer("accumulator", request(1), sequence_id="abc", sequence_start=True)
+        assert total(client.infer("accumulator", request(4), sequence_id=1000, sequence_start=True,
+                                  sequence_end=True)) == 4   # started again: a sequence of one
+        client.stop_stream()
+    finally:
+        client.close()

@@ -48,6 +48,7 @@ MARKERS = {
     "http-example:statistics": "test_http_triton_docs.py::test_the_docs_example_runs_as_printed",
     "http-example:generate": "test_http_generate.py::test_generate_and_generate_stream_answer_the_native_tokens",
     "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",
+    "grpc-example:decoupled": "test_grpc_streams.py::test_doc_example_runs_as_printed",
     "pipeline-example:config": "test_check_config.py::test_the_docs_example_passes_check_config",
     "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
     "load-example:curl": "test_readiness.py::test_the_docs_load_example_runs_as_printed",

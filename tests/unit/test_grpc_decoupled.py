@@ -64,3 +64,64 @@ def test_request_checks():
         decoupled.check(Entry, decoded(outputs=["nope"]))
     with pytest.raises(TgwError, match="no shared-memory output regions"):
         decoupled.check(Entry, decoded(places={"token": object()}))
+
+
+def test_a_slow_reader_is_withdrawn_and_a_cancelled_stream_withdraws_the_rest():
+    """infer.Stream's wiring, its door recorded: a client that reads nothing (every write waits)
+    leaves outputs unread past generator.max_unread_outputs, so the generation is withdrawn
+    (slow_reader); cancelling the call withdraws the generations it still holds."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tgw.broker.config.load import ModelDecl
+    from tgw.broker.faces.grpc.infer import Inference, Stream
+    from tgw.broker.models.entry import ModelEntry
+    from tgw.testing.generators import entry as generator_entry
+    gen = ModelEntry(ModelDecl(**generator_entry("g", max_unread_outputs=4)))
+    handed, withdrawn = [], []
+    deps = SimpleNamespace(view=SimpleNamespace(pipelines=SimpleNamespace(table={})), entry=lambda m: gen,
+                           infer=lambda caller, msg, frames, *route: handed.append((caller, msg)),
+                           withdraw=lambda caller, reason: withdrawn.append((caller, reason)),
+                           count_error=lambda *a: None, note=lambda *a, **k: None)
+    face = SimpleNamespace(deps=deps, decl=SimpleNamespace(max_inflight=100), repository=None, shm=None)
+
+    class Context:   # a client that never reads: every write waits
+        def invocation_metadata(self):
+            return ()
+
+        def time_remaining(self):
+            return None
+
+        async def write(self, resp):
+            await asyncio.Event().wait()
+
+    def request(rid: str) -> pb.ModelInferRequest:
+        req = pb.ModelInferRequest(model_name="g", id=rid)
+        req.inputs.add(name="prompt", datatype="INT64", shape=[1, 1])
+        req.raw_input_contents.append(np.array([[3]], np.int64).tobytes())
+        req.parameters["max_tokens"].int64_param = 50
+        return req
+
+    async def run():
+        async def requests():
+            yield request("slow")
+            yield request("other")
+            await asyncio.Event().wait()   # the client's sending side stays open
+        task = asyncio.ensure_future(Stream(Inference(face), Context()).run(requests()))
+        while len(handed) < 2:
+            await asyncio.sleep(0)
+        (slow, msg), (other, _) = handed
+        assert msg.generate.max_outputs == 50 and msg.generate.sampling.temperature == 0.0
+        out = GenerateOutputs(v=PROTOCOL_VERSION, id=1, first=0, count=1,
+                              outputs=[TensorMeta(name="value", dtype="int64", shape=[1])])
+        for i in range(6):   # the first is being written (forever); five more left unread
+            slow.deliver(out, [np.array([i], np.int64).tobytes()])
+            await asyncio.sleep(0)
+        while not withdrawn:
+            await asyncio.sleep(0)
+        assert withdrawn == [(slow, "slow_reader")]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (other, "grpc_cancelled") in withdrawn
+    asyncio.run(asyncio.wait_for(run(), 60))   # a bound, so a broken wiring fails, never hangs
