@@ -88,6 +88,15 @@ def _version_mismatch(version: int) -> TgwError:
                 server_protocol=PROTOCOL_VERSION, supported=list(SUPPORTED_VERSIONS))
 
 
+class _Taken:
+    """The tracker of a reply a face's caller took at once: done, so the generate wing never
+    counts it unread (a face whose reader falls behind is ended by its StreamCaller)."""
+    done = True
+
+
+TAKEN = _Taken()
+
+
 @dataclass(frozen=True)
 class DoorRoutes:
     """Where the front door sends what it takes in (the core gives it when it opens the door,
@@ -262,9 +271,9 @@ class FrontDoor:
         libzmq is done with it: a slow reader's unread outputs are those it still holds; a tracked
         send costs some 20 us, so the generate wing tracks one reply in several), else why not
         ("full", "gone")."""
-        if type(ident) is not bytes:
+        if type(ident) is not bytes:   # a face's caller took it now: it bounds its own unread (StreamCaller)
             ident.deliver(msg, frames)
-            return "", None
+            return "", TAKEN if track else None
         why, tracker = self.pump.send([ident, encode(msg), *frames], track=track)
         if why:
             self.complaints.note("dropped", "client_queue_messages" if why == "full" else "client_gone",

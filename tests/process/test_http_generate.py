@@ -1,14 +1,19 @@
 """Triton's generate extension on the HTTP face end to end: a real broker serving the demo's
 tiny-gpt (150 training steps), the test model `mixed` and the test generator `slowcount`
-(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed), driven by aiohttp reading the SSE
-stream, urllib and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
+(tgw.testing.generators' Counter at 100 outputs/s, a million at most: it runs until closed; its
+readers may leave them all unread, so only a withdrawal ends it), `pacedcount` (as
+slow, 25 unread at most), `fastcount` (unpaced, 64 unread at most) and `failcount` (a Counter
+whose step raises at output 3), driven by aiohttp reading the SSE
+stream line by line, and `curl -N`. Greedy tokens over HTTP must equal the native Client.generate's
 for the same prompt (the same worker computes both); a client that closes its stream frees its
-slot at the next step."""
+slot at the next step. The same broker serves the demo's `accumulator` (a Triton-PyTorch-backend
+sequence model): Triton's sequence example pattern over tritonclient.http, sync and async."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -16,6 +21,8 @@ import tempfile
 import aiohttp
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from conftest import model_entry, readme_block, served, wait_until
 from tgw.client import Client
@@ -30,12 +37,18 @@ def gen_broker(model_files, tmp_path_factory):
     from tgw.workers.demo_models import GPT_CONFIG, GPT_FILE, build_generator_decls
     from tgw.testing.generators import entry
     from tgw.broker.cli.demo import model_entry as demo_model_entry
+    from tgw.workers.demo_sequence import build_sequence_decls
     folder = str(tmp_path_factory.mktemp("gpt"))
     save_gpt(build_gpt(GPTConfig(**GPT_CONFIG), seed=1, train_steps=150), os.path.join(folder, GPT_FILE))
     gpt = demo_model_entry("tiny-gpt", build_generator_decls(folder)["tiny-gpt"])
     cfg = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1},
            "models": [gpt, model_entry(model_files, "mixed"),
-                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000)],
+                      entry("slowcount", "Counter", {"step_ms": 10}, max_sequences=2, max_outputs=1_000_000,
+                            max_unread_outputs=1_000_000),
+                      entry("pacedcount", "Counter", {"step_ms": 10}, max_sequences=2, max_unread_outputs=25),
+                      entry("failcount", "Counter", {"raise_at": 3}, max_sequences=2),
+                      entry("fastcount", "Counter", max_sequences=2, max_outputs=1_000_000, max_unread_outputs=64),
+                      demo_model_entry("accumulator", build_sequence_decls(folder)["accumulator"])],
            "http": {"port": 0}}
     yield from served(cfg, tempfile.mkdtemp(prefix="tgwg-", dir="/tmp"), http=True)
 
@@ -95,7 +108,8 @@ def test_generate_and_generate_stream_answer_the_native_tokens(gen_broker):
     body = {"a": [1, 2, 3, 4], "b": [True, False, True], "c": [5, 6, 7]}
     status, doc = asyncio.run(call(f"{gen_broker.http}/v2/models/mixed/generate", body))
     assert status == 200 and doc["model_name"] == "mixed"
-    assert doc["a2"] == ref["a2"][0].tolist() and doc["nb"] == ref["nb"][0].tolist() and doc["csum"] == int(ref["csum"][0])
+    assert doc["a2"] == ref["a2"][0].tolist() and doc["nb"] == ref["nb"][0].tolist()
+    assert doc["csum"] == int(ref["csum"][0])
     status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/mixed/generate_stream", body))
     assert status == 200 and len(events) == 1 and events[0]["csum"] == doc["csum"]
 
@@ -147,3 +161,88 @@ def test_a_client_that_closes_its_stream_frees_its_slot(gen_broker):
     after = wait_until(lambda: (g := generation())["active"] == 0 and g["freed_by_cancel"] > before["freed_by_cancel"]
                        and g, what="the closed stream's slot freed")
     assert after["ended"].get("cancelled", 0) > before["ended"].get("cancelled", 0), after
+
+
+def test_an_error_after_the_first_output_is_an_error_event(gen_broker):
+    """The status went out with the first event: the failure is Triton's error object as the
+    last event; /generate answers the same failure as a JSON error with its status."""
+    status, ctype, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/failcount/generate_stream",
+                                            {"prompt": [10], "max_tokens": 10}))
+    assert status == 200 and ctype.startswith("text/event-stream")
+    assert [e.get("value") for e in events[:-1]] == [10, 11, 12], events
+    assert events[-1]["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in events[-1]["error"], events
+    status, doc = asyncio.run(call(f"{gen_broker.http}/v2/models/failcount/generate", {"prompt": [10]}))
+    assert status == 500 and doc["code"] == "MODEL_EXECUTION_ERROR" and "refuses output 3" in doc["error"], doc
+
+
+def test_triton_sequence_pattern_over_http(gen_broker):
+    """Triton's simple_http_sequence clients' pattern: two sequences interleaved, start, middle
+    and end flags, one stepped with infer and the other with async_infer; each answer is its
+    sequence's running sum. A step of an ended or unknown sequence is refused by name."""
+    c = httpclient.InferenceServerClient(gen_broker.http.removeprefix("http://"), concurrency=2)
+
+    def request(value: int) -> list:
+        inp = httpclient.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.array([[value]], np.int32))
+        return [inp]
+
+    def step(cid, value: int, **flags) -> int:
+        return int(c.infer("accumulator", request(value), sequence_id=cid, **flags).as_numpy("OUTPUT")[0, 0])
+
+    values = [11, 7, 5, 3, 2, 0, 1]
+    got_a, got_b = [], []
+    try:
+        for i, v in enumerate(values):
+            flags = {"sequence_start": i == 0, "sequence_end": i == len(values) - 1}
+            pending = c.async_infer("accumulator", request(-v), sequence_id=1001, **flags)   # B, in flight ...
+            got_a.append(step(1000, v, **flags))                                             # ... while A steps
+            got_b.append(int(pending.get_result().as_numpy("OUTPUT")[0, 0]))
+        assert got_a == np.cumsum(values).tolist() and got_b == (-np.cumsum(values)).tolist()
+        with pytest.raises(InferenceServerException, match="sequence 1000 .*must specify the START flag.*ended"):
+            step(1000, 1)
+        with pytest.raises(InferenceServerException, match="sequence 4242 .*must specify the START flag"):
+            step(4242, 1)
+        with pytest.raises(InferenceServerException, match="takes uint64 correlation IDs"):
+            step("abc", 1, sequence_start=True)
+        assert step(1000, 4, sequence_start=True, sequence_end=True) == 4   # started again: a sequence of one
+    finally:
+        c.close()
+
+
+def test_a_reader_that_falls_behind_is_ended_overloaded(gen_broker):
+    """A reader that keeps up reads all of 30 outputs, more than pacedcount's `max_unread_outputs`
+    (25: a face's caller takes each output at once, so the door counts none unread); a client
+    that stops reading (a small receive buffer, so the face's writes block soon) falls fastcount's
+    64 behind: its generation ends and the slot is freed, and what it reads at last ends with the
+    OVERLOADED error event."""
+    import socket
+    from urllib.parse import urlsplit
+
+    def generation() -> dict:
+        with Client(gen_broker.address) as c:
+            return c.status()["models"]["fastcount"]["generation"]
+    # a reader that keeps up (pacedcount: 100 outputs/s; it may lag 250 ms) reads more than 25 ...
+    status, _, events = asyncio.run(sse(f"{gen_broker.http}/v2/models/pacedcount/generate_stream",
+                                        {"prompt": [1], "max_tokens": 30}))
+    assert status == 200 and [e.get("value") for e in events] == list(range(1, 31)), events[-1]
+    before = generation()   # ... and one that stops reading
+    url = urlsplit(gen_broker.http)
+    body = json.dumps({"prompt": [1]}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((url.hostname, url.port))
+    s.sendall(b"POST /v2/models/fastcount/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    try:
+        wait_until(lambda: (g := generation())["active"] == 0 and g["freed_by_cancel"] > before["freed_by_cancel"],
+                   what="the slow reader's slot freed")
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    events = [json.loads(m) for m in re.findall(rb"^data: (.*)$", data, re.M)]   # chunked: one event a chunk
+    assert [e["value"] for e in events[:3]] == [1, 2, 3]
+    assert events[-1]["code"] == "OVERLOADED" and "fell more than 64 outputs behind" in events[-1]["error"], events[-1]
+

@@ -22,6 +22,7 @@ from tgw.shm.errors import TgwError
 from tgw.shm.wire import GenerateEnd, GenerateOutputs, Infer, InferReply
 
 from tgw.broker.observe.load import HEADER as LOAD_HEADER
+from tgw.broker.protocol import kserve
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT, bad
 from tgw.broker.protocol.streaming import StreamCaller, output_arrays
@@ -30,6 +31,7 @@ from . import generate_json
 from .answers import json_response
 
 EVENT_STREAM = "text/event-stream; charset=utf-8"
+UNREAD = 1024
 
 
 class HttpStreamCaller(StreamCaller):
@@ -56,11 +58,11 @@ class GenerateRoutes:
         output names and the version its events name."""
         model = request.match_info["model"]
         try:
-            msg, frames, outputs, shown = await self.decode(request, model)
+            msg, frames, outputs, shown, unread = await self.decode(request, model)
         except TgwError as err:   # counted as the native door counts its refusals
             self.deps.count_error(model, err.code.value)
             raise
-        caller = HttpStreamCaller(asyncio.get_running_loop(),
+        caller = HttpStreamCaller(asyncio.get_running_loop(), unread,
                                   on_overflow=lambda c: self.deps.withdraw(c, "slow_reader"))
         self.deps.infer(caller, msg, frames)   # the door answers refusals through the caller
         return caller, msg, outputs, shown
@@ -68,12 +70,15 @@ class GenerateRoutes:
     async def decode(self, request: web.Request, model: str):
         plan = self.deps.view.pipelines.table.get(model)
         model, version = self.named(model, request.match_info.get("version"))
+        unread = UNREAD   # a plain model answers once
         if plan is not None:
             inputs, outputs, generator, shown = plan.inputs, [t.name for t in plan.outputs], False, plan.version
         else:
             entry = self.deps.entry(model)   # MODEL_NOT_FOUND before the body is read
             inputs, outputs, generator = entry.inputs, [t.name for t in entry.outputs], entry.is_generator
             shown = version or entry.default or ""
+            if generator:   # a reader this many outputs behind is ended OVERLOADED, as a native one is
+                unread = entry.decl.generator.max_unread_outputs
         body = await self.body(request)
         try:
             doc = orjson.loads(body)
@@ -81,9 +86,9 @@ class GenerateRoutes:
             raise bad(f"a generate request's body is a JSON object: {exc}") from None
         headers = request.headers
         msg, frames = generate_json.request(doc, inputs, model, version, next(self.ids), generator,
-                                            headers.get("tgw-routing-key"))
+                                            headers.get(kserve.ROUTING_HEADER))
         msg.tenant, msg.traceparent = headers.get(self.tenant_header), headers.get(TRACEPARENT)
-        return msg, frames, outputs, shown
+        return msg, frames, outputs, shown, unread
 
     async def generate(self, request: web.Request) -> web.Response:
         """One answer: a generator's outputs collected, or a plain model's result."""
@@ -98,19 +103,21 @@ class GenerateRoutes:
                     return json_response(generate_json.collected(answer.model, answer.version, chunks, outputs))
                 else:
                     return json_response(generate_json.one_shot(answer, frames))
-        except asyncio.CancelledError:   # the client closed its connection
-            self.deps.withdraw(caller, "disconnected")
+        except BaseException as exc:   # the client closed its connection (aiohttp cancels the handler), a bug
+            self.left(caller, exc)
             raise
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events, one per output, each flushed as it comes."""
+        """Server-sent events, one per output, each written as it comes."""
         caller, msg, _, shown = await self.start(request)
         try:
             answer, frames = await caller.next()   # an error before any output: a JSON error
-        except asyncio.CancelledError:
-            self.deps.withdraw(caller, "disconnected")
+        except BaseException as exc:
+            self.left(caller, exc)
             raise
-        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"})
+        # X-Accel-Buffering: nginx (configs/nginx) passes each event on rather than buffering the stream
+        resp = web.StreamResponse(headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
         if self.deps.load is not None:   # set before the headers go out (the face's wrapper is too late)
             resp.headers[LOAD_HEADER] = self.deps.load.header
         try:
@@ -129,12 +136,19 @@ class GenerateRoutes:
                     await resp.write(sse([{"error": err.message, "code": err.code.value}]))
                     break
             await resp.write_eof()
-        except asyncio.CancelledError:   # the client closed its connection (aiohttp cancels the handler)
-            self.deps.withdraw(caller, "disconnected")
+        except ConnectionResetError as exc:   # a write found the connection closed: nobody to answer
+            self.left(caller, exc)
+        except BaseException as exc:
+            self.left(caller, exc)
             raise
-        except ConnectionResetError:     # ... or a write found it closed
-            self.deps.withdraw(caller, "disconnected")
         return resp
+
+    def left(self, caller: HttpStreamCaller, exc: BaseException) -> None:
+        """The handler ends before the caller's last answer: its generation is withdrawn (the
+        worker frees the slot at its next step)."""
+        if not caller.done:
+            gone = isinstance(exc, (asyncio.CancelledError, ConnectionResetError))
+            self.deps.withdraw(caller, "disconnected" if gone else "broker_error")
 
 
 def sse(docs: list[dict]) -> bytes:
