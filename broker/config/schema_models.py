@@ -329,6 +329,14 @@ class ModelDecl(Strict):
                     or self.outputs[0].shape not in ([], [1]):
                 raise ValueError(f"generator.tokenizer: model {self.name!r} needs exactly one output, an integer "
                                  "token id per step (shape [] or [1]), to be decoded")
+            template = self.options.get("chat_template")
+            if template is not None:   # its syntax checked with the config (check-config), run by the face
+                from jinja2 import Environment, TemplateSyntaxError
+                try:
+                    Environment().parse(template if isinstance(template, str) else "{{")
+                except TemplateSyntaxError as exc:
+                    raise ValueError(f"options.chat_template of model {self.name!r}: "
+                                     f"{'not a string' if not isinstance(template, str) else exc}") from None
 
     def _sequence_fits(self) -> None:
         sb = self.sequence_batching

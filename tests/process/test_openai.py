@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 
 import numpy as np
 import openai
@@ -40,7 +42,7 @@ def broker(tmp_path_factory):
     os.chmod(token_file, 0o600)
     cfg = {"server": {"auth_token_file": token_file}, "supervisor": {"hang_timeout_s": 120},   # a paused worker
            "workers": {"devices": ["cpu"], "threads_per_worker": 1},
-           "http": {"port": 0},
+           "http": {"port": 0}, "tenants": {"tiny": {"rate": 0.001, "burst": 1}},
            "models": [model_entry(n, m) for n, m in build_generator_decls(folder).items()]}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TGW_TOKEN", TOKEN)   # the native client's
@@ -140,15 +142,15 @@ def test_stop_n_and_seeds(broker, native):
 
 
 def test_errors_in_openai_shape(broker):
-    """An unknown model is 404, an unsupported or bad parameter 400 naming it, a wrong key 401;
-    each in OpenAI's error shape."""
+    """An unknown model or path is 404, an unsupported or bad parameter 400 naming it, a tenant
+    over its rate 429, a wrong key 401; each in OpenAI's error shape."""
     client = openai.OpenAI(base_url=f"{broker.http}/v1", api_key=TOKEN, max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="mlp", prompt="x")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     for kwargs, param in (({"logprobs": 2}, "logprobs"), ({"top_p": 5}, "top_p"), ({"n": 99}, "n"),
                           ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"echo": True}, "echo"),
-                          ({"extra_body": {"bogus": 1}}, "bogus"), ({"max_tokens": 10_000}, None)):
+                          ({"extra_body": {"bogus": 1}}, "bogus"), ({"max_tokens": 10_000}, "max_tokens")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", **kwargs)
         assert set(e.value.body) == {"message", "type", "param", "code"} and e.value.body["param"] == param, kwargs
@@ -160,9 +162,18 @@ def test_errors_in_openai_shape(broker):
     with pytest.raises(openai.NotFoundError) as e:
         client.get("/nothing-here", cast_to=object)
     assert e.value.body["code"] == "unknown_url"
+    tiny = {"tgw-tenant": "tiny"}   # a tenant's quota, as every face's: one request, then 429
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_headers=tiny)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_headers=tiny)
+    assert e.value.body["type"] == "rate_limit_error" and "RATE_LIMITED" in e.value.body["message"]
     with pytest.raises(openai.AuthenticationError) as e:
         openai.OpenAI(base_url=f"{broker.http}/v1", api_key="wrong", max_retries=0).models.list()
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(urllib.error.HTTPError) as e:   # no token at all
+        urllib.request.urlopen(f"{broker.http}/v1/models", timeout=30)
+    assert e.value.code == 401 and json.loads(e.value.read())["error"]["type"] == "authentication_error"
+    assert e.value.headers["endpoint-load-metrics"]   # the load report, as on every HTTP answer
 
 
 def test_a_client_that_disconnects_frees_its_slot(broker, native):

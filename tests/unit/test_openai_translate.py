@@ -58,7 +58,7 @@ def test_chat_takes_either_limit_and_opens_with_the_role():
     ({"stop": ["a"] * 5}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"), ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"prompt": ""}, "prompt"),
     ({"prompt": "a\0b"}, "prompt"), ({"prompt": {"x": 1}}, "prompt"), ({"max_tokens": 0}, "max_tokens"),
-    ({"seed": 1.5}, "seed"), ({"user": 3}, "user"),
+    ({"seed": 1.5}, "seed"), ({"user": 3}, "user"), ({"prompt": [1, -2]}, "prompt"), ({"prompt": [[1 << 40]]}, "prompt"),
 ])
 def test_what_is_not_served_is_refused_by_name(body, param):
     assert refused({"model": "m", "prompt": "x", **body}).param == param
@@ -118,3 +118,44 @@ def test_tgw_errors_keep_their_status_in_openai_shape():
     assert from_tgw(fail(Code.MODEL_NOT_FOUND, "x")).status == 404
     assert from_tgw(fail(Code.INTERNAL, "x")).status == 500
     assert from_tgw(fail(Code.INVALID_ARGUMENT, "x", parameter="top_p")).param == "top_p"
+
+
+def test_the_config_names_a_bad_tokenizer_or_template_by_its_key():
+    from pydantic import ValidationError
+
+    from tgw.broker.config.schema_models import ModelDecl
+    gen = {"state": [{"name": "kv", "dtype": "float32", "shape": [2]}], "max_sequences": 2, "tokenizer": "bytes"}
+    base = dict(name="g", versions=[{"version": "1", "handler": "a.b:C"}],
+                inputs=[{"name": "p", "dtype": "int64", "shape": [-1]}],
+                outputs=[{"name": "t", "dtype": "int64", "shape": []}], generator=gen)
+    assert ModelDecl(**base, options={"chat_template": "{{ messages }}"}).generator.tokenizer == "bytes"
+    for change, words in (({"generator": {**gen, "tokenizer": "no.such.module:T"}}, "cannot be imported"),
+                          ({"generator": {**gen, "tokenizer": "json:loads"}}, "not a class with encode"),
+                          ({"generator": {**gen, "tokenizer": "sentencepiece"}}, "package.module:Class"),
+                          ({"inputs": [{"name": "p", "dtype": "float32", "shape": [-1]}]}, "integer token ids"),
+                          ({"options": {"chat_template": "{% for %}"}}, "options.chat_template")):
+        with pytest.raises(ValidationError, match=words) as e:
+            ModelDecl(**{**base, **change})
+        assert "tokenizer" in str(e.value) or "chat_template" in str(e.value)
+
+
+def test_the_models_cap_on_outputs_in_openai_words():
+    from tgw.broker.faces.openai.face import OpenAiFace
+    plan = translate.completion_plan({"model": "m", "prompt": "x"}, TOK)
+    OpenAiFace.capped(plan, 8)   # OpenAI's default of 16 lowered to the model's cap
+    assert plan.params[0].max_outputs == 8
+    plan = translate.chat_plan({"model": "m", "messages": [], "max_completion_tokens": 9}, TOK, "x")
+    with pytest.raises(OpenAiError) as e:
+        OpenAiFace.capped(plan, 8)
+    assert e.value.param == "max_completion_tokens" and "at most 8" in e.value.message
+
+
+def test_a_pieces_event_rendered_once_is_the_chunk():
+    import orjson
+    for chat in (False, True):
+        plan = translate.chat_plan({"model": "m", "messages": []}, TOK, "x") if chat else \
+            translate.completion_plan({"model": "m", "prompt": "x"}, TOK)
+        head, tail = translate.chunk_frame(plan, 7, 1)
+        piece = 'a "quoted"\n\u00e9'
+        assert head + orjson.dumps(piece) + tail == \
+            b"data: " + orjson.dumps(translate.chunk(plan, 7, 1, piece, None)) + b"\n\n"

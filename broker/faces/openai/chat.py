@@ -39,7 +39,7 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError, LookupError) as exc:   # the template's own failure
             raise invalid(f"the model's chat template refused these messages: {exc}", "messages") from None
 
 

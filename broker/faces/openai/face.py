@@ -21,6 +21,7 @@ from tgw.shm.errors import Code, TgwError
 from tgw.shm.wire import PROTOCOL_VERSION, GenerateOutputs, Infer, TensorMeta
 
 from tgw.broker.config.schema_models import tokenizer_class
+from tgw.broker.observe.load import HEADER as LOAD_HEADER
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
 from tgw.broker.protocol.kserve import ROUTING_HEADER, SliceFrame   # a tensor frame as admission reads one
@@ -134,8 +135,11 @@ class OpenAiFace:
             self.port.note("broker_error", type(exc).__name__, f"OpenAI {request.method} {request.path} failed "
                            "inside the broker", exc_info=True)
             resp = OpenAiError(f"broker error: {type(exc).__name__}: {exc}", None, 500, "server_error").response()
-        if self.port.load is not None and not resp.prepared:
-            resp.headers["tgw-load"] = self.port.load.header
+        load = self.port.load
+        if load is not None and not resp.prepared:   # as every HTTP answer: the load report, the drain notice
+            resp.headers[LOAD_HEADER] = load.header
+            if load.draining:
+                resp.force_close()
         return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -157,6 +161,7 @@ class OpenAiFace:
                 plan = translate.chat_plan(body, served.tokenizer, prompt)
             else:
                 plan = translate.completion_plan(body, served.tokenizer)
+            self.capped(plan, served.decl.generator.max_outputs)
         except OpenAiError:
             self.port.count_error(model, Code.INVALID_ARGUMENT.value)
             raise
@@ -165,21 +170,37 @@ class OpenAiFace:
             raise OpenAiError(f"{self.inflight} OpenAI requests in flight (http.max_inflight)", None, 429,
                               "rate_limit_error", "rate_limit_exceeded")
         self.inflight += 1
-        callers = self.start(request, plan, served)
+        callers: list[StreamCaller] = []
+        reason = "answered"   # a choice failed: the others are not wanted
         try:
+            self.start(request, plan, served, callers)
             return await (self.stream(request, plan, served, callers) if plan.stream
                           else self.whole(plan, served, callers))
+        except (asyncio.CancelledError, ConnectionResetError):
+            reason = "disconnected"
+            raise
         finally:
             self.inflight -= 1
-            for c in callers:   # disconnected, failed or cut at a stop string: the rest is not wanted
+            for c in callers:
                 if not c.done:
-                    self.port.withdraw(c, "disconnected")
+                    self.port.withdraw(c, reason)
 
-    def start(self, request: web.Request, plan: translate.Plan, served: Served) -> list[StreamCaller]:
-        """Each choice's generation sent through the door."""
+    @staticmethod
+    def capped(plan: translate.Plan, cap: int) -> None:
+        """The model's cap on outputs (generator.max_outputs) in OpenAI's words: a limit asked
+        above it refused naming the parameter; OpenAI's default of 16 lowered to it."""
+        for p in plan.params:
+            if p.max_outputs is not None and p.max_outputs > cap:
+                if not plan.limit_given:
+                    p.max_outputs = cap
+                    continue
+                raise invalid(f"'{plan.limit_given}' is {p.max_outputs}: model {plan.model!r} generates at most "
+                              f"{cap} tokens a choice", plan.limit_given)
+
+    def start(self, request: web.Request, plan: translate.Plan, served: Served, callers: list) -> None:
+        """Each choice's generation sent through the door (its caller put in `callers`)."""
         loop, h = asyncio.get_running_loop(), request.headers
         decl, port = served.decl, self.port
-        callers = []
         for i, params in enumerate(plan.params):
             ids = np.asarray(plan.prompt_of(i), dtype=served.input.dtype)
             msg = Infer(v=PROTOCOL_VERSION, id=next(self.ids), model=plan.model,
@@ -190,7 +211,6 @@ class OpenAiFace:
                                   on_overflow=lambda c: port.withdraw(c, "slow_reader"))
             callers.append(caller)
             port.infer(caller, msg, [SliceFrame(memoryview(ids).cast("B"))])
-        return callers
 
     # ---- answers -----------------------------------------------------------------------------
 
@@ -206,7 +226,7 @@ class OpenAiFace:
                 msg, frames = await caller.next()
                 if type(msg) is GenerateOutputs:
                     tokens[i] += msg.count
-                    piece = text.feed(output_arrays(msg, frames)[served.output].reshape(-1).tolist())
+                    piece = text.feed(token_ids(msg, frames, served.output))
                     if text.stopped:   # a stop string: the text ends before it, the generation here
                         if not caller.done:
                             self.port.withdraw(caller, "stop_string")
@@ -262,9 +282,10 @@ class OpenAiFace:
             first = None
         resp = web.StreamResponse(headers=SSE_HEADERS)
         if self.port.load is not None:
-            resp.headers["tgw-load"] = self.port.load.header
+            resp.headers[LOAD_HEADER] = self.port.load.header
         await resp.prepare(request)
         created, used = int(time.time()), [0] * len(callers)
+        frames = [translate.chunk_frame(plan, created, i) for i in range(len(callers))]
         if plan.chat:   # OpenAI opens each choice with the assistant's role
             await resp.write(b"".join(_sse(translate.chunk(plan, created, i, "", None, first=True))
                                       for i in range(len(callers))))
@@ -275,7 +296,8 @@ class OpenAiFace:
                     used[i] = tokens
                     out = []
                     if piece:
-                        out.append(_sse(translate.chunk(plan, created, i, piece, None)))
+                        head, tail = frames[i]
+                        out.append(head + orjson.dumps(piece) + tail)
                     if finish is not None:
                         out.append(_sse(translate.chunk(plan, created, i, None, finish)))
                     if out:
@@ -302,6 +324,14 @@ class OpenAiFace:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def token_ids(msg: GenerateOutputs, frames: list, output: str) -> list[int]:
+    """The token ids of a GenerateOutputs' output `output` (its one integer per step)."""
+    for meta, frame in zip(msg.outputs, frames):
+        if meta.name == output:
+            return np.frombuffer(frame, dtype=meta.dtype).tolist()
+    return output_arrays(msg, frames)[output].reshape(-1).tolist()   # absent: output_arrays says so
 
 
 def _sse(doc: dict) -> bytes:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+import orjson
+
 from tgw.shm.wire import GenerateParams, Sampling
 
 from .errors import invalid
@@ -47,6 +49,7 @@ class Plan:
     params: list[GenerateParams] = field(default_factory=list)   # one per choice, index order
     priority: int = 0
     id: str = ""
+    limit_given: str | None = None        # the parameter that set the output limit, if one did
 
     @property
     def prompt_tokens(self) -> int:
@@ -116,6 +119,8 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
                       "prompt")
     if any(not ids for ids in prompts):
         raise invalid("'prompt' is empty: a generation needs at least one token", "prompt")
+    if any(not 0 <= t < 1 << 31 for ids in prompts for t in ids):
+        raise invalid("'prompt' token ids must be integers from 0 to 2**31 - 1", "prompt")
     return prompts
 
 
@@ -170,6 +175,7 @@ def completion_plan(body: dict, tokenizer) -> Plan:
     max_tokens = _number(body, "max_tokens", 1, 1 << 31, integer=True)
     plan = _plan(body, False, _prompts(body, tokenizer),
                  COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    plan.limit_given = None if max_tokens is None else "max_tokens"
     _stop_sequences(plan, tokenizer)
     return plan
 
@@ -185,6 +191,7 @@ def chat_plan(body: dict, tokenizer, prompt: str) -> Plan:
     if not ids:
         raise invalid("the messages make an empty prompt: a generation needs at least one token", "messages")
     plan = _plan(body, True, [ids], max_tokens)
+    plan.limit_given = next((k for k in ("max_completion_tokens", "max_tokens") if limits[k] is not None), None)
     _stop_sequences(plan, tokenizer)
     return plan
 
@@ -237,6 +244,17 @@ def chunk(plan: Plan, created: int, index: int, text: str | None, finish: str | 
     if plan.include_usage:
         doc["usage"] = None
     return doc
+
+
+_MARK = "\u0000tgw-piece\u0000"
+
+
+def chunk_frame(plan: Plan, created: int, index: int) -> tuple[bytes, bytes]:
+    """A text piece's SSE event of choice `index` as (head, tail): head + orjson.dumps(piece) +
+    tail is `data: {chunk(...)}\n\n`, rendered once per choice rather than once per piece."""
+    raw = b"data: " + orjson.dumps(chunk(plan, created, index, _MARK, None)) + b"\n\n"
+    head, tail = raw.split(orjson.dumps(_MARK))
+    return head, tail
 
 
 def usage_chunk(plan: Plan, created: int, completion_tokens: int) -> dict:
