@@ -233,21 +233,31 @@ class Serving:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.head(model, now)
-                worker = self._pick(model_key(model, head.version), full, head)
-                if worker is None:
-                    if head.record is not None and head.record.on_demand:  # evicted while it waited: load again
-                        self.placement.demand(head.record, float("inf"))
-                    continue
-                hold = self.batcher.hold_until(model, worker.worker_id, now)
-                if worker.inflight:  # stage the next batch just in time, not behind the one computing
-                    hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
-                if hold is not None and hold > now:  # worth waiting: come back then
-                    self.alarm.at(hold, now)
-                    continue
-                if self._dispatch(model, worker, now):
-                    moved = True
-                else:
-                    full.add(worker.worker_id)
+                key = model_key(model, head.version)
+                # a sequence model's head may wait for its worker or a slot: the other workers may
+                # still run the sequences behind it, so each is tried in turn
+                tried = full if head.sequence is None else set(full)
+                worker = self._pick(key, tried, head)
+                if worker is None and head.record is not None and head.record.on_demand:
+                    self.placement.demand(head.record, float("inf"))   # evicted while it waited: load again
+                while worker is not None:
+                    hold = self.batcher.hold_until(model, worker.worker_id, now)
+                    if worker.inflight:  # stage the next batch just in time, not behind the one computing
+                        hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
+                    if hold is not None and hold > now:  # worth waiting: come back then
+                        self.alarm.at(hold, now)
+                        sent = None
+                    else:
+                        sent = self._dispatch(model, worker, now)
+                    if sent:
+                        moved = True
+                        break
+                    if sent is False:
+                        full.add(worker.worker_id)
+                    if tried is full:
+                        break
+                    tried.add(worker.worker_id)
+                    worker = self._pick(key, tried, head)
         due = self.batcher.next_due()
         if due is not None:  # answer the next request to expire when it does, not at the next sweep
             self.alarm.at(due, now)
@@ -257,17 +267,20 @@ class Serving:
                 self.back.send(w.identity, Release(blocks=w.take_releases()))
 
     def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
-        best = None
-        gen = head.generate is not None
+        best, best_rank = None, None
+        gen, seq = head.generate is not None, head.sequence is not None
         for w in self.roster:
             if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head) and \
-                    (not gen or self.streams.room(w, key, head.model) > 0) and \
-                    (head.sequence is None or self.sequences.can_run(head, w, key)):
-                if best is None or len(w.inflight) < len(best.inflight):
-                    best = w
+                    (not gen or self.streams.room(w, key, head.model) > 0):
+                # a sequence model's head goes first to a worker that may run it (its own, or one with a free slot)
+                rank = (seq and not self.sequences.can_run(head, w, key), len(w.inflight))
+                if best is None or rank < best_rank:
+                    best, best_rank = w, rank
         return best
 
-    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
+    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool | None:
+        """Stage and send the next batch of `model` to `worker`: True when requests left the queue,
+        False when the input arena is full, None when none may run there (a sequence model's)."""
         entry = self.registry.models[model]
         room = fits = None
         if entry.is_generator:   # no more sequences than the worker has free slots
@@ -275,6 +288,8 @@ class Serving:
         elif entry.decl.sequence_batching is not None:   # one step a sequence, on its worker, starts in free slots
             fits = self.sequences.chooser(worker, model_key(model, self.batcher.head(model, now).version))
         batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now, room, fits)
+        if not batch:
+            return None
         # compute is wasted on a request its batch cannot answer before its deadline; a staged
         # batch starts when the one computing is predicted to end
         start = max(now, worker.free_at) if worker.inflight else now

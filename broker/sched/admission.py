@@ -164,8 +164,9 @@ class Admission:
             if msg.generate is not None or checked.model.is_generator else None
         ticket = self.sequences.check(checked.model, msg, checked.rows) \
             if msg.sequence is not None or model.sequence_batching is not None else None
-        if ticket is not None and ticket.version not in (None, checked.version) and msg.version is None:
+        if ticket is not None and ticket.version not in (None, checked.version):
             # a sequence's requests stay on the version it started on, whatever the traffic split says
+            self.sequences.on_version(ticket, msg)
             intake = self._intake(replace(msg, version=ticket.version), sizes)
             checked = intake.checked
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms

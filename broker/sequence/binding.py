@@ -6,9 +6,11 @@ holds which worker and state slot. Pure: an injected clock, no sockets.
   non-start request names a live sequence, else the error says why (never started, ended by its
   end flag, idle, lost with its worker). Every request of a sequence takes its start's priority
   level, so the level's FIFO order is the sequence's order.
-* Dispatch: the pump sends a head whose sequence is bound only to its worker, an unbound one
-  (a start) only to a worker with a free slot (`can_run`); a batch takes at most one request of
-  a sequence and starts only up to the worker's free slots (`chooser`, the batcher's `fits`);
+* Dispatch: the pump offers a head to a worker that may run it first - its sequence's worker,
+  or (a start) one with a free slot (`can_run`) - then to the others; a batch to a worker takes
+  the queued requests that may run there, in queue order: at most one of a sequence, none
+  behind one of its own left waiting, bound ones only there, starts only into its free slots
+  (`chooser`, the batcher's `fits`); what cannot run waits without holding back the rest;
   `dispatched` binds starts to the lowest free slot and gives each request its SeqStep.
 * End: a dispatched request with the end flag frees the slot when it leaves (its batch's Done);
   a sequence with nothing queued or running for max_sequence_idle_us ends at the next sweep; a
@@ -35,7 +37,7 @@ END, IDLE, WORKER_DIED, UNLOADED = "end", "idle", "worker_died", "unloaded"
 class Seq:
     """One life of a sequence, from its start to its end."""
     __slots__ = ("model", "corrid", "priority", "version", "worker", "key", "slot", "last_use", "outstanding",
-                 "closing", "ended")
+                 "closing", "began", "ended")
 
     def __init__(self, model: str, corrid, priority: int, version: str, now: float):
         self.model, self.corrid, self.priority, self.version = model, corrid, priority, version
@@ -45,6 +47,7 @@ class Seq:
         self.last_use = now
         self.outstanding = 0               # its requests admitted and not yet answered
         self.closing = False               # its end request is admitted: only a start may follow
+        self.began = False                 # a start of it ran on its worker (its slot's state is its own)
         self.ended: tuple | None = None    # (reason, text) once it ended
 
 
@@ -149,6 +152,16 @@ class Sequences:
             raise self.unknown(name, cid)
         return Ticket(seq, ref, seq.priority, seq.version)
 
+    def on_version(self, ticket: Ticket, msg) -> None:
+        """A request whose routing picked another version than its sequence's: refused when it named
+        that version (its state is on the other), else it goes to the sequence's."""
+        if msg.version is not None:
+            self.of(msg.model).refused += 1
+            raise fail(Code.INVALID_ARGUMENT, f"sequence {ticket.ref.id!r} of model {msg.model!r} runs on version "
+                       f"{ticket.version!r}, which holds its state: name that version or none (or end the sequence and "
+                       f"start it again on {msg.version!r})", reason="sequence_version", model=msg.model,
+                       version=ticket.version)
+
     def unknown(self, model: str, cid) -> TgwError:
         """The error for a non-start request of a sequence that is not live (Triton's words first)."""
         why = self.ended.get((model, cid))
@@ -202,12 +215,13 @@ class Sequences:
         return bool(self.pool(w, key).free)
 
     def chooser(self, w, key: str) -> Callable:
-        """The batcher's `fits(p, ok)` for one batch to `w`, shown every request it scans in queue
-        order: at most one request of a sequence (and none after one skipped), bound ones only of
-        `w`, unbound ones only up to `w`'s free slots."""
+        """The batcher's `fits(p, ok)` for one batch of `key` to `w`, shown every request it scans in
+        queue order: at most one request of a sequence (and none after one skipped), bound ones
+        only of `w`, unbound ones only up to `w`'s free slots. What it refuses keeps its place and
+        does not hold back the other sequences behind it (no head-of-line blocking)."""
         seen: set = set()
         free = [len(self.pool(w, key).free)]
-        ident = w.identity
+        ident, version = w.identity, split_model_key(key)[1]
 
         def fits(p, ok: bool) -> bool:
             step = p.sequence
@@ -217,7 +231,7 @@ class Sequences:
             if seq in seen:
                 return False
             seen.add(seq)
-            if not ok or seq.ended is not None:
+            if not ok or seq.ended is not None or p.version != version:
                 return False
             if seq.slot is not None:
                 return seq.worker == ident and seq.key == key
@@ -299,8 +313,9 @@ class Sequences:
 
     def exits(self, ps: list, code: str | None, now: float) -> None:
         """Requests leave (admission's exit hook): a dispatched end request frees its slot; an end
-        never dispatched leaves the sequence live; a start never dispatched of a sequence never
-        bound ends it (its later requests have no state to step)."""
+        never dispatched leaves the sequence live; a start that did not run (withdrawn, expired,
+        left out by its worker) ends a sequence none of whose starts ran: its later requests have
+        no state to step."""
         for p in ps:
             step = p.sequence
             if step is None:
@@ -315,7 +330,9 @@ class Sequences:
                 self._end(seq, END, "its request with sequence_end was answered")
             elif step.end:
                 seq.closing = False
-            elif step.start and not ran and seq.slot is None:
+            if step.start and ran:
+                seq.began = True
+            elif step.start and not seq.began and seq.ended is None:
                 self._end(seq, END, f"its start request was not run ({code or 'withdrawn'})")
 
     def sweep(self, now: float) -> None:

@@ -75,7 +75,8 @@ def test_interleaved_sequences_keep_their_own_state_on_their_own_worker(broker):
         with pytest.raises(TgwError, match="must specify a non-zero or non-empty correlation ID"):
             c.infer("acc", {"INPUT": np.array([[1]], np.int32)})
 
-    # twice as many sequences as one worker's slots, all at once, each stepped by its own caller
+    # more sequences at once than both workers' slots, each stepped by its own caller: the starts
+    # that find no slot wait for one without holding back the sequences that hold one
     sums, errors = {}, []
 
     def run(cid: int) -> None:
@@ -89,16 +90,16 @@ def test_interleaved_sequences_keep_their_own_state_on_their_own_worker(broker):
                 sums[cid] = total
             except (AssertionError, TgwError) as exc:
                 errors.append(exc)
-    threads = [threading.Thread(target=run, args=(cid,)) for cid in range(100, 100 + 2 * SLOTS)]
+    threads = [threading.Thread(target=run, args=(cid,)) for cid in range(100, 100 + 3 * SLOTS)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and len(sums) == 2 * SLOTS, errors
+    assert not errors and len(sums) == 3 * SLOTS, errors
     with Client(broker.address) as c:
         n = counters(c)
-        assert n["misrouted"] == 0 and n["live"] == 0 and n["ended"] == {"end": 2 + 2 * SLOTS}
-        assert n["steps"] == 6 + 12 * 2 * SLOTS and n["started"] == 2 + 2 * SLOTS and n["refused"] == 3
+        assert n["misrouted"] == 0 and n["live"] == 0 and n["ended"] == {"end": 2 + 3 * SLOTS}
+        assert n["steps"] == 6 + 12 * 3 * SLOTS and n["started"] == 2 + 3 * SLOTS and n["refused"] == 3
     with urllib.request.urlopen(f"{broker.http}/metrics", timeout=10) as r:
         assert 'tgw_sequence_misrouted_total{model="acc"} 0.0' in r.read().decode()
 

@@ -59,10 +59,11 @@ class Rig:
 
     def dispatch(self, w) -> list:
         """One batch to `w` as the pump forms it: [(corrid, slot, start, end)]."""
-        head = self.batcher.head("acc")
-        if head is None or not self.seqs.can_run(head, w, KEY):
+        if not self.batcher.queued("acc"):
             return []
         batch = self.batcher.next_batch("acc", BIG, None, self.clock(), None, self.seqs.chooser(w, KEY))
+        if not batch:
+            return []
         for p in batch:
             p.dispatch(self.clock())
         self.last = batch
@@ -174,6 +175,11 @@ def test_an_end_never_run_leaves_the_sequence_live_and_a_start_never_run_ends_it
     r.batcher.remove(start)
     r.seqs.exits([start], "DEADLINE_EXCEEDED", r.clock())
     assert "its start request was not run (DEADLINE_EXCEEDED)" in r.refused(2)
+    r.admit(3, start=True)
+    assert r.dispatch(w) == [(1, 0, False, False), (3, 1, True, False)]
+    r.last[1].take_back()   # withdrawn from its batch on the worker: it never ran, its slot holds no state of 3
+    r.done()
+    assert "its start request was not run (withdrawn)" in r.refused(3) and r.seqs.of("acc").live == 1
 
 
 def test_a_dead_workers_sequences_end_their_queued_steps_are_answered_and_later_ones_told():
@@ -225,3 +231,32 @@ def test_a_version_its_worker_no_longer_holds_takes_its_sequences_along():
     assert "its version acc:1 was unloaded from its worker" in r.seqs.orphan_error(queued).message
     c = r.seqs.of("acc")
     assert dict(c.ended) == {"unloaded": 1} and c.live == 1 and c.slots == 2 and "unloaded" in r.refused(1)
+
+
+def test_a_step_naming_another_version_than_its_sequences_is_refused():
+    r = Rig()
+    r.admit(1, start=True)
+    ticket = r.seqs.check(r.models["acc"], r.msg(1), 1)
+    r.seqs.on_version(ticket, r.msg(1))   # named none: it goes to the sequence's version
+    with pytest.raises(TgwError, match="runs on version '1', which holds its state"):
+        r.seqs.on_version(ticket, r.msg(1, version="2"))
+
+
+def test_a_start_waiting_for_a_slot_or_a_busy_worker_holds_back_no_other_sequence():
+    r, w1, w2 = Rig(slots=1), worker(1), worker(2)
+    r.admit(1, start=True)
+    assert r.dispatch(w1) == [(1, 0, True, False)]
+    r.admit(2, start=True)
+    assert r.dispatch(w2) == [(2, 0, True, False)]
+    r.admit(3, start=True)   # no slot left anywhere: waits at the head
+    r.admit(1)
+    r.admit(2)
+    r.admit(1, end=True)
+    assert r.batcher.head("acc").sequence.seq.corrid == 3
+    assert r.dispatch(w2) == [(2, 0, False, False)]   # behind the waiting start, on its own worker
+    assert r.dispatch(w1) == [(1, 0, False, False)]
+    assert r.dispatch(w1) == [(1, 0, False, True)]
+    assert r.dispatch(w1) == []   # 1's slot is freed only when its end is answered
+    r.done()
+    assert r.dispatch(w1) == [(3, 0, True, False)] and r.batcher.queued("acc") == 0
+    assert r.seqs.of("acc").misrouted == 0
