@@ -203,6 +203,34 @@ def test_a_client_that_disconnects_frees_its_slot(broker, native):
     assert sum(native.stats()["cancelled"][MODEL].values()) >= 1
 
 
+def test_a_client_that_hangs_up_mid_stream_frees_its_slot(broker, native):
+    """The openai client reads a stream's first chunk; the worker is paused with the sequence
+    still running (tried again if it had already ended); the client closes the stream; once the
+    worker runs again, the sequence is cancelled at its next step and its slot freed."""
+    gen = lambda: native.status()["models"][MODEL]["generation"]   # noqa: E731
+    workers = [p["pid"] for p in native.stats()["processes"] if p["role"] == "worker"]
+    client = openai.OpenAI(base_url=f"{broker.http}/v1", api_key=TOKEN, max_retries=0)
+    for _ in range(5):
+        wait_until(lambda: gen()["active"] == 0, what="no sequence running")
+        freed = gen()["freed_by_cancel"]
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, stream=True,
+                                           extra_body={"top_k": 1})
+        assert next(iter(stream)).choices[0].text is not None
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            running = gen()["active"] == 1
+            stream.close()
+            native.status()   # a round trip on the broker's loop, which saw the hang-up first
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        if running:
+            wait_until(lambda: gen()["active"] == 0 and gen()["freed_by_cancel"] == freed + 1, what="the slot freed")
+            return
+    pytest.fail("each of 5 streams had ended before the worker could be paused")
+
+
 def test_docs_example_runs_as_printed(broker):
     code = readme_block("openai-example:python").replace("http://127.0.0.1:8000", broker.http).replace("TOKEN", TOKEN)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -123,12 +123,15 @@ def test_tgw_errors_keep_their_status_in_openai_shape():
 def test_the_config_names_a_bad_tokenizer_or_template_by_its_key():
     from pydantic import ValidationError
 
-    from tgw.broker.config.schema_models import ModelDecl
+    from tgw.broker.config.schema_models import ModelDecl, tokenizer_class
+    from tgw.shm.byte_tokenizer import Tokenizer
     gen = {"state": [{"name": "kv", "dtype": "float32", "shape": [2]}], "max_sequences": 2, "tokenizer": "bytes"}
     base = dict(name="g", versions=[{"version": "1", "handler": "a.b:C"}],
                 inputs=[{"name": "p", "dtype": "int64", "shape": [-1]}],
                 outputs=[{"name": "t", "dtype": "int64", "shape": []}], generator=gen)
     assert ModelDecl(**base, options={"chat_template": "{{ messages }}"}).generator.tokenizer == "bytes"
+    named = ModelDecl(**{**base, "generator": {**gen, "tokenizer": "tgw.shm.byte_tokenizer:Tokenizer"}})
+    assert tokenizer_class(named.generator.tokenizer) is Tokenizer is tokenizer_class("bytes")
     for change, words in (({"generator": {**gen, "tokenizer": "no.such.module:T"}}, "cannot be imported"),
                           ({"generator": {**gen, "tokenizer": "json:loads"}}, "not a class with encode"),
                           ({"generator": {**gen, "tokenizer": "sentencepiece"}}, "package.module:Class"),
