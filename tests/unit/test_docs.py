@@ -54,6 +54,7 @@ MARKERS = {
     "generator-example:config": "test_demo_generator.py::test_the_docs_config_is_the_demos_declaration",
     "generator-example:handler": "test_demo_generator.py::test_the_docs_handler_excerpt_is_the_code",
     "generator-example:stream": "test_demo.py::test_the_generator_streams_what_the_model_generates_in_process",
+    "sequence-example:handler": "test_sequence_loop.py::test_the_docs_handler_is_the_demos_code",
 }
 
 
