@@ -6,6 +6,7 @@ start resets, state isolation between slots, control inputs and Triton's input n
 failures, and the warm-up's refusals."""
 from __future__ import annotations
 
+import inspect
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import sequence_handlers
+from conftest import readme_block
 from test_stage_loop import Rig
 from test_worker_loader import LoaderSide
 
@@ -181,3 +183,11 @@ def test_the_load_refuses_a_model_that_breaks_its_sequence_declaration(tmp_path)
         make_runner(handler("NoStep"), CPU)
     with pytest.raises(PoolSizeError, match="holds 0 slots: one sequence's state is 512 bytes"):
         make_runner(handler("Counter", state_memory_mb=0.0001), CPU)
+
+
+def test_the_docs_handler_is_the_demos_code():
+    """docs/SEQUENCES-MODEL.md's tiny-rnn is workers/demo_sequence.py's, line for line."""
+    from tgw.workers import demo_sequence
+    source = inspect.getsource(demo_sequence.TinyRNN).splitlines()
+    excerpt = [line for line in readme_block("sequence-example:handler").splitlines() if line.strip()]
+    assert excerpt == [line for line in source if line.strip() and '"""' not in line]

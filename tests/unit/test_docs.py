@@ -57,6 +57,7 @@ MARKERS = {
     "generator-example:handler": "test_demo_generator.py::test_the_docs_handler_excerpt_is_the_code",
     "generator-example:stream": "test_demo.py::test_the_generator_streams_what_the_model_generates_in_process",
     "openai-example:python": "test_openai.py::test_docs_example_runs_as_printed",
+    "sequence-example:handler": "test_sequence_loop.py::test_the_docs_handler_is_the_demos_code",
 }
 
 
