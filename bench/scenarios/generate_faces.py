@@ -200,9 +200,10 @@ def run(a: argparse.Namespace) -> int:
             "outputs_per_request": gen_model.OUTPUTS, "prompt_lengths": list(gen_model.PROMPT_LENGTHS),
             "streams": levels, "per_stream": {n: per_stream(n, a.quick) for n in levels}, "rounds": rounds,
             "workers": a.workers, "torch_threads_per_worker": 1, "sampling": "greedy (temperature 0)",
-            "clients": "all on one event loop in the bench process: native AsyncClient (one connection); "
-                       "tritonclient.grpc.aio, one decoupled stream per caller; aiohttp, one POST per request to "
-                       "generate_stream; openai.AsyncOpenAI completions stream=True",
+            "clients": "all in the bench process, on one event loop but tritonclient's stream thread: native "
+                       "AsyncClient (one connection); tritonclient.grpc start_stream, one decoupled stream with every "
+                       "caller's requests interleaved (its aio client refuses the empty-final-response parameter); "
+                       "aiohttp, one POST per request to generate_stream; openai.AsyncOpenAI completions stream=True",
             "broker_cpu": "user+system seconds of the broker process (not its workers) over the row / outputs",
             "client_cpu": "process_time of the bench process (every client runs in it) over the row / outputs",
             "order": "per round, per level, the faces back to back, each round starting at the next face; each "

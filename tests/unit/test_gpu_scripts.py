@@ -48,8 +48,10 @@ zipp"""
 # imported by nothing the GPU run executes: tracing's exporter, and the demo's stages (their image
 # and text libraries; torchvision's decoder is used only where it imports)
 # litserve and fastapi: the generate bench's LitServe row, an optional extra (bench-litserve) whose
-# absence the row records
-NOT_ON_THE_GPU_RUN = {"opentelemetry", "PIL", "simplejpeg", "tokenizers", "torchvision", "litserve", "fastapi"}
+# absence the row records; openai and tritonclient: the clients `tgw-bench generate-faces` drives
+# the faces with (bench/harness/face_drive.py, imported when that scenario runs, never on the GPU run)
+NOT_ON_THE_GPU_RUN = {"opentelemetry", "PIL", "simplejpeg", "tokenizers", "torchvision", "litserve", "fastapi",
+                      "openai", "tritonclient"}
 # run, not imported: the GPU bench's Flask row is `python -m gunicorn`
 RUN_AS_COMMANDS = {"gunicorn"}
 MUST_CARRY = ("pyzmq", "msgspec", "lz4", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
