@@ -17,6 +17,7 @@ from tgw.shm.errors import (
     UnauthenticatedError,
     ModelNotFoundError,
     VersionNotFoundError,
+    JobNotFoundError,
     ModelNotReadyError,
     RateLimitedError,
     OverloadedError,
@@ -35,6 +36,7 @@ from .aio import AsyncClient
 from .client import Client
 from .gen_stream import AsyncGeneration, Generation
 from .generation import GenerationEnd
+from .jobs import AsyncJob, Job, JobCancelled
 from .results import InferResult
 from .retry import RetryPolicy
 from .settings import ConnectError
@@ -42,6 +44,6 @@ from .stream import StreamResult
 
 __all__ = [
     "Client", "AsyncClient", "ConnectError", "InferResult", "RetryPolicy", "StreamResult", "Code", "TgwError",
-    "Generation", "AsyncGeneration", "GenerationEnd",
-    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
+    "Generation", "AsyncGeneration", "GenerationEnd", "Job", "AsyncJob", "JobCancelled",
+    'InvalidArgumentError', 'InvalidInputShapeError', 'InvalidInputDtypeError', 'PayloadTooLargeError', 'UnauthenticatedError', 'ModelNotFoundError', 'VersionNotFoundError', 'JobNotFoundError', 'ModelNotReadyError', 'RateLimitedError', 'OverloadedError', 'DeadlineExceededError', 'CircuitOpenError', 'OutOfGpuMemoryError', 'OutOfShmError', 'WorkerDiedError', 'ModelExecutionError', 'ModelExecutionErrorError', 'InternalError', 'UnavailableError',
 ]

@@ -136,8 +136,9 @@ class AsyncClient:
 
     async def infer(self, model: str, inputs: dict[str, Any], *, retry: RetryPolicy | None = None,
                     **options) -> dict[str, Any]:
-        """As Client.infer, awaited (the same options and errors). Cancelling the awaiting task
-        cancels the request at the broker if it is still queued."""
+        """As Client.infer, awaited (the same options and errors, `sequence_id`, `sequence_start`
+        and `sequence_end` among them). Cancelling the awaiting task cancels the request at the
+        broker if it is still queued."""
         return (await self.infer_with_meta(model, inputs, retry=retry, **options)).outputs
 
     async def infer_with_meta(self, model: str, inputs: dict[str, Any], *, retry: RetryPolicy | None = None,
@@ -204,6 +205,27 @@ class AsyncClient:
                        source="client")
         return self._link
 
+    async def submit(self, model: str, inputs: Any, *, generate: dict | None = None, version: str | None = None,
+                     timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
+                     compress: bool | str = False, tenant: str | None = None, routing_key: str | None = None,
+                     traceparent: str | None = None):
+        """As Client.submit, awaited: an AsyncJob."""
+        from .jobs import AsyncJob, submit_call
+        if self._link is None:
+            await self.connect()
+        ranks = await self.input_ranks(model) if generate is not None else None
+        call = submit_call(self, ranks, model, inputs, generate,
+                           dict(version=version, timeout=timeout, outputs=outputs, priority=priority,
+                                compress=compress, tenant=tenant, routing_key=routing_key, traceparent=traceparent))
+        check_size(call.declared, call.sent, self.max_request_bytes)
+        reply, _ = await self._link.request(call.msg, call.frames, self.connect_timeout, call.sent)
+        return AsyncJob(self, reply.job_id, call.msg.tenant)
+
+    def job(self, job_id: str, *, tenant: str | None = None):
+        """As Client.job: an AsyncJob."""
+        from .jobs import AsyncJob
+        return AsyncJob(self, job_id, tenant if tenant is not None else self.tenant)
+
     async def region(self, nbytes: int, **options):
         """As Client.region, awaited."""
         from .regions import Region
@@ -235,6 +257,12 @@ class AsyncClient:
             await self.connect()
         msg.id, msg.token = next(self._ids), self.token
         return (await self._link.request(msg, [], timeout or self.connect_timeout))[0]
+
+    async def _call_frames(self, msg, wait_s: float):
+        if self._link is None:
+            await self.connect()
+        msg.id, msg.token = next(self._ids), self.token
+        return await self._link.request(msg, [], wait_s)
 
     async def _infer(self, call: Call):
         check_size(call.declared, call.sent, self.max_request_bytes)

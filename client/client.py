@@ -96,7 +96,8 @@ class Client:
               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
               compress: bool | str = False, tenant: str | None = None, routing_key: str | None = None,
               traceparent: str | None = None, return_type: str = "numpy", region=None,
-              retry: RetryPolicy | None = None, **options) -> dict[str, Any]:
+              retry: RetryPolicy | None = None, sequence_id: int | str | None = None, sequence_start: bool = False,
+              sequence_end: bool = False, **options) -> dict[str, Any]:
         """Run `model` on `inputs` (name -> numpy array or torch tensor, leading batch dim);
         returns name -> numpy array (torch tensors with `return_type="torch"`).
 
@@ -110,14 +111,18 @@ class Client:
         context, "00-<trace id>-<span id>-<flags>") makes the broker's spans children of your
         span (infer_with_meta returns the one that comes back); `region` (from `self.region()`)
         carries large tensors through shared memory instead of the socket; `retry` overrides the
-        client's retry policy. Further options (`wire_dtype`, `cuda_out`) are described in the
+        client's retry policy. `sequence_id` (a non-zero uint64 or a non-empty string, as the
+        model's sequence_batching.correlation_id says), `sequence_start`, `sequence_end`: a step of
+        a sequence model's sequence (docs/SEQUENCES.md), as Triton's clients send them. Further options (`wire_dtype`, `cuda_out`) are described in the
         client guide, docs/CLIENT.md."""
         tries = Attempts(retry if retry is not None else self.retry, timeout, region)
         while True:
             call = prepare(next(self._ids), model, inputs, token=self.token, default_tenant=self.tenant,
                            address=self.address, version=version, timeout=tries.left(), outputs=outputs,
                            priority=priority, compress=compress, tenant=tenant, routing_key=routing_key,
-                           traceparent=traceparent, return_type=return_type, region=region, **options)
+                           traceparent=traceparent, return_type=return_type, region=region,
+                           sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end,
+                           **options)
             try:
                 reply, frames = self._infer(call)
                 self._local.reply = reply   # for infer_with_meta (this thread's last answer)
@@ -171,6 +176,30 @@ class Client:
                           version=version, timeout=timeout, priority=priority, tenant=tenant,
                           routing_key=routing_key, traceparent=traceparent)
 
+    def submit(self, model: str, inputs: Any, *, generate: dict | None = None, version: str | None = None,
+               timeout: float | None = None, outputs: list[str] | None = None, priority: int = 0,
+               compress: bool | str = False, tenant: str | None = None, routing_key: str | None = None,
+               traceparent: str | None = None):
+        """Submit a job (docs/JOBS.md): the broker answers at once with its id and runs it as it
+        runs any request; returns a Job to read its status, outputs so far and result from (or
+        to cancel). `generate` (a dict of max_outputs, sampling, seed, as generate's) makes it a
+        generation, its `inputs` one sequence's; `timeout` bounds the job's run (seconds, from
+        its submission; the model's timeout when None). The other options are infer's."""
+        from .jobs import Job, submit_call
+        ranks = self.input_ranks(model) if generate is not None else None
+        call = submit_call(self, ranks, model, inputs, generate,
+                           dict(version=version, timeout=timeout, outputs=outputs, priority=priority,
+                                compress=compress, tenant=tenant, routing_key=routing_key, traceparent=traceparent))
+        check_size(call.declared, call.sent, self.max_request_bytes)
+        reply, _ = self._call(call.msg, call.frames, self.connect_timeout, nbytes=call.sent)
+        return Job(self, reply.job_id, call.msg.tenant)
+
+    def job(self, job_id: str, *, tenant: str | None = None):
+        """The job `job_id` (submitted by this client or any other, to this broker run): a Job.
+        `tenant`: the one that submitted it (default: this client's)."""
+        from .jobs import Job
+        return Job(self, job_id, tenant if tenant is not None else self.tenant)
+
     def region(self, nbytes: int, **options):
         """Register a shared-memory region of `nbytes` with the broker (same host, same uid):
         pass it as `infer(..., region=r)` and tensors above its threshold travel through it, not
@@ -209,6 +238,11 @@ class Client:
         """A request that is not an infer, given its id and token here; answered in connect_timeout."""
         msg.id, msg.token = next(self._ids), self.token
         return self._call(msg, [], timeout or self.connect_timeout)[0]
+
+    def _call_frames(self, msg, wait_s: float):
+        """A request other than infer, given its id and token here: its reply and frames."""
+        msg.id, msg.token = next(self._ids), self.token
+        return self._call(msg, [], wait_s)
 
     def _infer(self, call: Call):
         check_size(call.declared, call.sent, self.max_request_bytes)

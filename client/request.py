@@ -7,11 +7,12 @@ whichever way the call ends: a reply, an error, a timeout, a cancel or a lost co
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from tgw.shm.compression import for_address
 from tgw.shm.errors import Code, fail
-from tgw.shm.wire import PROTOCOL_VERSION, Infer
+from tgw.shm.wire import PROTOCOL_VERSION, Infer, SequenceRef
 
 from . import cuda as cuda_ipc   # no torch at import: only a call with CUDA tensors imports it
 from .tensors import decode_outputs, encode as encode_tensors
@@ -81,7 +82,8 @@ def prepare(req_id: int, model: str, inputs: dict[str, Any], *, token: str | Non
             address: str, version: str | None = None, timeout: float | None = None, outputs: list[str] | None = None,
             priority: int = 0, compress: bool | str = False, tenant: str | None = None,
             routing_key: str | None = None, traceparent: str | None = None, return_type: str = "numpy",
-            region=None, cuda_out: dict | None = None, wire_dtype: str | None = None) -> Call:
+            region=None, cuda_out: dict | None = None, wire_dtype: str | None = None, sequence_id: int | str | None = None,
+            sequence_start: bool = False, sequence_end: bool = False) -> Call:
     """The Call for Client.infer's arguments (see there) to the broker at `address`; raises the
     TgwError a bad argument gets."""
     if timeout is not None and not timeout >= 0:
@@ -90,6 +92,7 @@ def prepare(req_id: int, model: str, inputs: dict[str, Any], *, token: str | Non
         raise fail(Code.INVALID_ARGUMENT, f"return_type must be one of {RETURN_TYPES}, got {return_type!r}")
     if compress not in (True, False, "auto"):
         raise fail(Code.INVALID_ARGUMENT, f"compress must be True, False or 'auto', got {compress!r}")
+    sequence = sequence_ref(sequence_id, sequence_start, sequence_end)
     compress = for_address(compress, address)   # "auto" is off over ipc:// (docs/PROTOCOL.md section 4)
     host, on_gpu = cuda_ipc.split(inputs)   # CUDA tensors go by handle (encode would copy them to the host)
     metas, frames, declared, sent = encode_tensors(host, compress, wire_dtype) if host or not on_gpu else ([], [], 0, 0)
@@ -97,10 +100,33 @@ def prepare(req_id: int, model: str, inputs: dict[str, Any], *, token: str | Non
                 priority=priority, compress_outputs=compress,
                 timeout_ms=None if timeout is None else math.ceil(timeout * 1000), token=token,
                 tenant=tenant if tenant is not None else default_tenant, routing_key=routing_key,
-                traceparent=traceparent)
+                traceparent=traceparent, sequence=sequence)
     call = Call(msg, frames, declared, sent, timeout, return_type, region)
     if region is not None:
         region.place(call)   # large tensors into the region (their frames emptied), an output slice
     if on_gpu or cuda_out:
         call.cuda = cuda_ipc.place_cuda(call, on_gpu, cuda_out)
     return call
+
+
+def sequence_ref(sequence_id, start: bool, end: bool) -> SequenceRef | None:
+    """The request's sequence (docs/SEQUENCES.md): a correlation id - a uint64 (1 .. 2**64-1) or a
+    non-empty string, as the model declares - and its start/end flags; None: no sequence."""
+    if type(start) is not bool or type(end) is not bool:
+        raise fail(Code.INVALID_ARGUMENT, f"sequence_start and sequence_end are booleans, got {start!r} and {end!r}")
+    if sequence_id is None:
+        if start or end:
+            raise fail(Code.INVALID_ARGUMENT, "sequence_start/sequence_end need a sequence_id")
+        return None
+    if isinstance(sequence_id, str):
+        if not sequence_id:
+            raise fail(Code.INVALID_ARGUMENT, "sequence_id must be a non-zero uint64 or a non-empty string, got ''")
+        return SequenceRef(id=sequence_id, start=start, end=end)
+    try:
+        cid = operator.index(sequence_id) if not isinstance(sequence_id, bool) else None
+    except TypeError:
+        cid = None
+    if cid is None or not 0 < cid < 1 << 64:
+        raise fail(Code.INVALID_ARGUMENT, f"sequence_id must be a non-zero uint64 or a non-empty string, got "
+                   f"{sequence_id!r}")
+    return SequenceRef(id=cid, start=start, end=end)

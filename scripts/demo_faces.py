@@ -31,6 +31,7 @@ from tgw.client import Client, TgwError
 from tgw.workers.demo_tokenizer import Tokenizer
 
 SEQUENCE_MODEL = "accumulator"
+SEQUENCE_MODELS = ("accumulator", "tiny-rnn")   # the demo's: plain traffic cannot step them
 STEPS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5]]   # two interleaved sequences' inputs
 
 

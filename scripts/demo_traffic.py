@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+import demo_faces
 import demo_generate
 import demo_http
 import demo_pipelines
@@ -153,11 +154,14 @@ def main() -> int:
     wait_ready(args.address, args.broker_pid)
     with Client(args.address) as c:
         served = c.models()
-        http = c.status()["http"]
+        status = c.status()
+        http, grpc = status["http"], status["grpc"]
     # the pipelines and the stages they run are driven by demo_pipelines: images and text, not random
-    # tensors; the generator by demo_generate: it streams
+    # tensors; the generator by demo_generate and demo_faces: it streams; the sequence models by
+    # demo_faces: their requests carry a sequence id
     models = [m for m in served
-              if m["name"] not in (*demo_pipelines.PIPELINES, *demo_pipelines.STAGES, demo_generate.MODEL)]
+              if m["name"] not in (*demo_pipelines.PIPELINES, *demo_pipelines.STAGES, demo_generate.MODEL,
+                                   *demo_faces.SEQUENCE_MODELS)]
     rows, failed = [], False
     for face, url in (("native", None), ("async", None), ("HTTP", http)):
         for model in models:
@@ -185,6 +189,13 @@ def main() -> int:
     generate_rows, generate_failed = demo_generate.run(args.address, args.models_dir)
     demo_generate.show(generate_rows)
     failed |= generate_failed
+    if grpc:
+        face_rows, faces_failed = demo_faces.generate_on_faces(http, grpc, args.models_dir)
+        demo_generate.show(face_rows)
+        _, sequences_failed = demo_faces.sequences_on_faces(args.address, http, grpc)
+        failed |= faces_failed or sequences_failed
+    else:
+        print("\nthe gRPC face is off (start with --grpc-port): tiny-gpt's streams over gRPC, HTTP and openai skipped")
     if not any(m["name"] == "mlp-aoti" for m in models):
         print("mlp-aoti: not served, no C++ compiler was found to build its AOTInductor package (the broker log "
               "says so); install g++ and start again to add it")

@@ -19,6 +19,7 @@ class Code(str, Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
     VERSION_NOT_FOUND = "VERSION_NOT_FOUND"
+    JOB_NOT_FOUND = "JOB_NOT_FOUND"          # a polled job's id: unknown, expired, or from an earlier broker run
     MODEL_NOT_READY = "MODEL_NOT_READY"
     RATE_LIMITED = "RATE_LIMITED"
     OVERLOADED = "OVERLOADED"
@@ -43,6 +44,7 @@ ERROR_TABLE: dict[Code, tuple[int, bool]] = {
     Code.UNAUTHENTICATED: (401, False),
     Code.MODEL_NOT_FOUND: (404, False),
     Code.VERSION_NOT_FOUND: (404, False),
+    Code.JOB_NOT_FOUND: (404, False),
     Code.MODEL_NOT_READY: (503, True),
     Code.RATE_LIMITED: (429, True),
     Code.OVERLOADED: (429, True),
@@ -121,6 +123,10 @@ class ModelNotFoundError(TgwError):
 
 class VersionNotFoundError(TgwError):
     code = Code.VERSION_NOT_FOUND
+
+
+class JobNotFoundError(TgwError):
+    code = Code.JOB_NOT_FOUND
 
 
 class ModelNotReadyError(TgwError):

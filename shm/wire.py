@@ -20,6 +20,7 @@ from .wire_control import (ControlReply, LoadVersion, Metadata, MetadataReply, M
                            RolloutPolicy, Scrape, ScrapeReply, SetTraffic, UnloadVersion, VersionInfo)
 from .wire_generate import (CancelSequences, GenerateEnd, GenerateOutputs, GenerateParams, GeneratorSpec,  # noqa: F401
                             GenSeq, Sampling, SeqEnd, StateSpec, StepRows, Steps)
+from .wire_jobs import JOB_STATES, JobAccepted, JobCancel, JobQuery, JobStatus  # noqa: F401
 from .wire_sequence import (CONTROL_KINDS, ControlSpec, CorrId, ImplicitStateSpec, SeqStep, SequenceRef,  # noqa: F401
                             SequenceSpec)
 from .wire_worker import (Batch, BlockTensor, Done, Footprint, GpuReading, Heartbeat, LineGrowth, LoaderHello, LoadModel,  # noqa: F401
@@ -135,7 +136,7 @@ class Snapshot(Struct, tag_field="op", tag="snapshot"):
 
 CONTROL_OPS = (LoadVersion, UnloadVersion, SetTraffic, Reload)
 Request = Union[Hello, Infer, ListModels, Health, Stats, Status, Snapshot, LoadVersion, UnloadVersion, SetTraffic,
-                Metadata, Reload, Scrape, Cancel, Goodbye, RegisterRegion, UnregisterRegion]
+                Metadata, Reload, Scrape, Cancel, Goodbye, RegisterRegion, UnregisterRegion, JobQuery, JobCancel]
 
 
 class Envelope(Struct):
@@ -266,6 +267,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     cuda_faults: dict[str, Any] = {}
     # shadows (active, and the last ended) with their comparisons, guarded rollouts, their decisions
     rollouts: dict[str, Any] = {}
+    # polled jobs (docs/JOBS.md): live, done (kept), bytes, and counts: submitted, expired, evicted, ...
+    jobs: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
@@ -276,7 +279,8 @@ class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
 
 
 Reply = Union[HelloReply, InferReply, ErrorReply, ModelsReply, HealthReply, StatsReply, StatusReply, SnapshotReply,
-              MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply, GenerateOutputs, GenerateEnd]
+              MetadataReply, ControlReply, ScrapeReply, CancelReply, RegionReply, GenerateOutputs, GenerateEnd,
+              JobAccepted, JobStatus]
 
 
 ToWorker = Union[LoadModels, Batch, Release, Stop, SnapshotRequest, LoadModel, UnloadModel, Withdraw, CancelSequences]

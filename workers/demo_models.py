@@ -220,6 +220,11 @@ GPT_TRAIN_STEPS = 1200
 GPT_FILE = f"tiny-gpt-v{DEMO_VERSION}.pt"
 
 
+# tiny-gpt learnt plain text, no chat turns: a chat is its messages' text, one per line, which the
+# model continues (the OpenAI face's /v1/chat/completions, docs/OPENAI.md)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+
+
 def build_generator_decls(out_dir: str, log: Callable[[str], None] = lambda line: None) -> dict:
     """tiny-gpt's weights in `out_dir` (trained first if missing) and its declaration as the demo
     config takes it: name -> {handler, device, options, inputs, outputs, max_batch_size, max_queue,
@@ -231,14 +236,14 @@ def build_generator_decls(out_dir: str, log: Callable[[str], None] = lambda line
         log(f"tiny-gpt: training its weights ({GPT_TRAIN_STEPS} steps on the text tgw ships, once)")
         save_gpt(build_gpt(cfg, seed=1234, train_steps=GPT_TRAIN_STEPS), path)
     return {"tiny-gpt": {
-        "handler": "tgw.workers.demo_generator:TinyGPT", "device": "cpu", "options": {"weights": path},
+        "handler": "tgw.workers.demo_generator:TinyGPT", "device": "cpu", "options": {"weights": path, "chat_template": CHAT_TEMPLATE},
         "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],      # token ids (demo_tokenizer)
         "outputs": [{"name": "token", "dtype": "int64", "shape": []}],
         "max_batch_size": 32, "max_queue": 256,
         "warmup_inputs": [{"prompt": [84, 104, 101, 32]}],                    # "The "
         "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
                       "max_sequences": 32, "max_length": cfg.max_len, "length_input": "prompt",
-                      "max_outputs": 200, "end_tokens": [END]}}}
+                      "max_outputs": 200, "end_tokens": [END], "tokenizer": "bytes"}}}
 
 
 if __name__ == "__main__":

@@ -34,6 +34,21 @@ def config(dims: dict[str, int]):
     return GPTConfig(**dims)
 
 
+def generator_entry(name: str, weights: str, cfg, max_outputs: int, tokenizer: str = "") -> dict[str, Any]:
+    """The benchmarks' generator model entry: the TinyGPT handler on `weights` (a `cfg` model),
+    64 slots a worker, no end token (every request runs to its max_outputs); with `tokenizer`
+    (generator.tokenizer, e.g. "bytes") it is an OpenAI model too (docs/OPENAI.md)."""
+    from tgw.workers.demo_generator import kv_shape
+    return {"name": name, "versions": [{"version": "1", "handler": "tgw.workers.demo_generator:TinyGPT"}],
+            "options": {"weights": weights},
+            "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],
+            "outputs": [{"name": "token", "dtype": "int64", "shape": []}],
+            "max_batch_size": 64, "max_queue": 4096, "timeout_ms": 600_000,
+            "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
+                          "max_sequences": 64, "max_length": cfg.max_len, "length_input": "prompt",
+                          "max_outputs": max_outputs, **({"tokenizer": tokenizer} if tokenizer else {})}}
+
+
 def save_weights(dims: dict[str, int], seed: int, path: str) -> str:
     """The model of `dims` with random weights from `seed`, saved where the TinyGPT handler loads it."""
     from tgw.workers.demo_generator import build_gpt, save_gpt

@@ -8,7 +8,7 @@ import platform
 import re
 import sys
 from importlib import metadata
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import psutil
@@ -259,6 +259,15 @@ def write_outputs(result: dict[str, Any], dest: str, results_md: bool = True, pl
             result, os.path.relpath(stem + ".json", dest), os.path.relpath(stem + ".png", dest)))
         print(f"\nupdated {os.path.join(dest, 'RESULTS.md')} ({result['mode']} section)")
     print(f"wrote {stem}.json and .png; {result['wall_s']:.0f} s")
+
+
+def result_path(out: Optional[str], stem: str, date: str, mode: str) -> str:
+    """Where a scenario's result file goes: `out`/results/ (default bench/ of the checkout when run
+    from its root, else the installed package's bench/, else .), named stem-date[-mode].json."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dest = out or ("bench" if os.path.isfile("bench/cli.py") else
+                   here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
+    return os.path.join(dest, "results", f"{stem}-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
 
 
 def write_json(path: str, data: Any) -> None:

@@ -57,17 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def tgw_config(weights: str, module, workers: int, systems: list[str]) -> dict[str, Any]:
     """The broker of rows (c) and (e): the generator and the one-shot stage (those of them that
     `systems` runs) on `workers` CPU workers, one torch thread each."""
-    from tgw.workers.demo_generator import kv_shape
     cfg = module.cfg
     common = {"max_batch_size": 64, "max_queue": 4096, "timeout_ms": 600_000}
     models = [
-        {"name": GEN, "versions": [{"version": "1", "handler": "tgw.workers.demo_generator:TinyGPT"}],
-         "options": {"weights": weights},
-         "inputs": [{"name": "prompt", "dtype": "int64", "shape": [-1]}],
-         "outputs": [{"name": "token", "dtype": "int64", "shape": []}], **common,
-         "generator": {"state": [{"name": "kv", "dtype": "float32", "shape": kv_shape(cfg)}],
-                       "max_sequences": 64, "max_length": cfg.max_len, "length_input": "prompt",
-                       "max_outputs": gen_faults.LONG}},   # the cancel rows' long streams; the rest ask OUTPUTS
+        gen_model.generator_entry(GEN, weights, cfg, gen_faults.LONG),   # the cancel rows' long streams; the rest ask OUTPUTS
         {"name": ONESHOT, "versions": [{"version": "1", "handler": "tgw.bench.harness.gen_baselines:NextToken"}],
          "options": {"weights": weights},
          "inputs": [{"name": "tokens", "dtype": "int64", "shape": [cfg.max_len]},
@@ -427,10 +420,7 @@ def run(a: argparse.Namespace) -> int:
     res["goals"] = goals(res, levels)
     res["wall_s"] = time.monotonic() - t0
     print("\n" + tables(res, levels))
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dest = a.out or ("bench" if os.path.isfile("bench/cli.py") else
-                     here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
-    path = os.path.join(dest, "results", f"generate-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
+    path = report.result_path(a.out, "generate", date, mode)
     report.write_json(path, res)
     print(f"wrote {path}; {res['wall_s']:.0f} s")
     # LitServe not installed is recorded, not a failure: it is an optional extra

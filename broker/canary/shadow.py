@@ -129,7 +129,8 @@ class Shadows:
         if record is None:
             return
         for p, views in answered:
-            if is_step(p.client) or p.output_region is not None or p.cuda is not None:
+            # a sequence's step is no copy's: its answer comes from state the shadow does not have
+            if is_step(p.client) or p.output_region is not None or p.cuda is not None or p.sequence is not None:
                 continue
             watch.owed += watch.fraction
             if watch.owed < 1.0:

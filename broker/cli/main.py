@@ -108,12 +108,16 @@ def print_status(address: str, reply) -> None:
             print(cache_line(name, m["cache"]))
         if m.get("generation"):
             print(generation_line(name, m["generation"]))
+        if m.get("sequences"):
+            print(sequences_line(name, m["sequences"]))
     for name, p in reply.pipelines.items():
         print(f"pipeline {name}: {p['requests']} requests, {p['replies']} replies, {p['inflight']} in flight"
               + (f", errors {p['errors']}" if p["errors"] else ""))
         for step, s in p["steps"].items():
             print(f"  step {step:<12} {s['model']:<16} sent {s['sent']:>7}  ok {s['ok']:>7}  failed {s['failed']:>5}"
                   f"  mean {s['latency_ms']['mean']:.2f} ms  p99 {s['latency_ms']['p99']:.2f} ms")
+    if reply.jobs.get("submitted"):
+        print(jobs_line(reply.jobs))
     for path in reply.snapshots:
         print(f"snapshot: {path}")
     if reply.reload:
@@ -137,6 +141,21 @@ def generation_line(model: str, g: dict) -> str:
             f"({g['outputs_per_s']:.1f}/s), first output {g['first_output_ms']:.1f} ms, between outputs "
             f"{g['between_outputs_ms']:.1f} ms (means), resumed {g['resumed']}, freed by cancel "
             f"{g['freed_by_cancel']}, ended {g['ended']}")
+
+
+def sequences_line(model: str, s: dict) -> str:
+    """A sequence model's sequences: "sequences accumulator: 3/128 slots live, 40 started, 1200 steps,
+    0 misrouted, 2 refused, ended {'end': 37}" (docs/SEQUENCES.md)."""
+    return (f"sequences {model}: {s['live']}/{s['slots']} slots live, {s['started']} started, {s['steps']} steps, "
+            f"{s['misrouted']} misrouted, {s['refused']} refused, ended {s['ended']}")
+
+
+def jobs_line(j: dict) -> str:
+    """Polled jobs: "jobs: 2 live, 5 kept (0.1/256.0 MiB), 9 submitted, 6 done, 1 failed, 0 cancelled, 2
+    expired, 0 evicted, 0 refused, 0 too large"."""
+    return (f"jobs: {j['live']} live, {j['kept']} kept ({j['bytes'] / 2**20:.1f}/{j['max_result_bytes'] / 2**20:.1f} "
+            f"MiB), {j['submitted']} submitted, {j['done']} done, {j['failed']} failed, {j['cancelled']} cancelled, "
+            f"{j['expired']} expired, {j['evicted']} evicted, {j['refused']} refused, {j['too_large']} too large")
 
 
 def gpu_line(w: dict) -> str:

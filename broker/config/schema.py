@@ -227,6 +227,15 @@ class HttpDecl(Strict):
     allow_client_shm: bool = False   # Triton's system/CUDA shared-memory extensions (off, as in Triton now)
 
 
+class JobsDecl(Strict):
+    """Polled jobs (docs/JOBS.md): requests answered at once with an id, their results kept in the
+    broker's memory until fetched and then for keep_s; every bound answers a clear error."""
+    max_jobs: Annotated[int, Field(ge=1)] = 10_000          # jobs held, running and kept; more: OVERLOADED at submit
+    max_result_bytes: Annotated[int, Field(ge=1024)] = 256 << 20   # bytes of outputs held by all jobs together
+    keep_s: Annotated[float, Field(gt=0)] = 600.0            # a result is kept this long after its job ends
+    max_wait_ms: Annotated[int, Field(ge=0)] = 30_000       # a long poll's wait_ms is capped at this
+
+
 class GrpcDecl(Strict):
     """The KServe v2 gRPC face (inference.GRPCInferenceService, grpc.health.v1, reflection).
     Message sizes are bounded by server.max_request_bytes."""
@@ -295,6 +304,7 @@ class Config(Strict):
     http: Optional[HttpDecl] = None                # the KServe v2 HTTP face; None: off
     grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
+    jobs: JobsDecl = JobsDecl()                    # polled jobs: bounds and how long results are kept
     models: Annotated[list[ModelDecl], Field(min_length=1)]
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets

@@ -5,6 +5,8 @@ schema.py re-exports these with the rest of the schema.
 """
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -106,6 +108,16 @@ class GeneratorDecl(Strict):
     end_tokens: list[int] = []           # the model's own stop tokens (a sampled generator's)
     # outputs a slow caller may leave unread before its sequence is ended (OVERLOADED) and its slot freed
     max_unread_outputs: Annotated[int, Field(ge=1)] = 1024
+    # text <-> token ids in the broker (docs/OPENAI.md): "bytes" (tgw.shm.byte_tokenizer) or
+    # "package.module:Class"; a generator that declares one is an OpenAI-compatible model
+    tokenizer: Optional[str] = None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        if v is not None:
+            tokenizer_class(v)   # imported now: a config that names a missing class does not load
+        return v
 
     @model_validator(mode="after")
     def _sized(self) -> "GeneratorDecl":
@@ -115,6 +127,29 @@ class GeneratorDecl(Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"state names repeat: {names}")
         return self
+
+
+def tokenizer_class(spec: str) -> type:
+    """The class `generator.tokenizer` names: "bytes" (the byte tokenizer) or "package.module:Class"
+    with encode(str) -> list[int] and decode(list[int]) -> str, importable without torch (the
+    broker never imports it). ValueError naming the key when it is not."""
+    if spec == "bytes":
+        from tgw.shm.byte_tokenizer import Tokenizer
+        return Tokenizer
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"generator.tokenizer {spec!r}: \"bytes\" or \"package.module:Class\"")
+    had_torch = "torch" in sys.modules
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"generator.tokenizer {spec!r} cannot be imported: {type(exc).__name__}: {exc}") from None
+    if not had_torch and "torch" in sys.modules:
+        raise ValueError(f"generator.tokenizer {spec!r} imports torch: the broker runs the tokenizer and never "
+                         "imports torch")
+    if not (isinstance(cls, type) and callable(getattr(cls, "encode", None)) and callable(getattr(cls, "decode", None))):
+        raise ValueError(f"generator.tokenizer {spec!r} is not a class with encode(str) and decode(list[int])")
+    return cls
 
 
 class ControlInputDecl(Strict):
@@ -285,6 +320,23 @@ class ModelDecl(Strict):
         if any(t.dtype == BYTES or -1 in t.shape for t in self.outputs):
             raise ValueError(f"generator {self.name!r}: each output is one fixed-shape numeric value per step "
                              "(no bytes, no -1 dims)")
+        if g.tokenizer is not None:   # the OpenAI face feeds token ids in and reads token ids out
+            if len(self.inputs) != 1 or not self.inputs[0].dtype.startswith(("int", "uint")) \
+                    or self.inputs[0].shape != [-1]:
+                raise ValueError(f"generator.tokenizer: model {self.name!r} needs exactly one input, integer token "
+                                 "ids of shape [-1], to be fed a tokenized prompt")
+            if len(self.outputs) != 1 or not self.outputs[0].dtype.startswith(("int", "uint")) \
+                    or self.outputs[0].shape not in ([], [1]):
+                raise ValueError(f"generator.tokenizer: model {self.name!r} needs exactly one output, an integer "
+                                 "token id per step (shape [] or [1]), to be decoded")
+            template = self.options.get("chat_template")
+            if template is not None:   # its syntax checked with the config (check-config), run by the face
+                from jinja2 import Environment, TemplateSyntaxError
+                try:
+                    Environment().parse(template if isinstance(template, str) else "{{")
+                except TemplateSyntaxError as exc:
+                    raise ValueError(f"options.chat_template of model {self.name!r}: "
+                                     f"{'not a string' if not isinstance(template, str) else exc}") from None
 
     def _sequence_fits(self) -> None:
         sb = self.sequence_batching

@@ -22,13 +22,17 @@ from tgw.broker.canary.guards import Guards
 from tgw.broker.canary.policy import checked
 from tgw.broker.canary.shadow import Shadows
 from tgw.broker.config.load import Config, ModelDecl
+from tgw.broker.config.startup import StartupError
 from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
 from tgw.broker.generate.streams import Streams
+from tgw.broker.jobs.jobs import Jobs
+from tgw.broker.jobs.store import JobStore
 from tgw.broker.faces.http.face import HttpFace
+from tgw.broker.faces.openai.face import OpenAiFace
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
 from tgw.broker.models.placement import Placement
@@ -48,6 +52,7 @@ from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.sched.tenants import Tenants
 from tgw.broker.sched.unserved import Unserved, answer_load_failure
+from tgw.broker.sequence.binding import Sequences
 from tgw.broker.state.complaints import Complaints
 from tgw.broker.state.stats import Stats
 
@@ -98,9 +103,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                           on_resize=memory.forget)   # a load is no leak: judge afresh
     unserved = Unserved(batcher, roster, door.fail, placement.resident)   # answers for requests no worker will run
     tenants = Tenants(cfg.tenants, cfg.default_tenant, cfg.require_tenant, clock)
+    sequences = Sequences(registry.models, clock)   # which sequence holds which worker and slot (sequence models)
     admission = Admission(server, cfg.workers, cfg.models, tenants, registry, batcher, stats, callers.owed, clock,
                           unserved.unavailable, shed=door.fail, workers=workers, demand=placement.demand,
-                          drained=placement.drained)
+                          drained=placement.drained, sequences=sequences)
     handshake = Handshake(registry, phase.is_serving, placement.forget_failed, placement.budget)
     # generations from their dispatch to their end: outputs out, cancels, slow readers, deaths
     streams = Streams(registry.models, clock, door.send_out, admission.finished, link.send, stats,
@@ -117,6 +123,11 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     shadows = Shadows(registry.models, serving.admit_copy, admission.copies.withdraw, clock)
     guards = Guards(shadows, clock)
 
+    # polled jobs: their requests go back through the door with a caller of the wing's
+    job_store = JobStore(cfg.jobs.max_jobs, cfg.jobs.max_result_bytes, cfg.jobs.keep_s, clock)
+    jobs = Jobs(job_store, loop, cfg.jobs.max_wait_ms, door.reply, door.error, door.infer, door.drop_caller,
+                door.admitted)
+
     # what the read-only answers read; then the operator (control ops, reloads), which reads it
     listening = Listening()
     reload_outcome: dict = {}   # the operator's reloader writes it
@@ -128,7 +139,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       reload=reload_outcome, listening=listening, abandoned=door.abandoned,
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
                       faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
-                      generators=streams.counters)
+                      generators=streams.counters, sequences=sequences.counters,
+                      jobs=job_store.as_dict)
     operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
                                        unserved, shadows, guards, door, phase, view, clock),
                         cfg, address, config_path, reload_outcome)
@@ -141,9 +153,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     door.open(DoorRoutes(roster=roster, models=registry.models, admit=admission.admit, finished=admission.finished,
                          leave=admission.leave, batcher=batcher, schedule=serving.schedule, flush=serving.flush,
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
-                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams))
+                         pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams,
+                         jobs=jobs))
     link.listen(workers_side.on_message, after=serving.flush)
-    admission.exits_to(*(hook for hook in (streams.exits, guards.exits, metrics.finished, slow, tracer,
+    admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)
                          if hook is not None))
 
@@ -182,8 +195,13 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
 def _faces(cfg: Config, port: DoorPort) -> dict:
     """The faces configured by name ("http", "grpc"), not yet listening (run.py starts them)."""
     faces = {}
-    if cfg.http is not None:
-        faces["http"] = HttpFace(port, cfg.http)
+    if cfg.http is not None:   # the OpenAI face's routes share the HTTP face's port (/v1/...)
+        openai = OpenAiFace(port, cfg.http.max_inflight)
+        try:
+            openai.check(openai.names())   # each tokenizer made, each chat template compiled, now
+        except ValueError as exc:
+            raise StartupError(f"openai face: {exc}") from None
+        faces["http"] = HttpFace(port, cfg.http, mounts=openai.routes())
     if cfg.grpc is not None:   # imported only when configured: grpc is a large import
         from tgw.broker.faces.grpc.face import GrpcFace
         faces["grpc"] = GrpcFace(port, cfg.grpc, cfg.server.max_request_bytes, cfg.workers.output_bytes)

@@ -24,6 +24,12 @@ wing (`streams`, broker/generate/streams.py) holds them from there: the pump sen
 more of them than its free slots (`room`), the admission batch's Done hands them to the wing
 instead of answering them, each Steps message of a worker's loop goes to it, and a dead worker's
 running sequences come back from it to the front of their queue.
+
+A sequence model's requests (docs/SEQUENCES.md) ask the sequence wing (`sequences`,
+broker/sequence/binding.py), which binds each sequence to a worker and slot: the pump sends a
+head only to a worker that may run it and lets a batch take what the wing's chooser allows, the
+staged batch gets its steps, the tick ends idle sequences, a dead worker's sequences end (their
+requests answered, never run elsewhere) and requests queued for an ended sequence are answered.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ from tgw.broker.sched.alarm import Alarm
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
 from tgw.broker.sched.unserved import Unserved
+from tgw.broker.sequence.binding import Sequences
 from tgw.broker.state.inflight import Gone
 from tgw.broker.state.pool import WorkerHandle, WorkerState
 from tgw.broker.state.stats import Stats
@@ -93,11 +100,13 @@ class Serving:
                  placement: Placement, unserved: Unserved, handshake: Handshake, memory: MemoryWatch,
                  replay: ReplayRecorder, door: FrontDoor, back: WorkerLink, loop: asyncio.AbstractEventLoop,
                  max_inflight: int, streams: Streams, enrols: bool = False):
+        """The sequence wing is admission's (`admission.sequences`): one binding table for both."""
         self.clock, self.phase, self.roster = clock, phase, roster
         self.registry, self.batcher, self.costs, self.admission = registry, batcher, costs, admission
         self.placement, self.unserved, self.handshake, self.memory = placement, unserved, handshake, memory
         self.replay, self.door, self.back = replay, door, back
         self.streams = streams   # generations from their dispatch to their end (the generate wing)
+        self.sequences: Sequences = admission.sequences   # sequence models' bindings (the sequence wing)
         self.max_inflight = max_inflight   # server.max_inflight_batches_per_worker
         # the roster is the supervisor's list, which it alone changes; a core made without a
         # supervisor (the test rigs) enrols workers itself, in add_worker
@@ -121,6 +130,7 @@ class Serving:
         for ident in (w.identity, w.control_identity, w.loader_identity):
             self.routes.pop(ident, None)
         self.memory.forget(w)
+        self.sequences.lost(w)   # its sequences' state died with it
         for place in w.withdrawn_in_flight():   # nobody waits for these: not retried, counted where they died
             self.door.abandon.withdrawn(place.request.model, "computing")
         retry = self.phase.now is not Phase.STOPPING
@@ -129,10 +139,13 @@ class Serving:
         # a generation whose outputs overtook its admission batch's Done is in both: resumed once
         taken = {id(p) for p in resumed}
         again, gone = [p for p in again if id(p) not in taken], [p for p in gone if id(p) not in taken]
+        for p in [p for p in again if p.sequence is not None]:   # never run elsewhere: no state there
+            again.remove(p)
+            gone.append(p)
         for p in reversed(again + resumed):
             self.batcher.push(p, front=True)
         for p in gone:
-            self.door.fail(p, death_error(w, p))
+            self.door.fail(p, death_error(w, p) if p.sequence is None else self.sequences.death_error(w, p))
         self.schedule()
 
     def tick(self, now: float) -> None:
@@ -140,8 +153,17 @@ class Serving:
         self.unserved.sweep(now, self.phase.now is Phase.STOPPING)
         self.admission.breakers.check(now)
         self.streams.sweep(now)
+        self.sequences.sweep(now)
+        self.sequences.held(self._holds)
+        if self.sequences.orphans:
+            self.schedule()
         self.memory.snapshots.tick(now)
         self.door.tick()
+
+    def _holds(self, ident: bytes, key: str) -> bool:
+        """Whether the worker life `ident` still holds version `key` (the sequence wing's slots)."""
+        w = self.routes.get(ident)
+        return w is not None and key in w.models
 
     def abandon(self, message: str) -> None:
         self.unserved.everything(message)
@@ -203,25 +225,39 @@ class Serving:
         now = self.clock()
         for p in self.batcher.expired_heads(now):
             self.door.fail(p, self.unserved.expired(p))
+        if self.sequences.orphans:   # queued for a sequence that ended: answered, never run
+            self.sequences.orphans = False
+            for p in self.batcher.take_where(self.sequences.orphaned):
+                self.door.fail(p, self.sequences.orphan_error(p))
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
                 head = self.batcher.head(model, now)
-                worker = self._pick(model_key(model, head.version), full, head)
-                if worker is None:
-                    if head.record is not None and head.record.on_demand:  # evicted while it waited: load again
-                        self.placement.demand(head.record, float("inf"))
-                    continue
-                hold = self.batcher.hold_until(model, worker.worker_id, now)
-                if worker.inflight:  # stage the next batch just in time, not behind the one computing
-                    hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
-                if hold is not None and hold > now:  # worth waiting: come back then
-                    self.alarm.at(hold, now)
-                    continue
-                if self._dispatch(model, worker, now):
-                    moved = True
-                else:
-                    full.add(worker.worker_id)
+                key = model_key(model, head.version)
+                # a sequence model's head may wait for its worker or a slot: the other workers may
+                # still run the sequences behind it, so each is tried in turn
+                tried = full if head.sequence is None else set(full)
+                worker = self._pick(key, tried, head)
+                if worker is None and head.record is not None and head.record.on_demand:
+                    self.placement.demand(head.record, float("inf"))   # evicted while it waited: load again
+                while worker is not None:
+                    hold = self.batcher.hold_until(model, worker.worker_id, now)
+                    if worker.inflight:  # stage the next batch just in time, not behind the one computing
+                        hold = max(hold or 0.0, worker.free_at - self.costs.stage_ahead(model))
+                    if hold is not None and hold > now:  # worth waiting: come back then
+                        self.alarm.at(hold, now)
+                        sent = None
+                    else:
+                        sent = self._dispatch(model, worker, now)
+                    if sent:
+                        moved = True
+                        break
+                    if sent is False:
+                        full.add(worker.worker_id)
+                    if tried is full:
+                        break
+                    tried.add(worker.worker_id)
+                    worker = self._pick(key, tried, head)
         due = self.batcher.next_due()
         if due is not None:  # answer the next request to expire when it does, not at the next sweep
             self.alarm.at(due, now)
@@ -231,21 +267,29 @@ class Serving:
                 self.back.send(w.identity, Release(blocks=w.take_releases()))
 
     def _pick(self, key: str, full: set[int], head) -> WorkerHandle | None:
-        best = None
-        gen = head.generate is not None
+        best, best_rank = None, None
+        gen, seq = head.generate is not None, head.sequence is not None
         for w in self.roster:
             if w.worker_id not in full and w.can_take(key, self.max_inflight, head.alone, head) and \
                     (not gen or self.streams.room(w, key, head.model) > 0):
-                if best is None or len(w.inflight) < len(best.inflight):
-                    best = w
+                # a sequence model's head goes first to a worker that may run it (its own, or one with a free slot)
+                rank = (seq and not self.sequences.can_run(head, w, key), len(w.inflight))
+                if best is None or rank < best_rank:
+                    best, best_rank = w, rank
         return best
 
-    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool:
+    def _dispatch(self, model: str, worker: WorkerHandle, now: float) -> bool | None:
+        """Stage and send the next batch of `model` to `worker`: True when requests left the queue,
+        False when the input arena is full, None when none may run there (a sequence model's)."""
         entry = self.registry.models[model]
-        room = None
+        room = fits = None
         if entry.is_generator:   # no more sequences than the worker has free slots
             room = self.streams.room(worker, model_key(model, self.batcher.head(model, now).version), model)
-        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now, room)
+        elif entry.decl.sequence_batching is not None:   # one step a sequence, on its worker, starts in free slots
+            fits = self.sequences.chooser(worker, model_key(model, self.batcher.head(model, now).version))
+        batch = self.batcher.next_batch(model, worker.input_bytes, worker.output_bytes, now, room, fits)
+        if not batch:
+            return None
         # compute is wasted on a request its batch cannot answer before its deadline; a staged
         # batch starts when the one computing is predicted to end
         start = max(now, worker.free_at) if worker.inflight else now
@@ -269,6 +313,8 @@ class Serving:
             return False
         if msg.sequences:   # a generator's: its sequences hold slots on the worker from now on
             self.streams.dispatched(worker, msg.batch_id, model_key(model, msg.version), live)
+        elif fits is not None:   # a sequence model's: its sequences bound, each request's slot
+            msg.steps = self.sequences.dispatched(worker, model_key(model, msg.version), live)
         else:   # a generator's prompts are no warm-up batch (its loop warms itself)
             self.replay.record(entry, live)
         self.back.send(worker.identity, msg)
@@ -327,7 +373,8 @@ class WorkerMessages:
     def _on_loaded(self, worker: WorkerHandle, msg: ModelLoaded) -> None:
         """A load ended: printed if its phases were told (a repeated load's answer tells none);
         a start-up model serves from now on, a run-time load goes to placement."""
-        self.core.streams.loaded(worker, msg)   # a generator's slots
+        if not self.core.sequences.loaded(worker, msg):   # a sequence model's slots ...
+            self.core.streams.loaded(worker, msg)          # ... or a generator's
         under_way = worker.under_way.get(msg.key)
         if under_way is not None and msg.error is None:
             self.progress.ready(worker.name, msg.key, (msg.load_ms - msg.warm_ms) / 1000, msg.warm_ms / 1000)

@@ -8,7 +8,8 @@ No face imports another: what two faces share belongs in broker/protocol/ (check
 tests/unit/test_import_graph.py and tests/unit/test_layering.py).
 
 http/: KServe v2 over HTTP/REST, /metrics and /v2/load (aiohttp). grpc/: KServe v2 over gRPC,
-Triton's GRPCInferenceService, health and reflection (grpc.aio).
+Triton's GRPCInferenceService, health and reflection (grpc.aio). openai/: OpenAI's completions
+API for generators with a tokenizer; its routes are mounted on the HTTP face's port by the core.
 
 A new face (an OpenAI-compatible API, TorchServe's, Triton's generate) goes in a package of its
 own here: its adapter takes a DoorPort and its config declaration, offers start() and stop()

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import CONTROL_OPS, PROTOCOL_VERSION, Cancel, DecodeError, ErrorReply, Goodbye, Infer, InferReply, \
-    Metadata, RegisterRegion, Snapshot, SUPPORTED_VERSIONS, UnregisterRegion, encode, envelope_decoder, \
+    JobCancel, JobQuery, Metadata, RegisterRegion, Snapshot, SUPPORTED_VERSIONS, UnregisterRegion, encode, envelope_decoder, \
     request_decoder
 
 from tgw.broker.config.schema import ServerDecl
@@ -88,6 +88,15 @@ def _version_mismatch(version: int) -> TgwError:
                 server_protocol=PROTOCOL_VERSION, supported=list(SUPPORTED_VERSIONS))
 
 
+class _Taken:
+    """The tracker of a reply a face's caller took at once: done, so the generate wing never
+    counts it unread (a face whose reader falls behind is ended by its StreamCaller)."""
+    done = True
+
+
+TAKEN = _Taken()
+
+
 @dataclass(frozen=True)
 class DoorRoutes:
     """Where the front door sends what it takes in (the core gives it when it opens the door,
@@ -107,6 +116,7 @@ class DoorRoutes:
     withdraw: Callable[[Callable], list]         # requests on workers nobody waits for (abandon.py)
     answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
     streams: Any = None                          # generate.streams.Streams: running generations (cancel, bye, gone)
+    jobs: Any = None                             # jobs.jobs.Jobs: an infer with `job` set, job reads and cancels
 
 
 class FrontDoor:
@@ -127,6 +137,7 @@ class FrontDoor:
         self.pump: Pump | None = None
         self.outbox: Outbox | None = None
         self.abandon: Abandonment | None = None
+        self.jobs = None   # the jobs wing (open gives it)
 
     def open(self, routes: DoorRoutes) -> None:
         """Start taking requests: every part they reach exists now."""
@@ -144,6 +155,9 @@ class FrontDoor:
         self.answers = {Cancel: self.abandon.cancel, Goodbye: self.abandon.goodbye, Snapshot: self._snapshot}
         for op in OPERATOR_OPS:
             self.answers[op] = routes.operate
+        self.jobs = routes.jobs
+        if self.jobs is not None:
+            self.answers[JobQuery], self.answers[JobCancel] = self.jobs.query, self.jobs.cancel
 
     def cancel_step(self, caller, req_id: int) -> None:
         """A pipeline's step request taken out of its queue, unrun (abandon.py)."""
@@ -162,6 +176,10 @@ class FrontDoor:
 
     def regions_held(self) -> dict:
         return self.regions.as_dict()
+
+    def admitted(self, caller, req_id: int) -> Pending | None:
+        """The caller's request `req_id` while admitted and unanswered (a job's state reads it)."""
+        return self.abandon.inflight.get((caller, req_id))
 
     def on_message(self, frames: list) -> None:
         try:
@@ -212,6 +230,8 @@ class FrontDoor:
 
     def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
         """`header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
+        if msg.job:   # answered at once with its id; the jobs wing sends it back through here as its own caller
+            return self._job(ident, msg, tensor_frames, header)
         try:
             cuda = None
             # a pipeline's step (pipeline/run.py) names a model and carries frames the broker holds:
@@ -238,6 +258,17 @@ class FrontDoor:
                                  "inside the broker", exc_info=True)
             self.error(ident, msg.id, fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), msg.model)
 
+    def _job(self, ident, msg: Infer, tensor_frames: list, header) -> None:
+        why = None if self.jobs is not None else "this broker runs no jobs"
+        if msg.output_region is not None or msg.output_cuda:
+            why = "a job's outputs are kept by the broker until fetched: output_region and output_cuda are not for jobs"
+        elif self.regions.named(msg) or any(t.cuda is not None for t in msg.inputs):
+            why = ("a job's inputs must travel in its message: a region or CUDA tensor could change before the job "
+                   "runs")
+        if why is not None:
+            return self.error(ident, msg.id, fail(Code.INVALID_ARGUMENT, why), msg.model)
+        self.jobs.submit(ident, msg, tensor_frames, header)
+
     def _cached(self, p: Pending) -> None:
         self.answer([(p, p.cache_hit)], self.clock())
         self.stats.models[p.model].replies += 1
@@ -247,6 +278,8 @@ class FrontDoor:
         now = self.clock()
         self.regions.tick(now)
         self.abandon.sweep(now)
+        if self.jobs is not None:
+            self.jobs.sweep(now)
 
     # ---- answers -----------------------------------------------------------------------------
 
@@ -262,9 +295,9 @@ class FrontDoor:
         libzmq is done with it: a slow reader's unread outputs are those it still holds; a tracked
         send costs some 20 us, so the generate wing tracks one reply in several), else why not
         ("full", "gone")."""
-        if type(ident) is not bytes:
+        if type(ident) is not bytes:   # a face's caller took it now: it bounds its own unread (StreamCaller)
             ident.deliver(msg, frames)
-            return "", None
+            return "", TAKEN if track else None
         why, tracker = self.pump.send([ident, encode(msg), *frames], track=track)
         if why:
             self.complaints.note("dropped", "client_queue_messages" if why == "full" else "client_gone",

@@ -27,6 +27,7 @@ from tgw.broker.state.stats import Buckets
 from tgw.broker.state.versions import VersionState
 
 from .devices import DEVICE_STATES, device_states
+from .metrics_kept import job_families, sequence_families
 from .status import BrokerView, generator_counters, gpu_status, listed, serving, worker_status
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)   # upper bounds of the batch-size histogram
@@ -88,9 +89,11 @@ class Metrics(Collector):
         yield from pipeline_families(view)
         yield from cache_families(view)
         yield from generator_families(view)
+        yield from sequence_families(view)
         yield from gpu_families(view.roster)
         yield from device_families(view)
         yield from rollout_families(view)
+        yield from job_families(view)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Scrape, \
     ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
 
+from tgw.broker.sequence.counters import SequenceCounters
 from tgw.broker.state.generation import GeneratorCounters
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
@@ -74,8 +75,11 @@ class BrokerView:
     faults: Callable[[], dict] = dict      # sticky CUDA errors (fleet/faults.py CudaFaults.as_dict)
     rollouts: Callable[[], dict] = dict    # shadows and guarded rollouts (canary/guards.py Guards.status)
     replay: Callable[[str], dict] = lambda model: {}   # its replay warm-up sample (models/replay.py as_dict)
+    jobs: Callable[[], dict] = dict        # polled jobs held and their counts (jobs/store.py JobStore.as_dict)
     # each generator model's counters, by name (the generate wing's; none counted yet: absent)
     generators: dict[str, GeneratorCounters] = field(default_factory=dict)
+    # each sequence model's counters, by name (the sequence wing's; none counted yet: absent)
+    sequences: dict[str, SequenceCounters] = field(default_factory=dict)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -214,12 +218,12 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                           "requests": c.requests, "replies": c.replies, "errors": dict(c.errors),
                           "replay": view.replay(m.name), "loading": loading(view, m, now),
                           "cache": m.cache.as_dict() if m.cache is not None else None,
-                          "generation": generation(view, m)}
+                          "generation": generation(view, m), "sequences": sequences(view, m)}
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
                        http=view.listening.http, grpc=view.listening.grpc, devices=device_states(view),
-                       cuda_faults=view.faults(), rollouts=view.rollouts(),
+                       cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 
@@ -234,6 +238,19 @@ def generator_counters(view: BrokerView, m: ModelEntry) -> GeneratorCounters | N
 def generation(view: BrokerView, m: ModelEntry) -> dict | None:
     """status' models[m]["generation"]: GeneratorCounters.as_dict (docs/GENERATION.md); None: not a generator."""
     counters = generator_counters(view, m)
+    return counters.as_dict() if counters is not None else None
+
+
+def sequence_counters(view: BrokerView, m: ModelEntry) -> SequenceCounters | None:
+    """A sequence model's counters (zeros before the sequence wing counted any); None for another model."""
+    if m.decl.sequence_batching is None:
+        return None
+    return view.sequences.get(m.name) or SequenceCounters()
+
+
+def sequences(view: BrokerView, m: ModelEntry) -> dict | None:
+    """status' models[m]["sequences"]: SequenceCounters.as_dict (docs/SEQUENCES.md); None: not a sequence model."""
+    counters = sequence_counters(view, m)
     return counters.as_dict() if counters is not None else None
 
 

@@ -25,6 +25,9 @@ from tgw.broker.state.versions import VersionState
 from . import triton_docs
 from .kserve import DATATYPE_OF
 
+# Triton extensions both faces offer (the shared-memory ones only where the face allows regions;
+# HTTP adds "generate", its own routes)
+EXTENSIONS = ["binary_tensor_data", "model_repository", "metrics", "statistics", "sequence"]
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
                "shadow": float, "policy": str,   # a shadow's fraction; a rollout policy as a JSON object's text

@@ -9,6 +9,10 @@ as itself; every other one gets a numeric alias: the smallest positive integer n
 version of the model uses and no earlier non-numeric one took, in the order of the model's
 versions (as loaded: the config's order, then runtime loads). `/versions/{v}/...` paths take the
 name or the alias.
+
+A generator's config shows `model_transaction_policy {decoupled: true}` (it answers a request
+many times: tritonclient and Triton's tools stream to it); a sequence model's shows Triton's
+`sequence_batching` block (sequence_config).
 """
 from __future__ import annotations
 
@@ -110,11 +114,62 @@ def model_config(entry: ModelEntry, version: str | None, devices: Iterable[str])
            "instance_group": instance_groups(entry.name, devices),
            "parameters": {"tgw_default_version": {"string_value": entry.default or ""},
                           "tgw_versions": {"string_value": ",".join(f"{v}={a}" for v, a in aliases.items())}}}
-    if decl.max_batch_size > 1:
+    if decl.sequence_batching is not None:
+        doc["parameters"].update({f"tgw_initial_state.{t.name}": {"string_value": repr(t.initial)}
+                                  for t in decl.sequence_batching.state if t.initial != 0})
+    if entry.is_generator:
+        doc["model_transaction_policy"] = {"decoupled": True}
+    if decl.sequence_batching is not None:
+        doc["sequence_batching"] = sequence_config(decl)
+    elif decl.max_batch_size > 1:
         doc["dynamic_batching"] = {"preferred_batch_size": list(decl.preferred_batch_sizes),
                                    "max_queue_delay_microseconds": decl.max_delay_us,
                                    "preserve_ordering": False}
     return doc
+
+
+CONTROL_KINDS = {"start": "CONTROL_SEQUENCE_START", "end": "CONTROL_SEQUENCE_END",
+                 "ready": "CONTROL_SEQUENCE_READY", "corrid": "CONTROL_SEQUENCE_CORRID"}
+
+
+def control(kind: str, dtype: str) -> dict:
+    """One Control entry: a flag's false/true values in its dtype's field (Triton has int32,
+    fp32 and bool ones: other integer dtypes show as int32's, other floats as fp32's), the
+    correlation id's data type."""
+    doc = {"kind": CONTROL_KINDS[kind]}
+    if kind == "corrid":
+        doc["data_type"] = data_type(dtype)
+    elif dtype == "bool":
+        doc["bool_false_true"] = [False, True]
+    elif dtype.startswith(("float", "bfloat")):
+        doc["fp32_false_true"] = [0.0, 1.0]
+    else:
+        doc["int32_false_true"] = [0, 1]
+    return doc
+
+
+def sequence_config(decl) -> dict:
+    """Triton's sequence_batching of a model declaring `sequence_batching:`. Strategy "oldest":
+    tgw batches the waiting requests of different sequences together, as dynamic batching does
+    (at most one per sequence), which is Triton's oldest strategy, not direct's batch slot bound
+    to each sequence. A state's initial value shows as `zero_data` when it is 0 (Triton's
+    InitialState has no fill value: another shows as the parameter tgw_initial_state.<name>)."""
+    sb = decl.sequence_batching
+    oldest = {"preferred_batch_size": list(decl.preferred_batch_sizes),
+              "max_queue_delay_microseconds": decl.max_delay_us, "preserve_ordering": False}
+    if sb.max_sequences is not None:
+        oldest["max_candidate_sequences"] = sb.max_sequences
+    states = []
+    for t in sb.state:
+        state = {"input_name": t.name, "output_name": t.output or t.name, "data_type": data_type(t.dtype),
+                 "dims": list(t.shape)}
+        if t.initial == 0:
+            state["initial_state"] = [{"name": f"{t.name}_zero", "data_type": data_type(t.dtype),
+                                       "dims": list(t.shape), "zero_data": True}]
+        states.append(state)
+    return {"oldest": oldest, "max_sequence_idle_microseconds": sb.max_sequence_idle_us,
+            "control_input": [{"name": c.name, "control": [control(c.kind, c.dtype)]} for c in sb.control_inputs],
+            "state": states}
 
 
 def pipeline_config(plan: Plan, model_versions: dict[str, list[str]]) -> dict:

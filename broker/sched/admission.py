@@ -3,7 +3,8 @@ when it leaves (finished).
 
 In order: the cheap structural checks (limits, declaration, sizes), the circuit breaker of the
 version asked for (route to the fallback model, or CIRCUIT_OPEN), the priority level, a
-generation's parameters (generate/admit.py: only a generator's requests are generations), whether
+generation's parameters (generate/admit.py: only a generator's requests are generations), a
+sequence model's step (sequence/binding.py: its sequence is live, its level the start's), whether
 the deadline can be met at all (predicted compute of its own rows), the tenant's quota
 (RATE_LIMITED, UNAUTHENTICATED), inflating compressed tensors, the model's response cache (a hit
 is never queued: the front door answers it), then a place in the queue: the model's adaptive
@@ -22,6 +23,7 @@ from tgw.shm.ring import aligned_total
 from tgw.shm.wire import BYTES, Infer, nbytes_of
 
 from tgw.broker.generate.admit import GenerateCheck
+from tgw.broker.sequence.binding import Sequences
 from tgw.broker.state.pending import Pending, is_shadow, is_step
 
 from .batcher import Batcher
@@ -85,7 +87,7 @@ class Admission:
                  clock: Callable[[], float] = time.monotonic, unavailable: Callable[[], str] = str,
                  shed: Callable[[Pending, TgwError], None] = lambda p, err: None, workers: int = 1,
                  demand: Callable[[VersionRecord, float], None] = lambda rec, wait_s: None,
-                 drained: Callable[[VersionRecord], None] = lambda rec: None):
+                 drained: Callable[[VersionRecord], None] = lambda rec: None, sequences: Sequences | None = None):
         self.registry, self.batcher, self.stats, self.clock = registry, batcher, stats, clock
         self.costs = batcher.costs
         self.owed, self.server = owed, server   # owed: what each caller is owed (its in-flight cap)
@@ -104,6 +106,8 @@ class Admission:
         self.open = True
         self.copies = Copies(batcher, self.is_open, drained)   # shadow versions' copies (canary/)
         self.generating = GenerateCheck()   # a generation's checks, and its sequence id
+        # a sequence model's checks and bindings (the sequence wing's: the core asks it too)
+        self.sequences = sequences if sequences is not None else Sequences(registry.models, clock)
         for m in models:
             self.declare(m)
         # metrics, traces, slow log, ...: each gets the requests of one exit (leave); given once, by
@@ -158,6 +162,13 @@ class Admission:
         # a generator's request is a generation, and only then (docs/GENERATION.md)
         gen = self.generating.check(checked.model, msg, checked.rows) \
             if msg.generate is not None or checked.model.is_generator else None
+        ticket = self.sequences.check(checked.model, msg, checked.rows) \
+            if msg.sequence is not None or model.sequence_batching is not None else None
+        if ticket is not None and ticket.version not in (None, checked.version):
+            # a sequence's requests stay on the version it started on, whatever the traffic split says
+            self.sequences.on_version(ticket, msg)
+            intake = self._intake(replace(msg, version=ticket.version), sizes)
+            checked = intake.checked
         timeout_ms = msg.timeout_ms if msg.timeout_ms is not None else model.timeout_ms
         deadline = now + timeout_ms / 1000.0
         record = checked.record
@@ -176,6 +187,8 @@ class Admission:
         try:
             p = self._pending(client, msg, intake, tensor_frames, deadline, now, tenant)
             p.generate = gen
+            if ticket is not None and ticket.priority is not None:   # its level's FIFO is its order
+                p.priority = ticket.priority
             if cache is None or not cache.lookup(p, msg, checked.order, now):
                 self._enqueue(p, limit, counters)
             elif limit is not None:   # a hit (p.cache_hit, answered by the front door) leaves as every request
@@ -184,6 +197,8 @@ class Admission:
             if tenant is not None:
                 self.tenants.unadmit(tenant)
             raise
+        if ticket is not None:
+            self.sequences.admitted(p, ticket, now)
         if not internal:
             self.owed.owe(client)
         record.admitted()

@@ -244,7 +244,8 @@ class Batcher:
                     yield p
 
     def next_batch(self, model: str, max_bytes: int, max_out_bytes: int | None = None,
-                   now: float | None = None, max_rows: int | None = None) -> list[Pending]:
+                   now: float | None = None, max_rows: int | None = None,
+                   fits: Callable[[Pending, bool], bool] | None = None) -> list[Pending]:
         """Pop the head request and those of its group that fit; [] if the queue is empty.
 
         A batch holds one region per input of aligned size; `max_bytes` caps the whole batch so
@@ -253,13 +254,23 @@ class Batcher:
         known: a batch whose outputs cannot fit would fail whole. A head that alone exceeds a
         cap is still returned: the caller answers it (admission normally stops it first). With
         preferred_batch_sizes, a batch that reaches one stops at the largest it can reach.
-        `max_rows`: rows the worker takes at most (a generator's free slots), below max_batch_size."""
+        `max_rows`: rows the worker takes at most (a generator's free slots), below max_batch_size.
+        `fits(p, ok)`: shown every request scanned, the head first, in queue order, and whether it
+        would be taken; says whether it is (a sequence model's: broker/sequence/binding.py). A head
+        it refuses keeps its place, and the first request in queue order it takes leads the batch
+        ([] when none)."""
         q = self.queues[model]
         if not q.count:
             return []
         level = self._head_level(q, self.clock() if now is None else now)
         head = q.levels[level].popleft()
         q.count -= 1
+        if fits is not None and not fits(head, True):   # the first request the worker may run leads instead
+            q.levels[level].appendleft(head)
+            head = self._first_fitting(q, fits)
+            if head is None:
+                q.count += 1
+                return []
         if head.alone:
             return [head]
         cap = q.max_batch_size if max_rows is None else max(1, min(q.max_batch_size, max_rows))
@@ -278,7 +289,10 @@ class Batcher:
             while items and rows < cap and scanned < self.SCAN_LIMIT:
                 p = items.popleft()
                 scanned += 1
-                if p.alone or p.group() != group or rows + p.rows > cap:
+                ok = not (p.alone or p.group() != group or rows + p.rows > cap)
+                if fits is not None:
+                    ok = fits(p, ok)
+                if not ok:
                     skipped.append(p)
                     continue
                 raw_next = raw + p.in_total
@@ -294,6 +308,20 @@ class Batcher:
             items.extendleft(reversed(skipped))  # skipped requests keep their place at the front
         q.count -= len(batch) - 1
         return batch
+
+    def _first_fitting(self, q: ModelQueue, fits: Callable[[Pending, bool], bool]) -> Pending | None:
+        """The first queued request (levels in order, up to SCAN_LIMIT) that `fits` takes, out of its
+        queue; None when none (the queue's count is the caller's to keep)."""
+        scanned = 0
+        for items in q.levels:
+            for p in items:
+                if scanned >= self.SCAN_LIMIT:
+                    return None
+                scanned += 1
+                if not p.alone and fits(p, True):
+                    items.remove(p)
+                    return p
+        return None
 
 
 def _over(batch: list[Pending], p: Pending, sizes: str, cap: int) -> bool:

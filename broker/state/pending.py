@@ -50,6 +50,8 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
     cache_miss: Optional[tuple] = None
     # a generation (docs/GENERATION.md): its sequence as its worker gets it (GenSeq); None: answered once
     generate: Any = None
+    # a sequence model's step (broker/sequence/binding.py Step): its sequence and flags; None: stateless
+    sequence: Any = None
 
     def __post_init__(self) -> None:
         self.nbytes = nbytes = [len(t) for t in self.tensors]

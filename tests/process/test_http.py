@@ -71,7 +71,7 @@ def test_health_and_metadata_through_tritonclient(triton):
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
     assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository", "metrics",
-                                                              "statistics"]
+                                                              "statistics", "sequence", "generate"]
     with pytest.raises(InferenceServerException, match="no model named 'nope'"):
         triton.get_model_metadata("nope")
 

@@ -43,6 +43,9 @@ CASES = {
     "http_face": (["tgw.broker.faces.http", "tgw.broker.faces.http.face", "tgw.broker.faces.http.answers",
                    "tgw.broker.faces.http.repository_routes", "tgw.broker.faces.http.shm_routes"],
                   ["tgw.broker.faces.grpc", *GRPC, "tgw.client", "tgw.workers", "torch"]),
+    "openai_face": (["tgw.broker.faces.openai", "tgw.broker.faces.openai.face", "tgw.broker.faces.openai.translate",
+                     "tgw.broker.faces.openai.text", "tgw.broker.faces.openai.chat", "tgw.broker.faces.openai.errors"],
+                    ["tgw.broker.faces.http", "tgw.broker.faces.grpc", *GRPC, "tgw.client", "tgw.workers", "torch"]),
 }
 
 

@@ -47,7 +47,8 @@ def test_haproxy_accepts_each_recipe_as_shipped_and_rendered(recipe, tmp_path):
     text = rendered.read_text()
     assert text.count("    server tgw") == 2 and "retry-on conn-failure empty-response response-timeout 503" in text
     assert "http-check send meth GET uri /v2/health/ready" in text and "option redispatch" in text
-    assert ("balance hdr(tgw-routing-key)" in text and "hash-type consistent" in text) == recipe.endswith("-hash.cfg")
+    assert ("balance hdr(tgw-balance-key)" in text and "hash-type consistent" in text and
+            "%[req.hdr(tgw-sequence-id)] if { req.hdr(tgw-sequence-id) -m found }" in text) == recipe.endswith("-hash.cfg")
 
 
 @pytest.mark.parametrize("recipe", NGINX_RECIPES, ids=os.path.basename)
@@ -60,7 +61,8 @@ def test_nginx_accepts_each_recipe_rendered_in_a_private_prefix(recipe, tmp_path
     assert out.returncode == 0 and "test is successful" in out.stderr, out.stdout + out.stderr
     text = open(os.path.join(prefix, "tgw.conf")).read()
     assert "proxy_next_upstream error timeout http_503 non_idempotent;" in text
-    assert ("hash $http_tgw_routing_key consistent;" in text) == recipe.endswith("-hash.conf")
+    assert ("hash $tgw_balance_key consistent;" in text and "default $http_tgw_sequence_id;" in text) == \
+        recipe.endswith("-hash.conf")
     assert ("least_conn;" in text) != recipe.endswith("-hash.conf")
 
 

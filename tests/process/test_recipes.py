@@ -65,11 +65,13 @@ def served(b) -> int:
         return c.stats()["models"]["mlp"]["requests"]
 
 
-def infer(url: str, key: str | None = None) -> np.ndarray:
-    """One KServe v2 JSON inference of X through `url`; the output, or an AssertionError."""
+def infer(url: str, key: str | None = None, seq: str | None = None) -> np.ndarray:
+    """One KServe v2 JSON inference of X through `url` (with a routing key, a sequence id header);
+    the output, or an AssertionError."""
     body = json.dumps({"inputs": [{"name": "x", "shape": list(X.shape), "datatype": "FP32",
                                    "data": X.ravel().tolist()}]}).encode()
-    headers = {"Content-Type": "application/json", **({"tgw-routing-key": key} if key else {})}
+    headers = {"Content-Type": "application/json", **({"tgw-routing-key": key} if key else {}),
+               **({"tgw-sequence-id": seq} if seq else {})}
     req = urllib.request.Request(f"{url}/v2/models/mlp/infer", data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -79,11 +81,15 @@ def infer(url: str, key: str | None = None) -> np.ndarray:
     return np.array(reply["outputs"][0]["data"], dtype=np.float32).reshape(reply["outputs"][0]["shape"])
 
 
-def spread(brokers, url: str, n: int, key: str | None = None) -> list[int]:
-    """Send n requests through `url`, each answer checked; how many each broker received."""
+KEYS = ("alice", "bob", "carol", "dave", "erin", "frank")
+
+
+def spread(brokers, url: str, n: int, key: str | None = None, seq: str | None = None) -> list[int]:
+    """Send n requests through `url`, each answer checked; how many each broker received. With a
+    sequence id, each request carries another routing key (the id must win over them)."""
     before = [served(b) for b in brokers]
-    for _ in range(n):
-        check_answer(infer(url, key), brokers[0].want)
+    for i in range(n):
+        check_answer(infer(url, KEYS[i % len(KEYS)] if seq else key, seq), brokers[0].want)
     return [served(b) - s for b, s in zip(brokers, before)]
 
 
@@ -135,11 +141,17 @@ def test_haproxy_least_conn_sends_to_both_brokers(brokers, haproxy):
 def test_haproxy_hash_keeps_each_routing_key_on_one_broker(brokers, haproxy):
     url, _ = haproxy(HAPROXY_RECIPES[1], brokers)
     homes = []
-    for key in ("alice", "bob", "carol", "dave", "erin", "frank"):
+    for key in KEYS:
         counts = spread(brokers, url, 4, key)
         assert sorted(counts) == [0, 4], f"key {key!r} was split over brokers: {counts}"
         homes.append(counts.index(4))
     assert set(homes) == {0, 1}, f"every key hashed to one broker: {homes}"
+    seq_homes = []   # a sequence id (docs/SEQUENCES.md) wins over routing keys that go both ways
+    for seq in ("7", "8", "9", "10", "11", "12"):
+        counts = spread(brokers, url, 6, seq=seq)
+        assert sorted(counts) == [0, 6], f"sequence {seq} was split over brokers: {counts}"
+        seq_homes.append(counts.index(6))
+    assert set(seq_homes) == {0, 1}, f"every sequence id hashed to one broker: {seq_homes}"
     assert min(spread(brokers, url, 8)) >= 1, "requests without a key are balanced round robin"
 
 
@@ -158,6 +170,8 @@ def test_nginx_serves_through_both_brokers(brokers, recipe):
         if recipe.endswith("-hash.conf"):
             for key in ("alice", "bob", "carol"):
                 assert sorted(spread(brokers, url, 4, key)) == [0, 4], f"key {key!r} was split over brokers"
+            for seq in ("7", "8", "9"):   # the id wins over the routing keys each request carries
+                assert sorted(spread(brokers, url, 6, seq=seq)) == [0, 6], f"sequence {seq} was split"
         counts = spread(brokers, url, 12)
         assert min(counts) >= 3, f"requests per broker without a key: {counts}"
     finally:

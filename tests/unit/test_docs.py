@@ -46,7 +46,9 @@ MARKERS = {
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",
     "http-example:statistics": "test_http_triton_docs.py::test_the_docs_example_runs_as_printed",
+    "http-example:generate": "test_http_generate.py::test_generate_and_generate_stream_answer_the_native_tokens",
     "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",
+    "grpc-example:decoupled": "test_grpc_streams.py::test_doc_example_runs_as_printed",
     "pipeline-example:config": "test_check_config.py::test_the_docs_example_passes_check_config",
     "shm-example:python": "test_triton_shm.py::test_the_docs_example_runs_as_printed",
     "load-example:curl": "test_readiness.py::test_the_docs_load_example_runs_as_printed",
@@ -54,6 +56,7 @@ MARKERS = {
     "generator-example:config": "test_demo_generator.py::test_the_docs_config_is_the_demos_declaration",
     "generator-example:handler": "test_demo_generator.py::test_the_docs_handler_excerpt_is_the_code",
     "generator-example:stream": "test_demo.py::test_the_generator_streams_what_the_model_generates_in_process",
+    "openai-example:python": "test_openai.py::test_docs_example_runs_as_printed",
     "sequence-example:handler": "test_sequence_loop.py::test_the_docs_handler_is_the_demos_code",
 }
 

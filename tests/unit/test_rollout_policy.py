@@ -117,6 +117,11 @@ def test_shadows_copy_their_fraction_of_answered_requests_exactly():
     assert all(p.version == "2" and p.priority == 3 and p.client.serving["y"][2] == bytes(8) for p in queued)
     shadows.sample([(copy_of("2", shadow=False), view)], 0.0)   # the shadow's own version: never copied
     assert watch.copied == 10
+    steps = [(copy_of("1", shadow=False), view) for _ in range(8)]
+    for p, _ in steps:
+        p.sequence = object()   # a sequence model's step (broker/sequence/): its answer is its state's
+    shadows.sample(steps, 0.0)
+    assert watch.copied == 10
 
 
 def test_guards_decide_once_and_count():

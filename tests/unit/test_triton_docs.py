@@ -69,3 +69,44 @@ def test_stats_document():
                                  "compute_infer": {"count": 1, "ns": 200_000}, "compute_output": {"count": 1, "ns": 0}}]
     assert b["inference_stats"]["success"]["count"] == 0 and b["batch_stats"] == []
     assert td.model_stats(e, stats.models["m"], "b") == [b]
+
+
+def test_a_generator_shows_decoupled_and_a_sequence_model_its_sequence_batching():
+    """Both documents parse as Triton's ModelConfig message (the gRPC face's ParseDict), so every
+    field name is Triton's."""
+    from google.protobuf.json_format import MessageToDict, ParseDict
+    from tgw.broker.faces.grpc.proto import model_config_pb2 as mc
+    from tgw.testing.generators import entry as generator_entry
+    gen = td.model_config(ModelEntry(ModelDecl(**generator_entry("g"))), None, ["cpu"])
+    assert gen["model_transaction_policy"] == {"decoupled": True}
+    assert MessageToDict(ParseDict(gen, mc.ModelConfig()))["modelTransactionPolicy"] == {"decoupled": True}
+    assert "model_transaction_policy" not in td.model_config(entry(max_batch_size=8), None, [])
+
+    seq = entry(max_batch_size=8, preferred_batch_sizes=[4, 8], sequence_batching={
+        "max_sequences": 16, "max_sequence_idle_us": 5_000_000,
+        "state": [{"name": "acc_in", "output": "acc_out", "dtype": "float32", "shape": [4]},
+                  {"name": "h_in", "output": "h_out", "dtype": "float16", "shape": [2, 3], "initial": 1.5}],
+        "control_inputs": [{"name": "START", "kind": "start"}, {"name": "END", "kind": "end", "dtype": "bool"},
+                           {"name": "READY", "kind": "ready", "dtype": "float32"},
+                           {"name": "CORRID", "kind": "corrid", "dtype": "uint64"}]})
+    cfg = td.model_config(seq, None, ["cpu"])
+    sb = cfg["sequence_batching"]
+    assert "dynamic_batching" not in cfg and "model_transaction_policy" not in cfg
+    assert sb["max_sequence_idle_microseconds"] == 5_000_000
+    assert sb["oldest"] == {"preferred_batch_size": [4, 8], "max_queue_delay_microseconds": seq.decl.max_delay_us,
+                            "preserve_ordering": False, "max_candidate_sequences": 16}
+    assert sb["control_input"] == [
+        {"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}]},
+        {"name": "END", "control": [{"kind": "CONTROL_SEQUENCE_END", "bool_false_true": [False, True]}]},
+        {"name": "READY", "control": [{"kind": "CONTROL_SEQUENCE_READY", "fp32_false_true": [0.0, 1.0]}]},
+        {"name": "CORRID", "control": [{"kind": "CONTROL_SEQUENCE_CORRID", "data_type": "TYPE_UINT64"}]}]
+    acc, h = sb["state"]
+    assert acc == {"input_name": "acc_in", "output_name": "acc_out", "data_type": "TYPE_FP32", "dims": [4],
+                   "initial_state": [{"name": "acc_in_zero", "data_type": "TYPE_FP32", "dims": [4],
+                                      "zero_data": True}]}
+    assert "initial_state" not in h and h["data_type"] == "TYPE_FP16"
+    assert cfg["parameters"]["tgw_initial_state.h_in"] == {"string_value": "1.5"}
+    parsed = ParseDict(cfg, mc.ModelConfig())
+    assert parsed.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    assert parsed.sequence_batching.control_input[3].control[0].kind == \
+        mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID

@@ -22,6 +22,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, Batch, BlockTensor, ControlReply, De
 from tgw.shm.wire_worker import GpuReading, Withdraw
 from tgw.shm.wire import CancelSequences, GenerateEnd, GenerateOutputs, GenerateParams, GeneratorSpec, GenSeq, Sampling, \
     SeqEnd, StateSpec, StepRows, Steps
+from tgw.shm.wire import JobAccepted, JobCancel, JobQuery, JobStatus
 
 V = PROTOCOL_VERSION
 x_meta = TensorMeta(name="x", dtype="float32", shape=[2, 256])
@@ -64,6 +65,9 @@ REQUESTS = [
     Infer(v=V, id=22, model="gpt", inputs=[TensorMeta(name="prompt", dtype="int64", shape=[1, 5])],
           generate=GenerateParams(max_outputs=16, sampling=Sampling(temperature=0.7, top_k=40, top_p=0.9, seed=7,
                                                                     stop_tokens=[0], stop_sequences=[[5, 6]]))),
+    Infer(v=V, id=23, model="gpt", inputs=[x_meta], job=True),
+    JobQuery(v=V, id=24, job_id="b00t1234.secret", since=3, wait_ms=500, tenant="acme"),
+    JobCancel(v=V, id=25, job_id="b00t1234.secret"),
 ]
 
 META = ModelMetadata(name="mlp", inputs=[io], outputs=[io], max_batch_size=32, default_version="2",
@@ -99,6 +103,12 @@ REPLIES = [
     GenerateOutputs(v=V, id=22, first=3, count=2, outputs=[TensorMeta(name="token", dtype="int64", shape=[2])]),
     GenerateEnd(v=V, id=22, model="gpt", version="1", reason="max_outputs", outputs=16, seed=7, first_output_ms=2.5,
                 total_ms=40.0, resumed=1),
+    JobAccepted(v=V, id=23, job_id="b00t1234.secret", model="gpt", generate=True, keep_s=600.0),
+    JobStatus(v=V, id=24, job_id="b00t1234.secret", model="gpt", state="running", generate=True, version="1",
+              outputs=[TensorMeta(name="token", dtype="int64", shape=[2])], first=3, count=2, total=5,
+              end={"reason": "max_outputs"}, age_ms=12.5, run_ms=None, expires_in_s=None),
+    JobStatus(v=V, id=26, job_id="b00t1234.secret", model="mlp", state="failed",
+              error=ErrorBody(code="DEADLINE_EXCEEDED", message="late"), run_ms=3.0, expires_in_s=599.0),
 ]
 
 TO_WORKER = [

@@ -6,6 +6,8 @@ its caller's future. A stream reads requests as they come and hands each to the 
 so the requests of one stream run concurrently (batched with everyone else's); each answer is
 queued as it arrives and one writer sends them in turn (a gRPC call takes one write at a time).
 An error answers that request only (`error_message`, with its id), never the stream.
+A generator's request on a stream is a generation, answered many times (decoupled.py); unary
+ModelInfer refuses a generator as Triton refuses a decoupled model.
 
 A call its client cancelled, or past its deadline, withdraws what it still has in flight
 (deps.withdraw, reason "grpc_cancelled" or "deadline"), so nothing is computed for nobody.
@@ -16,15 +18,18 @@ from __future__ import annotations
 import asyncio
 from itertools import count
 
+import grpc
+
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
 from tgw.broker.protocol import kserve
 from tgw.broker.protocol.door import AwaitedCaller
-from tgw.broker.protocol.errors import TRACEPARENT, details
+from tgw.broker.protocol import streaming
+from tgw.broker.protocol.errors import TRACEPARENT, details, trailers
 from tgw.broker.protocol.triton_shm import route
 
-from . import tensors
+from . import decoupled, tensors
 from .proto import grpc_service_pb2 as pb
 from .status_codes import abort, add_trailers
 
@@ -60,18 +65,28 @@ class Inference:
         self.inflight = 0      # inference requests decoded and not yet answered, streams' included
         self.ids = count(1)
 
-    def decode(self, req: pb.ModelInferRequest, meta: dict, deadline: int | None) -> tensors.Decoded:
+    def generator(self, model: str):
+        """The model's entry when it is a generator (None: a plain model or a pipeline); an
+        unknown model raises MODEL_NOT_FOUND."""
+        if model in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
+            return None
+        entry = self.deps.entry(model)
+        return entry if entry.is_generator else None
+
+    def decode(self, req: pb.ModelInferRequest, meta: dict, deadline: int | None, entry=None) -> tensors.Decoded:
         """Refused here: the face's max_inflight, an unknown model, a bad tensor (counted as the
-        native door counts its refusals)."""
+        native door counts its refusals). `entry`: the generator the request is a generation of."""
         model = req.model_name
         try:
             if self.inflight >= self.face.decl.max_inflight:
                 raise fail(Code.OVERLOADED, f"{self.inflight} gRPC requests in flight (grpc.max_inflight)",
                            reason="grpc_inflight", limit=self.face.decl.max_inflight)
-            if model not in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
-                self.deps.entry(model)   # an unknown model is named before its tensors
+            if entry is None:
+                self.generator(model)   # an unknown model is named before its tensors
             version = self.face.repository.named(model, req.model_version)[1] if req.model_version else None
-            decoded = tensors.decode(req, next(self.ids), version, self.face.shm, deadline)
+            decoded = tensors.decode(req, next(self.ids), version, self.face.shm, deadline, generate=entry is not None)
+            if entry is not None:
+                decoupled.check(entry, decoded)
             decoded.infer.routing_key = kserve.routing_key(decoded.infer.routing_key, meta.get(kserve.ROUTING_HEADER),
                                                            f"metadata {kserve.ROUTING_HEADER}")
         except TgwError as err:
@@ -81,6 +96,16 @@ class Inference:
         return decoded
 
     async def unary(self, req: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        try:
+            refused = self.generator(req.model_name) is not None
+        except TgwError as err:
+            self.deps.count_error(req.model_name, err.code.value)
+            raise
+        if refused:   # Triton's answer to a decoupled model: several responses need the stream
+            err = fail(Code.INVALID_ARGUMENT, decoupled.UNARY_REFUSED, reason="generator_needs_stream")
+            self.deps.count_error(req.model_name, err.code.value)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, decoupled.UNARY_REFUSED,
+                                tuple(context.trailing_metadata() or ()) + trailers(err))
         decoded = self.decode(req, metadata(context), deadline_ms(context))
         caller = GrpcCaller(asyncio.get_running_loop())
         self.inflight += 1
@@ -103,8 +128,8 @@ class Inference:
         await Stream(self, context).run(requests)
 
 
-class StreamCaller:
-    """One request of a stream: its answer goes to the stream's queue."""
+class OnceCaller:
+    """One plain request of a stream, answered once: its answer goes to the stream's queue."""
     __slots__ = ("stream", "decoded")
 
     def __init__(self, stream: "Stream", decoded: tensors.Decoded):
@@ -122,15 +147,21 @@ class Stream:
         self.inference, self.context = inference, context
         self.deps, self.shm = inference.deps, inference.face.shm
         self.meta = metadata(context)
-        self.out: asyncio.Queue = asyncio.Queue()   # responses to write; None: the stream is done
-        self.live: set[StreamCaller] = set()        # requests handed to the door, not answered
+        # responses to write; a future: set once everything queued before it is written; None: done
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.live: set = set()                   # requests handed to the door, not answered
+        self.pumps: set[asyncio.Task] = set()    # generations' writers (decoupled.pump)
         self.reading = True
 
     async def run(self, requests) -> None:
         reader = asyncio.ensure_future(self.read(requests))
         try:
-            while (resp := await self.out.get()) is not None:
-                await self.context.write(resp)
+            while (item := await self.out.get()) is not None:
+                if isinstance(item, asyncio.Future):
+                    if not item.done():
+                        item.set_result(None)
+                else:
+                    await self.context.write(item)
             await reader   # its error, if it ended with one
         except BaseException:   # cancelled (client gone, deadline) or the write failed
             reader.cancel()
@@ -139,6 +170,8 @@ class Stream:
                 self.deps.withdraw(caller, reason)
             self.inference.inflight -= len(self.live)
             self.live.clear()
+            for task in list(self.pumps):
+                task.cancel()
             raise
 
     async def read(self, requests) -> None:
@@ -152,20 +185,59 @@ class Stream:
 
     def submit(self, req: pb.ModelInferRequest) -> None:
         try:
-            decoded = self.inference.decode(req, self.meta, deadline_ms(self.context))
+            entry = self.inference.generator(req.model_name)
+            empty_final = decoupled.wants_empty_final(req) if entry is not None else False
+            decoded = self.inference.decode(req, self.meta, deadline_ms(self.context), entry)
         except TgwError as err:
             self.out.put_nowait(refusal(err, req.id, req.model_name))
             return
-        caller = StreamCaller(self, decoded)
+        if entry is not None:
+            self.generate(entry, decoded, empty_final)
+            return
+        caller = OnceCaller(self, decoded)
         self.live.add(caller)
         self.inference.inflight += 1
         self.deps.infer(caller, decoded.infer, decoded.frames, *route(decoded))   # may answer at once (a refusal)
 
-    def answered(self, caller: StreamCaller, msg, frames: list) -> None:
+    def generate(self, entry, decoded: tensors.Decoded, empty_final: bool) -> None:
+        loop = asyncio.get_running_loop()
+        caller = streaming.StreamCaller(loop, entry.decl.generator.max_unread_outputs, self.overflowed)
+        self.live.add(caller)
+        self.inference.inflight += 1
+        version = decoded.infer.version or entry.default or ""
+        task = loop.create_task(decoupled.pump(self, caller, decoded, version, empty_final))
+        self.pumps.add(task)
+        task.add_done_callback(self.pumps.discard)
+        self.deps.infer(caller, decoded.infer, decoded.frames, *route(decoded))   # may answer at once (a refusal)
+
+    def overflowed(self, caller) -> None:
+        """A generation this stream's client reads too slowly: its slot is freed (not from
+        inside the door's delivery)."""
+        asyncio.get_running_loop().call_soon(self.deps.withdraw, caller, "slow_reader")
+
+    def send(self, responses: list) -> None:
+        for resp in responses:
+            self.out.put_nowait(resp)
+
+    async def sent(self, responses: list) -> None:
+        """Queue `responses` and wait until they are written (a generation's pace is its reader's)."""
+        self.send(responses)
+        written = asyncio.get_running_loop().create_future()
+        self.out.put_nowait(written)
+        await written
+
+    def finished(self, caller) -> None:
+        """A request's last response is queued: the stream ends after the last request's."""
         if caller not in self.live:   # withdrawn: the stream is gone
             return
         self.live.discard(caller)
         self.inference.inflight -= 1
+        if not self.reading and not self.live:
+            self.out.put_nowait(None)
+
+    def answered(self, caller: OnceCaller, msg, frames: list) -> None:
+        if caller not in self.live:   # withdrawn: the stream is gone
+            return
         decoded = caller.decoded
         try:
             if isinstance(msg, ErrorReply):
@@ -174,6 +246,7 @@ class Stream:
                 infer = tensors.encode(msg, frames, decoded, self.shm)
                 if msg.traceparent:
                     infer.parameters[TRACEPARENT].string_param = msg.traceparent
+                infer.parameters[decoupled.FINAL].bool_param = True   # as Triton marks every stream response
                 resp = pb.ModelStreamInferResponse(infer_response=infer)
         except TgwError as err:
             resp = refusal(err, decoded.request_id, decoded.infer.model)
@@ -183,14 +256,14 @@ class Stream:
             resp = refusal(fail(Code.INTERNAL, f"broker error: {type(exc).__name__}: {exc}"), decoded.request_id,
                            decoded.infer.model)
         self.out.put_nowait(resp)
-        if not self.reading and not self.live:
-            self.out.put_nowait(None)
+        self.finished(caller)
 
 
 def refusal(err: TgwError, request_id: str, model: str, trace: str | None = None) -> pb.ModelStreamInferResponse:
     """One stream request's error: the message ("[CODE] message") and the request's id."""
     infer = pb.ModelInferResponse(model_name=model, id=request_id)
     infer.parameters["tgw_code"].string_param = err.code.value
+    infer.parameters[decoupled.FINAL].bool_param = True
     if trace:
         infer.parameters[TRACEPARENT].string_param = trace
     return pb.ModelStreamInferResponse(error_message=details(err), infer_response=infer)

@@ -13,13 +13,13 @@ from google.protobuf.json_format import ParseDict
 
 from tgw.broker.observe import status
 from tgw.broker.protocol import triton_docs
+from tgw.broker.protocol.repository import EXTENSIONS
 from tgw.broker.protocol.triton_shm import EXTENSIONS as SHM_EXTENSIONS, Caller, tcp_peer_uid
 
 from . import tensors
 from .proto import grpc_service_pb2 as pb
 from .proto import model_config_pb2 as mc
 
-EXTENSIONS = ["binary_tensor_data", "model_repository", "metrics", "statistics"]
 
 
 class Services:

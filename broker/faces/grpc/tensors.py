@@ -6,8 +6,10 @@ call; BYTES from bytes_contents, packed in tgw's 4-byte-length layout, which is 
 layout too; FP16 and BF16 have no typed field, so they come raw only). Outputs go back as
 `raw_output_contents`, or into a client shared-memory region when an output names one.
 
-Request parameters are read as over HTTP (protocol/kserve.py): priority, timeout (microseconds)
-and routing_key; sequence batching and classification are refused by name; others are ignored.
+Request parameters are read as over HTTP (protocol/kserve.py): priority, timeout (microseconds),
+routing_key and the sequence's (sequence_id, sequence_start, sequence_end); a generation's limits
+and sampling (max_tokens, temperature, ...: protocol/streaming.py) when the model is a generator;
+classification is refused by name; others are ignored.
 Everything wrong raises a TgwError naming the field.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tgw.broker.front.regions import SliceFrame
 from tgw.broker.protocol import kserve
 from tgw.broker.protocol.errors import bad
 from tgw.broker.protocol.kserve import DATATYPE_OF, SHM_REGION, datatype
-from tgw.broker.protocol.streaming import sequence_ref
+from tgw.broker.protocol.streaming import generate_params, sequence_ref
 
 from .proto import grpc_service_pb2 as pb
 
@@ -69,10 +71,10 @@ def refuse_unoffered(params: dict, where: str, **details) -> None:
 
 
 def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None,
-           deadline_ms: int | None = None) -> Decoded:
+           deadline_ms: int | None = None, generate: bool = False) -> Decoded:
     """The Infer message and frames of one request; `deadline_ms`: the call's gRPC deadline
     (the smaller of it and a `timeout` parameter wins); `shm`: the shared-memory registry
-    (None: regions refused)."""
+    (None: regions refused); `generate`: the request is a generation (its model a generator)."""
     params = parameters(req.parameters)
     refuse_unoffered(params, "")
     if not req.inputs:
@@ -105,7 +107,8 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
         timeout = deadline_ms if timeout is None else min(timeout, deadline_ms)
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=req.model_name, version=version, inputs=metas, outputs=outputs,
                 priority=kserve.int_param(params, "priority", 0), timeout_ms=timeout,
-                routing_key=kserve.str_param(params, "routing_key"), sequence=sequence_ref(params))
+                routing_key=kserve.str_param(params, "routing_key"), sequence=sequence_ref(params),
+                generate=generate_params(params) if generate else None)
     return Decoded(msg, frames, req.id, places)
 
 

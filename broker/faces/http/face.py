@@ -28,11 +28,13 @@ from tgw.broker.observe.load import HEADER as LOAD_HEADER
 from tgw.broker.protocol import door, kserve, triton_docs, triton_shm
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
-from tgw.broker.protocol.repository import Repository
+from tgw.broker.protocol.repository import EXTENSIONS, Repository
 
 from . import shm_routes
+from .generate_routes import GenerateRoutes
 from .answers import HttpCaller, error_response, infer_response, json_response
 from .repository_routes import RepositoryRoutes
+from .job_routes import JobRoutes
 
 log = logging.getLogger("tgw.broker")
 TENANT_HEADER = "tgw-tenant"
@@ -40,16 +42,21 @@ OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/v2/load")   # balancers p
 
 
 class HttpFace:
-    def __init__(self, deps: DoorPort, decl: HttpDecl):
+    def __init__(self, deps: DoorPort, decl: HttpDecl, mounts: list | None = None):
+        """`mounts`: (method, path, handler) routes another face serves on this port (the OpenAI
+        face's /v1/...), answering and guarding in their own protocol's shape."""
         self.deps, self.decl = deps, decl
+        self.mounts = mounts or []
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
         self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token)
         self.repository_routes = RepositoryRoutes(self.repository, self.body)
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
         self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
+        self.generate_routes = GenerateRoutes(deps, self.body, self.repository.named, self.ids, TENANT_HEADER)
         self.runner: web.AppRunner | None = None
         self.address = ""            # http://host:port once listening
+        self.job_routes = JobRoutes(deps, self.body, self.decode, TENANT_HEADER)   # polled jobs (docs/JOBS.md)
 
     def app(self) -> web.Application:
         # each handler wrapped by `guarded` rather than an aiohttp middleware: measured here, a
@@ -72,8 +79,14 @@ class HttpFace:
                                       ("POST", "/v2/repository/models/{model}/unload",
                                        self.repository_routes.unload)):
             add(method, path, self.guarded(handler, open_path=path in OPEN_PATHS))
+        for method, path, handler in self.generate_routes.routes():   # Triton's generate extension
+            add(method, path, self.guarded(handler))
         for method, path, handler in self.shm_routes.routes():
             add(method, path, self.guarded(handler))
+        for method, path, handler in self.job_routes.routes():
+            add(method, path, self.guarded(handler))
+        for method, path, handler in self.mounts:
+            add(method, path, handler)
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
 
@@ -203,7 +216,8 @@ class HttpFace:
         return fail(Code.PAYLOAD_TOO_LARGE, f"request body over http.max_body_bytes ({self.decl.max_body_bytes})",
                     limit=self.decl.max_body_bytes)
 
-    async def decode(self, request: web.Request, model: str) -> kserve.Decoded:
+    async def decode(self, request: web.Request, model: str, body: bytes | None = None) -> kserve.Decoded:
+        """The request's Decoded infer (`body`: already read, else read here)."""
         if model not in self.deps.view.pipelines.table:   # a pipeline's steps are checked as they go
             self.deps.entry(model)   # an unknown model is named before anything in the body
         headers = request.headers
@@ -211,11 +225,12 @@ class HttpFace:
         if version is not None:
             version = self.repository.named(model, version)[1]
         content_type, length = headers.get("Content-Type"), headers.get(kserve.HEADER_LENGTH)
+        body = body if body is not None else await self.body(request)
         if kserve.is_raw(request.method, content_type, length):   # an image as the body, answered in JSON
-            decoded = kserve.decode_raw(await self.body(request), content_type, self.inputs_of(model), model, version,
+            decoded = kserve.decode_raw(body, content_type, self.inputs_of(model), model, version,
                                         next(self.ids), headers.get(kserve.ROUTING_HEADER))
         else:
-            decoded = kserve.decode(await self.body(request), length, model, version, next(self.ids), self.shm,
+            decoded = kserve.decode(body, length, model, version, next(self.ids), self.shm,
                                     headers.get(kserve.ROUTING_HEADER))
         decoded.infer.tenant, decoded.infer.traceparent = headers.get(TENANT_HEADER), headers.get(TRACEPARENT)
         return decoded
@@ -244,7 +259,7 @@ class HttpFace:
 
     async def server_metadata(self, request: web.Request) -> web.Response:
         return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
-                              "extensions": ["binary_tensor_data", "model_repository", "metrics", "statistics",
+                              "extensions": [*EXTENSIONS, "generate",
                                              *(triton_shm.EXTENSIONS if self.shm is not None else [])]})
 
     def named(self, request: web.Request) -> tuple[str, str | None]:
