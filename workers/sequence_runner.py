@@ -208,14 +208,14 @@ class SequenceFileRunner(SequenceRunner):
 
 def _program_order(program: Program, fed: list[IOSpec]) -> list[IOSpec]:
     """`fed` in the order the program takes them (module docstring): by its own input names when
-    they are exactly the fed names, else by `__<index>` suffixes, else as declared."""
+    they are the fed names (in any case), else by `__<index>` suffixes, else as declared."""
     names = list(program.names or [])
     if not names:
         schema = getattr(getattr(program.call, "forward", None), "schema", None)
         names = [a.name for a in schema.arguments[1:]] if schema is not None else []
-    if sorted(names) == sorted(t.name for t in fed):
-        by_name = {t.name: t for t in fed}
-        return [by_name[n] for n in names]
+    by_name = {t.name.lower(): t for t in fed}   # torch.export lowercases its placeholders' names
+    if len(by_name) == len(fed) and sorted(n.lower() for n in names) == sorted(by_name):
+        return [by_name[n.lower()] for n in names]
     return _indexed(fed) or fed
 
 

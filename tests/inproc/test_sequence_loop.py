@@ -21,7 +21,7 @@ from test_worker_loader import LoaderSide
 from tgw.broker.config.load import ModelDecl
 from tgw.broker.models.entry import sequence_spec
 from tgw.shm.wire import IOSpec, ModelSpec, SeqStep
-from tgw.workers.demo_sequence import build_sequence_decls, make_cell
+from tgw.workers.demo_sequence import Accumulator, build_sequence_decls, make_cell
 from tgw.workers.sequence_runner import SequenceProofError
 from tgw.workers.slot_pool import PoolSizeError
 from tgw.workers.stage_runner import StageLoadError, make_runner
@@ -121,7 +121,17 @@ def test_tiny_rnn_handler_steps_each_sequence_as_its_own_gru_run(demo):
                 np.testing.assert_allclose(y[row], hidden[c][0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_controls_follow_tritons_index_names_and_a_handler_fails_single_rows(tmp_path):
+def exported_accumulator(path: str) -> str:
+    """The demo accumulator as a torch.export program (its placeholders' names lowercased by torch)."""
+    from torch.export import Dim
+    batch = Dim("batch", min=1, max=64)
+    ep = torch.export.export(Accumulator(), tuple(torch.zeros(2, 1, dtype=torch.int32) for _ in range(5)),
+                             dynamic_shapes=tuple({0: batch} for _ in range(5)))
+    torch.export.save(ep, path)
+    return path
+
+
+def test_controls_follow_tritons_names_and_indices_and_a_handler_fails_single_rows(tmp_path):
     path = sequence_handlers.script(sequence_handlers.Indexed(), str(tmp_path / "indexed.pt"))
     indexed = spec_of("indexed", {
         "path": path, "inputs": [{"name": "X__0", "dtype": "float32", "shape": [1]}],
@@ -134,11 +144,21 @@ def test_controls_follow_tritons_index_names_and_a_handler_fails_single_rows(tmp
         "handler": f"{HANDLERS}:Counter", "inputs": [{"name": "x", "dtype": "float32", "shape": [1]}],
         "outputs": [{"name": "steps", "dtype": "int64", "shape": [1]}, {"name": "corrid", "dtype": "int64", "shape": [1]}],
         "sequence_batching": {"state_memory_mb": 0.0001, "state": [{"name": "n", "dtype": "int64", "shape": [1]}]}})
-    runners = {f"{s.name}:1": make_runner(s, CPU) for s in (indexed, counter)}
+    exported = spec_of("exported", {
+        "path": exported_accumulator(str(tmp_path / "acc.pt2")), "inputs": [{"name": "INPUT", "dtype": "int32",
+                                                                            "shape": [1]}],
+        "outputs": [{"name": "OUTPUT", "dtype": "int32", "shape": [1]}],
+        "sequence_batching": {"max_sequences": 4, "control_inputs": [   # in another order than forward's
+            {"name": n, "kind": n.lower()} for n in ("READY", "END", "START")],
+            "state": [{"name": "INPUT_STATE", "output": "OUTPUT_STATE", "dtype": "int32", "shape": [1]}]}})
+    exported.format = "export"
+    runners = {f"{s.name}:1": make_runner(s, CPU) for s in (indexed, counter, exported)}
     for r in runners.values():
         r.warm_up()
     assert [t.name for t in runners["indexed:1"].inner.spec.inputs] == ["X__0", "CORRID__1", "READY__2", "S__3"]
     assert runners["counter:1"].slots == 13   # 0.0001 MiB of 8-byte states
+    assert [t.name for t in runners["exported:1"].inner.spec.inputs] == ["INPUT", "START", "END", "READY",
+                                                                         "INPUT_STATE"]
     st = Stepper(runners)
     try:
         big = (1 << 64) - 1   # a uint64 id past int64's range reaches an int64 CORRID with its bits kept
@@ -146,6 +166,10 @@ def test_controls_follow_tritons_index_names_and_a_handler_fails_single_rows(tmp
         assert ids["OUT__1"].ravel().tolist() == [-1, 5]
         st.values(runners["indexed:1"], {"X__0": np.zeros((1, 1), np.float32)}, steps((2, 5, "")))
         assert runners["indexed:1"].state["S__3"].ravel().tolist() == [101, 100, 102, 100]   # READY 1 per step
+        acc = runners["exported:1"]
+        for values, rows, want in (([3, 4], steps((1, 1, "S"), (2, 2, "S")), [3, 4]), ([5], steps((2, 2, "E")), [9])):
+            out = st.values(acc, {"INPUT": np.array([[v] for v in values], np.int32)}, rows)["OUTPUT"]
+            assert out.ravel().tolist() == want
         c = runners["counter:1"]
         out = st.values(c, {"x": np.array([[1], [1]], np.float32)}, steps((12, 7, "S"), (0, 8, "S")))
         assert out["steps"].ravel().tolist() == [1, 1] and out["corrid"].ravel().tolist() == [7, 8]
