@@ -160,16 +160,9 @@ def generate_on_faces(http_url: str, grpc_url: str, models_dir: str) -> tuple[li
                                                        reason=reason, max_outputs=MAX_OUTPUTS)
         for prompt, r in list(zip(PROMPTS, results))[:2]:
             print(f"  {face:<8} {prompt + tok.decode(r['tokens'])!r}")
-        errors = [r["error"] for r in results if "error" in r]
-        bad = [r["verdict"].message for r in results if "verdict" in r and not r["verdict"].ok]
-        ties = sum(1 for r in results if "verdict" in r and r["verdict"].tie_at is not None)
-        outputs = sum(len(r["tokens"]) for r in results)
-        firsts = [r["first_ms"] for r in results if "first_ms" in r]
-        p50 = float(np.percentile(firsts, 50)) if firsts else float("nan")
-        rows.append((face, len(results), len(errors), len(bad), ties, outputs, p50, outputs / elapsed))
-        for line in errors + bad:
-            print(f"  {face}: {line}", file=sys.stderr)
-        failed |= bool(errors) or bool(bad)
+        row, bad = demo_generate.summary(face, results, [r["first_ms"] for r in results if "first_ms" in r], elapsed)
+        rows.append(row)
+        failed |= bad
     return rows, failed
 
 

@@ -122,17 +122,23 @@ def run(address: str, models_dir: str) -> tuple[list[tuple], bool]:
         for prompt, r in list(zip(prompts, results))[:SHOWN]:
             end = r["final"].reason if "final" in r else r["error"]
             print(f"  {face:<6} {prompt + tok.decode(r['tokens'])!r}  ({len(r['tokens'])} tokens, {end})")
-        errors = [r["error"] for r in results if "error" in r]
-        bad = [r["verdict"].message for r in results if "verdict" in r and not r["verdict"].ok]
-        ties = sum(1 for r in results if "verdict" in r and r["verdict"].tie_at is not None)
-        outputs = sum(len(r["tokens"]) for r in results)
-        firsts = [r["final"].first_output_ms for r in results if "final" in r]
-        p50 = float(np.percentile(firsts, 50)) if firsts else float("nan")
-        rows.append((face, len(results), len(errors), len(bad), ties, outputs, p50, outputs / elapsed))
-        for line in errors + bad:
-            print(f"  {face}: {line}", file=sys.stderr)
-        failed |= bool(errors) or bool(bad)
+        row, bad = summary(face, results, [r["final"].first_output_ms for r in results if "final" in r], elapsed)
+        rows.append(row)
+        failed |= bad
     return rows, failed
+
+
+def summary(face: str, results: list[dict], firsts: list[float], elapsed: float) -> tuple[tuple, bool]:
+    """One face's row for `show` (face, streams, errors, mismatches, near ties, outputs, first
+    output p50 ms, outputs/s) from its checked results, its errors printed; and whether it failed."""
+    errors = [r["error"] for r in results if "error" in r]
+    bad = [r["verdict"].message for r in results if "verdict" in r and not r["verdict"].ok]
+    ties = sum(1 for r in results if "verdict" in r and r["verdict"].tie_at is not None)
+    outputs = sum(len(r["tokens"]) for r in results)
+    p50 = float(np.percentile(firsts, 50)) if firsts else float("nan")
+    for line in errors + bad:
+        print(f"  {face}: {line}", file=sys.stderr)
+    return (face, len(results), len(errors), len(bad), ties, outputs, p50, outputs / elapsed), bool(errors or bad)
 
 
 def show(rows: list[tuple]) -> None:

@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import sys
+import time
 from importlib import metadata
 from typing import Any, Iterable, Optional
 
@@ -268,6 +269,16 @@ def result_path(out: Optional[str], stem: str, date: str, mode: str) -> str:
     dest = out or ("bench" if os.path.isfile("bench/cli.py") else
                    here if os.path.isfile(os.path.join(here, "RESULTS.md")) else ".")
     return os.path.join(dest, "results", f"{stem}-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
+
+
+def conclude(res: dict, stem: str, out: Optional[str], date: str, mode: str, t0: float, table: str) -> str:
+    """A scenario's end: its wall time recorded, its tables printed, its result file written (the path)."""
+    res["wall_s"] = time.monotonic() - t0
+    print("\n" + table)
+    path = result_path(out, stem, date, mode)
+    write_json(path, res)
+    print(f"wrote {path}; {res['wall_s']:.0f} s")
+    return path
 
 
 def write_json(path: str, data: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from tgw.bench.harness import gen_drive, gen_faults, gen_model, report, subset
 from tgw.bench.harness.gen_baselines import FlaskStreamServer, LitServeServer, litserve_missing
-from tgw.testing.child import BrokerProc, finish_run
+from tgw.testing.child import BrokerProc, exit_record, finish_run
 
 NAME = "generate"
 HELP = "streamed generation: floor, Flask streaming, tgw one-shot loops, LitServe, tgw generate"
@@ -139,10 +139,9 @@ class Systems:
     def stop_broker(self) -> dict[str, Any]:
         if self.broker is None:
             return {}
-        from tgw.shm.segment import list_segments
         if self.client is not None:
             self.client.close()
-        info = {"exit_status": self.broker.stop(timeout=30), "shm_leftovers": list_segments(self.broker.pid)}
+        info = exit_record(self.broker)
         self.broker = self.client = None
         return info
 
@@ -237,9 +236,7 @@ def fault_rows(a: argparse.Namespace, work: str, weights: str, module, plist: li
             for row in rows:
                 out.setdefault(row, {"error": f"{type(exc).__name__}: {exc}"})
         finally:
-            from tgw.shm.segment import list_segments
-            out.setdefault("servers", {})[rows[0]] = {"exit_status": broker.stop(timeout=30),
-                                                     "shm_leftovers": list_segments(broker.pid)}
+            out.setdefault("servers", {})[rows[0]] = exit_record(broker)
     return out
 
 
@@ -418,11 +415,7 @@ def run(a: argparse.Namespace) -> int:
     finally:
         finish_run(work, a.keep)
     res["goals"] = goals(res, levels)
-    res["wall_s"] = time.monotonic() - t0
-    print("\n" + tables(res, levels))
-    path = report.result_path(a.out, "generate", date, mode)
-    report.write_json(path, res)
-    print(f"wrote {path}; {res['wall_s']:.0f} s")
+    report.conclude(res, "generate", a.out, date, mode, t0, tables(res, levels))
     # LitServe not installed is recorded, not a failure: it is an optional extra
     complete = "error" not in res.get("floor", {}) and all(
         "error" not in row and all(not lv["requests_failed"] and not lv["outputs_wrong"] for lv in row["levels"].values())

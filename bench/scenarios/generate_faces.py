@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from tgw.bench.harness import face_drive, gen_drive, gen_model, report, subset
-from tgw.testing.child import BrokerProc, finish_run
+from tgw.testing.child import BrokerProc, exit_record, finish_run
 
 NAME = "generate-faces"
 HELP = "one generator over native, gRPC stream, HTTP generate_stream and OpenAI stream: outputs/s, CPU/output"
@@ -251,15 +251,10 @@ def run(a: argparse.Namespace) -> int:
         log(f"FAILED: {res['error']}")
     finally:
         if broker is not None:
-            from tgw.shm.segment import list_segments
-            res["server"] = {"exit_status": broker.stop(timeout=30), "shm_leftovers": list_segments(broker.pid)}
+            res["server"] = exit_record(broker)
         finish_run(work, a.keep)
     res["goals"] = goals(res, levels)
-    res["wall_s"] = time.monotonic() - t0
-    print("\n" + tables(res, levels))
-    path = report.result_path(a.out, "generate-faces", date, mode)
-    report.write_json(path, res)
-    print(f"wrote {path}; {res['wall_s']:.0f} s")
+    report.conclude(res, "generate-faces", a.out, date, mode, t0, tables(res, levels))
     complete = "error" not in res and all(
         "error" not in row and len(row["levels"]) == len(levels) and
         all(not lv["requests_failed"] and not lv.get("outputs_wrong") for lv in row["levels"].values())

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from tgw.bench.harness import report, seq_drive
-from tgw.testing.child import BrokerProc, finish_run
+from tgw.testing.child import BrokerProc, exit_record, finish_run
 
 NAME = "sequences"
 HELP = "a sequence model's steps/s at 64 sequences x 100 steps against the same model's one-shot requests"
@@ -129,8 +129,7 @@ def run(a: argparse.Namespace) -> int:
         log(f"FAILED: {res['error']}")
     finally:
         if broker is not None:
-            from tgw.shm.segment import list_segments
-            res["server"] = {"exit_status": broker.stop(timeout=30), "shm_leftovers": list_segments(broker.pid)}
+            res["server"] = exit_record(broker)
         finish_run(work, a.keep)
     # the median of the rounds' ratios: in a round the two rows run back to back, so each ratio
     # pairs rows the shared box's load met alike
@@ -145,7 +144,6 @@ def run(a: argparse.Namespace) -> int:
          "unit": "x", "met": None if ratio is None else ratio >= TARGET},
         {"goal": "steps routed to a worker that did not hold the sequence", "value": mis, "target": 0,
          "unit": "steps", "met": None if mis is None else mis == 0}]
-    res["wall_s"] = time.monotonic() - t0
     body = [["row", "steps/s", "mean batch", "step p50 ms", "step p99 ms", "failed", "wrong"]]
     for row, r in res["rows"].items():
         body.append([row, _f(r.get("steps_per_s"), ",.0f"), _f(r.get("mean_batch_rows"), ".1f"),
@@ -155,10 +153,7 @@ def run(a: argparse.Namespace) -> int:
     g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f" if x["unit"] == "x" else "d"),
                                                  str(x["target"]),
                                                  {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
-    print("\n" + report.text_table(body) + "\n\n" + report.text_table(g))
-    path = report.result_path(a.out, "sequences", date, mode)
-    report.write_json(path, res)
-    print(f"wrote {path}; {res['wall_s']:.0f} s")
+    report.conclude(res, "sequences", a.out, date, mode, t0, report.text_table(body) + "\n\n" + report.text_table(g))
     complete = "error" not in res and all(
         r.get("sequences_failed") == 0 and r.get("sequences_wrong") == 0 and r.get("sequences_checked") == sequences
         for r in res["rows"].values())

@@ -124,6 +124,12 @@ def stop_all() -> None:
         p.stop(timeout=5)
 
 
+def exit_record(broker: "BrokerProc") -> dict:
+    """A benchmark's broker stopped: its exit status and any segment of its own left in /dev/shm."""
+    from tgw.shm.segment import list_segments
+    return {"exit_status": broker.stop(timeout=30), "shm_leftovers": list_segments(broker.pid)}
+
+
 def finish_run(work: str, keep: bool) -> None:
     """The end of a benchmark run: every server it started stopped, its work folder kept or removed."""
     stop_all()

@@ -160,12 +160,7 @@ class ControlInputDecl(Strict):
     kind: Literal["start", "end", "ready", "corrid"]
     dtype: str = "int32"
 
-    @field_validator("dtype")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; one of {', '.join(DTYPES)}")
-        return v
+    _known = field_validator("dtype")(TensorDecl._known_dtype.__func__)
 
 
 class SequenceStateDecl(Strict):

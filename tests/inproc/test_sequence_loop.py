@@ -69,10 +69,16 @@ def demo(tmp_path_factory):
     decls = build_sequence_decls(str(tmp_path_factory.mktemp("seq")))
     side = LoaderSide()
     side.recv()   # its hello: the router can address it from now on
+    stepper = None
     try:
         loaded = {name: side.load(spec_of(name, m)) for name, m in decls.items()}
-        yield side.runners, loaded, Stepper(dict(side.runners))
+        stepper = Stepper(dict(side.runners))
+        yield side.runners, loaded, stepper
     finally:
+        # closed, not left to the collector: a zmq Context collected with its sockets open blocks
+        # in term(), in whichever thread collects it (a later test's worker thread hung on one)
+        if stepper is not None:
+            stepper.rig.close()
         side.close()
 
 
