@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import sys
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,19 @@ OUTPUTS = 64        # outputs per request
 DIMS = {"vocab": 512, "d_model": 128, "n_layers": 6, "n_heads": 4, "max_len": 160}
 QUICK_DIMS = {"vocab": 64, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 128}
 PROMPT_LENGTHS = (8, 64)   # uniform, inclusive; a prompt + OUTPUTS - 1 positions must fit max_len
+
+
+def stream_levels(text: str) -> list[int] | None:
+    """`--streams`: its comma-separated counts, sorted, each 1..64 (the generator's slots); None
+    (with the reason printed) when it is not that."""
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x})
+        if levels and 1 <= min(levels) and max(levels) <= 64:
+            return levels
+    except ValueError:
+        pass
+    print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {text!r}", file=sys.stderr)
+    return None
 
 
 def config(dims: dict[str, int]):

@@ -359,13 +359,8 @@ def floor(res: dict[str, Any], weights: str, levels: list[int], plist: list[list
 
 
 def run(a: argparse.Namespace) -> int:
-    try:
-        levels = sorted({int(x) for x in a.streams.split(",") if x})
-        if not levels or min(levels) < 1 or max(levels) > 64:
-            raise ValueError
-    except ValueError:
-        print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}",
-              file=sys.stderr)
+    levels = gen_model.stream_levels(a.streams)
+    if levels is None:
         return 2
     for flag, value in (("--workers", a.workers), ("--litserve-batch", a.litserve_batch)):
         if value < 1:

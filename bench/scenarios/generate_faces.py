@@ -168,12 +168,8 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 
 def run(a: argparse.Namespace) -> int:
-    try:
-        levels = sorted({int(x) for x in a.streams.split(",") if x})
-        if not levels or min(levels) < 1 or max(levels) > 64:
-            raise ValueError
-    except ValueError:
-        print(f"--streams: comma-separated counts in 1..64 (the generator's slots), got {a.streams!r}", file=sys.stderr)
+    levels = gen_model.stream_levels(a.streams)
+    if levels is None:
         return 2
     timeout = TIMEOUT_S[1 if a.quick else 0]
     rounds = a.rounds if a.rounds is not None else (1 if a.quick else 5)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 
 import numpy as np
 import pytest
 import zmq
+
+from test_broker_core import Clock, recv, until   # the core rig's clock and bounded waits
 
 from tgw.broker.config.load import parse_config
 from tgw.broker.core.assembly import assemble
@@ -25,7 +26,6 @@ from tgw.shm.wire import PROTOCOL_VERSION, Batch, BlockTensor, Done, ErrorReply,
     ModelLoaded, SequenceRef, TensorMeta, WorkerHello, WorkerReady, encode, reply_decoder, to_worker_decoder
 
 pytestmark = pytest.mark.inproc
-WAIT_S = 10.0
 KEY = "acc:1"
 _ports = itertools.count()
 CONFIG = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 1, "output_arena_mb": 1},
@@ -34,26 +34,6 @@ CONFIG = {"workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_
                       "outputs": [{"name": "y", "dtype": "float32", "shape": [1]}], "max_batch_size": 8,
                       "sequence_batching": {"max_sequences": 2, "max_sequence_idle_us": 1_000_000,
                                             "state": [{"name": "s", "dtype": "float32", "shape": [1]}]}}]}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.001)
-
-
-async def recv(sock: zmq.Socket) -> list[bytes]:
-    await until(lambda: sock.poll(0), "a message")
-    return sock.recv_multipart()
 
 
 class Rig:
