@@ -72,6 +72,7 @@ class IOSpec(Struct):
     name: str
     dtype: str
     shape: list[int]  # without the batch dimension; -1 = variable
+    reshape: Optional[list[int]] = None   # the model's own shape of it (Triton's reshape), when it differs
 
 
 

@@ -50,6 +50,7 @@ class ModelSpec(Struct):
     device: str = ""               # a stage's declared device kind: cpu or cuda
     options: dict[str, Any] = {}   # a stage's `options:`, given to its setup(context)
     max_batch_size: int = 0        # the most rows the broker batches: a program's batch range must allow 1..it
+    batched: bool = True           # False: the model takes no batch dim (max_batch_size 0): one request, squeezed
     replay: Optional[Replay] = None   # run-time loads of a model that served: warm up on its recent batches too
     # a stage's config `warmup_inputs`: examples it is called with once at load (workers/stage_proof.py)
     warmup_inputs: list[dict[str, Any]] = []

@@ -20,6 +20,12 @@ class TensorDecl(Strict):
     name: Annotated[str, Field(min_length=1)]
     dtype: str
     shape: list[int] = Field(description="dims without the batch dimension; -1 = variable")
+    # Triton's input `format` (shown in the config document; the data is not transposed)
+    format: Optional[Literal["FORMAT_NONE", "FORMAT_NCHW", "FORMAT_NHWC"]] = None
+    # the shape the model itself takes/returns (without the batch dim) when it differs from `shape`
+    reshape: Optional[list[int]] = None
+    # an output's label file (one label per line, line k = class k) for the classification extension
+    labels: Optional[str] = None
 
     @field_validator("dtype")
     @classmethod
@@ -44,7 +50,7 @@ class VersionDecl(Strict):
     sha256: Optional[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = None
     # what the file holds (shm/model_format.py tells it from the file); parse_config fills it in;
     # "stage" for a handler
-    format: Optional[Literal["torchscript", "export", "aoti", "stage"]] = None
+    format: Optional[Literal["torchscript", "export", "aoti", "onnx", "stage"]] = None
     weight: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None  # share of requests naming no version
 
     @model_validator(mode="after")
@@ -221,7 +227,8 @@ class ModelDecl(Strict):
     default_version: Optional[str] = None
     inputs: Annotated[list[TensorDecl], Field(min_length=1)]
     outputs: Annotated[list[TensorDecl], Field(min_length=1)]
-    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 32
+    # 0: no batch dimension (Triton's max_batch_size 0): each request runs alone, shapes as declared
+    max_batch_size: Annotated[int, Field(ge=0, le=4096)] = 32
     max_queue: Annotated[int, Field(ge=1)] = 1024
     timeout_ms: Annotated[int, Field(ge=1)] = 30000
     warmup_batch_sizes: list[Annotated[int, Field(ge=1)]] = [1]
@@ -270,7 +277,7 @@ class ModelDecl(Strict):
         if self.weighted and not any(v.weight for v in self.versions):
             raise ValueError(f"weights of model {self.name!r} sum to 0: at least one version needs a weight > 0")
         for key in ("warmup_batch_sizes", "preferred_batch_sizes"):
-            too_big = [b for b in getattr(self, key) if b > self.max_batch_size]
+            too_big = [b for b in getattr(self, key) if b > max(self.max_batch_size, 1)]
             if too_big:
                 raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
         if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):

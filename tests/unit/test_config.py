@@ -81,7 +81,7 @@ CASES = [
     ("wrong_type_int", _set("models.0.max_batch_size", "big"), "models.0.max_batch_size", "integer"),
     ("wrong_type_list", _set("models.0.versions", "1"), "models.0.versions", "list"),
     ("wrong_type_shape", _set("models.0.inputs.0.shape", "4"), "models.0.inputs.0.shape", "list"),
-    ("batch_too_big", _set("models.0.max_batch_size", 0), "models.0.max_batch_size", "greater than"),
+    ("batch_too_big", _set("models.0.max_batch_size", 4097), "models.0.max_batch_size", "less than"),
     ("missing_models", lambda d: d.pop("models"), "models", "required"),
     ("missing_name", lambda d: d["models"][0].pop("name"), "models.0.name", "required"),
     ("empty_versions", _set("models.0.versions", []), "models.0.versions", ""),
