@@ -158,7 +158,7 @@ def test_config_table_renders_the_schema_defaults():
     assert rows["workers.cuda_host_memory"] == ("`register` \\| `staging` \\| `pageable`",
                                                 f"`{WorkersDecl().cuda_host_memory}`")
     assert rows["models"][1] == rows["models[].name"][1] == "required"
-    assert rows["models[].max_batch_size"] == ("integer 1..4096", "32")
+    assert rows["models[].max_batch_size"] == ("integer 0..4096", "32")
     assert rows["tenants"][1] == "`{}`" and rows["tenants.NAME.rate"][0] == "number > 0"
 
 
