@@ -32,6 +32,7 @@ import stat
 import sys
 from typing import NamedTuple
 
+from tgw.shm.bytes_tensor import BytesTensorError, element_count, starts
 from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import BYTES, DTYPE_SIZES, CudaIpc, TensorMeta, nbytes_of
@@ -283,8 +284,7 @@ class TritonShm:
         what = f"input {meta.name!r}"
         region, offset, size = self._slice(params, what)
         if meta.dtype == BYTES:
-            raise refuse(f"{what} names shared memory region {region.name!r}: it is a BYTES tensor, whose layout "
-                         "travels in the request, never in a region", "shm_bytes", input=meta.name)
+            return self._bytes_input(meta, region, offset, size, what)
         if meta.dtype not in DTYPE_SIZES:
             raise refuse(f"{what}: unknown datatype {meta.dtype!r}", "shm_dtype", input=meta.name)
         need = nbytes_of(meta.dtype, meta.shape)
@@ -302,6 +302,24 @@ class TritonShm:
         self.counts["inputs"] += 1
         return frame
 
+    def _bytes_input(self, meta: TensorMeta, region, offset: int, size: int, what: str) -> SliceFrame:
+        """A BYTES input in Triton's layout (each element a 4-byte little-endian length, then its
+        bytes: tgw's own frame layout), checked to be exactly the shape's elements in `size` bytes."""
+        if isinstance(region, CudaRegion):   # the broker reads no GPU memory, and a BYTES frame must be read
+            raise refuse(f"{what} names CUDA shared memory region {region.name!r}: a BYTES tensor is read by the "
+                         "broker, which maps no GPU memory; put it in a system shared memory region",
+                         "shm_bytes_cuda", input=meta.name, region=region.name)
+        data = read_segment(region, offset, size, what)
+        try:
+            starts(data, element_count(meta.shape))
+        except BytesTensorError as exc:
+            raise refuse(f"{what}: the {size} bytes at offset {offset} of shared memory region {region.name!r} are "
+                         f"not {element_count(meta.shape)} BYTES elements of shape {meta.shape} (each a 4-byte "
+                         f"little-endian length, then its bytes): {exc}", "shm_bytes_layout", input=meta.name,
+                         region=region.name) from None
+        self.counts["inputs"] += 1
+        return SliceFrame(memoryview(data))
+
     def output_place(self, name: str, params: dict) -> Place | None:
         """Where output `name` goes when its parameters name a region (None: they do not)."""
         if REGION not in params:
@@ -314,9 +332,10 @@ class TritonShm:
         """Write output `meta` (its bytes `data`) to its place; the reply's parameters for it.
         A CUDA place was written by the worker (meta.cuda set): nothing to copy."""
         what = f"output {meta.name!r}"
-        if meta.dtype == BYTES:
-            raise refuse(f"{what} is a BYTES tensor, which travels in the reply, never in a shared memory region",
-                         "shm_bytes", output=meta.name)
+        if meta.dtype == BYTES and place.cuda is not None:
+            raise refuse(f"{what} is a BYTES tensor: the broker writes it in Triton's layout, and maps no GPU "
+                         f"memory; name a system shared memory region for it, not CUDA region {place.region!r}",
+                         "shm_bytes_cuda", output=meta.name, region=place.region)
         if place.cuda is not None:
             if meta.cuda is None:
                 raise fail(Code.INTERNAL, f"{what}: the worker did not write CUDA region {place.region!r}",

@@ -185,7 +185,7 @@ def test_every_bad_registration_and_request_is_refused(triton, region, tmp_path)
     refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "holds 80 bytes", "too small")
     text = httpclient.InferInput("x", [1], "BYTES")
     text.set_shared_memory("bad", 16)
-    refusal(lambda: triton.infer("mlp", [text]), "BYTES tensor")
+    refusal(lambda: triton.infer("mlp", [text]), "not 1 BYTES elements", "12 bytes follow")   # zeros: b"" + 12
 
 
 def test_a_truncated_segment_fails_its_request_not_the_broker(triton, native, region):

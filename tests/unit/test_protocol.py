@@ -73,7 +73,7 @@ def test_every_code_has_a_grpc_status_by_name():
     assert errors.grpc_status(fail(Code.OVERLOADED, "busy")) == "RESOURCE_EXHAUSTED"
     assert errors.grpc_status(fail(Code.MODEL_NOT_READY, "later")) == "UNAVAILABLE"
     err = fail(Code.INVALID_INPUT_SHAPE, "bad shape", input="x")
-    assert errors.details(err) == "[INVALID_INPUT_SHAPE] bad shape"
+    assert errors.details(err) == "bad shape"
     assert errors.trailers(err, "00-trace") == (("tgw-code", "INVALID_INPUT_SHAPE"), ("tgw-retryable", "false"),
                                                 ("tgw-details", '{"input":"x"}'), ("traceparent", "00-trace"))
     assert orjson.loads(errors.error_body(err)) == {"error": "bad shape", "code": "INVALID_INPUT_SHAPE",
@@ -137,3 +137,33 @@ def test_sequence_and_generate_parameters_are_read_the_same_on_every_face():
         generate_params({"max_tokens": 5, "max_outputs": 5})
     with pytest.raises(TgwError, match="an integer"):
         generate_params({"top_k": "3"})
+
+
+def test_model_level_errors_in_tritons_words_and_status():
+    """Triton core's texts (model_repository_manager.cc, model_lifecycle.cc, server common.cc),
+    which Triton's clients and qa tests match; tgw's code and message stay in the details."""
+    def answer(code, message, **d):
+        return errors.triton_answer(fail(code, message, **d))
+    assert answer(Code.MODEL_NOT_FOUND, "no model named 'x'", model="x") == \
+        ("Request for unknown model: 'x' is not found", 404, "NOT_FOUND")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="99") == \
+        ("Request for unknown model: 'x' version 99 is not found", 404, "NOT_FOUND")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="abc") == \
+        ("failed to get model version from specified version string 'abc' (details: stol), version should be an "
+         "integral value > 0", 400, "INVALID_ARGUMENT")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="-3").message == \
+        "invalid model version specified '-3' , version should be an integral value > 0"
+    assert answer(Code.MODEL_NOT_READY, "none loaded", model="x", reason="no_version") == \
+        ("Request for unknown model: 'x' has no available versions", 404, "NOT_FOUND")
+    assert answer(Code.MODEL_NOT_READY, "loading", model="x", version="2") == \
+        ("Request for unknown model: 'x' version 2 is not at ready state", 503, "UNAVAILABLE")
+    # tgw's own situations keep tgw's words and status
+    assert answer(Code.MODEL_NOT_READY, "crash loop", model="x", reason="crash_loop") == \
+        ("crash loop", 503, "UNAVAILABLE")
+    assert answer(Code.OVERLOADED, "busy") == ("busy", 429, "RESOURCE_EXHAUSTED")
+    err = fail(Code.MODEL_NOT_FOUND, "no model named 'x'", model="x")
+    assert orjson.loads(errors.error_body(err)) == {
+        "error": "Request for unknown model: 'x' is not found", "code": "MODEL_NOT_FOUND", "retryable": False,
+        "details": {"model": "x", "tgw_message": "no model named 'x'"}}
+    assert errors.headers(err) == {"tgw-code": "MODEL_NOT_FOUND", "tgw-retryable": "false"}
+    assert errors.details(err) == "Request for unknown model: 'x' is not found"
