@@ -61,7 +61,7 @@ def test_an_awaited_caller_takes_one_answer_and_names_its_face():
 def test_the_door_port_is_a_frozen_record_with_the_faces_fields():
     fields = [f.name for f in dataclasses.fields(door.DoorPort)]
     assert fields == ["token", "view", "entry", "dispatch", "infer", "count_error", "note", "withdraw", "shm", "load",
-                      "scrape"]
+                      "scrape", "uploads"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         port(None).token = "x"
 
@@ -106,7 +106,7 @@ def test_the_repository_refuses_control_beyond_loopback_without_a_token():
 def test_repository_parameters_as_both_faces_send_them():
     assert Repository.params({"version": "2", "weight": 10, "shadow": "0.25"}) == \
         {"version": "2", "weight": 10, "shadow": 0.25}   # gRPC's repository parameters have no double
-    with pytest.raises(TgwError, match="takes no model config"):
+    with pytest.raises(TgwError, match="unknown parameter 'config'"):   # config and files: uploads.split's
         Repository.params({"config": "{}"})
     with pytest.raises(TgwError, match="unknown parameter 'path'"):
         Repository.params({"path": "x"}, ("version", "unload_dependents"))
