@@ -22,6 +22,7 @@ import orjson
 from tgw.shm.errors import Code, TgwError, fail
 
 TRACEPARENT = "traceparent"   # a request's trace context: an HTTP header, gRPC metadata
+CODE_HEADER = "tgw-code"      # tgw's error code: an HTTP error's header, a gRPC error's trailer
 
 # code -> the name of its grpc.StatusCode
 GRPC_STATUS: dict[Code, str] = {
@@ -114,7 +115,7 @@ def http_status(err: TgwError) -> int:
 
 def headers(err: TgwError) -> dict[str, str]:
     """tgw's code and retryable flag as HTTP headers, beside Triton's body."""
-    return {"tgw-code": err.code.value, "tgw-retryable": "true" if err.retryable else "false"}
+    return {CODE_HEADER: err.code.value, "tgw-retryable": "true" if err.retryable else "false"}
 
 
 def grpc_status(err: TgwError) -> str:
@@ -129,7 +130,7 @@ def details(err: TgwError) -> str:
 
 def trailers(err: TgwError, trace: str | None = None) -> tuple:
     """The gRPC trailing metadata an error adds: tgw's code, retryable flag and details."""
-    out = [("tgw-code", err.code.value), ("tgw-retryable", "true" if err.retryable else "false"),
+    out = [(CODE_HEADER, err.code.value), ("tgw-retryable", "true" if err.retryable else "false"),
            ("tgw-details", orjson.dumps(kept_details(err), default=str).decode())]
     if trace:
         out.append((TRACEPARENT, trace))

@@ -231,7 +231,7 @@ def test_config_statistics_metadata_and_repository(triton):
     wait_until(lambda: not triton.is_model_ready("double"), what="double unloaded")
     triton.load_model("double")
     assert triton.is_model_ready("double")
-    with pytest.raises(InferenceServerException, match="no model config or files"):
+    with pytest.raises(InferenceServerException, match="failed to load 'double', a load with a config override"):
         triton.load_model("double", config='{"max_batch_size": 4}')
 
 

@@ -19,7 +19,7 @@ class HttpCaller(AwaitedCaller):
 
 
 def error_response(err: TgwError, trace: str | None = None) -> web.Response:
-    extra = headers(err)
+    extra = headers(err)   # tgw's code beside Triton's {"error": message}
     if trace:
         extra[TRACEPARENT] = trace
     return web.Response(status=http_status(err), body=error_body(err), content_type="application/json",
