@@ -29,8 +29,12 @@ class StageBatch:
     """One batch as a stage sees it: `batch["name"]` for an input, `batch.rows`, `batch.device`,
     `batch.fail(row, message)`."""
 
-    def __init__(self, rows: int, device: torch.device, inputs: dict[str, Any]):
+    def __init__(self, rows: int, device: torch.device, inputs: dict[str, Any], starts: list[int] | None = None,
+                 ids: list[int] | None = None):
         self.rows, self.device, self.inputs = rows, device, inputs
+        # where each request's rows begin, and the end (None: not told, e.g. a warm-up example);
+        # each request's id as its caller sent it. Read by adapters that answer per request.
+        self.starts, self.ids = starts, list(ids or [])
         self.failed: dict[int, str] = {}    # row -> message, in the order the stage failed them
 
     def __getitem__(self, name: str) -> Any:

@@ -41,7 +41,9 @@ def serve_stage(server, batch: Batch, runner: StageRunner | SequenceRunner) -> D
         a, b = starts[lo], starts[hi]
         named = {t.name: x[a:b] if (a, b) != (0, batch.rows) else x for t, x in zip(batch.inputs, inputs)}
         steps = (batch.steps[lo:hi],) if isinstance(runner, SequenceRunner) else ()
-        outs, rows_failed = runner.call(named, *steps, b - a)
+        # a stage is told where its requests begin (a Triton Python model answers per request)
+        told = {} if steps else {"starts": [s - a for s in starts[lo:hi + 1]], "ids": batch.ids[lo:hi]}
+        outs, rows_failed = runner.call(named, *steps, b - a, **told)
         for row, message in rows_failed.items():
             failures.setdefault(a + row, message)
         return outs
