@@ -1,6 +1,6 @@
 """Triton Python-backend models served unchanged as stages by one real broker, driven with
 tritonclient over HTTP (tests/triton_py_models.py writes them): python_backend's add_sub example
-as published; a BYTES model handed its config.pbtxt (as tritonrepo translates it) that reads its
+as published, through docs/MIGRATING.md's example entry; a BYTES model handed its config.pbtxt (as tritonrepo translates it) that reads its
 parameters and initialize(args); one execute() call per batch with one request per caller, a
 response with an error failing only its request; a model whose initialize() raises refused at
 load with its file:line, the old version serving on; finalize() run when a version unloads."""
@@ -13,10 +13,11 @@ import tempfile
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+import yaml
 from tritonclient.utils import InferenceServerException
 
 import triton_py_models as models
-from conftest import served, wait_until
+from conftest import readme_block, served, wait_until
 from tgw.shm.errors import TgwError
 from tgw.shm.wire import LoadVersion
 from tgw.testing.lifecycle import control
@@ -25,11 +26,9 @@ HANDLER = "{}/1/model.py:TritonPythonModel"
 
 
 def config(root: str) -> dict:
-    f32 = lambda *names: [{"name": n, "dtype": "float32", "shape": [4]} for n in names]   # noqa: E731
     i64 = lambda *names: [{"name": n, "dtype": "int64", "shape": [1]} for n in names]     # noqa: E731
-    entries = [
-        {"name": "add_sub", "versions": [{"version": "1", "handler": HANDLER.format("add_sub")}],
-         "inputs": f32("INPUT0", "INPUT1"), "outputs": f32("OUTPUT0", "OUTPUT1"), "max_batch_size": 8},
+    # docs/MIGRATING.md's example entry, as printed
+    entries = [*yaml.safe_load(readme_block("triton-python-example:config"))["models"],
         {"name": "strings", "versions": [{"version": "1", "handler": HANDLER.format("strings")}],
          "options": {"triton_model_config": models.config_dict(models.STRINGS_CONFIG)},
          "inputs": [{"name": "TEXT", "dtype": "bytes", "shape": [1]}],
