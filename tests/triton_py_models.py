@@ -203,7 +203,7 @@ output [{ name: "UPPER" data_type: TYPE_STRING dims: [ 1 ] }, { name: "LENGTH" d
 parameters { key: "suffix" value: { string_value: "!" } }
 """
 
-# one response per request: an error for a request with a negative value; each row says how
+# one response per request: an error for a request with a negative value (or a zero); each row says how
 # many requests its execute() call had; finalize() leaves a file behind
 PICKY = '''\
 import json
@@ -225,6 +225,9 @@ class TritonPythonModel:
                 error = pb_utils.TritonError("negative input in request " + request.request_id(),
                                              pb_utils.TritonError.INVALID_ARG)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            if (x == 0).any():   # TritonError's default code: INTERNAL
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("zero input")))
                 continue
             count = np.full(x.shape, len(requests), dtype=np.int64)
             responses.append(pb_utils.InferenceResponse(

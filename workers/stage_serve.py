@@ -20,6 +20,7 @@ from .answers import error_done, failed
 from .oom import is_oom, oom_text
 from .output_blocks import request_starts
 from .sequence_runner import SequenceRunner
+from .stage import RowFailure
 from .stage_runner import StageRunner
 
 
@@ -84,6 +85,9 @@ def _failed_requests(runner: StageRunner, failures: dict[int, str], starts: list
     for row in sorted(failures):
         request = bisect.bisect_right(starts, row) - 1
         if request not in out:
-            out[request] = fail(Code.INVALID_ARGUMENT, f"stage {runner.spec.name}: {failures[row]}",
-                                row=row - starts[request], request=request, reason="stage_row_failed").to_body()
+            message = failures[row]
+            code, text = ((Code(message.code), str(message)) if isinstance(message, RowFailure) else
+                          (Code.INVALID_ARGUMENT, f"stage {runner.spec.name}: {message}"))
+            out[request] = fail(code, text, row=row - starts[request], request=request,
+                                reason="stage_row_failed").to_body()
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -93,7 +94,15 @@ def test_an_error_response_fails_only_its_request(client):
     assert result.as_numpy("NREQ").ravel().tolist() == [2, 2]   # one execute() call, one request per caller
     with pytest.raises(InferenceServerException) as info:
         bad.get_result()
-    assert "negative input in request" in info.value.message() and info.value.status() == "400", info.value
+    # the model's own message, nothing in front; INVALID_ARG answers 400, as in Triton
+    assert re.fullmatch(r"negative input in request \d+", info.value.message()) and info.value.status() == "400", \
+        info.value
+    zero = client.async_infer("picky", [tensor("X", np.array([[0]], np.int64), "INT64")])
+    rest = client.async_infer("picky", [tensor("X", np.array([[1], [1], [1]], np.int64), "INT64")])
+    with pytest.raises(InferenceServerException) as info:
+        zero.get_result()
+    assert info.value.message() == "zero input" and info.value.status() == "500", info.value   # INTERNAL, the default
+    assert rest.get_result().as_numpy("NREQ").ravel().tolist() == [2, 2, 2]
 
 
 def test_initialize_raising_is_refused_with_file_line_and_finalize_runs_on_unload(broker, client):

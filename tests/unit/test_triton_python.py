@@ -132,10 +132,12 @@ def test_responses_that_break_the_declaration_fail_their_own_request(tmp_path):
     r = runner(path, [("X", "float32", [2])], [("Y", "float32", [2])])
     x = torch.tensor([[0., 9.], [1., 1.], [2., 2.], [3., 3.], [4., 4.], [5., 5.]])
     outs, failed = r.call({"X": x}, 6, starts=[0, 1, 2, 3, 4, 5, 6])
-    assert failed == {1: "output 'Y' is float64, its config declares TYPE_FP32",
-                      2: "the response has no output 'Y' (it has []): tgw answers every declared output",
-                      3: "output 'Y' has shape [1, 1], its config declares ['rows', 2] (rows: 1, the request's batch)",
-                      4: "execute() returned None for this request, not an InferenceResponse"}
+    said = "Triton Python model 'm' (version 1): "
+    assert failed == {1: said + "output 'Y' is float64, its config declares TYPE_FP32",
+                      2: said + "the response has no output 'Y' (it has []): tgw answers every declared output",
+                      3: said + "output 'Y' has shape [1, 1], its config declares ['rows', 2] (rows: 1, the request's batch)",
+                      4: said + "execute() returned None for this request, not an InferenceResponse"}
+    assert {f.code for f in failed.values()} == {"MODEL_EXECUTION_ERROR"}   # the model's fault: 500
     assert outs[0][0].tolist() == [0., 9.] and outs[0][5].tolist() == [5., 5.]
     counted = runner(path, [("X", "float32", [2])], [("Y", "float32", [2])], cls="Counted")
     with pytest.raises(pb_utils.TritonModelException, match="Number of InferenceResponse objects do not match"):

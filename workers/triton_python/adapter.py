@@ -24,16 +24,21 @@ import numpy as np
 import torch
 
 from tgw.shm.bytes_tensor import BYTES
+from tgw.shm.errors import Code
 from tgw.shm.wire import IOSpec, ModelSpec
 
 from ..failure_where import code_where
-from ..stage import StageBatch, StageContext
+from ..stage import RowFailure, StageBatch, StageContext
 from . import backend_utils
+from .errors import TritonError
 from .messages import InferenceRequest, InferenceResponse
 from .model_config import ModelConfig, normalised, synthesised, using_decoupled_model_transaction_policy
 from .tensors import BY_TGW_DTYPE, TYPES, Tensor, element_bytes, object_array
 
 log = logging.getLogger("tgw.worker")
+# a TritonError's code -> tgw's: the same HTTP status where tgw has an honest code for it
+# (INTERNAL 500, UNAVAILABLE 503); the others are answered 400, as Triton answers most of them
+ERROR_CODES = {TritonError.INTERNAL: Code.MODEL_EXECUTION_ERROR, TritonError.UNAVAILABLE: Code.MODEL_NOT_READY}
 
 
 class TritonModelLoadError(RuntimeError):
@@ -140,8 +145,8 @@ class TritonStage:
         for i, response in enumerate(responses):
             a, b = bounds[i], bounds[i + 1]
             found = self._response_arrays(response, b - a)
-            if isinstance(found, str):
-                batch.fail(a, found)
+            if isinstance(found, RowFailure):
+                batch.fail_as(a, found)
                 found = None
             for t in self.spec.outputs:
                 per_output[t.name].append(found[t.name] if found else None)
@@ -151,8 +156,9 @@ class TritonStage:
             row_shape = next((x.shape[1:] for x in arrays if x is not None), None)
             for i, x in enumerate(arrays):
                 if x is not None and x.shape[1:] != row_shape:
-                    batch.fail(bounds[i], f"output {t.name!r} has shape {list(x.shape)}, another request of its batch "
-                                          f"{[x.shape[0], *row_shape]}: tgw batches a variable dim at one size")
+                    batch.fail_as(bounds[i], self._broke(
+                        f"output {t.name!r} has shape {list(x.shape)}, another request of its batch "
+                        f"{[x.shape[0], *row_shape]}: tgw batches a variable dim at one size"))
                     arrays[i] = None
             row_shape = row_shape if row_shape is not None else tuple(1 if d == -1 else d for d in t.shape)
             arrays = [x if x is not None else _blank(t, (bounds[i + 1] - bounds[i], *row_shape))
@@ -161,24 +167,29 @@ class TritonStage:
             out[t.name] = joined.tolist() if t.dtype == BYTES else torch.from_numpy(np.ascontiguousarray(joined))
         return out
 
-    def _response_arrays(self, response, rows: int) -> dict[str, np.ndarray] | str:
+    def _broke(self, problem: str) -> RowFailure:
+        """A request failed because the model's response breaks the declaration: the model's fault."""
+        return RowFailure(f"{self.label}: {problem}", Code.MODEL_EXECUTION_ERROR)
+
+    def _response_arrays(self, response, rows: int) -> dict[str, np.ndarray] | RowFailure:
         """A response's outputs as [rows, *dims] arrays, or why its request fails."""
         if response is None:
-            return "execute() returned None for this request, not an InferenceResponse"
+            return self._broke("execute() returned None for this request, not an InferenceResponse")
         if not isinstance(response, InferenceResponse):
             raise backend_utils.TritonModelException("Expected an 'InferenceResponse' object in the execute function "
                                                      f"return list, found type '{type(response)}'.")
-        if response.has_error():
-            return response.error().message()
+        if response.has_error():   # the model's own message, as Triton answers it
+            error = response.error()
+            return RowFailure(error.message(), ERROR_CODES.get(error.code(), Code.INVALID_ARGUMENT))
         given = {t.name(): t for t in response.output_tensors()}
         out = {}
         for t in self.spec.outputs:
             if t.name not in given:
-                return (f"the response has no output {t.name!r} (it has {sorted(given)}): tgw answers every declared "
-                        "output")
+                return self._broke(f"the response has no output {t.name!r} (it has {sorted(given)}): tgw answers "
+                                   "every declared output")
             array, problem = _checked(given[t.name], t, self.spec.batched, rows)
             if problem:
-                return problem
+                return self._broke(problem)
             out[t.name] = array
         return out
 
