@@ -108,4 +108,5 @@ def set_up(module, spec, device: torch.device) -> None:
     setup = getattr(module, "setup", None)
     if setup is not None:
         setup(StageContext(name=spec.name, version=spec.version, dir=handler_dir(spec.handler), device=device,
-                           threads=torch.get_num_threads(), options=dict(spec.options)))
+                           threads=torch.get_num_threads(), options=dict(spec.options),
+                           batched=spec.batched))

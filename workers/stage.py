@@ -23,6 +23,8 @@ class StageContext:
     device: torch.device       # where the stage runs: cpu, or the worker's GPU for `device: cuda`
     threads: int               # torch's intra-op threads in this worker
     options: dict[str, Any] = field(default_factory=dict)   # the config's `options:` for this stage
+    # False for max_batch_size 0: batch tensors come without the batch dim (one request a batch)
+    batched: bool = True
 
 
 class StageBatch:

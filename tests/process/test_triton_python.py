@@ -27,6 +27,7 @@ HANDLER = "{}/1/model.py:TritonPythonModel"
 
 
 def config(root: str) -> dict:
+    f32 = lambda *names: [{"name": n, "dtype": "float32", "shape": [4]} for n in names]   # noqa: E731
     i64 = lambda *names: [{"name": n, "dtype": "int64", "shape": [1]} for n in names]     # noqa: E731
     # docs/MIGRATING.md's example entry, as printed
     entries = [*yaml.safe_load(readme_block("triton-python-example:config"))["models"],
@@ -35,6 +36,10 @@ def config(root: str) -> dict:
          "inputs": [{"name": "TEXT", "dtype": "bytes", "shape": [1]}],
          "outputs": [{"name": "UPPER", "dtype": "bytes", "shape": [1]}, {"name": "LENGTH", "dtype": "int32", "shape": [1]}],
          "max_batch_size": 8},
+        # the example with its own config.pbtxt: max_batch_size 0, no batch dim
+        {"name": "add_sub0", "versions": [{"version": "1", "handler": HANDLER.format("add_sub")}],
+         "options": {"triton_model_config": models.config_dict(models.ADD_SUB_CONFIG)}, "max_batch_size": 0,
+         "inputs": f32("INPUT0", "INPUT1"), "outputs": f32("OUTPUT0", "OUTPUT1")},
         # held until 4 rows came: two callers' requests of 2 rows in one execute() call
         {"name": "picky", "versions": [{"version": "1", "handler": HANDLER.format("picky")}],
          "inputs": i64("X"), "outputs": i64("Y", "NREQ"), "max_batch_size": 4, "max_delay_us": 5_000_000}]
@@ -69,6 +74,10 @@ def test_the_add_sub_example_runs_unchanged(client):
     assert result.as_numpy("OUTPUT0").tolist() == (a + b).tolist()
     assert result.as_numpy("OUTPUT1").tolist() == (a - b).tolist()
     assert [o["datatype"] for o in client.get_model_metadata("add_sub")["outputs"]] == ["FP32", "FP32"]
+    # as python_backend's examples/add_sub/client.py calls it: shape [4], no batch dim
+    a, b = np.random.rand(4).astype(np.float32), np.random.rand(4).astype(np.float32)
+    result = client.infer("add_sub0", [tensor("INPUT0", a, "FP32"), tensor("INPUT1", b, "FP32")])
+    assert result.as_numpy("OUTPUT0").tolist() == (a + b).tolist() and result.as_numpy("OUTPUT1").shape == (4,)
 
 
 def test_a_bytes_model_reads_its_config_and_args(broker, client):

@@ -45,10 +45,11 @@ def test_add_sub_with_its_config_batched_and_without_a_batch_dim(tmp_path):
     files = models.write(str(tmp_path))
     given = models.config_dict(models.ADD_SUB_CONFIG)
     assert given["input"][0]["dims"] == ["4"]   # protobuf's JSON: int64 as strings
-    r = runner(files["add_sub"], *ADD_SUB_IO, options={"triton_model_config": given})
+    r = runner(files["add_sub"], *ADD_SUB_IO, options={"triton_model_config": {**given, "max_batch_size": 8}})
     config = r.module.config
     assert config["input"][0]["dims"] == [4] and config["output"][1]["label_filename"] == ""
     assert config["max_batch_size"] == 8 and config["input"][0]["format"] == "FORMAT_NONE"
+    assert config["instance_group"] == [{"kind": "KIND_CPU"}] and config["parameters"] == {}
     x, y = torch.arange(12.).reshape(3, 4), torch.ones(3, 4)
     outs, failed = r.call({"INPUT0": x, "INPUT1": y}, 3, starts=[0, 1, 3], ids=[7, 8])
     assert failed == {} and outs[0].tolist() == (x + y).tolist() and outs[1].tolist() == (x - y).tolist()
@@ -60,6 +61,17 @@ def test_add_sub_with_its_config_batched_and_without_a_batch_dim(tmp_path):
     flat.module.model.execute = lambda requests: seen.append([t.shape() for t in requests[0].inputs()]) or execute(requests)
     outs, _ = flat.call({"INPUT0": x[:1], "INPUT1": y[:1]}, 1)
     assert seen == [[[4], [4]]] and outs[0].tolist() == [(x[0] + 1).tolist()]   # no batch dim in, one row out
+
+    # Triton's reshape: the model takes and returns [rows, 2, 2] of the declared [rows, 4]
+    shaped = runner(files["add_sub"], *([(n, "float32", [4]) for n in names] for names in
+                                        (("INPUT0", "INPUT1"), ("OUTPUT0", "OUTPUT1"))))
+    shaped.spec.inputs[0].reshape = shaped.spec.inputs[1].reshape = [2, 2]
+    shaped.spec.outputs[0].reshape = shaped.spec.outputs[1].reshape = [2, 2]
+    seen.clear()
+    execute = shaped.module.model.execute
+    shaped.module.model.execute = lambda requests: seen.append([t.shape() for t in requests[0].inputs()]) or execute(requests)
+    outs, failed = shaped.call({"INPUT0": x, "INPUT1": y}, 3, starts=[0, 2, 3])
+    assert seen == [[[2, 2, 2], [2, 2, 2]]] and failed == {} and outs[1].tolist() == (x - y).tolist()
 
 
 def test_auto_complete_is_ignored_with_a_warning_and_decoupled_models_are_refused(tmp_path, caplog):

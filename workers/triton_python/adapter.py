@@ -128,19 +128,24 @@ class TritonStage:
                                 model_name=self.spec.name, model_version=version)
 
     def _input(self, value, t: IOSpec, a: int, b: int) -> Tensor:
-        """Rows a..b of an input as the model reads it: a numpy copy (the ring is read-only to a
-        stage; Triton's models may write theirs); BYTES as an object array of bytes; bfloat16,
-        which numpy lacks, as a torch tensor (to_dlpack)."""
+        """Rows a..b of an input as the model reads it, in its own shape (model_shapes.py made
+        fixed-dtype inputs so: Triton's reshape, no batch dim for max_batch_size 0): a numpy copy
+        (the ring is read-only to a stage; Triton's models may write theirs); BYTES as an object
+        array of bytes; bfloat16, which numpy lacks, as a torch tensor (to_dlpack)."""
         if t.dtype == BYTES:
             array = object_array(*_flattened(value[a:b], 1 + len(t.shape)))
-        elif t.dtype == "bfloat16":
-            rows = value[a:b].cpu().clone()
-            return Tensor.from_dlpack(t.name, rows if self.spec.batched else rows[0])
-        else:
-            array = value[a:b].cpu().numpy().copy()
-        return Tensor(t.name, array if self.spec.batched else array[0])
+            if t.reshape is not None:
+                array = array.reshape([b - a, *t.reshape])
+            return Tensor(t.name, array if self.spec.batched else array[0])
+        rows = value[a:b] if self.spec.batched else value   # unbatched: one request, its rows dim gone
+        if t.dtype == "bfloat16":
+            return Tensor.from_dlpack(t.name, rows.cpu().clone())
+        return Tensor(t.name, rows.cpu().numpy().copy())
 
     def _outputs(self, batch: StageBatch, bounds: list[int], responses: list) -> dict[str, Any]:
+        """The responses' tensors joined per output in request order: BYTES as declared (nested
+        lists of [rows, *shape]); fixed dtypes in the model's own shape, which model_shapes.py
+        brings back to the declared one."""
         per_output: dict[str, list] = {t.name: [] for t in self.spec.outputs}
         for i, response in enumerate(responses):
             a, b = bounds[i], bounds[i + 1]
@@ -153,19 +158,32 @@ class TritonStage:
         out = {}
         for t in self.spec.outputs:
             arrays = per_output[t.name]
-            row_shape = next((x.shape[1:] for x in arrays if x is not None), None)
-            for i, x in enumerate(arrays):
-                if x is not None and x.shape[1:] != row_shape:
-                    batch.fail_as(bounds[i], self._broke(
-                        f"output {t.name!r} has shape {list(x.shape)}, another request of its batch "
-                        f"{[x.shape[0], *row_shape]}: tgw batches a variable dim at one size"))
-                    arrays[i] = None
-            row_shape = row_shape if row_shape is not None else tuple(1 if d == -1 else d for d in t.shape)
-            arrays = [x if x is not None else _blank(t, (bounds[i + 1] - bounds[i], *row_shape))
-                      for i, x in enumerate(arrays)]
-            joined = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-            out[t.name] = joined.tolist() if t.dtype == BYTES else torch.from_numpy(np.ascontiguousarray(joined))
+            rows_first = self.spec.batched or t.dtype == BYTES
+            dims = t.shape if t.dtype == BYTES else _model_dims(t)
+            if not rows_first:   # max_batch_size 0: one request, no rows dim
+                joined = arrays[0] if arrays[0] is not None else _blank(t, tuple(1 if d == -1 else d for d in dims))
+            else:
+                joined = self._joined(batch, bounds, t, arrays, dims)
+            if t.dtype == BYTES:
+                out[t.name] = joined.tolist()
+            else:
+                tensor = torch.from_numpy(np.ascontiguousarray(joined))
+                out[t.name] = tensor.view(torch.bfloat16) if t.dtype == "bfloat16" else tensor
         return out
+
+    def _joined(self, batch: StageBatch, bounds: list[int], t: IOSpec, arrays: list, dims: list[int]) -> np.ndarray:
+        """Each request's [rows, *dims] array, or blanks for a failed one, as one [batch rows, *dims]."""
+        row_shape = next((x.shape[1:] for x in arrays if x is not None), None)
+        for i, x in enumerate(arrays):
+            if x is not None and x.shape[1:] != row_shape:
+                batch.fail_as(bounds[i], self._broke(
+                    f"output {t.name!r} has shape {list(x.shape)}, another request of its batch "
+                    f"{[x.shape[0], *row_shape]}: tgw batches a variable dim at one size"))
+                arrays[i] = None
+        row_shape = row_shape if row_shape is not None else tuple(1 if d == -1 else d for d in dims)
+        arrays = [x if x is not None else _blank(t, (bounds[i + 1] - bounds[i], *row_shape))
+                  for i, x in enumerate(arrays)]
+        return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
 
     def _broke(self, problem: str) -> RowFailure:
         """A request failed because the model's response breaks the declaration: the model's fault."""
@@ -194,14 +212,20 @@ class TritonStage:
         return out
 
 
+def _model_dims(t: IOSpec) -> list[int]:
+    """A tensor's shape as the model takes or returns it, without the batch dim."""
+    return t.reshape if t.reshape is not None else t.shape
+
+
 def _checked(tensor: Tensor, t: IOSpec, batched: bool, rows: int) -> tuple[np.ndarray | None, str]:
-    """One output tensor as a [rows, *dims] numpy array of its declared type, or why not."""
+    """One output tensor checked against its declaration, or why not: its numpy array in the
+    model's own shape (bfloat16 as its int16 bits), BYTES in the declared [rows, *shape]."""
     declared = TYPES[BY_TGW_DTYPE[t.dtype]][0]
     if t.dtype == "bfloat16":
         value = tensor.as_torch().cpu()
         if value.dtype != torch.bfloat16:
             return None, f"output {t.name!r} is {value.dtype}, its config declares {declared}"
-        array = value.view(torch.int16).numpy()   # carried as int16 bits, viewed back below
+        array = value.contiguous().view(torch.int16).numpy()
     else:
         array = tensor.as_numpy() if tensor.is_cpu() else tensor.as_torch().cpu().numpy()
         if t.dtype == BYTES:
@@ -210,22 +234,23 @@ def _checked(tensor: Tensor, t: IOSpec, batched: bool, rows: int) -> tuple[np.nd
             array = object_array([element_bytes(x) for x in array.ravel().tolist()], list(array.shape))
         elif array.dtype != np.dtype(TYPES[BY_TGW_DTYPE[t.dtype]][1]):
             return None, f"output {t.name!r} is {array.dtype}, its config declares {declared}"
-    if not batched:
-        array = array[None]
-    want = [rows, *t.shape]
+    dims = list(_model_dims(t))
+    want = [rows, *dims] if batched else dims
     if array.ndim != len(want) or any(w not in (-1, g) for w, g in zip(want, array.shape)):
-        shape = list(array.shape[1:]) if not batched else list(array.shape)
-        expect = list(t.shape) if not batched else ["rows", *t.shape]
-        return None, (f"output {t.name!r} has shape {shape}, its config declares {expect} "
-                      f"{'(rows: ' + str(rows) + ', the request' + chr(39) + 's batch)' if batched else ''}").rstrip()
-    if t.dtype == "bfloat16":
-        array = torch.from_numpy(np.ascontiguousarray(array)).view(torch.bfloat16)
-        return array, ""
+        expect = f"['rows', {', '.join(map(str, dims))}] (rows: {rows}, the request's batch)" if batched else str(dims)
+        return None, f"output {t.name!r} has shape {list(array.shape)}, its config declares {expect}"
+    if t.dtype == BYTES:   # to the declared shape: the rows dim back, Triton's reshape undone
+        array = array if batched else array[None]
+        if t.reshape is not None:
+            try:
+                array = array.reshape([array.shape[0], *t.shape])
+            except ValueError:
+                return None, f"output {t.name!r} of shape {list(array.shape)} does not reshape to {t.shape}"
     return array, ""
 
 
 def _blank(t: IOSpec, shape: tuple) -> np.ndarray:
-    """A failed request's rows (their values are ignored)."""
+    """A failed request's values (ignored), in the form its output is joined in."""
     if t.dtype == BYTES:
         return object_array([b""] * int(np.prod(shape)), list(shape))
     if t.dtype == "bfloat16":
