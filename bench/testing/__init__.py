@@ -13,4 +13,5 @@ imports tgw.bench; the benchmarks' harness and scenarios may import it.
 | `regions.py` | a minimal native caller that sends through a shared-memory region |
 | `generators.py` | small deterministic generators (`Counter`, `ToyLM`), their references and config entries (docs/GENERATION.md) |
 | `slow_first.py` | a model slow on its first call per shape (preloaded by workers as `tgw.testing.slow_first`) |
+| `triton_repo.py` | a Triton model repository of stand-in models (`simple`, `simple_string`, image classifiers, an ensemble of Python pre/post-processing and a TorchScript model), written at run time |
 """

@@ -212,7 +212,7 @@ def test_tenant_and_traceparent_metadata(triton, stub):
 def test_config_statistics_metadata_and_repository(triton):
     assert triton.is_server_live() and triton.is_server_ready() and triton.is_model_ready("mlp")
     meta = triton.get_server_metadata()
-    assert meta.name == "tgw" and {"statistics", "model_repository", "system_shared_memory"} <= set(meta.extensions)
+    assert meta.name == "triton" and {"statistics", "model_repository", "system_shared_memory"} <= set(meta.extensions)
     model = triton.get_model_metadata("mlp")
     assert model.inputs[0].name == "x" and model.inputs[0].datatype == "FP32" and list(model.inputs[0].shape) == [-1, 256]
     cfg = triton.get_model_config("mlp").config

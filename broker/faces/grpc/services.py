@@ -56,7 +56,8 @@ class Services:
 
     async def server_metadata(self, req, context):
         extensions = EXTENSIONS + (SHM_EXTENSIONS if self.face.shm is not None else [])
-        return pb.ServerMetadataResponse(name="tgw", version=status.SERVER_NAME.split("/")[1], extensions=extensions)
+        # "triton": what Triton's clients and examples check, as on HTTP
+        return pb.ServerMetadataResponse(name="triton", version=status.SERVER_NAME.split("/")[1], extensions=extensions)
 
     async def model_metadata(self, req, context):
         doc = self.repository.kserve_metadata(*self.named(req.name, req.version))

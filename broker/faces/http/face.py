@@ -259,7 +259,8 @@ class HttpFace:
         return json_response(doc, 200 if health.ready else 400)
 
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return json_response({"name": "tgw", "version": status.SERVER_NAME.split("/")[1],
+        # "triton": what Triton's clients and examples check; the version is tgw's
+        return json_response({"name": "triton", "version": status.SERVER_NAME.split("/")[1],
                               "extensions": [*EXTENSIONS, "generate",
                                              *(triton_shm.EXTENSIONS if self.shm is not None else [])]})
 

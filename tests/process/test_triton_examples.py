@@ -1,0 +1,110 @@
+"""Triton's own Python client examples (tests/data/triton-client-examples/, copied unchanged from
+triton-inference-server/client) run as subprocesses against one broker serving a Triton
+repository of stand-in models (tgw.testing.triton_repo): each must exit 0 and print its PASS line
+(or, for the examples that print none, its last check's output)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from conftest import served
+from tgw.testing import triton_repo
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "data", "triton-client-examples")
+
+
+def tgw_entries(root: str) -> list[dict]:
+    """The repository as tgw YAML entries (what --model-repository makes of it)."""
+    def t(name, dtype, *dims, **more):
+        return {"name": name, "dtype": dtype, "shape": list(dims), **more}
+    py = lambda m: [{"version": "1", "handler": f"{root}/{m}/1/model.py:TritonPythonModel"}]   # noqa: E731
+    pt = lambda m: [{"version": "1", "path": f"{root}/{m}/1/model.pt"}]                       # noqa: E731
+    side = triton_repo.SIDE
+    return [
+        {"name": "simple", "versions": pt("simple"), "max_batch_size": 8,
+         "inputs": [t("INPUT0", "int32", 16), t("INPUT1", "int32", 16)],
+         "outputs": [t("OUTPUT0", "int32", 16), t("OUTPUT1", "int32", 16)]},
+        {"name": "simple_string", "versions": py("simple_string"), "max_batch_size": 8,
+         "inputs": [t("INPUT0", "bytes", 16), t("INPUT1", "bytes", 16)],
+         "outputs": [t("OUTPUT0", "bytes", 16), t("OUTPUT1", "bytes", 16)]},
+        {"name": "simple_identity", "versions": py("simple_identity"), "max_batch_size": 8,
+         "inputs": [t("INPUT0", "bytes", -1)], "outputs": [t("OUTPUT0", "bytes", -1)]},
+        {"name": "image_cnn", "versions": pt("image_cnn"), "max_batch_size": 8,
+         "inputs": [t("INPUT__0", "float32", 3, side, side, format="FORMAT_NCHW")],
+         "outputs": [t("OUTPUT__0", "float32", 4, labels=f"{root}/image_cnn/labels.txt")]},
+        {"name": "image_cnn_flat", "versions": pt("image_cnn_flat"), "max_batch_size": 0,
+         "inputs": [t("INPUT__0", "float32", side, side, 3, format="FORMAT_NHWC")],
+         "outputs": [t("OUTPUT__0", "float32", 4, labels=f"{root}/image_cnn_flat/labels.txt")]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def broker():
+    d = os.path.realpath(tempfile.mkdtemp(prefix="tgwte-", dir="/tmp"))   # ipc paths must stay short
+    repo = os.path.join(d, "repo")
+    triton_repo.write(repo, only=("simple", "simple_string", "simple_identity", "image_cnn", "image_cnn_flat"))
+    cfg = {"model_roots": [d], "http": {"port": 0, "allow_client_shm": True}, "grpc": {"port": 0, "allow_client_shm": True},
+           "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8, "output_arena_mb": 4},
+           "models": tgw_entries(repo)}
+    for b in served(cfg, d, http=True, root=d):
+        from tgw.client import Client
+        with Client(b.address) as c:
+            b.grpc = c.status()["grpc"]
+        yield b
+
+
+def run(example: str, *args: str) -> str:
+    """The example run as its user would; its output, after checking it exited 0."""
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, example), *args], capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{example} {' '.join(args)} exited {proc.returncode}:\n{out[-3000:]}"
+    return out
+
+
+def http(b) -> tuple[str, str]:
+    return "-u", b.http.removeprefix("http://")
+
+
+def grpc(b) -> tuple[str, str]:
+    return "-u", b.grpc
+
+
+@pytest.mark.parametrize("example, face, passed", [
+    ("simple_http_infer_client.py", http, "Request for unknown model"),
+    ("simple_grpc_infer_client.py", grpc, "PASS: infer"),
+    ("simple_http_async_infer_client.py", http, "15 - 1 = 14"),
+    ("simple_grpc_async_infer_client.py", grpc, "PASS: Async infer"),
+    ("simple_http_health_metadata.py", http, "'name': 'simple'"),
+    ("simple_grpc_health_metadata.py", grpc, "name: \"simple\""),
+    ("simple_http_string_infer_client.py", http, "PASS: string"),
+    ("simple_grpc_string_infer_client.py", grpc, "PASS: string"),
+    ("simple_http_shm_client.py", http, "PASS: system shared memory"),
+    ("simple_grpc_shm_client.py", grpc, "PASS: system shared memory"),
+    ("simple_http_shm_string_client.py", http, "PASS: system shared memory"),
+    ("simple_grpc_shm_string_client.py", grpc, "PASS: system shared memory"),
+])
+def test_simple_examples(broker, example, face, passed):
+    assert passed in run(example, *face(broker))
+
+
+def test_image_client(broker, tmp_path):
+    """image_client.py over both protocols, on a batched NCHW model and a max_batch_size-0 NHWC one,
+    its top-k through the classification extension with the model's labels."""
+    picture = triton_repo.image(str(tmp_path / "picture.jpg"))
+    answers = []
+    for model, face, protocol in [("image_cnn", http, "HTTP"), ("image_cnn", grpc, "gRPC"),
+                                  ("image_cnn_flat", http, "HTTP"), ("image_cnn_flat", grpc, "gRPC")]:
+        out = run("image_client.py", *face(broker), "-i", protocol, "-m", model, "-c", "3", "-s", "INCEPTION", picture)
+        assert "Request 1, batch size 1" in out and out.rstrip().endswith("PASS"), out
+        # "    SCORE (INDEX) = LABEL", best first
+        rows = [line.split() for line in out.splitlines() if line.startswith("    ")]
+        assert len(rows) == 3 and [r[3] for r in rows] == [triton_repo.CLASSES[int(r[1][1:-1])] for r in rows], out
+        assert [float(r[0]) for r in rows] == sorted((float(r[0]) for r in rows), reverse=True), out
+        answers.append([(r[1], r[3]) for r in rows])
+    # one network behind both models (NCHW batched, NHWC without a batch dim): the same top 3
+    assert answers[1:] == answers[:1] * 3, answers
