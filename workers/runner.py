@@ -14,6 +14,7 @@ from tgw.shm.wire import IOSpec, ModelSpec, model_key
 
 from .caller_faults import rejected
 from .footprint import Gauge
+from .model_shapes import from_model, plain, to_model
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
 from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
@@ -42,7 +43,8 @@ class ModelRunner:
         """`program`: already loaded (load_verified) by a caller that reads it first (sequence_runner.py)."""
         self.spec, self.device = spec, device
         self.program = program if program is not None else load_verified(spec, device)
-        problems = export_refusals(spec, self.program)
+        # an exported program's dims are checked against the declaration when it takes it as declared
+        problems = export_refusals(spec, self.program) if plain(spec) else []
         if problems:
             raise self._refused("; ".join(problems))
         self.module, self.nbytes = self.program.call, self.program.nbytes
@@ -99,7 +101,8 @@ class ModelRunner:
         (on its device)."""
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
-        check_request_dims(self.spec, self.program, inputs)
+        if plain(self.spec):
+            check_request_dims(self.spec, self.program, inputs)
         sent = inputs   # before any padding: a rejection's message names these shapes
         short = rows < self.min_batch
         if short:   # run at the program's smallest batch; the padding rows are dropped below
@@ -124,10 +127,10 @@ class ModelRunner:
 
     def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():
-            return self.module(*inputs)
+            return self.module(*to_model(self.spec, inputs))
 
     def _checked(self, result, rows: int) -> list[torch.Tensor]:
-        outs = self._map(result)
+        outs = from_model(self.spec, self._map(result))
         for decl, t in zip(self.outputs, outs):
             _check(decl, t, rows)
         return outs

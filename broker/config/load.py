@@ -15,6 +15,7 @@ from tgw.shm.model_format import FORMATS
 
 from . import arenas, repository
 from .export_types import missing_preloads
+from .labels import LabelFileError, read_labels
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, \
@@ -128,6 +129,12 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
             problems.append(f"  {vpath}.{err.field}: {err}")
+    for kpath, v in _items(data, ("models", "*", "outputs", "*", "labels")):
+        if isinstance(v, str):
+            try:   # its lines go back to clients: it lies in model_roots as model files do
+                read_labels(confine(os.path.join(base_dir, v), roots) if roots is not None else v)
+            except (PathRefused, LabelFileError) as err:
+                problems.append(f"  {kpath}: {err}")
     for kpath, v in [kv for key in GRPC_FILES for kv in _items(data, ("grpc", key))]:
         path = _resolve(v, base_dir) if isinstance(v, str) else None
         if path is not None and not os.path.isfile(path):
@@ -194,7 +201,9 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
     models = [m.model_copy(update={"versions": [
-        _source(v, base_dir, roots, formats[f"models.{i}.versions.{j}"]) for j, v in enumerate(m.versions)]})
+        _source(v, base_dir, roots, formats[f"models.{i}.versions.{j}"]) for j, v in enumerate(m.versions)],
+        "outputs": [t.model_copy(update={"labels": confine(os.path.join(base_dir, t.labels), roots)}) if t.labels else t
+                    for t in m.outputs]})
         for i, m in enumerate(cfg.models)]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:

@@ -4,10 +4,10 @@ gRPC status and trailing metadata of each code, as data.
 The HTTP status of each code is the wire contract's (tgw.shm.errors.ERROR_TABLE, which the
 native client reads too); the gRPC status is named here by its `grpc.StatusCode` member's name,
 so this module needs no grpc: the gRPC face turns the name into the member
-(faces/grpc/status_codes.py). The status details read "[CODE] message" (tgw's code first, so a
-client that only shows the details still names it); the trailing metadata carries `tgw-code`,
-`tgw-retryable` and `tgw-details` (the error's details as JSON), and the request's `traceparent`
-when it has one.
+(faces/grpc/status_codes.py). The status details are the message alone, as Triton's are (a
+client matching Triton's text finds it); tgw's code rides beside it: the trailing metadata
+carries `tgw-code`, `tgw-retryable` and `tgw-details` (the error's details as JSON), and the
+request's `traceparent` when it has one; over HTTP the body's "code" and the `tgw-code` header.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import orjson
 from tgw.shm.errors import Code, TgwError, fail
 
 TRACEPARENT = "traceparent"   # a request's trace context: an HTTP header, gRPC metadata
+CODE_HEADER = "tgw-code"      # tgw's error code: an HTTP error's header, a gRPC error's trailer
 
 # code -> the name of its grpc.StatusCode
 GRPC_STATUS: dict[Code, str] = {
@@ -63,13 +64,13 @@ def grpc_status(err: TgwError) -> str:
 
 
 def details(err: TgwError) -> str:
-    """The gRPC status details: "[CODE] message"."""
-    return f"[{err.code.value}] {err.message}"
+    """The gRPC status details: the message, as Triton words it (the code is in the trailers)."""
+    return err.message
 
 
 def trailers(err: TgwError, trace: str | None = None) -> tuple:
     """The gRPC trailing metadata an error adds: tgw's code, retryable flag and details."""
-    out = [("tgw-code", err.code.value), ("tgw-retryable", "true" if err.retryable else "false"),
+    out = [(CODE_HEADER, err.code.value), ("tgw-retryable", "true" if err.retryable else "false"),
            ("tgw-details", orjson.dumps(err.details, default=str).decode())]
     if trace:
         out.append((TRACEPARENT, trace))

@@ -27,7 +27,7 @@ from .kserve import DATATYPE_OF
 
 # Triton extensions both faces offer (the shared-memory ones only where the face allows regions;
 # HTTP adds "generate", its own routes)
-EXTENSIONS = ["binary_tensor_data", "model_repository", "metrics", "statistics", "sequence"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "metrics", "statistics", "sequence"]
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
                "shadow": float, "policy": str,   # a shadow's fraction; a rollout policy as a JSON object's text
@@ -53,8 +53,10 @@ def loopback(host: str) -> bool:
         return False
 
 
-def io(specs) -> list[dict]:
-    return [{"name": t.name, "datatype": DATATYPE_OF[t.dtype], "shape": [-1, *t.shape]} for t in specs]
+def io(specs, batched: bool = True) -> list[dict]:
+    """Triton's metadata tensors: the batch dim shown as -1, none for a model without one."""
+    return [{"name": t.name, "datatype": DATATYPE_OF[t.dtype], "shape": [-1, *t.shape] if batched else list(t.shape)}
+            for t in specs]
 
 
 class Repository:
@@ -127,8 +129,9 @@ class Repository:
         entry, version = self.version_of(model, version)
         shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
         return {"name": entry.name, "versions": [version] if version else entry.routable(),
-                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs),
-                "outputs": io(entry.outputs),
+                "platform": triton_docs.platform("stage" if entry.decl.is_stage else
+                                                 shown.format if shown else "torchscript"),
+                "inputs": io(entry.inputs, entry.decl.batched), "outputs": io(entry.outputs, entry.decl.batched),
                 "parameters": {"max_batch_size": entry.decl.max_batch_size, "default_version": entry.default,
                                "residency": entry.decl.residency}}
 

@@ -67,7 +67,7 @@ def test_health_and_metadata_through_tritonclient(triton):
     assert triton.is_model_ready("mlp") and triton.is_model_ready("mlp", "1")
     assert not triton.is_model_ready("mlp", "7") and not triton.is_model_ready("nope")
     meta = triton.get_model_metadata("mlp")
-    assert meta["name"] == "mlp" and meta["versions"] == ["1"] and meta["platform"] == "pytorch_torchscript"
+    assert meta["name"] == "mlp" and meta["versions"] == ["1"] and meta["platform"] == "pytorch_libtorch"
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
     assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository", "metrics",

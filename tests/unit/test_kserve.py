@@ -60,7 +60,7 @@ def test_parameters_map_to_the_native_fields():
      Code.INVALID_INPUT_SHAPE, "not a regular array"),
     ({"inputs": [{"name": "x", "shape": [-1], "datatype": "FP32", "data": [1]}]}, Code.INVALID_INPUT_SHAPE,
      "non-negative"),
-    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, Code.INVALID_ARGUMENT, "neither"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, Code.INVALID_ARGUMENT, "But no field is set"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "parameters": {"timeout": 0}},
      Code.INVALID_ARGUMENT, "timeout must be positive"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "parameters": {"priority": -1}},

@@ -23,7 +23,7 @@ import grpc
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
-from tgw.broker.protocol import kserve
+from tgw.broker.protocol import classification, kserve
 from tgw.broker.protocol.door import AwaitedCaller
 from tgw.broker.protocol import streaming
 from tgw.broker.protocol.errors import TRACEPARENT, details, trailers
@@ -122,6 +122,7 @@ class Inference:
             await abort(context, error_from_body(reply.error), reply.traceparent)
         if reply.traceparent:
             add_trailers(context, (TRACEPARENT, reply.traceparent))
+        reply, frames = classification.answered(self.deps, reply, frames, decoded.classes)
         return tensors.encode(reply, frames, decoded, self.face.shm)
 
     async def stream(self, requests, context) -> None:
@@ -243,6 +244,7 @@ class Stream:
             if isinstance(msg, ErrorReply):
                 resp = refusal(error_from_body(msg.error), decoded.request_id, decoded.infer.model, msg.traceparent)
             else:
+                msg, frames = classification.answered(self.deps, msg, frames, decoded.classes)
                 infer = tensors.encode(msg, frames, decoded, self.shm)
                 if msg.traceparent:
                     infer.parameters[TRACEPARENT].string_param = msg.traceparent

@@ -25,7 +25,7 @@ from tgw.broker.config.schema import HttpDecl
 from tgw.broker.observe import status
 from tgw.broker.observe.devices import missing
 from tgw.broker.observe.load import HEADER as LOAD_HEADER
-from tgw.broker.protocol import door, kserve, triton_docs, triton_shm
+from tgw.broker.protocol import classification, door, kserve, triton_docs, triton_shm
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
 from tgw.broker.protocol.repository import EXTENSIONS, Repository
@@ -242,6 +242,7 @@ class HttpFace:
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
+        reply, frames = classification.answered(self.deps, reply, frames, decoded.classes)   # top-k asked for
         placed = triton_shm.written(self.shm, decoded, reply, frames)   # outputs into their regions
         return infer_response(request, reply, frames, decoded, placed)
 
