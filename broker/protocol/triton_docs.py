@@ -26,11 +26,11 @@ from tgw.broker.state.stats import ModelCounters, Timed, VersionCounters
 
 from .kserve import DATATYPE_OF
 
-# the platform each tgw format is served as: Triton's own name for TorchScript and ensembles;
+# the platform each tgw format is served as: Triton's own name for TorchScript, ONNX and ensembles;
 # tgw's names where Triton has none (export and AOTInductor archives, Python stages)
 PLATFORMS = {"torchscript": "pytorch_libtorch", "export": "pytorch_export", "aoti": "pytorch_aoti",
-             "stage": "tgw_stage"}
-BACKENDS = {"stage": "python"}   # everything else runs on libtorch
+             "onnx": "onnxruntime_onnx", "stage": "tgw_stage"}
+BACKENDS = {"stage": "python", "onnx": "onnxruntime"}   # everything else runs on libtorch
 ENSEMBLE = "ensemble"
 INFERENCE_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
                    "cache_miss")
