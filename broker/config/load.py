@@ -11,7 +11,7 @@ from typing import Optional
 import yaml
 from pydantic import ValidationError
 
-from tgw.shm.model_format import FORMATS
+from tgw.shm.model_format import MODEL_FORMATS
 
 from . import arenas, repository
 from .export_types import missing_preloads
@@ -119,7 +119,7 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
         sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
-        fmt = v.get("format") if v.get("format") in FORMATS else None
+        fmt = v.get("format") if v.get("format") in MODEL_FORMATS else None
         path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
         try:
             formats[vpath] = check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
