@@ -58,6 +58,9 @@ def _file_module(path: str, sha256: str | None):
     folder = os.path.dirname(path)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    parent = os.path.dirname(folder)
+    if os.path.basename(folder).isdigit() and parent not in sys.path:
+        sys.path.append(parent)   # a Triton version folder (REPO/M/1/model.py): M's files import as in Triton
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

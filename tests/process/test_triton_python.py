@@ -3,12 +3,14 @@ tritonclient over HTTP (tests/triton_py_models.py writes them): python_backend's
 as published, through docs/MIGRATING.md's example entry; a BYTES model handed its config.pbtxt (as tritonrepo translates it) that reads its
 parameters and initialize(args); one execute() call per batch with one request per caller, a
 response with an error failing only its request; a model whose initialize() raises refused at
-load with its file:line, the old version serving on; finalize() run when a version unloads."""
+load with its file:line, the old version serving on; finalize() run when a version unloads and
+when the broker stops."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import tempfile
 
 import numpy as np
@@ -18,9 +20,11 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 import triton_py_models as models
-from conftest import readme_block, served, wait_until
+from conftest import readme_block, wait_until
+from tgw.client import Client
 from tgw.shm.errors import TgwError
 from tgw.shm.wire import LoadVersion
+from tgw.testing.child import BrokerProc
 from tgw.testing.lifecycle import control
 
 HANDLER = "{}/1/model.py:TritonPythonModel"
@@ -52,7 +56,17 @@ def config(root: str) -> dict:
 def broker():
     d = os.path.realpath(tempfile.mkdtemp(prefix="tgwtp-", dir="/tmp"))   # ipc paths must stay short
     models.write(d)
-    yield from served(config(d), d, http=True, root=d)
+    b = BrokerProc(config(d), d).start()
+    b.root = d
+    with Client(b.address) as c:
+        b.http = c.status()["http"]
+    yield b
+    code = b.stop()
+    # the version serving at the end (after the last test's swap) is finalized as its worker exits
+    finalized = os.path.exists(os.path.join(d, "picky", "finalized-3"))
+    shutil.rmtree(d, ignore_errors=True)
+    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    assert finalized, "picky version 3's finalize() did not run when the broker stopped"
 
 
 @pytest.fixture

@@ -181,8 +181,13 @@ def test_bls_decoupled_senders_and_the_helpers(tmp_path):
     with pytest.raises(pb_utils.TritonModelException, match="load_model is not supported"):
         pb_utils.load_model("x")
 
-    # a class with both execute and __call__ is a plain stage; without either it is refused
+    # a class with both execute and __call__ is a plain stage; without either it is refused; a
+    # file in the model's folder (REPO/M beside REPO/M/1/model.py) imports as in Triton
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "tgw_test_beside_model.py").write_text("FACTOR = 3\n")
     path = model_file(tmp_path, '''\
+        import tgw_test_beside_model
+
         class Both:
             def execute(self, requests):
                 return []
@@ -192,7 +197,8 @@ def test_bls_decoupled_senders_and_the_helpers(tmp_path):
         class Neither:
             pass
         ''')
-    assert not isinstance(runner(path, [("X", "float32", [1])], [("Y", "float32", [1])], cls="Both").module, TritonStage)
+    both = runner(path, [("X", "float32", [1])], [("Y", "float32", [1])], cls="Both")
+    assert not isinstance(both.module, TritonStage) and both.call({"X": torch.ones(1, 1)}, 1)[0][0].tolist() == [[1.]]
     with pytest.raises(StageLoadError, match=r"has no __call__\(batch\) \(nor execute\(requests\)"):
         runner(path, [("X", "float32", [1])], [("Y", "float32", [1])], cls="Neither")
 
