@@ -12,6 +12,7 @@ same names, tensors and answers):
 | `simple_identity` | python | BYTES INPUT0 [-1] -> OUTPUT0, the same bytes |
 | `image_cnn` | pytorch_libtorch | FORMAT_NCHW FP32 [3,16,16] -> [4] scores, labels.txt (classification) |
 | `image_cnn_flat` | pytorch_libtorch | max_batch_size 0, FORMAT_NHWC [16,16,3] -> [4] scores, labels.txt |
+| `image_decode`, `image_ensemble` | python, ensemble | a JPEG file's bytes (BYTES [1]) decoded with Pillow, then `image_cnn`: ensemble_image_client.py's model |
 | `preprocess`, `classifier`, `postprocess`, `ensemble_classify` | python, pytorch_libtorch, python, ensemble | UINT8 image [IMAGE_BYTES] -> top label BYTES [1] and its score FP32 [1] |
 
 `write(root)` lays them out (ROOT/NAME/config.pbtxt, ROOT/NAME/1/model.pt|model.py) and returns
@@ -205,6 +206,55 @@ ensemble_scheduling {{
 """
 
 
+IMAGE_DECODE_CONFIG = f"""\
+name: "image_decode"
+backend: "python"
+max_batch_size: 8
+input [ {{ name: "ENCODED", data_type: TYPE_STRING, dims: [ 1 ] }} ]
+output [ {{ name: "PIXELS", data_type: TYPE_FP32, dims: [ 3, {SIDE}, {SIDE} ] }} ]
+"""
+
+IMAGE_DECODE = f'''\
+import io
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from PIL import Image
+
+
+def decode(blob: bytes) -> np.ndarray:
+    """An encoded image -> [3, {SIDE}, {SIDE}] float32 in [-1, 1] (INCEPTION scaling), RGB, CHW."""
+    img = Image.open(io.BytesIO(blob)).convert("RGB").resize(({SIDE}, {SIDE}), Image.BILINEAR)
+    return (np.asarray(img, np.float32) / 127.5 - 1).transpose(2, 0, 1)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for r in requests:
+            blobs = pb_utils.get_input_tensor_by_name(r, "ENCODED").as_numpy()
+            pixels = np.stack([decode(b[0]) for b in blobs])
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("PIXELS", pixels)]))
+        return responses
+'''
+
+IMAGE_ENSEMBLE_CONFIG = """\
+name: "image_ensemble"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "INPUT", data_type: TYPE_STRING, dims: [ 1 ] } ]
+output [ { name: "SCORES", data_type: TYPE_FP32, dims: [ 4 ], label_filename: "labels.txt" } ]
+ensemble_scheduling {
+  step [
+    { model_name: "image_decode", model_version: -1,
+      input_map { key: "ENCODED" value: "INPUT" }, output_map { key: "PIXELS" value: "pixels" } },
+    { model_name: "image_cnn", model_version: -1,
+      input_map { key: "INPUT__0" value: "pixels" }, output_map { key: "OUTPUT__0" value: "SCORES" } }
+  ]
+}
+"""
+
+
 def _write(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -265,6 +315,10 @@ def write(root: str, only: tuple[str, ...] | None = None) -> list[str]:
                                          name="image_cnn_flat", max_batch_size=0, format="FORMAT_NHWC",
                                          dims=f"{SIDE}, {SIDE}, 3")),
                                      _write(f"{d}/labels.txt", labels), _torchscript(_cnn(True), f"{d}/1/model.pt")),
+        "image_decode": lambda d: (_write(f"{d}/config.pbtxt", IMAGE_DECODE_CONFIG),
+                                   _write(f"{d}/1/model.py", IMAGE_DECODE)),
+        "image_ensemble": lambda d: (_write(f"{d}/config.pbtxt", IMAGE_ENSEMBLE_CONFIG),
+                                     _write(f"{d}/labels.txt", labels), os.makedirs(f"{d}/1", exist_ok=True)),
         "preprocess": lambda d: (_write(f"{d}/config.pbtxt", PREPROCESS_CONFIG), _write(f"{d}/1/model.py", PREPROCESS)),
         "classifier": lambda d: (_write(f"{d}/config.pbtxt", CLASSIFIER_CONFIG),
                                  _torchscript(_cnn(False), f"{d}/1/model.pt")),

@@ -89,10 +89,25 @@ def classified(reply: InferReply, frames: list, classes: dict[str, int], batched
 
 def answered(deps, reply: InferReply, frames: list, classes: dict[str, int]) -> tuple[InferReply, list]:
     """`classified` for the model or pipeline that answered (`deps`: the face's door port): its batch
-    dim and label files as loaded (a pipeline has a batch dim and no labels)."""
+    dim and label files as loaded (a pipeline has a batch dim, and its step models' labels)."""
     if not classes:
         return reply, frames
-    if reply.model in deps.view.pipelines.table:
-        return classified(reply, frames, classes, True, {})
+    plan = deps.view.pipelines.table.get(reply.model)
+    if plan is not None:
+        return classified(reply, frames, classes, True, step_labels(deps, plan))
     entry = deps.entry(reply.model)
     return classified(reply, frames, classes, entry.decl.batched, entry.labels)
+
+
+def step_labels(deps, plan) -> dict[str, list[str]]:
+    """A pipeline's outputs' labels: those of the step model output each one is (a Triton
+    ensemble's output names the label file of the model output it maps, as
+    ensemble_image_client.py's ensembles do); an output read from a model gone since has none."""
+    models = {s.name: s.model for s in plan.steps}
+    out = {}
+    for name, src in plan.output_sources.items():
+        entry = deps.view.models.get(models[src.step]) if src.step is not None else None
+        labels = entry.labels.get(src.name) if entry is not None and not entry.removed else None
+        if labels is not None:
+            out[name] = labels
+    return out

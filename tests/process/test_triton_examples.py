@@ -1,60 +1,41 @@
 """Triton's own Python client examples (tests/data/triton-client-examples/, copied unchanged from
 triton-inference-server/client) run as subprocesses against one broker serving a Triton
-repository of stand-in models (tgw.testing.triton_repo): each must exit 0 and print its PASS line
+repository of stand-in models (tgw.testing.triton_repo, served with `tgw-broker start --model-repository`): each must exit 0 and print its PASS line
 (or, for the examples that print none, its last check's output)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from conftest import served
+from tgw.client import Client
+from tgw.shm.segment import list_segments
+from tgw.testing.child import BrokerProc
 from tgw.testing import triton_repo
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "data", "triton-client-examples")
-
-
-def tgw_entries(root: str) -> list[dict]:
-    """The repository as tgw YAML entries (what --model-repository makes of it)."""
-    def t(name, dtype, *dims, **more):
-        return {"name": name, "dtype": dtype, "shape": list(dims), **more}
-    py = lambda m: [{"version": "1", "handler": f"{root}/{m}/1/model.py:TritonPythonModel"}]   # noqa: E731
-    pt = lambda m: [{"version": "1", "path": f"{root}/{m}/1/model.pt"}]                       # noqa: E731
-    side = triton_repo.SIDE
-    return [
-        {"name": "simple", "versions": pt("simple"), "max_batch_size": 8,
-         "inputs": [t("INPUT0", "int32", 16), t("INPUT1", "int32", 16)],
-         "outputs": [t("OUTPUT0", "int32", 16), t("OUTPUT1", "int32", 16)]},
-        {"name": "simple_string", "versions": py("simple_string"), "max_batch_size": 8,
-         "inputs": [t("INPUT0", "bytes", 16), t("INPUT1", "bytes", 16)],
-         "outputs": [t("OUTPUT0", "bytes", 16), t("OUTPUT1", "bytes", 16)]},
-        {"name": "simple_identity", "versions": py("simple_identity"), "max_batch_size": 8,
-         "inputs": [t("INPUT0", "bytes", -1)], "outputs": [t("OUTPUT0", "bytes", -1)]},
-        {"name": "image_cnn", "versions": pt("image_cnn"), "max_batch_size": 8,
-         "inputs": [t("INPUT__0", "float32", 3, side, side, format="FORMAT_NCHW")],
-         "outputs": [t("OUTPUT__0", "float32", 4, labels=f"{root}/image_cnn/labels.txt")]},
-        {"name": "image_cnn_flat", "versions": pt("image_cnn_flat"), "max_batch_size": 0,
-         "inputs": [t("INPUT__0", "float32", side, side, 3, format="FORMAT_NHWC")],
-         "outputs": [t("OUTPUT__0", "float32", 4, labels=f"{root}/image_cnn_flat/labels.txt")]},
-    ]
 
 
 @pytest.fixture(scope="module")
 def broker():
     d = os.path.realpath(tempfile.mkdtemp(prefix="tgwte-", dir="/tmp"))   # ipc paths must stay short
     repo = os.path.join(d, "repo")
-    triton_repo.write(repo, only=("simple", "simple_string", "simple_identity", "image_cnn", "image_cnn_flat"))
-    cfg = {"model_roots": [d], "http": {"port": 0, "allow_client_shm": True}, "grpc": {"port": 0, "allow_client_shm": True},
-           "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8, "output_arena_mb": 4},
-           "models": tgw_entries(repo)}
-    for b in served(cfg, d, http=True, root=d):
-        from tgw.client import Client
-        with Client(b.address) as c:
-            b.grpc = c.status()["grpc"]
-        yield b
+    triton_repo.write(repo)
+    cfg = {"http": {"port": 0, "allow_client_shm": True}, "grpc": {"port": 0, "allow_client_shm": True},
+           "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 8, "output_arena_mb": 4,
+                       "stage_workers": 1}}
+    b = BrokerProc(cfg, d).start(args=("--model-repository", repo), timeout=120)
+    with Client(b.address) as c:
+        b.http, b.grpc = c.status()["http"], c.status()["grpc"]
+    yield b
+    code = b.stop()
+    shutil.rmtree(d, ignore_errors=True)
+    assert code == 0, f"broker exited {code} on SIGTERM:\n{b.output()}"
+    assert not list_segments(b.proc.pid), "segments left in /dev/shm after a clean stop"
 
 
 def run(example: str, *args: str) -> str:
@@ -108,3 +89,16 @@ def test_image_client(broker, tmp_path):
         answers.append([(r[1], r[3]) for r in rows])
     # one network behind both models (NCHW batched, NHWC without a batch dim): the same top 3
     assert answers[1:] == answers[:1] * 3, answers
+
+
+def test_ensemble_image_client(broker, tmp_path):
+    """ensemble_image_client.py: a JPEG file's bytes through an ensemble (a Python model decoding
+    it, then image_cnn), the ensemble's output classified with the ensemble's own labels; the
+    answer the same as image_client.py's on the same picture (the same decoding and scaling)."""
+    picture = triton_repo.image(str(tmp_path / "picture.jpg"))
+    direct = run("image_client.py", *http(broker), "-m", "image_cnn", "-c", "3", "-s", "INCEPTION", picture)
+    want = [line.split()[1:] for line in direct.splitlines() if line.startswith("    ")]
+    for face, protocol in [(http, "HTTP"), (grpc, "gRPC")]:
+        out = run("ensemble_image_client.py", *face(broker), "-i", protocol, "-m", "image_ensemble", "-c", "3", picture)
+        assert out.rstrip().endswith("PASS") and "[SCORES]:" in out, out
+        assert [line.split()[1:] for line in out.splitlines() if line.startswith("    ")] == want, (out, direct)
