@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pytriton-python", default=os.environ.get("TGW_PYTRITON_PYTHON", "/tmp/pytriton-venv/bin/python"),
                    help="the Python of an environment with nvidia-pytriton and torch (default $TGW_PYTRITON_PYTHON "
                         "or /tmp/pytriton-venv/bin/python)")
+    p.add_argument("--stage-workers", type=int, default=0,
+                   help="tgw workers that serve only the Python models (default 0: they share the CPU worker, as PyTriton runs the whole chain in one process)")
     p.add_argument("--out", help="folder for results/ (default: bench/ of the checkout, else .)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (repository, logs, sockets)")
 
@@ -133,7 +135,7 @@ def run(a: argparse.Namespace) -> int:
         print("--concurrency and --rounds must be at least 1, --duration above 0", file=sys.stderr)
         return 2
     log = lambda msg: print(f"[triton-ensemble {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
-    mode = "custom" if (a.duration, a.rounds, a.concurrency) != (None, None, 16) else ("quick" if a.quick else "full")
+    mode = "custom" if (a.duration, a.rounds, a.concurrency, a.stage_workers) != (None, None, 16, 0) else ("quick" if a.quick else "full")
     work = tempfile.mkdtemp(prefix="tgwte-", dir="/tmp")
     t0, date = time.monotonic(), datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     res: dict[str, Any] = {"scenario": NAME, "mode": mode, "date": date, "command": a.command_line,
@@ -154,8 +156,8 @@ def run(a: argparse.Namespace) -> int:
                           "float32 CHW) -> classifier (pytorch_libtorch: a tiny CNN, TorchScript) -> postprocess "
                           "(python: softmax, top-1 label and probability); each max_batch_size 64 with "
                           "dynamic_batching max_queue_delay_microseconds 500",
-            "tgw": "tgw-broker start --model-repository REPO: one CPU model worker and one stage worker, one torch "
-                   "thread each",
+            "tgw": f"tgw-broker start --model-repository REPO: one CPU worker and {a.stage_workers} stage worker(s), "
+                   "one torch thread each",
             "pytriton": "nvidia-pytriton 0.7.0 (its bundled tritonserver): the model.py files' preprocess and "
                         "postprocess functions around the same TorchScript file in one @batch function, "
                         "max_batch_size 64, dynamic batcher 500 us, one torch thread",
@@ -164,7 +166,8 @@ def run(a: argparse.Namespace) -> int:
                     "alternating the servers",
             "check": "8 images through tritonclient.http on each server before its windows: label and probability "
                      "equal to an in-process run of the same code"}
-        cfg = {"http": {"port": 0}, "workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": 1}}
+        cfg = {"http": {"port": 0},
+               "workers": {"devices": ["cpu"], "threads_per_worker": 1, "stage_workers": a.stage_workers}}
         broker = BrokerProc(cfg, work).start(args=("--model-repository", repo), timeout=300)
         from tgw.client import Client
         with Client(broker.address) as c:
