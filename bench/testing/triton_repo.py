@@ -10,6 +10,7 @@ same names, tensors and answers):
 | `simple` | pytorch_libtorch | INPUT0, INPUT1 int32 [16] -> OUTPUT0 = sum, OUTPUT1 = difference |
 | `simple_string` | python | the same on BYTES tensors holding decimal integers |
 | `simple_identity` | python | BYTES INPUT0 [-1] -> OUTPUT0, the same bytes |
+| `simple_sequence` | pytorch_libtorch | sequence batching: INPUT int32 [1] -> OUTPUT = INPUT, + 1 on a sequence's first request (the START control) |
 | `image_cnn` | pytorch_libtorch | FORMAT_NCHW FP32 [3,16,16] -> [4] scores, labels.txt (classification) |
 | `image_cnn_flat` | pytorch_libtorch | max_batch_size 0, FORMAT_NHWC [16,16,3] -> [4] scores, labels.txt |
 | `image_decode`, `image_ensemble` | python, ensemble | a JPEG file's bytes (BYTES [1]) decoded with Pillow, then `image_cnn`: ensemble_image_client.py's model |
@@ -96,6 +97,20 @@ class TritonPythonModel:
                     [pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
                 for r in requests]
 '''
+
+SIMPLE_SEQUENCE_CONFIG = """\
+name: "simple_sequence"
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    { name: "START", control [ { kind: CONTROL_SEQUENCE_START, int32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+"""
 
 IMAGE_CONFIG = """\
 name: "{name}"
@@ -276,6 +291,15 @@ def _simple_module():
     return Simple()
 
 
+def _sequence_module():
+    import torch
+
+    class Sequence(torch.nn.Module):
+        def forward(self, INPUT: torch.Tensor, START: torch.Tensor) -> torch.Tensor:
+            return INPUT + START
+    return Sequence()
+
+
 def _cnn(channels_last: bool):
     """A tiny CNN, seeded: 3 x SIDE x SIDE -> 4 scores; with `channels_last` it takes HWC."""
     import torch
@@ -308,6 +332,8 @@ def write(root: str, only: tuple[str, ...] | None = None) -> list[str]:
                                     _write(f"{d}/1/model.py", SIMPLE_STRING)),
         "simple_identity": lambda d: (_write(f"{d}/config.pbtxt", SIMPLE_IDENTITY_CONFIG),
                                       _write(f"{d}/1/model.py", SIMPLE_IDENTITY)),
+        "simple_sequence": lambda d: (_write(f"{d}/config.pbtxt", SIMPLE_SEQUENCE_CONFIG),
+                                      _torchscript(_sequence_module(), f"{d}/1/model.pt")),
         "image_cnn": lambda d: (_write(f"{d}/config.pbtxt", IMAGE_CONFIG.format(
                                     name="image_cnn", max_batch_size=8, format="FORMAT_NCHW", dims=f"3, {SIDE}, {SIDE}")),
                                 _write(f"{d}/labels.txt", labels), _torchscript(_cnn(False), f"{d}/1/model.pt")),

@@ -193,7 +193,8 @@ class SequenceBatchingDecl(Strict):
     state_memory_mb: Optional[Annotated[float, Field(gt=0)]] = None          # ... or as many as this holds
     # Triton's max_sequence_idle_microseconds: a sequence with no request for this long ends, its slot freed
     max_sequence_idle_us: Annotated[int, Field(ge=1000)] = 1_000_000
-    correlation_id: Literal["uint64", "string"] = "uint64"   # the kind of id its requests carry
+    # the kind of id its requests carry; "any": either (Triton's sequence batcher without a CORRID control)
+    correlation_id: Literal["uint64", "string", "any"] = "uint64"
 
     @model_validator(mode="after")
     def _sized(self) -> "SequenceBatchingDecl":
@@ -211,7 +212,7 @@ class SequenceBatchingDecl(Strict):
     def _controls_feedable(self) -> None:
         """Each control input a tensor a model file can take (TorchScript takes no strings)."""
         for c in self.control_inputs:
-            if c.kind == "corrid" and self.correlation_id == "string":
+            if c.kind == "corrid" and self.correlation_id != "uint64":
                 raise ValueError(f"control_inputs: {c.name!r} (corrid) cannot carry string correlation ids: Triton "
                                  "feeds them as BYTES, which a TorchScript or torch.export model cannot take; use "
                                  "correlation_id: uint64, or drop the corrid control")

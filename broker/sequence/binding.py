@@ -134,6 +134,10 @@ class Sequences:
             if type(cid) is not str or not cid:
                 raise fail(Code.INVALID_ARGUMENT, f"model {name!r} takes string correlation IDs "
                            f"(sequence_batching.correlation_id), got {cid!r}", reason="sequence_id_kind", model=name)
+        elif decl.correlation_id == "any":
+            if not ((type(cid) is str and cid) or (type(cid) is int and 0 < cid < U64)):
+                raise fail(Code.INVALID_ARGUMENT, f"model {name!r} takes uint64 (1 .. 2**64-1) or non-empty string "
+                           f"correlation IDs, got {cid!r}", reason="sequence_id_kind", model=name)
         elif type(cid) is not int or not 0 < cid < U64:
             raise fail(Code.INVALID_ARGUMENT, f"model {name!r} takes uint64 correlation IDs (1 .. 2**64-1; "
                        f"sequence_batching.correlation_id), got {cid!r}", reason="sequence_id_kind", model=name)

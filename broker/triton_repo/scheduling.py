@@ -98,6 +98,8 @@ def sequence_batching(config, decl: dict, notes: Notes, is_stage: bool) -> None:
             notes.warn(f"{where}: use_same_buffer_for_input_output/use_growable_memory", "tgw keeps states in "
                        "slots of its own")
         out["state"].append(state)
+    if not any(c["kind"] == "corrid" for c in out["control_inputs"]):
+        out["correlation_id"] = "any"   # Triton takes uint64 and string ids alike when no control carries them
     decl["sequence_batching"] = out
 
 

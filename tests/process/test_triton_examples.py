@@ -68,6 +68,9 @@ def grpc(b) -> tuple[str, str]:
     ("simple_grpc_shm_client.py", grpc, "PASS: system shared memory"),
     ("simple_http_shm_string_client.py", http, "PASS: system shared memory"),
     ("simple_grpc_shm_string_client.py", grpc, "PASS: system shared memory"),
+    ("simple_grpc_sequence_sync_infer_client.py", grpc, "PASS: Sequence"),
+    ("simple_http_sequence_sync_infer_client.py", http, "PASS: Sequence"),
+    ("simple_grpc_sequence_stream_infer_client.py", grpc, "PASS: Sequence"),
 ])
 def test_simple_examples(broker, example, face, passed):
     assert passed in run(example, *face(broker))

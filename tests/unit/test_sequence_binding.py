@@ -129,6 +129,14 @@ def test_the_checks_refuse_with_the_words_triton_uses():
     strings = Sequences({"s": entry("s", kind="string")}, Clock())
     with pytest.raises(TgwError, match="string correlation IDs"):
         strings.check(strings.models["s"], Infer(v=2, id=1, model="s", inputs=[], sequence=SequenceRef(id=3)), 1)
+    # "any" (a Triton model without a CORRID control): uint64 and string ids alike, each its own sequence
+    either = Sequences({"e": entry("e", kind="any")}, Clock())
+    for cid in (7, "7"):
+        assert either.check(either.models["e"], Infer(v=2, id=1, model="e", inputs=[],
+                                                      sequence=SequenceRef(id=cid, start=True)), 1) is not None
+    for cid in (0, ""):
+        with pytest.raises(TgwError, match="uint64 .* or non-empty string correlation IDs"):
+            either.check(either.models["e"], Infer(v=2, id=1, model="e", inputs=[], sequence=SequenceRef(id=cid)), 1)
 
 
 def test_an_idle_sequence_ends_frees_its_slot_and_says_so_while_a_busy_one_stays():
