@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -55,7 +56,7 @@ def grpc(b) -> tuple[str, str]:
     return "-u", b.grpc
 
 
-@pytest.mark.parametrize("example, face, passed", [
+SIMPLE = [   # (example, face, what its output shows when it passed, its other flags)
     ("simple_http_infer_client.py", http, "Request for unknown model"),
     ("simple_grpc_infer_client.py", grpc, "PASS: infer"),
     ("simple_http_async_infer_client.py", http, "15 - 1 = 14"),
@@ -68,12 +69,25 @@ def grpc(b) -> tuple[str, str]:
     ("simple_grpc_shm_client.py", grpc, "PASS: system shared memory"),
     ("simple_http_shm_string_client.py", http, "PASS: system shared memory"),
     ("simple_grpc_shm_string_client.py", grpc, "PASS: system shared memory"),
-    ("simple_grpc_sequence_sync_infer_client.py", grpc, "PASS: Sequence"),
-    ("simple_http_sequence_sync_infer_client.py", http, "PASS: Sequence"),
-    ("simple_grpc_sequence_stream_infer_client.py", grpc, "PASS: Sequence"),
-])
-def test_simple_examples(broker, example, face, passed):
-    assert passed in run(example, *face(broker))
+    # run at once, so each its own sequence ids (its --offset, as Triton's QA runs them)
+    ("simple_grpc_sequence_sync_infer_client.py", grpc, "PASS: Sequence", "-o", "0"),
+    ("simple_http_sequence_sync_infer_client.py", http, "PASS: Sequence", "-o", "1"),
+    ("simple_grpc_sequence_stream_infer_client.py", grpc, "PASS: Sequence", "-o", "2"),
+]
+
+
+def test_simple_examples(broker):
+    """Each example its own process, four at a time (each mostly waits on imports and the broker)."""
+    def one(case) -> str | None:
+        example, face, passed, *flags = case
+        try:
+            out = run(example, *face(broker), *flags)
+        except AssertionError as exc:
+            return str(exc)
+        return None if passed in out else f"{example}: no {passed!r} in its output:\n{out[-2000:]}"
+    with ThreadPoolExecutor(4) as pool:
+        failed = [f for f in pool.map(one, SIMPLE) if f]
+    assert not failed, "\n\n".join(failed)
 
 
 def test_image_client(broker, tmp_path):
