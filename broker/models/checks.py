@@ -15,9 +15,9 @@ from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, Tensor
 from tgw.broker.state.versions import VersionRecord, VersionState
 
 # Triton's protocol names of the datatypes (protocol/kserve.py's, which this layer may not import)
-DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "uint8": "UINT8",
-                  "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16", "float32": "FP32",
-                  "float64": "FP64", "bfloat16": "BF16", BYTES: "BYTES"}
+DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+                  "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16",
+                  "float32": "FP32", "float64": "FP64", "bfloat16": "BF16", BYTES: "BYTES"}
 BATCH_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be prepended "
               "to each input shape. If you want to specify the full shape including the batch dim in your input dims "
               "config, try setting max_batch_size to zero. See the model configuration docs for more info on "

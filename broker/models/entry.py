@@ -139,7 +139,8 @@ def sequence_spec(sb) -> SequenceSpec:
 
 
 def _io(t) -> IOSpec:
-    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), reshape=None if t.reshape is None else list(t.reshape))
+    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                  reshape=None if t.reshape is None else list(t.reshape))
 
 
 class Traffic:

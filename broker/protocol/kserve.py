@@ -309,8 +309,8 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
     params = mapping(doc.get("parameters"), "parameters")
     refuse_unoffered(params, "")
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise bad("\"inputs\" must be a non-empty list of tensors")
+    if not isinstance(inputs, list):   # an empty one: the model's check names what is missing, as Triton's
+        raise bad("\"inputs\" must be a list of tensors")
     metas, frames, sizes, end = [], [], [], n
     for i, spec in enumerate(inputs):
         meta, frame, size = input_tensor(spec, i, view, end, shm)

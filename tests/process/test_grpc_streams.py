@@ -240,7 +240,7 @@ def test_triton_sequence_pattern_unary_and_stream(broker):
 
         client.async_stream_infer("accumulator", request(1), request_id="late", sequence_id=2000)
         result, err = got.take(1)[0]
-        assert result is None and "[INVALID_ARGUMENT]" in err.message() and "sequence 2000" in err.message() \
+        assert result is None and "sequence 2000" in err.message() \
             and "ended" in err.message()
         with pytest.raises(InferenceServerException, match="sequence 4242 .*must specify the START flag") as unknown:
             client.infer("accumulator", request(1), sequence_id=4242)
