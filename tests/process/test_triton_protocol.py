@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -197,3 +199,20 @@ def test_http_body_checks_read_as_tritons(broker):
     status, _, doc = post(broker, "square", {"inputs": [{**x, "data": [1, 2, 3, 4]}],
                                               "outputs": [{"name": "y", "parameters": {"classification": -1}}]})
     assert status == 400 and doc["error"].startswith("Unable to set 'classification'")
+
+
+def test_a_reload_reads_the_label_file_again_and_refuses_a_missing_one(broker, clients):
+    """Last in the module: it rewrites the label file."""
+    labels = os.path.join(os.path.dirname(broker.config_path), "labels.txt")
+    reload = [sys.executable, "-m", "tgw.broker", "reload", "--address", broker.address, "--json"]
+    ask = [httpclient.InferRequestedOutput("y", class_count=1)]
+    img = np.array([[0, 0, 0, 1]], dtype=np.float32)
+    with open(labels, "w") as f:
+        f.write("a\nb\nc\nd\n")
+    out = subprocess.run(reload, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out
+    assert infer(clients, "http", "square", {"img": (img, "FP32")}, ask).as_numpy("y").tolist() == [[b"2.000000:3:d"]]
+    os.remove(labels)
+    out = subprocess.run(reload, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "outputs.0.labels: label file" in out.stderr, out
+    assert infer(clients, "http", "square", {"img": (img, "FP32")}, ask).as_numpy("y").tolist() == [[b"2.000000:3:d"]]
