@@ -2,7 +2,8 @@
 its tensors against the declared inputs.
 
 Pure checks, no I/O: a request that passes them is known to match its model's declared inputs
-exactly, so workers never see malformed tensors.
+exactly, so workers never see malformed tensors. The refusals clients match by text are worded
+as Triton's core words them (its infer_request.cc); the details carry tgw's fields.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, Tensor
 
 from tgw.broker.state.versions import VersionRecord, VersionState
 
+from .entry import ModelEntry
+
 # Triton's protocol names of the datatypes (protocol/kserve.py's, which this layer may not import)
 DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
                   "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16",
@@ -22,7 +25,6 @@ BATCH_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requi
               "to each input shape. If you want to specify the full shape including the batch dim in your input dims "
               "config, try setting max_batch_size to zero. See the model configuration docs for more info on "
               "max_batch_size.")
-from .entry import ModelEntry
 
 
 def wire_nbytes(meta: TensorMeta) -> int:
