@@ -206,7 +206,8 @@ def count_words(model: str, expected: list[str], names: list[str]) -> str:
 
 
 def dtype_words(model: str, name: str, got: str, expected: str) -> str:
-    return (f"inference input '{name}' data-type is '{DATATYPE_NAMES[got]}', but model '{model}' expects "
+    # a native client may send a dtype Triton has no name for: shown as sent
+    return (f"inference input '{name}' data-type is '{DATATYPE_NAMES.get(got, got)}', but model '{model}' expects "
             f"'{DATATYPE_NAMES[expected]}'")
 
 
