@@ -275,7 +275,7 @@ def test_the_checks_clients_match_read_as_tritons(reg):
     assert refused(reg, infer(inputs=metas(FIXED_INPUTS, b={"dtype": "int32"}))).message == \
         "inference input 'b' data-type is 'INT32', but model 'fixed' expects 'INT64'"
     odd = infer(inputs=metas(FIXED_INPUTS, b={"dtype": "complex64"}))   # a native client's: shown as sent
-    assert "data-type is 'complex64'" in refused(reg, odd, [0, 0]).message
+    assert "data-type is 'complex64'" in refused(reg, odd, [48, 0]).message
     err = refused(reg, infer(inputs=metas(FIXED_INPUTS, a={"shape": [2, 3, 2]})))
     assert err.message.startswith("unexpected shape for input 'a' for model 'fixed'. Expected [-1,2,3], got [2,3,2]. "
                                   "NOTE: Setting a non-zero max_batch_size") and err.code is Code.INVALID_INPUT_SHAPE
