@@ -343,12 +343,12 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
     dtype = datatype(spec.get("datatype"), name)
     params = mapping(spec.get("parameters"), f"input {name!r} parameters")
     refuse_unoffered(params, f"input {name!r}: ", shm is not None, input=name)
-    content_type(spec, params, name)
+    one_content(spec, params, name)
     if SHM_REGION in params:
         meta = TensorMeta(name=name, dtype=dtype, shape=shape)
         return meta, shm.input_frame(meta, params), None
-    size = params.get("binary_data_size")
-    if size is not None:
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
         if type(size) is not int or size < 0 or offset + size > body.nbytes:
             raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
                       "left in the body", input=name)
@@ -357,7 +357,7 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
     return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
-def content_type(spec: dict, params: dict, name: str) -> None:
+def one_content(spec: dict, params: dict, name: str) -> None:
     """Exactly one of data, binary_data_size, shared_memory_region: Triton's check and words."""
     given = [key for key, present in (("data", "data" in spec), ("binary_data_size", "binary_data_size" in params),
                                       ("shared_memory_region", SHM_REGION in params)) if present]
