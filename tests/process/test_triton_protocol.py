@@ -4,7 +4,8 @@ extension with a label file, an input's format and reshape, and Triton's words a
 the tensor checks its clients match.
 
 One broker for the module, its models built here: "flat" (max_batch_size 0, x [3, 4] -> y [4]
-= x.sum(0): a batch dim would give it a wrong shape), "square" (batched; input "img" [4] in
+= x.sum(0): a batch dim would give it a wrong shape; "flatexport": the same as a torch.export
+program), "square" (batched; input "img" [4] in
 FORMAT_NCHW given to the model as [2, 2], output "y" [4] from the model's [2, 2]; labels on y),
 and "flatstage" (a stage with max_batch_size 0)."""
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import served
 from tgw.client import Client
+from tgw.workers.demo_models import save_model
 
 LABELS = ["zero", "one", "two", "three"]
 STAGE = '''
@@ -53,6 +55,7 @@ class Square(torch.nn.Module):
 def broker():
     d = tempfile.mkdtemp(prefix="tgwtp-", dir="/tmp")
     torch.jit.script(Flat()).save(os.path.join(d, "flat.pt"))
+    save_model(Flat(), (torch.zeros(3, 4),), os.path.join(d, "flat.pt2"), "export")   # no batch dim in the program
     torch.jit.script(Square()).save(os.path.join(d, "square.pt"))
     with open(os.path.join(d, "labels.txt"), "w") as f:
         f.write("\n".join(LABELS) + "\n")
@@ -64,6 +67,9 @@ def broker():
                {"name": "flat", "versions": [{"version": "1", "path": "flat.pt"}], "max_batch_size": 0,
                 "inputs": [{"name": "x", "dtype": "float32", "shape": [3, 4]}],
                 "outputs": [{"name": "y", "dtype": "float32", "shape": [4], "labels": "labels.txt"}]},
+               {"name": "flatexport", "versions": [{"version": "1", "path": "flat.pt2"}], "max_batch_size": 0,
+                "inputs": [{"name": "x", "dtype": "float32", "shape": [3, 4]}],
+                "outputs": [{"name": "y", "dtype": "float32", "shape": [4]}]},
                {"name": "square", "versions": [{"version": "1", "path": "square.pt"}], "max_batch_size": 8,
                 "inputs": [{"name": "img", "dtype": "float32", "shape": [4], "format": "FORMAT_NCHW",
                             "reshape": [2, 2]}],
@@ -115,6 +121,7 @@ def test_no_batch_dim_answers_with_the_shapes_as_declared(clients, face):
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     y = infer(clients, face, "flat", {"x": (x, "FP32")}).as_numpy("y")
     assert y.shape == (4,) and y.tolist() == x.sum(0).tolist()
+    assert infer(clients, face, "flatexport", {"x": (x, "FP32")}).as_numpy("y").tolist() == x.sum(0).tolist()
     s = infer(clients, face, "flatstage", {"x": (np.ones(3, np.float32), "FP32")}).as_numpy("y")
     assert s.tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(InferenceServerException) as err:   # a batch dim is a wrong shape here
