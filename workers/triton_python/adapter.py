@@ -104,7 +104,10 @@ class TritonStage:
 
     def __call__(self, batch: StageBatch) -> dict[str, Any]:
         bounds = batch.starts or [0, batch.rows]
-        requests = [self._request(batch, bounds[i], bounds[i + 1], batch.ids[i] if i < len(batch.ids) else "")
+        # fixed-dtype inputs as numpy once (bfloat16, which numpy lacks, stays torch); bytes as lists
+        inputs = {t.name: batch[t.name].cpu().numpy() if t.dtype not in (BYTES, "bfloat16") else batch[t.name]
+                  for t in self.spec.inputs}
+        requests = [self._request(inputs, bounds[i], bounds[i + 1], batch.ids[i] if i < len(batch.ids) else "")
                     for i in range(len(bounds) - 1)]
         backend_utils.current_model_dir = os.path.dirname(self.file)
         responses = self.model.execute(requests)
@@ -120,8 +123,8 @@ class TritonStage:
                 f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(responses)}")
         return self._outputs(batch, bounds, responses)
 
-    def _request(self, batch: StageBatch, a: int, b: int, request_id) -> InferenceRequest:
-        tensors = [self._input(batch[t.name], t, a, b) for t in self.spec.inputs]
+    def _request(self, inputs: dict[str, Any], a: int, b: int, request_id) -> InferenceRequest:
+        tensors = [self._input(inputs[t.name], t, a, b) for t in self.spec.inputs]
         version = int(self.spec.version) if self.spec.version.isdigit() else -1
         return InferenceRequest(request_id=str(request_id), inputs=tensors,
                                 requested_output_names=[t.name for t in self.spec.outputs],
@@ -140,7 +143,7 @@ class TritonStage:
         rows = value[a:b] if self.spec.batched else value   # unbatched: one request, its rows dim gone
         if t.dtype == "bfloat16":
             return Tensor.from_dlpack(t.name, rows.cpu().clone())
-        return Tensor(t.name, rows.cpu().numpy().copy())
+        return Tensor(t.name, rows.copy())
 
     def _outputs(self, batch: StageBatch, bounds: list[int], responses: list) -> dict[str, Any]:
         """The responses' tensors joined per output in request order: BYTES as declared (nested
