@@ -114,6 +114,8 @@ class TritonStage:
         if asyncio.iscoroutine(responses):
             self.loop = self.loop or asyncio.new_event_loop()
             responses = self.loop.run_until_complete(responses)
+        if responses is None:   # answered through the requests' response senders
+            responses = [r._sender.response if r._sender is not None else None for r in requests]
         if not isinstance(responses, list):
             raise backend_utils.TritonModelException(f"Expected a list in the execute return, found type "
                                                      f"'{type(responses)}'.")
@@ -195,7 +197,7 @@ class TritonStage:
     def _response_arrays(self, response, rows: int) -> dict[str, np.ndarray] | RowFailure:
         """A response's outputs as [rows, *dims] arrays, or why its request fails."""
         if response is None:
-            return self._broke("execute() returned None for this request, not an InferenceResponse")
+            return self._broke("execute() gave no InferenceResponse for this request (none in its list, none sent)")
         if not isinstance(response, InferenceResponse):
             raise backend_utils.TritonModelException("Expected an 'InferenceResponse' object in the execute function "
                                                      f"return list, found type '{type(response)}'.")
