@@ -1,10 +1,11 @@
 """Triton Python-backend models served unchanged as stages by one real broker, driven with
-tritonclient over HTTP and gRPC (tests/triton_py_models.py writes them): python_backend's add_sub example
-as published, through docs/MIGRATING.md's example entry; a BYTES model handed its config.pbtxt (as tritonrepo translates it) that reads its
-parameters and initialize(args); one execute() call per batch with one request per caller, a
-response with an error failing only its request; a model whose initialize() raises refused at
-load with its file:line, the old version serving on; finalize() run when a version unloads and
-when the broker stops."""
+tritonclient over HTTP and gRPC (tests/triton_py_models.py writes them): python_backend's add_sub
+example as published, through docs/MIGRATING.md's example entry, and with its own config.pbtxt
+(max_batch_size 0); a BYTES model handed its config.pbtxt (as tritonrepo translates it) that
+reads its parameters and initialize(args); one execute() call per batch with one request per
+caller, a response with an error failing only its request with the model's message and
+Triton's status; a model whose initialize() raises refused at load with its file:line, the old
+version serving on; finalize() run when a version unloads and when the broker stops."""
 from __future__ import annotations
 
 import json

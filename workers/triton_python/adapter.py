@@ -235,7 +235,8 @@ def _checked(tensor: Tensor, t: IOSpec, batched: bool, rows: int) -> tuple[np.nd
         array = tensor.as_numpy() if tensor.is_cpu() else tensor.as_torch().cpu().numpy()
         if t.dtype == BYTES:
             if array.dtype != np.object_ and array.dtype.type != np.bytes_:
-                return None, f"output {t.name!r} is {array.dtype}, its config declares {declared} (an object array of bytes)"
+                return None, (f"output {t.name!r} is {array.dtype}, its config declares {declared} (an object array "
+                              "of bytes)")
             array = object_array([element_bytes(x) for x in array.ravel().tolist()], list(array.shape))
         elif array.dtype != np.dtype(TYPES[BY_TGW_DTYPE[t.dtype]][1]):
             return None, f"output {t.name!r} is {array.dtype}, its config declares {declared}"

@@ -62,7 +62,7 @@ class MetricFamily:
             raise TritonModelException(f"MetricFamily {name!r}: kind must be COUNTER, GAUGE or HISTOGRAM")
         self.name, self.description, self.kind = name, description, kind
 
-    def Metric(self, labels: dict | None = None, buckets: list | None = None) -> "Metric":   # noqa: N802 - Triton's name
+    def Metric(self, labels: dict | None = None, buckets: list | None = None) -> "Metric":   # noqa: N802 - Triton's
         if self.kind == MetricFamily.HISTOGRAM and not buckets:
             raise TritonModelException(f"MetricFamily {self.name!r}: a histogram metric needs buckets")
         return Metric(self.kind, dict(labels or {}))

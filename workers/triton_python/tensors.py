@@ -129,7 +129,8 @@ class Tensor:
         if self._array is None:
             raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy."
                                        if not self.is_cpu() else
-                                       f"Tensor {self._name!r} is bfloat16, which numpy has no type for: use to_dlpack()")
+                                       f"Tensor {self._name!r} is bfloat16, which numpy has no type for: use "
+                                       "to_dlpack()")
         return self._array
 
     def is_cpu(self) -> bool:
