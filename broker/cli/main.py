@@ -275,7 +275,8 @@ def run(argv: list[str] | None) -> None:
             sys.exit(str(exc))
         for line in cfg._repository_warnings:
             print(f"warning: {line}")
-        print(f"{args.file or args.model_repository}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
+        names = ", ".join(m.name for m in cfg.models)
+        print(f"{args.file or args.model_repository}: OK ({len(cfg.models)} model(s): {names})")
         for m in cfg.models:
             print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
         if cfg.pipelines:

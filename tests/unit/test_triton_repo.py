@@ -187,7 +187,7 @@ def test_version_policy_picks_the_folders(tmp_path):
               for policy in ("", "version_policy { latest { num_versions: 2 } }", "version_policy { all { } }",
                              "version_policy { specific { versions: [ 1, 10 ] } }")}
     assert list(picked.values()) == [["10"], ["2", "10"], ["1", "2", "10"], ["1", "10"]]
-    assert translate_model(parse_pbtxt(base), d, versions_=["1"]).models[0]["versions"][0]["version"] == "1"
+    assert translate_model(parse_pbtxt(base), d, versions=["1"]).models[0]["versions"][0]["version"] == "1"
 
 
 def test_sequence_batching_maps_to_tgw_controls_and_state(tmp_path):
@@ -247,3 +247,26 @@ def test_convert_prints_yaml_that_loads_as_a_config(repo):
     assert "# warning: model add: not honoured: " in text
     cfg = parse_config(yaml.safe_load(text), "/")
     assert [m.name for m in cfg.models] == ["add", "pre"] and cfg.pipelines[0].name == "ens"
+
+
+def test_an_ensemble_of_ensembles_is_refused_by_name(repo):
+    write_model(repo, "outer", ENS.replace('model_name: "pre"', 'model_name: "ens"'), {"1/.keep": ""})
+    t = translate_repository(repo)
+    assert [p["name"] for p in t.pipelines] == ["ens"]
+    assert t.refusals == ["model outer: ensemble_scheduling: steps on ensembles ['ens']: a pipeline's step is a "
+                          "model or a stage; list the inner ensemble's steps in this one"]
+
+
+def test_check_config_reads_a_repository_alone(repo):
+    shutil.rmtree(os.path.join(repo, "detect"))
+    from tgw.broker.cli.main import run
+    out = io.StringIO()
+    with redirect_stdout(out):
+        run(["check-config", "--model-repository", repo])
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("warning: model add: not honoured: optimization (")
+    assert lines[1] == f"{repo}: OK (2 model(s): add, pre)" and "pipeline ens (version 1): pre (pre) -> add (add" \
+        in out.getvalue()
+    with pytest.raises(SystemExit) as err:
+        run(["check-config"])
+    assert err.value.code == "tgw-broker check-config: name a config FILE, --model-repository DIR, or both"
