@@ -129,7 +129,8 @@ def model(config, kind: str, model_dir: str, name: str, versions: list[str] | No
         if not decl[f"{what}s"]:
             notes.refuse(what, f"none declared: tgw does not auto-complete a config (declare each {what} in "
                          "config.pbtxt)")
-    if kind == "torchscript":
+    # a sequence model's worker orders every fed tensor (controls and states too) itself
+    if kind == "torchscript" and not config.HasField("sequence_batching"):
         for what in ("inputs", "outputs"):
             problem = tensors.indexed_problem(decl[what])
             if problem:

@@ -195,21 +195,22 @@ def test_sequence_batching_maps_to_tgw_controls_and_state(tmp_path):
     t = translate_model(parse_pbtxt("""
         platform: "pytorch_libtorch"
         max_batch_size: 4
-        input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        input [ { name: "INPUT__2" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         sequence_batching {
           max_sequence_idle_microseconds: 5000000
           control_input [ { name: "START__1" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
-                          { name: "CORRID__2" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] } ]
+                          { name: "CORRID__4" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] } ]
           state [ { input_name: "STATE__3" output_name: "STATE_OUT__1" data_type: TYPE_FP32 dims: [ 1 ]
                     initial_state { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true name: "z" } } ]
           direct { }
         }"""), d)
-    assert t.refusals == []
+    assert t.refusals == []   # INPUT__N counted with the controls and states: the worker orders them all
+    assert [i["name"] for i in t.models[0]["inputs"]] == ["INPUT__2", "INPUT__0"]
     assert t.models[0]["sequence_batching"] == {
         "max_sequences": 4, "max_sequence_idle_us": 5_000_000,
         "control_inputs": [{"name": "START__1", "kind": "start", "dtype": "float32"},
-                           {"name": "CORRID__2", "kind": "corrid", "dtype": "uint64"}],
+                           {"name": "CORRID__4", "kind": "corrid", "dtype": "uint64"}],
         "state": [{"name": "STATE__3", "output": "STATE_OUT__1", "dtype": "float32", "shape": [1]}]}
     assert "sequence_batching: direct" in t.warnings[0]
 
