@@ -161,7 +161,7 @@ class Reloader:
         changes = await self._apply(new)
         self.cfg, self.digests = new, digests
         done = {k: v for k, v in changes.items() if v}
-        source = self.path or self.cfg._repository_flag
+        source = self.path or " ".join(self.cfg._repository_flag)
         return (f"reloaded {source}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
                 changes)
 

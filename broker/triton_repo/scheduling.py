@@ -115,8 +115,8 @@ def instance_group(config, decl: dict, notes: Notes, is_stage: bool) -> None:
     elif "KIND_CPU" in kinds:
         notes.warn("instance_group: kind", "KIND_CPU: a model runs on every worker of workers.devices")
     if any(g.count > 1 for g in groups):
-        notes.warn("instance_group: count", "one instance per worker (workers.devices; workers.threads_per_worker "
-                   "sets a worker's threads)")
+        notes.warn("instance_group: count", "one instance per worker of workers.devices; "
+                   "workers.threads_per_worker sets its threads")
     if any(g.gpus for g in groups):
         notes.warn("instance_group: gpus", "tgw places models on the devices of workers.devices")
     extra = [f for f in ("rate_limiter", "secondary_devices", "profile", "passive", "host_policy")

@@ -271,3 +271,18 @@ def test_check_config_reads_a_repository_alone(repo):
     with pytest.raises(SystemExit) as err:
         run(["check-config"])
     assert err.value.code == "tgw-broker check-config: name a config FILE, --model-repository DIR, or both"
+
+
+def test_two_repositories_merge_and_a_name_in_both_is_refused(repo, tmp_path):
+    shutil.rmtree(os.path.join(repo, "detect"))
+    other = str(tmp_path / "other")
+    write_model(other, "solo", PRE.replace('name: "pre"', ""), {"1/model.py": PY_MODEL})
+    from tgw.broker.config.load import repository_config
+    cfg = repository_config([repo, other])
+    assert [m.name for m in cfg.models] == ["add", "pre", "solo"] and cfg._repository_flag == [repo, other]
+    assert cfg.model_roots == [os.path.realpath(repo), os.path.realpath(other)]
+    write_model(other, "pre", PRE, {"1/model.py": PY_MODEL})
+    with pytest.raises(ConfigError) as err:
+        repository_config([repo, other])
+    assert f"model_repository: model pre of {os.path.realpath(other)} has the name of model pre of " \
+        f"{os.path.realpath(repo)}: a served name is declared once" in str(err.value)
