@@ -136,6 +136,9 @@ def model(config, kind: str, model_dir: str, name: str, versions: list[str] | No
             if problem:
                 notes.refuse(what[:-1], problem)
             decl[what] = tensors.positional(decl[what])
+        if len(decl["inputs"]) > 1 and not all(tensors.INDEXED.match(t["name"]) for t in decl["inputs"]):
+            notes.warn("input names", "not all NAME__N: passed to forward in config.pbtxt's order, not matched to "
+                       "its argument names (list them in forward's order)")
     chosen = versions if versions is not None else policy.chosen(config, model_dir, notes)
     filename = config.default_model_filename or DEFAULT_FILE[kind]
     if config.cc_model_filenames:

@@ -286,3 +286,13 @@ def test_two_repositories_merge_and_a_name_in_both_is_refused(repo, tmp_path):
         repository_config([repo, other])
     assert f"model_repository: model pre of {os.path.realpath(other)} has the name of model pre of " \
         f"{os.path.realpath(repo)}: a served name is declared once" in str(err.value)
+
+
+def test_torchscript_inputs_named_otherwise_keep_the_file_order_and_say_so(tmp_path):
+    d = write_model(str(tmp_path), "m", None, {"1/model.pt": torchscript_standin()})
+    t = translate_model(parse_pbtxt('platform: "pytorch_libtorch"\ninput [ { name: "b" data_type: TYPE_FP32 dims: [1] },'
+                                    ' { name: "a" data_type: TYPE_FP32 dims: [1] } ]\n'
+                                    'output [ { name: "y" data_type: TYPE_FP32 dims: [1] } ]'), d)
+    assert [i["name"] for i in t.models[0]["inputs"]] == ["b", "a"]
+    assert t.warnings == ["model m: not honoured: input names (not all NAME__N: passed to forward in config.pbtxt's "
+                          "order, not matched to its argument names (list them in forward's order))"]
