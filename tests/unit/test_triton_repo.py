@@ -296,3 +296,13 @@ def test_torchscript_inputs_named_otherwise_keep_the_file_order_and_say_so(tmp_p
     assert [i["name"] for i in t.models[0]["inputs"]] == ["b", "a"]
     assert t.warnings == ["model m: not honoured: input names (not all NAME__N: passed to forward in config.pbtxt's "
                           "order, not matched to its argument names (list them in forward's order))"]
+
+
+def test_bad_config_text_and_json_are_value_errors():
+    with pytest.raises(ValueError, match=r"^not a valid model config: 1:\d+ : .*max_batch"):
+        parse_pbtxt('max_batch_size: "x"')
+    with pytest.raises(ValueError, match="^not a valid model config: .*no field named \"maxbatch\""):
+        config_from_json('{"maxbatch": 1}')
+    with pytest.raises(ValueError, match="^not a valid model config: Expecting property name"):
+        config_from_json("{")
+    assert config_from_json({"name": "m", "max_batch_size": 2}).max_batch_size == 2
