@@ -210,10 +210,11 @@ class Repository:
             raise uploads.failed(model, "failed to poll from model repository: files sent without a config "
                                  "override (parameter config), which the files' model folder needs")
         loop = asyncio.get_running_loop()
+        entry = self.view.models.get(model)
+        replaced = self.uploads.folder_of([v.path for v in entry.decl.versions]) if entry is not None else None
         if upload.files:
             folder = await loop.run_in_executor(None, self.uploads.write, model, upload.files)
         else:
-            entry = self.view.models.get(model)
             if entry is None or entry.removed:
                 raise uploads.failed(model, "failed to poll from model repository: no model of that name is served; "
                                      "send its files with the config (file:1/model.pt ...)")
@@ -225,6 +226,8 @@ class Repository:
             if upload.files:
                 uploads.discard(folder)
             raise
+        if replaced is not None and replaced != folder:   # drained and unloaded: its files go too
+            uploads.discard(replaced)
         return reply.message + ("; warnings: " + "; ".join(warnings) if warnings else "")
 
     async def unload_model(self, model: str, parameters: dict) -> str:

@@ -118,6 +118,12 @@ class Uploads:
             raise
         return folder
 
+    def folder_of(self, paths: list) -> str | None:
+        """The uploaded folder a model's version files lie in (None: not an uploaded model)."""
+        folders = {os.path.relpath(p, self.base).split(os.sep)[0] for p in paths
+                   if p and os.path.commonpath([p, self.base]) == self.base}
+        return os.path.join(self.base, folders.pop()) if len(folders) == 1 else None
+
     @staticmethod
     def _write_one(folder: str, rel: str, data: bytes) -> None:
         path = os.path.join(folder, *rel.split("/"))

@@ -52,6 +52,8 @@ def test_files_form_a_fresh_folder_under_the_first_root(tmp_path):
             up.write(bad, {"1/model.pt": b""})
     assert sorted(os.listdir(root / "uploads")) == ["net.1", "net.2"]
     assert uploads.model_folder("net", [one + "/1/model.pt", one + "/2/model.pt"]) == one
+    assert up.folder_of([one + "/1/model.pt", one + "/2/model.pt"]) == one
+    assert up.folder_of([str(tmp_path / "net.pt")]) is None and up.folder_of([None]) is None
     with pytest.raises(TgwError, match="needs a model from a Triton repository"):
         uploads.model_folder("net", [str(tmp_path / "net.pt")])
 
