@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-from tgw.shm.errors import Code, fail
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, Reload, RolloutPolicy, UnloadVersion, model_key
 
 from tgw.broker.models.registry import ModelEntry
@@ -182,7 +182,11 @@ class Repository:
         upload, parameters = uploads.split(model, parameters)
         if upload is not None:
             return await self.load_upload(model, upload, parameters)
-        entry = self.entry(model)
+        try:
+            entry = self.entry(model)
+        except TgwError as err:   # Triton's words for a load of a model its repository lacks
+            raise uploads.failed(model, "failed to poll from model repository: no model of that name in the broker's "
+                                 "config", err.code, available=err.details.get("available")) from None
         params = self.params(parameters)
         version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
         if "version" not in params and version in entry.records:
