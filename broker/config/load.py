@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from tgw.shm.model_format import FORMATS
 
-from . import arenas
+from . import arenas, repository
 from .export_types import missing_preloads
 from .labels import LabelFileError, read_labels
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
@@ -26,7 +26,7 @@ from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, Fragmenta
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",
            "ModelDecl", "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
            "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WarmupDecl", "WorkersDecl", "file_sha256",
-           "load_config", "parse_config"]
+           "load_config", "parse_config", "repository_config"]
 
 
 class ConfigError(ValueError):
@@ -187,8 +187,10 @@ def _source(v: VersionDecl, base_dir: str, roots: list[str], fmt: str) -> Versio
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     """Validate everything and report every problem at once. model_roots and model paths come
     back as real paths (a model path is the confined file itself, symlinks resolved)."""
-    problems, cfg = [], None
     base_dir = os.path.abspath(base_dir)
+    problems, warnings, cfg = [], [], None
+    if isinstance(data, dict):   # a Triton repository's models and pipelines join the config's own
+        data, problems, warnings = repository.merged(data, base_dir)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -211,12 +213,25 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     grpc = cfg.grpc and cfg.grpc.model_copy(update={k: _resolve(getattr(cfg.grpc, k), base_dir) for k in GRPC_FILES
                                                     if getattr(cfg.grpc, k)})
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
-    return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
-                                                 "server": server, "grpc": grpc}))
+    out = arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
+                                                "server": server, "grpc": grpc}))
+    out._repository_warnings = warnings
+    return out
 
 
-def load_config(path: str) -> Config:
-    """Read and validate a config file; no side effects, so it may run again (SIGHUP)."""
+def repository_config(directory: str) -> Config:
+    """`tgw-broker start --model-repository DIR` without --config: the repository's models alone,
+    every other key at its default (the repository folder is the model root)."""
+    directory = os.path.abspath(directory)
+    out = parse_config({repository.KEY: directory}, directory, f"--model-repository {directory}")
+    out._repository_flag = directory
+    return out
+
+
+def load_config(path: str, model_repository: Optional[str] = None) -> Config:
+    """Read and validate a config file; no side effects, so it may run again (SIGHUP).
+    `model_repository` (`start --model-repository`, relative to the current folder) replaces the
+    file's own key."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -228,7 +243,11 @@ def load_config(path: str) -> Config:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: top level must be a mapping with a 'models' key")
-    return parse_config(data, os.path.dirname(os.path.abspath(path)), path)
+    if model_repository is not None:
+        data[repository.KEY] = os.path.abspath(model_repository)
+    out = parse_config(data, os.path.dirname(os.path.abspath(path)), path)
+    out._repository_flag = model_repository and os.path.abspath(model_repository)
+    return out
 
 
 def with_face_port(cfg: Config, face: str, port: int) -> Config:

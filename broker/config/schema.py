@@ -307,6 +307,9 @@ class ObservabilityDecl(Strict):
 class Config(Strict):
     # folders model files must lie in; relative: to the config file's folder; empty: that folder
     model_roots: list[Annotated[str, Field(min_length=1)]] = []
+    # a Triton model repository served beside `models` (broker/config/repository.py, docs/MIGRATING.md);
+    # relative: to the config file's folder; `start --model-repository` sets it
+    model_repository: Optional[Annotated[str, Field(min_length=1)]] = None
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
@@ -315,13 +318,16 @@ class Config(Strict):
     grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
     jobs: JobsDecl = JobsDecl()                    # polled jobs: bounds and how long results are kept
-    models: Annotated[list[ModelDecl], Field(min_length=1)]
+    models: Annotated[list[ModelDecl], Field(min_length=1)]   # a model_repository's are added to them
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
     require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
     pipelines: list[PipelineDecl] = []             # served names that are DAGs of steps (docs/PIPELINES.md)
     _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
     _grpc_port: Optional[int] = PrivateAttr(default=None)   # `start --grpc-port`: a reload keeps it
+    _repository_flag: Optional[str] = PrivateAttr(default=None)   # `start --model-repository`: a reload keeps it
+    # what the repository's files ask that tgw does not honour, one line per model (logged at start)
+    _repository_warnings: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> "Config":

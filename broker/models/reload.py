@@ -30,7 +30,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
 from tgw.broker.config.load import (Config, ConfigError, ModelDecl, WarmupDecl, file_sha256, load_config,
-                                     parse_config, with_grpc_port, with_http_port)
+                                     parse_config, repository_config, with_grpc_port, with_http_port)
 from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
@@ -150,7 +150,7 @@ class Reloader:
         return round(self.d.uptime(), 3)
 
     async def _reload(self) -> tuple[str, dict]:
-        if self.path is None:
+        if self.path is None and self.cfg._repository_flag is None:
             raise fail(Code.INVALID_ARGUMENT, "this broker serves the embedded demo: there is no config file to reload")
         try:  # hashing model files takes a while: off the loop
             new, digests = await asyncio.get_running_loop().run_in_executor(None, self._read)
@@ -176,7 +176,8 @@ class Reloader:
                 changes)
 
     def _read(self) -> tuple[Config, dict]:
-        cfg = load_config(self.path)
+        repo = self.cfg._repository_flag   # `start --model-repository`, read again as the file is
+        cfg = load_config(self.path, repo) if self.path is not None else repository_config(repo)
         return cfg, handler_digests(cfg)
 
     def _served(self, name: str) -> set[str]:
