@@ -228,10 +228,10 @@ class Repository:
             reply, _ = await self.ask(Reload(v=PROTOCOL_VERSION, models=[decl]))
         except BaseException:
             if upload.files:
-                uploads.discard(folder)
+                self.uploads.discard(folder)
             raise
         if replaced is not None and replaced != folder:   # drained and unloaded: its files go too
-            uploads.discard(replaced)
+            self.uploads.discard(replaced)
         return reply.message + ("; warnings: " + "; ".join(warnings) if warnings else "")
 
     async def unload_model(self, model: str, parameters: dict) -> str:

@@ -100,11 +100,10 @@ def test_refused_without_the_token_outside_the_folder_and_without_a_config(broke
 
 
 def test_a_model_loaded_with_its_config_and_files_is_served_and_replaced(broker, clients):
-    pytest.importorskip("tgw.broker.triton_repo")   # the config's reader: branch issue42-tritonrepo, until merged
     http, grpc_c = clients
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     http.load_model("up", config=CONFIG, files={"file:1/model.pt": torchscript(2.0)}, headers=AUTH)
-    assert os.path.isfile(os.path.join(broker.dir, "uploads", "up.1", "1", "model.pt"))
+    assert os.path.isfile(os.path.join(broker.dir, "uploads", "up.1", "up", "1", "model.pt"))
     inp = grpcclient.InferInput("x", [2, 3], "FP32")
     inp.set_data_from_numpy(x)
     np.testing.assert_array_equal(grpc_c.infer("up", [inp], headers=AUTH).as_numpy("y"), x * 2)
@@ -116,5 +115,10 @@ def test_a_model_loaded_with_its_config_and_files_is_served_and_replaced(broker,
     h = httpclient.InferInput("x", [2, 3], "FP32")
     h.set_data_from_numpy(x)
     np.testing.assert_array_equal(http.infer("up", [h], headers=AUTH).as_numpy("y"), x * 3)
+    # a config alone keeps the model's folder (Triton: the repository's files)
+    http.load_model("up", config=CONFIG.replace('"max_batch_size": 8', '"max_batch_size": 2'), headers=AUTH)
+    assert http.get_model_config("up", headers=AUTH)["max_batch_size"] == 2
+    np.testing.assert_array_equal(http.infer("up", [h], headers=AUTH).as_numpy("y"), x * 3)
+    assert os.listdir(os.path.join(broker.dir, "uploads")) == ["up.2"]
     rows = {(r["name"], r["version"], r["state"]) for r in http.get_model_repository_index(headers=AUTH)}
     assert ("up", "1", "READY") in rows and ("double", "1", "READY") in rows
