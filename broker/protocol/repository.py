@@ -128,7 +128,8 @@ class Repository:
         plan = self.pipeline(model, version)
         if plan is not None:
             return {"name": plan.name, "versions": [plan.version], "platform": "tgw_pipeline",
-                    "inputs": io(plan.inputs), "outputs": io(plan.outputs),
+                    "inputs": io(plan.inputs, plan.max_batch_size > 0),
+                    "outputs": io(plan.outputs, plan.max_batch_size > 0),
                     "parameters": {"max_batch_size": plan.max_batch_size, "default_version": plan.version,
                                    "steps": [{"name": s.name, "model": s.model, "version": s.version}
                                              for s in plan.steps]}}

@@ -71,7 +71,7 @@ def test_parameters_map_to_the_native_fields():
                   "parameters": {"shared_memory_region": "r"}}]}, Code.INVALID_ARGUMENT, "shared-memory"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
       "outputs": [{"name": "y", "parameters": {"binary_data": "yes"}}]}, Code.INVALID_ARGUMENT, "true or false"),
-    ({"inputs": "x"}, Code.INVALID_ARGUMENT, "non-empty list"),
+    ({"inputs": "x"}, Code.INVALID_ARGUMENT, "must be a list of tensors"),
 ])
 def test_every_bad_field_is_named(doc, code, words):
     with pytest.raises(TgwError) as info:

@@ -304,4 +304,5 @@ def test_no_batch_dim_takes_the_declared_shape_as_one_row(flat):
     checked = check(flat, req)
     assert checked.rows == 1 and checked.shape_key == ((3, 5), (2,)) and req.inputs[0].shape == [3, 5]
     req.inputs[0].shape = [1, 3, 5]   # a batch dim is a wrong shape here, worded without Triton's note
-    assert refused(flat, req).message == "unexpected shape for input 'x' for model 'flat'. Expected [3,-1], got [1,3,5]. "
+    assert refused(flat, req).message == \
+        "unexpected shape for input 'x' for model 'flat'. Expected [3,-1], got [1,3,5]. "
