@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 
 import numpy as np
@@ -18,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import base_config, served
+from conftest import base_config, served, wait_until
 from tgw.client import Client
 
 TOKEN = "upl0ad-token-value"
@@ -142,3 +143,11 @@ def test_a_model_loaded_with_its_config_and_files_is_served_and_replaced(broker,
     np.testing.assert_array_equal(http.infer("scaled", [h], headers=auth()).as_numpy("y"), x * 5)
     rows = {(r["name"], r["version"], r["state"]) for r in http.get_model_repository_index(headers=auth())}
     assert ("up", "1", "READY") in rows and ("double", "1", "READY") in rows
+    # a reload of the config file (SIGHUP) keeps what the loads put in place
+    with Client(broker.address) as native:
+        os.kill(broker.proc.pid, signal.SIGHUP)
+        outcome = wait_until(lambda: native.status().get("reload", {}).get("ok") is not None and
+                             native.status()["reload"], what="the reload done")
+        assert outcome["ok"], outcome
+    assert grpc_c.get_model_config("scaled", headers=auth()).config.max_batch_size == 4
+    np.testing.assert_array_equal(http.infer("up", [h], headers=auth()).as_numpy("y"), x * 3)
