@@ -216,14 +216,15 @@ class Repository:
                                  "override (parameter config), which the files' model folder needs")
         loop = asyncio.get_running_loop()
         entry = self.view.models.get(model)
-        replaced = self.uploads.folder_of([v.path for v in entry.decl.versions]) if entry is not None else None
+        files = uploads.version_files(entry.decl.versions) if entry is not None else []
+        replaced = self.uploads.folder_of(files)
         if upload.files:
             folder = await loop.run_in_executor(None, self.uploads.write, model, upload.files)
         else:
             if entry is None or entry.removed:
                 raise uploads.failed(model, "failed to poll from model repository: no model of that name is served; "
                                      "send its files with the config (file:1/model.pt ...)")
-            folder = uploads.model_folder(model, [v.path for v in entry.decl.versions])
+            folder = uploads.model_folder(model, files)
         try:
             decl, warnings = await loop.run_in_executor(None, uploads.translate, model, upload.config, folder)
             reply, _ = await self.ask(Reload(v=PROTOCOL_VERSION, models=[decl]))

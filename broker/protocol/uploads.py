@@ -145,6 +145,12 @@ class Uploads:
             f.write(data)
 
 
+def version_files(versions) -> list[str]:
+    """Each version's file: a model's path, a stage's handler file ("/abs/file.py:Class")."""
+    return [v.path or (v.handler.rsplit(":", 1)[0] if v.handler and v.handler.startswith("/") else "")
+            for v in versions]
+
+
 def model_folder(model: str, paths: list[str]) -> str:
     """The repository folder of a served model (its versions' files lie in <folder>/<version>/),
     for a config override without files; refused when its files do not lie so."""

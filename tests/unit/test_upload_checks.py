@@ -88,3 +88,13 @@ def test_the_switch_needs_the_token():
     with pytest.raises(ValidationError, match="allow_model_uploads needs server.auth_token_file"):
         ServerDecl(allow_model_uploads=True)
     assert ServerDecl(allow_model_uploads=True, auth_token_file="/t").allow_model_uploads
+
+
+def test_a_stages_handler_file_places_its_model_folder():
+    from types import SimpleNamespace as V
+    versions = [V(path=None, handler="/repo/pre/1/model.py:TritonPythonModel"), V(path="/repo/pre/2/model.pt",
+                                                                                    handler=None)]
+    assert uploads.version_files(versions) == ["/repo/pre/1/model.py", "/repo/pre/2/model.pt"]
+    assert uploads.model_folder("pre", uploads.version_files(versions)) == "/repo/pre"
+    with pytest.raises(TgwError, match="needs a model from a Triton repository"):   # a module's class
+        uploads.model_folder("pre", uploads.version_files([V(path=None, handler="pkg.mod:Cls")]))
