@@ -1,4 +1,4 @@
-"""One loaded model (TorchScript, exported program or AOTInductor package): load, check it
+"""One loaded model (TorchScript, exported program, AOTInductor package or ONNX model): load, check it
 against the declaration, warm up, run a batch, map results to declared outputs."""
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ class ModelRunner:
         """`program`: already loaded (load_verified) by a caller that reads it first (sequence_runner.py)."""
         self.spec, self.device = spec, device
         self.program = program if program is not None else load_verified(spec, device)
-        # an exported program's dims are checked against the declaration when it takes it as declared
-        problems = export_refusals(spec, self.program) if plain(spec) else []
+        # an exported program's dims are checked against the declaration when it takes it as declared;
+        # a program with its own check (ONNX) checks itself
+        problems = (export_refusals(spec, self.program) if plain(spec) else []) + \
+            (self.program.check(spec) if self.program.check else [])
         if problems:
             raise self._refused("; ".join(problems))
         self.module, self.nbytes = self.program.call, self.program.nbytes
@@ -179,7 +181,7 @@ def load_verified(spec: ModelSpec, device: torch.device) -> Program:
         with open(f"/proc/self/fd/{fd}", "rb") as copy:
             fmt = detect(copy, spec.format, where=spec.path)
             copy.seek(0)
-            return load_in_process(fmt, copy, device)
+            return load_in_process(fmt, copy, device, origin=spec.path)
     finally:
         os.close(fd)
 

@@ -9,7 +9,7 @@ import argparse
 import os
 from typing import Any, Iterator
 
-from tgw.shm.model_format import FORMATS
+from tgw.shm.model_format import MODEL_FORMATS
 from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata,
                           Reload, SetTraffic, UnloadVersion)
 
@@ -92,7 +92,7 @@ def add_verbs(sub, broker_verb) -> None:
                              "directory), or module:Class (default: the handler the config declares for this version)")
     load.add_argument("--sha256", type=sha256_hex, help="the file's (or handler file's) SHA-256; the worker checks "
                                                         "the bytes it loads")
-    load.add_argument("--format", choices=FORMATS, help="what the file must hold (default: whatever it holds)")
+    load.add_argument("--format", choices=MODEL_FORMATS, help="what the file must hold (default: whatever it holds)")
     load.add_argument("--weight", type=non_negative_int,
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
