@@ -107,6 +107,9 @@ class ServerDecl(Strict):
     # on the first SIGTERM/SIGINT: seconds of reporting not ready while still serving (so
     # balancers stop sending) before the drain; 0: drain at once
     drain_notice_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    # Triton's repository load with a config override and files (file:<path>) on the HTTP and gRPC
+    # faces: written under <first model root>/uploads/ and served; needs auth_token_file
+    allow_model_uploads: bool = False
 
     @field_validator("address")
     @classmethod
@@ -123,6 +126,13 @@ class ServerDecl(Strict):
             raise ValueError(f"socket_dir_mode {v} lets other users replace the socket; "
                              "group and others may not write (e.g. 0750)")
         return v
+
+    @model_validator(mode="after")
+    def _uploads_need_the_token(self) -> "ServerDecl":
+        if self.allow_model_uploads and not self.auth_token_file:
+            raise ValueError("allow_model_uploads needs server.auth_token_file: a load with files runs what "
+                             "it is sent, so only a caller with the token may send it")
+        return self
 
     @model_validator(mode="after")
     def _tcp_is_encrypted(self) -> "ServerDecl":

@@ -72,7 +72,7 @@ def test_health_and_metadata_through_tritonclient(triton):
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
     assert triton.get_server_metadata()["extensions"] == ["classification", "binary_tensor_data", "model_repository",
                                                           "metrics", "statistics", "sequence", "generate"]
-    with pytest.raises(InferenceServerException, match="no model named 'nope'"):
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
         triton.get_model_metadata("nope")
 
 
@@ -250,8 +250,9 @@ def test_repository_index_load_and_unload(http_broker, triton, model_files, nati
     assert triton.is_model_ready("embed", "2")
     triton.unload_model("embed")   # every version
     assert not triton.is_model_ready("embed")
-    assert "no version" in refused(http_broker, "embed", {"inputs": [
-        {"name": "tokens", "shape": [1, 1], "datatype": "INT64", "data": [1]}]}, 503, "MODEL_NOT_READY")
+    assert refused(http_broker, "embed", {"inputs": [   # Triton's words and status; tgw's code beside
+        {"name": "tokens", "shape": [1, 1], "datatype": "INT64", "data": [1]}]}, 404, "MODEL_NOT_READY") == \
+        "Request for unknown model: 'embed' has no available versions"
     triton.load_model("embed")     # no version named: the config's
     assert triton.is_model_ready("embed", "1") and not triton.is_model_ready("embed", "2")
     triton.load_model("embed")     # already loaded: nothing to do

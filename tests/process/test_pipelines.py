@@ -174,7 +174,8 @@ def test_http_infer_metadata_and_readiness_of_a_pipeline(broker):
     assert http_json(f"{broker.http}/v2/models/diamond/ready") == (200, {"ready": True})
     code, doc = http_json(f"{broker.http}/v2/models/chain/versions/9/infer", {"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 0, 0, 0]}]})
-    assert code == 404 and "pipeline 'chain' has no version '9'" in doc["error"]
+    assert code == 404 and doc["error"] == "Request for unknown model: 'chain' version 9 is not found" and \
+        doc["details"]["tgw_message"].startswith("pipeline 'chain' has no version '9'")
 
 
 # ---- visibility ------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def test_an_awaited_caller_takes_one_answer_and_names_its_face():
 def test_the_door_port_is_a_frozen_record_with_the_faces_fields():
     fields = [f.name for f in dataclasses.fields(door.DoorPort)]
     assert fields == ["token", "view", "entry", "dispatch", "infer", "count_error", "note", "withdraw", "shm", "load",
-                      "scrape"]
+                      "scrape", "uploads"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         port(None).token = "x"
 
@@ -106,7 +106,7 @@ def test_the_repository_refuses_control_beyond_loopback_without_a_token():
 def test_repository_parameters_as_both_faces_send_them():
     assert Repository.params({"version": "2", "weight": 10, "shadow": "0.25"}) == \
         {"version": "2", "weight": 10, "shadow": 0.25}   # gRPC's repository parameters have no double
-    with pytest.raises(TgwError, match="takes no model config"):
+    with pytest.raises(TgwError, match="unknown parameter 'config'"):   # config and files: uploads.split's
         Repository.params({"config": "{}"})
     with pytest.raises(TgwError, match="unknown parameter 'path'"):
         Repository.params({"path": "x"}, ("version", "unload_dependents"))
@@ -135,6 +135,36 @@ def test_sequence_and_generate_parameters_are_read_the_same_on_every_face():
         generate_params({"max_tokens": 5, "max_outputs": 5})
     with pytest.raises(TgwError, match="an integer"):
         generate_params({"top_k": "3"})
+
+
+def test_model_level_errors_in_tritons_words_and_status():
+    """Triton core's texts (model_repository_manager.cc, model_lifecycle.cc, server common.cc),
+    which Triton's clients and qa tests match; tgw's code and message stay in the details."""
+    def answer(code, message, **d):
+        return errors.triton_answer(fail(code, message, **d))
+    assert answer(Code.MODEL_NOT_FOUND, "no model named 'x'", model="x") == \
+        ("Request for unknown model: 'x' is not found", 404, "NOT_FOUND")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="99") == \
+        ("Request for unknown model: 'x' version 99 is not found", 404, "NOT_FOUND")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="abc") == \
+        ("failed to get model version from specified version string 'abc' (details: stol), version should be an "
+         "integral value > 0", 400, "INVALID_ARGUMENT")
+    assert answer(Code.VERSION_NOT_FOUND, "no version", model="x", version="-3").message == \
+        "invalid model version specified '-3' , version should be an integral value > 0"
+    assert answer(Code.MODEL_NOT_READY, "none loaded", model="x", reason="no_version") == \
+        ("Request for unknown model: 'x' has no available versions", 404, "NOT_FOUND")
+    assert answer(Code.MODEL_NOT_READY, "loading", model="x", version="2") == \
+        ("Request for unknown model: 'x' version 2 is not at ready state", 503, "UNAVAILABLE")
+    # tgw's own situations keep tgw's words and status
+    assert answer(Code.MODEL_NOT_READY, "crash loop", model="x", reason="crash_loop") == \
+        ("crash loop", 503, "UNAVAILABLE")
+    assert answer(Code.OVERLOADED, "busy") == ("busy", 429, "RESOURCE_EXHAUSTED")
+    err = fail(Code.MODEL_NOT_FOUND, "no model named 'x'", model="x")
+    assert orjson.loads(errors.error_body(err)) == {
+        "error": "Request for unknown model: 'x' is not found", "code": "MODEL_NOT_FOUND", "retryable": False,
+        "details": {"model": "x", "tgw_message": "no model named 'x'"}}
+    assert errors.headers(err) == {"tgw-code": "MODEL_NOT_FOUND", "tgw-retryable": "false"}
+    assert errors.details(err) == "Request for unknown model: 'x' is not found"
 
 
 def test_grpc_tensors_read_classification_and_word_the_checks_as_triton():

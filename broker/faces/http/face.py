@@ -49,7 +49,7 @@ class HttpFace:
         self.mounts = mounts or []
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
-        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token)
+        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token, uploads=deps.uploads)
         self.repository_routes = RepositoryRoutes(self.repository, self.body)
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
         self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
