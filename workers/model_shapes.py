@@ -30,6 +30,9 @@ def _carried(src_decl: list[int], src: list[int], dst_decl: list[int]) -> list[i
 def to_model(spec: ModelSpec, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The batch's inputs ([rows, *shape]) as the model takes them."""
     out = []
+    if not spec.batched and any(x.shape[0] != 1 for x in inputs):   # the broker's rule: never two requests
+        raise ValueError(f"model {spec.name!r} has no batch dim: a batch holds one request, got "
+                         f"{[list(x.shape) for x in inputs]}")
     for t, x in zip(spec.inputs, inputs):
         if t.reshape is not None:
             x = x.reshape(x.shape[0], *_carried(t.shape, list(x.shape[1:]), t.reshape))

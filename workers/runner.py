@@ -16,7 +16,7 @@ from .caller_faults import rejected
 from .footprint import Gauge
 from .model_shapes import from_model, plain, to_model
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
-from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
+from .shape_checks import VARIABLE_SIZE, aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
 log = logging.getLogger("tgw.worker")
 TORCH_DTYPES = {
@@ -87,7 +87,9 @@ class ModelRunner:
     def examples(self, rows: int, change: tuple[int, int, int] | None = None) -> list[torch.Tensor]:
         """Warm-up inputs: zeros (the least likely to trip a model's own input checks); a -1 dim
         at a size the program allows, or as `change` (input, tensor dim, size) says."""
-        shapes = [[rows, *(example_size(self.program, i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
+        # the program's dims line up with the declared ones only for a plain spec (model_shapes.py)
+        size = (lambda i, k: example_size(self.program, i, k)) if plain(self.spec) else (lambda i, k: VARIABLE_SIZE)
+        shapes = [[rows, *(size(i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
                   for i, t in enumerate(self.spec.inputs)]
         if change is not None:
             shapes[change[0]][change[1]] = change[2]

@@ -188,9 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
     start.add_argument("--config", help="YAML config file")
     start.add_argument("--address", help="override server.address, e.g. ipc:///run/tgw/tgw.sock")
-    start.add_argument("--model-repository", metavar="DIR", help="serve a Triton model repository (config.pbtxt "
-                       "and numbered version folders per model) beside the config's models, or alone without "
-                       "--config (docs/MIGRATING.md)")
+    start.add_argument("--model-repository", metavar="DIR", action="append",
+                       help="serve a Triton model repository (config.pbtxt and numbered version folders per model; "
+                            "repeat for more) beside the config's models, or alone without --config "
+                            "(docs/MIGRATING.md)")
     start.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     start.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("TGW_LOG_FORMAT") or "text",
                        help="text lines, or one JSON object per line (the workers' too; default: $TGW_LOG_FORMAT, "
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "when stderr is a terminal and the log format is text)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
     check.add_argument("file", nargs="?", help="the YAML config (optional with --model-repository)")
-    check.add_argument("--model-repository", metavar="DIR", help="a Triton model repository, as start takes it")
+    check.add_argument("--model-repository", metavar="DIR", action="append",
+                       help="a Triton model repository, as start takes it")
     check.add_argument("--load", action="store_true",
                        help="also load and warm up every model and stage version as a worker would, in a child "
                             "process (torch; no broker starts), and report each: exit 1 when one fails")
@@ -233,7 +235,7 @@ def start_problem(args) -> str | None:
     return f"--address {args.address!r}: {problem}; expected {ADDRESS_FORMS}" if problem else None
 
 
-def configured(path: str | None, model_repository: str | None):
+def configured(path: str | None, model_repository: list[str] | None):
     """The config of `--config`/check-config's FILE, with `--model-repository` (either may be missing)."""
     from tgw.broker.config.load import repository_config
     return load_config(path, model_repository) if path else repository_config(model_repository)
@@ -275,7 +277,8 @@ def run(argv: list[str] | None) -> None:
             sys.exit(str(exc))
         for line in cfg._repository_warnings:
             print(f"warning: {line}")
-        print(f"{args.file or args.model_repository}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
+        names = ", ".join(m.name for m in cfg.models)
+        print(f"{args.file or ' '.join(args.model_repository)}: OK ({len(cfg.models)} model(s): {names})")
         for m in cfg.models:
             print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
         if cfg.pipelines:

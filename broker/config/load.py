@@ -219,19 +219,20 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     return out
 
 
-def repository_config(directory: str) -> Config:
-    """`tgw-broker start --model-repository DIR` without --config: the repository's models alone,
-    every other key at its default (the repository folder is the model root)."""
-    directory = os.path.abspath(directory)
-    out = parse_config({repository.KEY: directory}, directory, f"--model-repository {directory}")
-    out._repository_flag = directory
+def repository_config(directories: list[str]) -> Config:
+    """`tgw-broker start --model-repository DIR ...` without --config: the repositories' models
+    alone, every other key at its default (the repository folders are the model roots)."""
+    directories = [os.path.abspath(d) for d in directories]
+    out = parse_config({repository.KEY: directories}, directories[0],
+                       f"--model-repository {' '.join(directories)}")
+    out._repository_flag = directories
     return out
 
 
-def load_config(path: str, model_repository: Optional[str] = None) -> Config:
+def load_config(path: str, model_repository: Optional[list[str]] = None) -> Config:
     """Read and validate a config file; no side effects, so it may run again (SIGHUP).
-    `model_repository` (`start --model-repository`, relative to the current folder) replaces the
-    file's own key."""
+    `model_repository` (`start --model-repository`, each relative to the current folder) replaces
+    the file's own key."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -243,10 +244,11 @@ def load_config(path: str, model_repository: Optional[str] = None) -> Config:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: top level must be a mapping with a 'models' key")
-    if model_repository is not None:
-        data[repository.KEY] = os.path.abspath(model_repository)
+    if model_repository:
+        model_repository = [os.path.abspath(d) for d in model_repository]
+        data[repository.KEY] = model_repository
     out = parse_config(data, os.path.dirname(os.path.abspath(path)), path)
-    out._repository_flag = model_repository and os.path.abspath(model_repository)
+    out._repository_flag = model_repository or None
     return out
 
 

@@ -307,9 +307,10 @@ class ObservabilityDecl(Strict):
 class Config(Strict):
     # folders model files must lie in; relative: to the config file's folder; empty: that folder
     model_roots: list[Annotated[str, Field(min_length=1)]] = []
-    # a Triton model repository served beside `models` (broker/config/repository.py, docs/MIGRATING.md);
-    # relative: to the config file's folder; `start --model-repository` sets it
-    model_repository: Optional[Annotated[str, Field(min_length=1)]] = None
+    # Triton model repositories served beside `models` (broker/config/repository.py, docs/MIGRATING.md):
+    # a folder or a list of them; relative: to the config file's folder; `start --model-repository` sets it
+    model_repository: Union[None, Annotated[str, Field(min_length=1)],
+                            Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
@@ -325,7 +326,7 @@ class Config(Strict):
     pipelines: list[PipelineDecl] = []             # served names that are DAGs of steps (docs/PIPELINES.md)
     _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
     _grpc_port: Optional[int] = PrivateAttr(default=None)   # `start --grpc-port`: a reload keeps it
-    _repository_flag: Optional[str] = PrivateAttr(default=None)   # `start --model-repository`: a reload keeps it
+    _repository_flag: Optional[list[str]] = PrivateAttr(default=None)   # `start --model-repository`: a reload keeps it
     # what the repository's files ask that tgw does not honour, one line per model (logged at start)
     _repository_warnings: list[str] = PrivateAttr(default_factory=list)
 

@@ -295,6 +295,10 @@ class ModelDecl(Strict):
         if not self.batched and (self.generator is not None or self.sequence_batching is not None):
             raise ValueError(f"model {self.name!r}: max_batch_size 0 (no batch dim) is not offered for generators and "
                              "sequence models (their state is kept per batch row)")
+        misplaced = [f"input {t.name!r} has labels (an output's label file)" for t in self.inputs if t.labels] + \
+            [f"output {t.name!r} has a format (an input's, Triton's)" for t in self.outputs if t.format]
+        if misplaced:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(misplaced))
         for t in (*self.inputs, *self.outputs):
             problem = reshape_problem(t)
             if problem:

@@ -2,7 +2,8 @@
 its tensors against the declared inputs.
 
 Pure checks, no I/O: a request that passes them is known to match its model's declared inputs
-exactly, so workers never see malformed tensors.
+exactly, so workers never see malformed tensors. The refusals clients match by text are worded
+as Triton's core words them (its infer_request.cc); the details carry tgw's fields.
 """
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, Tensor
 
 from tgw.broker.state.versions import VersionRecord, VersionState
 
+from .entry import ModelEntry
+
 # Triton's protocol names of the datatypes (protocol/kserve.py's, which this layer may not import)
-DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64", "uint8": "UINT8",
-                  "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16", "float32": "FP32",
-                  "float64": "FP64", "bfloat16": "BF16", BYTES: "BYTES"}
+DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+                  "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16",
+                  "float32": "FP32", "float64": "FP64", "bfloat16": "BF16", BYTES: "BYTES"}
 BATCH_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be prepended "
               "to each input shape. If you want to specify the full shape including the batch dim in your input dims "
               "config, try setting max_batch_size to zero. See the model configuration docs for more info on "
               "max_batch_size.")
-from .entry import ModelEntry
 
 
 def wire_nbytes(meta: TensorMeta) -> int:
@@ -115,12 +117,9 @@ def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
     names = [t.name for t in req.inputs]
     expected = [t.name for t in model.inputs]
     if len(names) != len(expected) or any(n not in model.input_index for n in names) or len(set(names)) != len(names):
-        missing = [n for n in expected if n not in names]
         unknown = [n for n in names if n not in model.input_index]
         if len(names) != len(expected) or not unknown:   # a count off, or a name twice
-            raise fail(Code.INVALID_ARGUMENT, f"expected {len(expected)} inputs but got {len(names)} inputs for model "
-                       f"'{name}'. Got input(s) {_quoted(names)}, but missing required input(s) {_quoted(missing)}. "
-                       "Please provide all required input(s).", expected=expected, got=names)
+            raise fail(Code.INVALID_ARGUMENT, count_words(name, expected, names), expected=expected, got=names)
         raise fail(Code.INVALID_ARGUMENT, f"unexpected inference input '{unknown[0]}' for model '{name}'",
                    input=unknown[0], expected=expected)
     order = [names.index(n) for n in expected]
@@ -144,8 +143,7 @@ def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
     for k, decl in enumerate(model.inputs):
         meta = req.inputs[order[k]]
         if meta.dtype != decl.dtype:
-            raise fail(Code.INVALID_INPUT_DTYPE, f"inference input '{decl.name}' data-type is "
-                       f"'{DATATYPE_NAMES[meta.dtype]}', but model '{name}' expects '{DATATYPE_NAMES[decl.dtype]}'",
+            raise fail(Code.INVALID_INPUT_DTYPE, dtype_words(name, decl.name, meta.dtype, decl.dtype),
                        input=decl.name, expected=decl.dtype, got=meta.dtype)
         shape = meta.shape
         dims = shape[1:] if batched else shape
@@ -197,6 +195,20 @@ def _check_wire_dtype(model: ModelEntry, decl: IOSpec, wire_dtype: str) -> None:
                    f"{wire_dtype}: its config allows {list(allowed) or 'no reduced precision'} "
                    f"(models[].wire_dtypes)", input=decl.name, wire_dtype=wire_dtype, allowed=list(allowed),
                    config_key="models[].wire_dtypes")
+
+
+def count_words(model: str, expected: list[str], names: list[str]) -> str:
+    """Triton's words for inputs that are not the declared ones, one for one."""
+    missing = [n for n in expected if n not in names]
+    shown = _quoted(missing) if missing else "]"   # Triton's own rendering of none missing (an extra input)
+    return (f"expected {len(expected)} inputs but got {len(names)} inputs for model '{model}'. Got input(s) "
+            f"{_quoted(names)}, but missing required input(s) {shown}. Please provide all required input(s).")
+
+
+def dtype_words(model: str, name: str, got: str, expected: str) -> str:
+    # a native client may send a dtype Triton has no name for: shown as sent
+    return (f"inference input '{name}' data-type is '{DATATYPE_NAMES.get(got, got)}', but model '{model}' expects "
+            f"'{DATATYPE_NAMES[expected]}'")
 
 
 def _quoted(names: list[str]) -> str:

@@ -44,8 +44,8 @@ class ModelEntry:
         self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
         self.has_bytes_inputs = any(t.dtype == BYTES for t in decl.inputs)  # sized by their frames
         self.on_demand = decl.residency == "on_demand"
-        # outputs' class labels for the classification extension, read at each (re)load (config/labels.py)
-        self.labels = {t.name: read_labels(t.labels) for t in decl.outputs if t.labels}
+        self.labels: dict[str, list[str]] = {}
+        self.relabel()
         self.removed = False     # dropped from the config: refused, kept until its queue drains
         self.records: dict[str, VersionRecord] = {}
         weights = decl.weights()
@@ -60,6 +60,11 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.decl.name
+
+    def relabel(self) -> None:
+        """Its outputs' class labels for the classification extension, read anew (config/labels.py):
+        at start and at each reload (whose config check found the files readable)."""
+        self.labels = {t.name: read_labels(t.labels) for t in self.decl.outputs if t.labels}
 
     @property
     def default(self) -> str | None:
@@ -139,7 +144,8 @@ def sequence_spec(sb) -> SequenceSpec:
 
 
 def _io(t) -> IOSpec:
-    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape), reshape=None if t.reshape is None else list(t.reshape))
+    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                  reshape=None if t.reshape is None else list(t.reshape))
 
 
 class Traffic:

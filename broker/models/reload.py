@@ -172,7 +172,8 @@ class Reloader:
         changes = await self._apply(new)
         self.cfg, self.digests = new, digests
         done = {k: v for k, v in changes.items() if v}
-        return (f"reloaded {self.path}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
+        source = self.path or " ".join(self.cfg._repository_flag)
+        return (f"reloaded {source}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
                 changes)
 
     def _read(self) -> tuple[Config, dict]:

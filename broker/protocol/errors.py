@@ -64,6 +64,8 @@ def triton_answer(err: TgwError) -> Answer:
     A lookup error that carries a `reason` is tgw's own (a load's, a shadow's): left as it is."""
     d = err.details if isinstance(err.details, dict) else {}
     model, version, reason = d.get("model"), d.get("version"), d.get("reason")
+    if reason == "client_shm_disabled":   # Triton: UNSUPPORTED, "Client shared memory is disabled. ..."
+        return Answer(err.message, 501, "UNIMPLEMENTED")
     if not isinstance(model, str):
         return Answer(err.message, err.http_status, GRPC_STATUS.get(err.code, "INTERNAL"))
     if err.code is Code.MODEL_NOT_FOUND and reason is None:

@@ -309,8 +309,8 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
     params = mapping(doc.get("parameters"), "parameters")
     refuse_unoffered(params, "")
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise bad("\"inputs\" must be a non-empty list of tensors")
+    if not isinstance(inputs, list):   # an empty one: the model's check names what is missing, as Triton's
+        raise bad("\"inputs\" must be a list of tensors")
     metas, frames, sizes, end = [], [], [], n
     for i, spec in enumerate(inputs):
         meta, frame, size = input_tensor(spec, i, view, end, shm)
@@ -343,12 +343,12 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
     dtype = datatype(spec.get("datatype"), name)
     params = mapping(spec.get("parameters"), f"input {name!r} parameters")
     refuse_unoffered(params, f"input {name!r}: ", shm is not None, input=name)
-    content_type(spec, params, name)
+    one_content(spec, params, name)
     if SHM_REGION in params:
         meta = TensorMeta(name=name, dtype=dtype, shape=shape)
         return meta, shm.input_frame(meta, params), None
-    size = params.get("binary_data_size")
-    if size is not None:
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
         if type(size) is not int or size < 0 or offset + size > body.nbytes:
             raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
                       "left in the body", input=name)
@@ -357,7 +357,7 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
     return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
-def content_type(spec: dict, params: dict, name: str) -> None:
+def one_content(spec: dict, params: dict, name: str) -> None:
     """Exactly one of data, binary_data_size, shared_memory_region: Triton's check and words."""
     given = [key for key, present in (("data", "data" in spec), ("binary_data_size", "binary_data_size" in params),
                                       ("shared_memory_region", SHM_REGION in params)) if present]
@@ -444,9 +444,10 @@ def takes(inputs) -> str:
 
 
 def decode_raw(body: bytes, content_type: str | None, inputs, model: str, version: str | None, req_id: int,
-               routing_header: str | None = None) -> Decoded:
+               routing_header: str | None = None, batched: bool = True) -> Decoded:
     """The Infer message and frame of a raw body, for `model`, whose declared `inputs` (IOSpec)
-    must be one BYTES input of one element a row; its outputs are answered in JSON."""
+    must be one BYTES input of one element a row; its outputs are answered in JSON. `batched`:
+    False for a model without a batch dim (the element is sent with the declared shape alone)."""
     shown = f"Content-Type {content_type}" if content_type else "no Content-Type"
     if media_type(content_type) == MULTIPART:
         raise bad(f"a multipart form body (curl -F) is not taken: send the file itself, as the body "
@@ -461,7 +462,7 @@ def decode_raw(body: bytes, content_type: str | None, inputs, model: str, versio
         raise bad(f"the raw body is empty ({shown}): send the bytes of {model!r}'s input {inputs[0].name!r}",
                   reason="raw_body", input=inputs[0].name)
     spec = inputs[0]
-    meta = TensorMeta(name=spec.name, dtype=BYTES, shape=[1, *spec.shape])
+    meta = TensorMeta(name=spec.name, dtype=BYTES, shape=[1, *spec.shape] if batched else list(spec.shape))
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=[meta],
                 routing_key=routing_key(None, routing_header, f"header {ROUTING_HEADER}"))
     return Decoded(msg, [SliceFrame(memoryview(pack([body])))], None, False)

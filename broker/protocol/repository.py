@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-from tgw.shm.errors import Code, fail
+from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, Reload, RolloutPolicy, UnloadVersion, model_key
 
 from tgw.broker.models.registry import ModelEntry
@@ -128,7 +128,8 @@ class Repository:
         plan = self.pipeline(model, version)
         if plan is not None:
             return {"name": plan.name, "versions": [plan.version], "platform": "tgw_pipeline",
-                    "inputs": io(plan.inputs), "outputs": io(plan.outputs),
+                    "inputs": io(plan.inputs, plan.max_batch_size > 0),
+                    "outputs": io(plan.outputs, plan.max_batch_size > 0),
                     "parameters": {"max_batch_size": plan.max_batch_size, "default_version": plan.version,
                                    "steps": [{"name": s.name, "model": s.model, "version": s.version}
                                              for s in plan.steps]}}
@@ -182,7 +183,11 @@ class Repository:
         upload, parameters = uploads.split(model, parameters)
         if upload is not None:
             return await self.load_upload(model, upload, parameters)
-        entry = self.entry(model)
+        try:
+            entry = self.entry(model)
+        except TgwError as err:   # Triton's words for a load of a model its repository lacks
+            raise uploads.failed(model, "failed to poll from model repository: no model of that name in the broker's "
+                                 "config", err.code, available=err.details.get("available")) from None
         params = self.params(parameters)
         version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
         if "version" not in params and version in entry.records:
@@ -210,21 +215,25 @@ class Repository:
             raise uploads.failed(model, "failed to poll from model repository: files sent without a config "
                                  "override (parameter config), which the files' model folder needs")
         loop = asyncio.get_running_loop()
+        entry = self.view.models.get(model)
+        files = uploads.version_files(entry.decl.versions) if entry is not None else []
+        replaced = self.uploads.folder_of(files)
         if upload.files:
             folder = await loop.run_in_executor(None, self.uploads.write, model, upload.files)
         else:
-            entry = self.view.models.get(model)
             if entry is None or entry.removed:
                 raise uploads.failed(model, "failed to poll from model repository: no model of that name is served; "
                                      "send its files with the config (file:1/model.pt ...)")
-            folder = uploads.model_folder(model, [v.path for v in entry.decl.versions])
+            folder = uploads.model_folder(model, files)
         try:
             decl, warnings = await loop.run_in_executor(None, uploads.translate, model, upload.config, folder)
             reply, _ = await self.ask(Reload(v=PROTOCOL_VERSION, models=[decl]))
         except BaseException:
             if upload.files:
-                uploads.discard(folder)
+                self.uploads.discard(folder)
             raise
+        if replaced is not None and replaced != folder:   # drained and unloaded: its files go too
+            self.uploads.discard(replaced)
         return reply.message + ("; warnings: " + "; ".join(warnings) if warnings else "")
 
     async def unload_model(self, model: str, parameters: dict) -> str:

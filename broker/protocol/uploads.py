@@ -5,7 +5,7 @@ entry the operator serves (models/reload.py's override).
 
 Off unless `server.allow_model_uploads` (which needs server.auth_token_file, so every request that
 reaches here presented the token). The files form a new model folder under the first of
-model_roots (`<root>/uploads/<model>.<n>/`), never outside: each path is relative, without `..`
+model_roots (`<root>/uploads/<model>.<n>/<model>/`), never outside: each path is relative, without `..`
 or an empty component, and is created in a folder made fresh for this load (no symlink can be in
 it), each file opened with O_EXCL | O_NOFOLLOW. A config without files keeps the model's own folder
 (its versions' files, from its repository); files without a config are refused, as Triton refuses
@@ -92,7 +92,8 @@ class Uploads:
         self.made = 0
 
     def write(self, model: str, files: dict[str, bytes]) -> str:
-        """A fresh folder holding `files`; its path."""
+        """A fresh model folder holding `files`, <base>/<model>.<n>/<model> (Triton's repository
+        reader wants the model's name as its folder's); its path."""
         if not NAME.fullmatch(model):
             raise failed(model, "a model loaded with files needs a name of letters, digits, '_', '-' and '.' "
                          "(not first), at most 128")
@@ -101,22 +102,37 @@ class Uploads:
             raise failed(model, f"{self.base} is not a folder of model_roots", Code.INTERNAL)
         while True:
             self.made += 1
-            folder = os.path.join(self.base, f"{model}.{self.made}")
+            top = os.path.join(self.base, f"{model}.{self.made}")
             try:
-                os.mkdir(folder, 0o700)
+                os.mkdir(top, 0o700)
                 break
             except FileExistsError:   # a folder of an earlier run: never written into
                 continue
+        folder = os.path.join(top, model)
         try:
+            os.mkdir(folder, 0o700)
             for rel, data in files.items():
                 self._write_one(folder, rel, data)
         except OSError as exc:   # e.g. file:1 and file:1/model.pt both sent
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(top, ignore_errors=True)
             raise failed(model, f"cannot write its files: {exc.strerror}: {exc.filename}") from None
         except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(top, ignore_errors=True)
             raise
         return folder
+
+    def folder_of(self, paths: list) -> str | None:
+        """The uploaded model folder a model's version files lie in (None: not an uploaded model)."""
+        folders = {tuple(os.path.relpath(p, self.base).split(os.sep)[:2]) for p in paths
+                   if p and os.path.commonpath([p, self.base]) == self.base}
+        return os.path.join(self.base, *folders.pop()) if len(folders) == 1 else None
+
+    def discard(self, folder: str) -> None:
+        """An uploaded model folder no longer served (its load failed, or it was replaced): gone
+        with the <model>.<n> folder that holds it."""
+        top = os.path.dirname(folder)
+        if os.path.dirname(top) == self.base:
+            shutil.rmtree(top, ignore_errors=True)
 
     @staticmethod
     def _write_one(folder: str, rel: str, data: bytes) -> None:
@@ -129,9 +145,10 @@ class Uploads:
             f.write(data)
 
 
-def discard(folder: str) -> None:
-    """An uploaded folder whose load failed."""
-    shutil.rmtree(folder, ignore_errors=True)
+def version_files(versions) -> list[str]:
+    """Each version's file: a model's path, a stage's handler file ("/abs/file.py:Class")."""
+    return [v.path or (v.handler.rsplit(":", 1)[0] if v.handler and v.handler.startswith("/") else "")
+            for v in versions]
 
 
 def model_folder(model: str, paths: list[str]) -> str:

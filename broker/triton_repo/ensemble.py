@@ -61,8 +61,9 @@ def pipeline(config, name: str, folders: list[int], notes: Notes) -> dict | None
     if config.ensemble_scheduling.max_inflight_requests:
         notes.warn("ensemble_scheduling: max_inflight_requests", "tgw's pipelines bound their steps by each "
                    "model's own queue")
-    for f in ("dynamic_batching", "sequence_batching", "instance_group", "model_warmup", "response_cache"):
-        if config.HasField(f) if f in ("dynamic_batching", "sequence_batching", "response_cache") else getattr(config, f):
-            notes.warn(f, "an ensemble's steps are scheduled by their own models")
+    scheduled = [f.name for f, _ in config.ListFields() if f.name in
+                 ("dynamic_batching", "sequence_batching", "instance_group", "model_warmup", "response_cache")]
+    for f in scheduled:
+        notes.warn(f, "an ensemble's steps are scheduled by their own models")
     return {"name": name, "version": str(folders[-1]) if folders else "1", "inputs": inputs, "steps": ordered,
             "outputs": {t: made[t] for t in outputs}}

@@ -17,16 +17,22 @@ class ConfigFileError(ValueError):
 
 
 def parse_pbtxt(text: str) -> ModelConfig:
-    """A config.pbtxt's text as Triton's ModelConfig; ValueError (text_format's, with the line and
+    """A config.pbtxt's text as Triton's ModelConfig; ValueError (with text_format's line and
     column) when it is not valid text format for that message."""
-    return text_format.Parse(text, ModelConfig())
+    try:
+        return text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValueError(f"not a valid model config: {exc}") from None
 
 
 def config_from_json(text_or_dict: str | dict) -> ModelConfig:
     """Triton's JSON form of a model config (what its config document answers, what a repository
-    load's `config` parameter carries) as a ModelConfig."""
-    data = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
-    return json_format.ParseDict(data, ModelConfig())
+    load's `config` parameter carries) as a ModelConfig; ValueError naming what is wrong."""
+    try:
+        data = json.loads(text_or_dict) if isinstance(text_or_dict, str) else text_or_dict
+        return json_format.ParseDict(data, ModelConfig())
+    except (ValueError, json_format.ParseError) as exc:
+        raise ValueError(f"not a valid model config: {exc}") from None
 
 
 def as_dict(config: ModelConfig) -> dict:
@@ -49,5 +55,5 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ConfigFileError(f"{path} cannot be read: {exc}") from None
     try:
         return parse_pbtxt(text)
-    except text_format.ParseError as exc:
-        raise ConfigFileError(f"{path}: not a valid model config: {exc}") from None
+    except ValueError as exc:
+        raise ConfigFileError(f"{path}: {exc}") from None

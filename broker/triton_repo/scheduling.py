@@ -25,7 +25,8 @@ def dynamic_batching(db, decl: dict, notes: Notes) -> None:
     if db.priority_levels:
         if db.priority_levels + 1 > MAX_PRIORITY_LEVELS:
             notes.refuse(f"{field}: priority_levels", f"{db.priority_levels}: tgw has at most "
-                         f"{MAX_PRIORITY_LEVELS - 1} levels besides 0; requests with a higher priority would be refused")
+                         f"{MAX_PRIORITY_LEVELS - 1} levels besides 0; a request with a higher priority would be "
+                         "refused")
         # Triton's 1 (highest) .. N stay in order as tgw's levels; tgw's 0 is served first
         decl["priority_levels"] = min(db.priority_levels + 1, MAX_PRIORITY_LEVELS)
         if db.default_priority_level:
@@ -87,8 +88,8 @@ def sequence_batching(config, decl: dict, notes: Notes, is_stage: bool) -> None:
             out["control_inputs"].append({"name": ci.name, "kind": kind, "dtype": t})
     for s in sb.state:
         where = f"{field}: state {s.input_name}"
-        state = {"name": s.input_name, "output": s.output_name,
-                 "dtype": dtype(s.data_type, f"{where}: data_type", notes), "shape": dims(s.dims, f"{where}: dims", notes)}
+        state = {"name": s.input_name, "output": s.output_name, "dtype": dtype(s.data_type, f"{where}: data_type", notes),
+                 "shape": dims(s.dims, f"{where}: dims", notes)}
         if any(d == -1 for d in s.dims):
             notes.refuse(f"{where}: dims", "a state's dims are fixed in tgw (-1 is not)")
         for init in s.initial_state:
@@ -116,8 +117,8 @@ def instance_group(config, decl: dict, notes: Notes, is_stage: bool) -> None:
     elif "KIND_CPU" in kinds:
         notes.warn("instance_group: kind", "KIND_CPU: a model runs on every worker of workers.devices")
     if any(g.count > 1 for g in groups):
-        notes.warn("instance_group: count", "one instance per worker (workers.devices; workers.threads_per_worker "
-                   "sets a worker's threads)")
+        notes.warn("instance_group: count", "one instance per worker of workers.devices; "
+                   "workers.threads_per_worker sets its threads")
     if any(g.gpus for g in groups):
         notes.warn("instance_group: gpus", "tgw places models on the devices of workers.devices")
     extra = [f for f in ("rate_limiter", "secondary_devices", "profile", "passive", "host_policy")

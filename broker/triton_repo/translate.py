@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tgw.broker.faces.grpc.proto import model_config_pb2 as mc
 
-from . import ensemble, scheduling, tensors, versions
+from . import ensemble, scheduling, tensors, versions as policy
 from .notes import Notes
 from .parse import ConfigFileError, as_dict, read_config
 
@@ -66,11 +66,23 @@ def translate_repository(directory: str) -> Translation:
             out.refusals.append(f"model {name}: {exc}")
             continue
         out.add(translate_model(config, model_dir))
+    nested(out)
     return out
 
 
-def translate_model(config: mc.ModelConfig, model_dir: str, versions_: list[str] | None = None) -> Translation:
-    """One model: its entry (a model, stage or pipeline), its warning and its refusals. `versions_`
+def nested(out: Translation) -> None:
+    """An ensemble whose step is another ensemble is refused (a pipeline's step is a model or a
+    stage), named here rather than left to the pipelines' check with a key path never written."""
+    names = {p["name"] for p in out.pipelines}
+    for p in [p for p in out.pipelines if any(s["model"] in names for s in p["steps"])]:
+        inner = sorted({s["model"] for s in p["steps"] if s["model"] in names})
+        out.refusals.append(f"model {p['name']}: ensemble_scheduling: steps on ensembles {inner}: a pipeline's step "
+                            "is a model or a stage; list the inner ensemble's steps in this one")
+        out.pipelines.remove(p)
+
+
+def translate_model(config: mc.ModelConfig, model_dir: str, versions: list[str] | None = None) -> Translation:
+    """One model: its entry (a model, stage or pipeline), its warning and its refusals. `versions`
     (folder names) replaces what version_policy picks."""
     model_dir = os.path.abspath(model_dir)
     name = os.path.basename(model_dir.rstrip("/"))
@@ -89,10 +101,10 @@ def translate_model(config: mc.ModelConfig, model_dir: str, versions_: list[str]
     for f in unknown:
         notes.warn(f, "backend- or server-specific: not tgw's")
     if kind == "ensemble":
-        pipeline = ensemble.pipeline(config, name, versions.folders(model_dir), notes)
+        pipeline = ensemble.pipeline(config, name, policy.folders(model_dir), notes)
         out.pipelines = [pipeline] if pipeline else []
     else:
-        decl = model(config, kind, model_dir, name, versions_, notes)
+        decl = model(config, kind, model_dir, name, versions, notes)
         out.models = [decl] if decl else []
     out.warnings, out.refusals = notes.warning(), notes.refusals
     if out.refusals:
@@ -100,7 +112,7 @@ def translate_model(config: mc.ModelConfig, model_dir: str, versions_: list[str]
     return out
 
 
-def model(config, kind: str, model_dir: str, name: str, versions_: list[str] | None, notes: Notes) -> dict | None:
+def model(config, kind: str, model_dir: str, name: str, versions: list[str] | None, notes: Notes) -> dict | None:
     is_stage = kind == "python"
     if config.batch_input or config.batch_output:
         notes.refuse("batch_input/batch_output", "tensors Triton derives from the batch are not tgw's")
@@ -117,13 +129,17 @@ def model(config, kind: str, model_dir: str, name: str, versions_: list[str] | N
         if not decl[f"{what}s"]:
             notes.refuse(what, f"none declared: tgw does not auto-complete a config (declare each {what} in "
                          "config.pbtxt)")
-    if kind == "torchscript":
+    # a sequence model's worker orders every fed tensor (controls and states too) itself
+    if kind == "torchscript" and not config.HasField("sequence_batching"):
         for what in ("inputs", "outputs"):
             problem = tensors.indexed_problem(decl[what])
             if problem:
                 notes.refuse(what[:-1], problem)
             decl[what] = tensors.positional(decl[what])
-    chosen = versions_ if versions_ is not None else versions.chosen(config, model_dir, notes)
+        if len(decl["inputs"]) > 1 and not all(tensors.INDEXED.match(t["name"]) for t in decl["inputs"]):
+            notes.warn("input names", "not all NAME__N: passed to forward in config.pbtxt's order, not matched to "
+                       "its argument names (list them in forward's order)")
+    chosen = versions if versions is not None else policy.chosen(config, model_dir, notes)
     filename = config.default_model_filename or DEFAULT_FILE[kind]
     if config.cc_model_filenames:
         notes.warn("cc_model_filenames", f"every device loads {filename}")

@@ -14,7 +14,8 @@ def folders(model_dir: str) -> list[int]:
     except OSError:
         return []
     # "01" would be version 1 to Triton and a second name for it here: only canonical numbers count
-    return sorted(int(n) for n in names if n.isdigit() and str(int(n)) == n and os.path.isdir(os.path.join(model_dir, n)))
+    return sorted(int(n) for n in names
+                  if n.isdigit() and str(int(n)) == n and os.path.isdir(os.path.join(model_dir, n)))
 
 
 def chosen(config, model_dir: str, notes: Notes) -> list[str]:

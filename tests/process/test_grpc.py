@@ -145,7 +145,8 @@ def test_errors_map_to_status_codes_with_the_tgw_code(triton, stub):
         err.value.message() == "Request for unknown model: 'nope' is not found"   # Triton's words, no tgw code
     with pytest.raises(InferenceServerException) as err:
         triton.infer("mlp", [mlp_input(np.zeros((1, 7), np.float32))])
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and not err.value.message().startswith("[")
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and err.value.message().startswith(
+        "unexpected shape for input 'x' for model 'mlp'. Expected [-1,256], got [1,7].")
     with pytest.raises(InferenceServerException, match="sequence batching") as err:
         triton.infer("mlp", [mlp_input(x)], sequence_id=7)
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -200,7 +201,7 @@ def test_tenant_and_traceparent_metadata(triton, stub):
     triton.infer("mlp", [mlp_input(x)], headers={"tgw-tenant": "tiny"})   # its one token
     with pytest.raises(InferenceServerException) as err:
         triton.infer("mlp", [mlp_input(x)], headers={"tgw-tenant": "tiny"})
-    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and not err.value.message().startswith("[")
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and "tiny" in err.value.message()
     req = service_pb2.ModelInferRequest(model_name="mlp")
     t = req.inputs.add(name="x", datatype="FP32", shape=[1, 256])
     t.contents.fp32_contents.extend([0.0] * 256)

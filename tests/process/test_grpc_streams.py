@@ -144,6 +144,7 @@ def test_a_generator_streams_as_a_decoupled_triton_model(broker):
     text = sorted(errors.values())
     assert len(text) == 4, text
     assert any("1..1000" in t for t in text) and any("temperature must be a number" in t for t in text)
+    # the message alone, as Triton's (tgw's code: the response's tgw_code parameter)
     assert any("'nope'" in t and "no output" in t for t in text) and any("Request for unknown model" in t for t in text)
 
 

@@ -71,7 +71,7 @@ def test_health_and_metadata_through_tritonclient(triton):
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 256]}]
     assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 10]}]
     assert triton.get_server_metadata()["extensions"] == ["classification", "binary_tensor_data", "model_repository",
-                                                              "metrics", "statistics", "sequence", "generate"]
+                                                          "metrics", "statistics", "sequence", "generate"]
     with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
         triton.get_model_metadata("nope")
 
@@ -144,13 +144,13 @@ def test_curl_json_and_binary(http_broker, native, tmp_path):
 
 BAD_BODIES = [  # (model, body, HTTP status, code, words in the message)
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "BF16", "data": [0] * 256}]}, 400,
-     "INVALID_INPUT_DTYPE", "got bfloat16"),
+     "INVALID_INPUT_DTYPE", "data-type is 'BF16', but model 'mlp' expects 'FP32'"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1], "datatype": "BYTES", "data": ["a"]}]}, 400,
-     "INVALID_INPUT_DTYPE", "got bytes"),
+     "INVALID_INPUT_DTYPE", "data-type is 'BYTES'"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [1.0]}]}, 400,
-     "INVALID_INPUT_SHAPE", "holds 1 values"),
+     "INVALID_INPUT_SHAPE", "Failed to parse 'data' field: shape does not match true shape"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "INT32", "data": [0] * 256}]}, 400,
-     "INVALID_INPUT_DTYPE", "float32"),
+     "INVALID_INPUT_DTYPE", "expects 'FP32'"),
     ("embed", {"inputs": [{"name": "tokens", "shape": [1, 2], "datatype": "INT64", "data": [1.5, 2]}]}, 400,
      "INVALID_INPUT_DTYPE", "must be integers"),
     ("embed", {"inputs": [{"name": "tokens", "shape": [1, 2], "datatype": "UINT8", "data": [300, 2]}]}, 400,
@@ -159,7 +159,7 @@ BAD_BODIES = [  # (model, body, HTTP status, code, words in the message)
              "parameters": {"sequence_id": 3}}, 400, "INVALID_ARGUMENT", "sequence batching"),
     ("mlp", {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": [0] * 256}],
              "parameters": {"priority": 2}}, 400, "INVALID_ARGUMENT", "levels 0..1"),
-    ("mlp", {"inputs": []}, 400, "INVALID_ARGUMENT", "non-empty list"),
+    ("mlp", {"inputs": []}, 400, "INVALID_ARGUMENT", "missing required input(s) ['x']"),
     ("nope", {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [0]}]}, 404,
      "MODEL_NOT_FOUND", "nope"),
 ]

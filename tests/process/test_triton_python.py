@@ -1,10 +1,11 @@
 """Triton Python-backend models served unchanged as stages by one real broker, driven with
-tritonclient over HTTP (tests/triton_py_models.py writes them): python_backend's add_sub example
-as published, through docs/MIGRATING.md's example entry; a BYTES model handed its config.pbtxt (as tritonrepo translates it) that reads its
-parameters and initialize(args); one execute() call per batch with one request per caller, a
-response with an error failing only its request; a model whose initialize() raises refused at
-load with its file:line, the old version serving on; finalize() run when a version unloads and
-when the broker stops."""
+tritonclient over HTTP and gRPC (tests/triton_py_models.py writes them): python_backend's add_sub
+example as published, through docs/MIGRATING.md's example entry, and with its own config.pbtxt
+(max_batch_size 0); a BYTES model handed its config.pbtxt (as tritonrepo translates it) that
+reads its parameters and initialize(args); one execute() call per batch with one request per
+caller, a response with an error failing only its request with the model's message and
+Triton's status; a model whose initialize() raises refused at load with its file:line, the old
+version serving on; finalize() run when a version unloads and when the broker stops."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import tempfile
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
@@ -47,7 +49,7 @@ def config(root: str) -> dict:
         # held until 4 rows came: two callers' requests of 2 rows in one execute() call
         {"name": "picky", "versions": [{"version": "1", "handler": HANDLER.format("picky")}],
          "inputs": i64("X"), "outputs": i64("Y", "NREQ"), "max_batch_size": 4, "max_delay_us": 5_000_000}]
-    return {"model_roots": [root], "http": {"port": 0},
+    return {"model_roots": [root], "http": {"port": 0}, "grpc": {"port": 0},
             "workers": {"devices": ["cpu"], "threads_per_worker": 1, "input_arena_mb": 4, "output_arena_mb": 2},
             "models": entries}
 
@@ -59,7 +61,7 @@ def broker():
     b = BrokerProc(config(d), d).start()
     b.root = d
     with Client(b.address) as c:
-        b.http = c.status()["http"]
+        b.http, b.grpc = c.status()["http"], c.status()["grpc"]
     yield b
     code = b.stop()
     # the version serving at the end (after the last test's swap) is finalized as its worker exits
@@ -107,6 +109,24 @@ def test_a_bytes_model_reads_its_config_and_args(broker, client):
     assert args == {"model_name": "strings", "model_version": "1", "model_repository": f"{broker.root}/strings",
                     "model_instance_kind": "CPU", "model_instance_name": "strings_0_0", "model_instance_device_id": "0",
                     "max_batch_size": 8, "dims": [1]}   # dims: numbers, as Triton writes them (not protobuf's strings)
+
+
+def test_over_grpc_too(broker):
+    c = grpcclient.InferenceServerClient(broker.grpc)
+    try:
+        a, b = np.arange(4, dtype=np.float32), np.ones(4, np.float32)
+        inputs = [grpcclient.InferInput(n, [4], "FP32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        assert c.infer("add_sub0", inputs).as_numpy("OUTPUT1").tolist() == (a - b).tolist()
+        x = grpcclient.InferInput("X", [4, 1], "INT64")
+        x.set_data_from_numpy(np.array([[1], [2], [-3], [4]], np.int64))
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("picky", [x])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+        assert re.fullmatch(r"negative input in request \d+", info.value.message()), info.value
+    finally:
+        c.close()
 
 
 def test_an_error_response_fails_only_its_request(client):

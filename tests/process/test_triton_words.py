@@ -112,6 +112,8 @@ def test_model_errors_in_tritons_words_and_status(clients, face):
     for call, message, codes in cases:
         err = refused(call)
         assert (err.message(), status(face, err)) == (message, codes[face == "grpc"]), err
+    err = refused(lambda: c.load_model("unknown_model"))   # L0_lifecycle's test_model_control matches this
+    assert err.message().startswith("failed to load 'unknown_model', failed to poll from model repository"), err
 
 
 def test_a_model_with_no_version_loaded(clients):

@@ -165,3 +165,27 @@ def test_model_level_errors_in_tritons_words_and_status():
         "details": {"model": "x", "tgw_message": "no model named 'x'"}}
     assert errors.headers(err) == {"tgw-code": "MODEL_NOT_FOUND", "tgw-retryable": "false"}
     assert errors.details(err) == "Request for unknown model: 'x' is not found"
+
+
+def test_grpc_tensors_read_classification_and_word_the_checks_as_triton():
+    from tgw.broker.faces.grpc import tensors
+    from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name="x", datatype="INT64", shape=[1, 3]).contents.int64_contents.extend([1, 2, 3])
+    out = req.outputs.add(name="y")
+    out.parameters["classification"].int64_param = 2   # tritonclient's class_count
+    assert tensors.decode(req, 1, None).classes == {"y": 2}
+    req.raw_input_contents.append(bytes(24))
+    with pytest.raises(TgwError) as info:
+        tensors.decode(req, 1, None)
+    assert info.value.message == "contents field must not be specified when using raw_input_contents for 'x' for " \
+        "model 'm'"
+    del req.raw_input_contents[:]
+    req.inputs[0].shape[:] = [1, 4]
+    with pytest.raises(TgwError) as info:
+        tensors.decode(req, 1, None)
+    assert info.value.message == "input byte size mismatch for input 'x' for model 'm'. Expected 32, got 24"
+    req.inputs[0].ClearField("contents")
+    with pytest.raises(TgwError) as info:
+        tensors.decode(req, 1, None)
+    assert info.value.message == "unable to find data for input tensor 'x' for model 'm' in request."

@@ -274,6 +274,8 @@ def test_the_checks_clients_match_read_as_tritons(reg):
         "unexpected inference input 'c' for model 'fixed'"
     assert refused(reg, infer(inputs=metas(FIXED_INPUTS, b={"dtype": "int32"}))).message == \
         "inference input 'b' data-type is 'INT32', but model 'fixed' expects 'INT64'"
+    odd = infer(inputs=metas(FIXED_INPUTS, b={"dtype": "complex64"}))   # a native client's: shown as sent
+    assert "data-type is 'complex64'" in refused(reg, odd, [48, 0]).message
     err = refused(reg, infer(inputs=metas(FIXED_INPUTS, a={"shape": [2, 3, 2]})))
     assert err.message.startswith("unexpected shape for input 'a' for model 'fixed'. Expected [-1,2,3], got [2,3,2]. "
                                   "NOTE: Setting a non-zero max_batch_size") and err.code is Code.INVALID_INPUT_SHAPE
@@ -304,4 +306,5 @@ def test_no_batch_dim_takes_the_declared_shape_as_one_row(flat):
     checked = check(flat, req)
     assert checked.rows == 1 and checked.shape_key == ((3, 5), (2,)) and req.inputs[0].shape == [3, 5]
     req.inputs[0].shape = [1, 3, 5]   # a batch dim is a wrong shape here, worded without Triton's note
-    assert refused(flat, req).message == "unexpected shape for input 'x' for model 'flat'. Expected [3,-1], got [1,3,5]. "
+    assert refused(flat, req).message == \
+        "unexpected shape for input 'x' for model 'flat'. Expected [3,-1], got [1,3,5]. "

@@ -137,6 +137,13 @@ def test_responses_that_break_the_declaration_fail_their_own_request(tmp_path):
                         out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
                 return out
 
+        class Sent:   # answers through the response senders (not decoupled: one response each)
+            def execute(self, requests):
+                for r in requests[1:]:
+                    x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
+                    r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x + 1)]),
+                                                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
         class Counted:
             def execute(self, requests):
                 return [] if len(requests) > 1 else ()
@@ -148,9 +155,12 @@ def test_responses_that_break_the_declaration_fail_their_own_request(tmp_path):
     assert failed == {1: said + "output 'Y' is float64, its config declares TYPE_FP32",
                       2: said + "the response has no output 'Y' (it has []): tgw answers every declared output",
                       3: said + "output 'Y' has shape [1, 1], its config declares ['rows', 2] (rows: 1, the request's batch)",
-                      4: said + "execute() returned None for this request, not an InferenceResponse"}
+                      4: said + "execute() gave no InferenceResponse for this request (none in its list, none sent)"}
     assert {f.code for f in failed.values()} == {"MODEL_EXECUTION_ERROR"}   # the model's fault: 500
     assert outs[0][0].tolist() == [0., 9.] and outs[0][5].tolist() == [5., 5.]
+    sent = runner(path, [("X", "float32", [2])], [("Y", "float32", [2])], cls="Sent")
+    outs, failed = sent.call({"X": x[:3]}, 3, starts=[0, 1, 3])
+    assert list(failed) == [0] and "none sent" in failed[0] and outs[0][1:].tolist() == (x[1:3] + 1).tolist()
     counted = runner(path, [("X", "float32", [2])], [("Y", "float32", [2])], cls="Counted")
     with pytest.raises(pb_utils.TritonModelException, match="Number of InferenceResponse objects do not match"):
         counted.call({"X": x[:2]}, 2, starts=[0, 1, 2])
@@ -163,8 +173,10 @@ def test_bls_decoupled_senders_and_the_helpers(tmp_path):
     response = request.exec()
     assert response.has_error() and response.error().code() == pb_utils.TritonError.UNSUPPORTED
     assert "BLS is not supported" in response.error().message() and "'other'" in response.error().message()
-    with pytest.raises(pb_utils.TritonModelException, match="decoupled responses"):
-        request.get_response_sender()
+    sender = request.get_response_sender()
+    sender.send(pb_utils.InferenceResponse([]))
+    with pytest.raises(pb_utils.TritonModelException, match="a second response for one request: decoupled mode"):
+        sender.send(pb_utils.InferenceResponse([]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     assert pb_utils.TritonError("x").code() == pb_utils.TritonError.INTERNAL
     with pytest.raises(TypeError):
         pb_utils.TritonError("x", 99)

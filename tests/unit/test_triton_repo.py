@@ -187,7 +187,7 @@ def test_version_policy_picks_the_folders(tmp_path):
               for policy in ("", "version_policy { latest { num_versions: 2 } }", "version_policy { all { } }",
                              "version_policy { specific { versions: [ 1, 10 ] } }")}
     assert list(picked.values()) == [["10"], ["2", "10"], ["1", "2", "10"], ["1", "10"]]
-    assert translate_model(parse_pbtxt(base), d, versions_=["1"]).models[0]["versions"][0]["version"] == "1"
+    assert translate_model(parse_pbtxt(base), d, versions=["1"]).models[0]["versions"][0]["version"] == "1"
 
 
 def test_sequence_batching_maps_to_tgw_controls_and_state(tmp_path):
@@ -195,21 +195,22 @@ def test_sequence_batching_maps_to_tgw_controls_and_state(tmp_path):
     t = translate_model(parse_pbtxt("""
         platform: "pytorch_libtorch"
         max_batch_size: 4
-        input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+        input [ { name: "INPUT__2" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 1 ] } ]
         sequence_batching {
           max_sequence_idle_microseconds: 5000000
           control_input [ { name: "START__1" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
-                          { name: "CORRID__2" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] } ]
+                          { name: "CORRID__4" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] } ]
           state [ { input_name: "STATE__3" output_name: "STATE_OUT__1" data_type: TYPE_FP32 dims: [ 1 ]
                     initial_state { data_type: TYPE_FP32 dims: [ 1 ] zero_data: true name: "z" } } ]
           direct { }
         }"""), d)
-    assert t.refusals == []
+    assert t.refusals == []   # INPUT__N counted with the controls and states: the worker orders them all
+    assert [i["name"] for i in t.models[0]["inputs"]] == ["INPUT__2", "INPUT__0"]
     assert t.models[0]["sequence_batching"] == {
         "max_sequences": 4, "max_sequence_idle_us": 5_000_000,
         "control_inputs": [{"name": "START__1", "kind": "start", "dtype": "float32"},
-                           {"name": "CORRID__2", "kind": "corrid", "dtype": "uint64"}],
+                           {"name": "CORRID__4", "kind": "corrid", "dtype": "uint64"}],
         "state": [{"name": "STATE__3", "output": "STATE_OUT__1", "dtype": "float32", "shape": [1]}]}
     assert "sequence_batching: direct" in t.warnings[0]
 
@@ -247,3 +248,61 @@ def test_convert_prints_yaml_that_loads_as_a_config(repo):
     assert "# warning: model add: not honoured: " in text
     cfg = parse_config(yaml.safe_load(text), "/")
     assert [m.name for m in cfg.models] == ["add", "pre"] and cfg.pipelines[0].name == "ens"
+
+
+def test_an_ensemble_of_ensembles_is_refused_by_name(repo):
+    write_model(repo, "outer", ENS.replace('model_name: "pre"', 'model_name: "ens"'), {"1/.keep": ""})
+    t = translate_repository(repo)
+    assert [p["name"] for p in t.pipelines] == ["ens"]
+    assert t.refusals == ["model outer: ensemble_scheduling: steps on ensembles ['ens']: a pipeline's step is a "
+                          "model or a stage; list the inner ensemble's steps in this one"]
+
+
+def test_check_config_reads_a_repository_alone(repo):
+    shutil.rmtree(os.path.join(repo, "detect"))
+    from tgw.broker.cli.main import run
+    out = io.StringIO()
+    with redirect_stdout(out):
+        run(["check-config", "--model-repository", repo])
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("warning: model add: not honoured: optimization (")
+    assert lines[1] == f"{repo}: OK (2 model(s): add, pre)" and "pipeline ens (version 1): pre (pre) -> add (add" \
+        in out.getvalue()
+    with pytest.raises(SystemExit) as err:
+        run(["check-config"])
+    assert err.value.code == "tgw-broker check-config: name a config FILE, --model-repository DIR, or both"
+
+
+def test_two_repositories_merge_and_a_name_in_both_is_refused(repo, tmp_path):
+    shutil.rmtree(os.path.join(repo, "detect"))
+    other = str(tmp_path / "other")
+    write_model(other, "solo", PRE.replace('name: "pre"', ""), {"1/model.py": PY_MODEL})
+    from tgw.broker.config.load import repository_config
+    cfg = repository_config([repo, other])
+    assert [m.name for m in cfg.models] == ["add", "pre", "solo"] and cfg._repository_flag == [repo, other]
+    assert cfg.model_roots == [os.path.realpath(repo), os.path.realpath(other)]
+    write_model(other, "pre", PRE, {"1/model.py": PY_MODEL})
+    with pytest.raises(ConfigError) as err:
+        repository_config([repo, other])
+    assert f"model_repository: model pre of {os.path.realpath(other)} has the name of model pre of " \
+        f"{os.path.realpath(repo)}: a served name is declared once" in str(err.value)
+
+
+def test_torchscript_inputs_named_otherwise_keep_the_file_order_and_say_so(tmp_path):
+    d = write_model(str(tmp_path), "m", None, {"1/model.pt": torchscript_standin()})
+    t = translate_model(parse_pbtxt('platform: "pytorch_libtorch"\ninput [ { name: "b" data_type: TYPE_FP32 dims: [1] },'
+                                    ' { name: "a" data_type: TYPE_FP32 dims: [1] } ]\n'
+                                    'output [ { name: "y" data_type: TYPE_FP32 dims: [1] } ]'), d)
+    assert [i["name"] for i in t.models[0]["inputs"]] == ["b", "a"]
+    assert t.warnings == ["model m: not honoured: input names (not all NAME__N: passed to forward in config.pbtxt's "
+                          "order, not matched to its argument names (list them in forward's order))"]
+
+
+def test_bad_config_text_and_json_are_value_errors():
+    with pytest.raises(ValueError, match=r"^not a valid model config: 1:\d+ : .*max_batch"):
+        parse_pbtxt('max_batch_size: "x"')
+    with pytest.raises(ValueError, match="^not a valid model config: .*no field named \"maxbatch\""):
+        config_from_json('{"maxbatch": 1}')
+    with pytest.raises(ValueError, match="^not a valid model config: Expecting property name"):
+        config_from_json("{")
+    assert config_from_json({"name": "m", "max_batch_size": 2}).max_batch_size == 2

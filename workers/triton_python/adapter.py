@@ -104,13 +104,18 @@ class TritonStage:
 
     def __call__(self, batch: StageBatch) -> dict[str, Any]:
         bounds = batch.starts or [0, batch.rows]
-        requests = [self._request(batch, bounds[i], bounds[i + 1], batch.ids[i] if i < len(batch.ids) else "")
+        # fixed-dtype inputs as numpy once (bfloat16, which numpy lacks, stays torch); bytes as lists
+        inputs = {t.name: batch[t.name].cpu().numpy() if t.dtype not in (BYTES, "bfloat16") else batch[t.name]
+                  for t in self.spec.inputs}
+        requests = [self._request(inputs, bounds[i], bounds[i + 1], batch.ids[i] if i < len(batch.ids) else "")
                     for i in range(len(bounds) - 1)]
         backend_utils.current_model_dir = os.path.dirname(self.file)
         responses = self.model.execute(requests)
         if asyncio.iscoroutine(responses):
             self.loop = self.loop or asyncio.new_event_loop()
             responses = self.loop.run_until_complete(responses)
+        if responses is None:   # answered through the requests' response senders
+            responses = [r._sender.response if r._sender is not None else None for r in requests]
         if not isinstance(responses, list):
             raise backend_utils.TritonModelException(f"Expected a list in the execute return, found type "
                                                      f"'{type(responses)}'.")
@@ -120,8 +125,8 @@ class TritonStage:
                 f"InferenceRequest(s) size is:{len(requests)}, and InferenceResponse(s) size is:{len(responses)}")
         return self._outputs(batch, bounds, responses)
 
-    def _request(self, batch: StageBatch, a: int, b: int, request_id) -> InferenceRequest:
-        tensors = [self._input(batch[t.name], t, a, b) for t in self.spec.inputs]
+    def _request(self, inputs: dict[str, Any], a: int, b: int, request_id) -> InferenceRequest:
+        tensors = [self._input(inputs[t.name], t, a, b) for t in self.spec.inputs]
         version = int(self.spec.version) if self.spec.version.isdigit() else -1
         return InferenceRequest(request_id=str(request_id), inputs=tensors,
                                 requested_output_names=[t.name for t in self.spec.outputs],
@@ -140,7 +145,7 @@ class TritonStage:
         rows = value[a:b] if self.spec.batched else value   # unbatched: one request, its rows dim gone
         if t.dtype == "bfloat16":
             return Tensor.from_dlpack(t.name, rows.cpu().clone())
-        return Tensor(t.name, rows.cpu().numpy().copy())
+        return Tensor(t.name, rows.copy())
 
     def _outputs(self, batch: StageBatch, bounds: list[int], responses: list) -> dict[str, Any]:
         """The responses' tensors joined per output in request order: BYTES as declared (nested
@@ -192,7 +197,7 @@ class TritonStage:
     def _response_arrays(self, response, rows: int) -> dict[str, np.ndarray] | RowFailure:
         """A response's outputs as [rows, *dims] arrays, or why its request fails."""
         if response is None:
-            return self._broke("execute() returned None for this request, not an InferenceResponse")
+            return self._broke("execute() gave no InferenceResponse for this request (none in its list, none sent)")
         if not isinstance(response, InferenceResponse):
             raise backend_utils.TritonModelException("Expected an 'InferenceResponse' object in the execute function "
                                                      f"return list, found type '{type(response)}'.")
@@ -230,7 +235,8 @@ def _checked(tensor: Tensor, t: IOSpec, batched: bool, rows: int) -> tuple[np.nd
         array = tensor.as_numpy() if tensor.is_cpu() else tensor.as_torch().cpu().numpy()
         if t.dtype == BYTES:
             if array.dtype != np.object_ and array.dtype.type != np.bytes_:
-                return None, f"output {t.name!r} is {array.dtype}, its config declares {declared} (an object array of bytes)"
+                return None, (f"output {t.name!r} is {array.dtype}, its config declares {declared} (an object array "
+                              "of bytes)")
             array = object_array([element_bytes(x) for x in array.ravel().tolist()], list(array.shape))
         elif array.dtype != np.dtype(TYPES[BY_TGW_DTYPE[t.dtype]][1]):
             return None, f"output {t.name!r} is {array.dtype}, its config declares {declared}"

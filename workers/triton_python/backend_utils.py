@@ -2,8 +2,9 @@
 the names python_backend documents, tgw's own implementation of each (workers/triton_python/).
 
 What tgw does not serve from inside a model says so when used: BLS (`InferenceRequest.exec`,
-`async_exec`) answers a response with an UNSUPPORTED error; decoupled responses, request
-rescheduling and loading or unloading other models raise TritonModelException. Custom metrics
+`async_exec`) answers a response with an UNSUPPORTED error; a second response for a request
+(decoupled mode), request rescheduling and loading or unloading other models raise
+TritonModelException. Custom metrics
 (`MetricFamily`) keep their values in the worker (`value()` reads them back); they are not
 exported on tgw's /metrics.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 from .errors import TritonError, TritonModelException  # noqa: F401
 from .messages import (TRITONSERVER_REQUEST_FLAG_SEQUENCE_END, TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,  # noqa: F401
                        TRITONSERVER_REQUEST_RELEASE_ALL, TRITONSERVER_REQUEST_RELEASE_RESCHEDULE,
-                       TRITONSERVER_RESPONSE_COMPLETE_FINAL, InferenceRequest, InferenceResponse, Logger)
+                       TRITONSERVER_RESPONSE_COMPLETE_FINAL, InferenceRequest, InferenceResponse, Logger,
+                       ResponseSender)
 from .model_config import (ModelConfig, get_input_config_by_name, get_output_config_by_name,  # noqa: F401
                            using_decoupled_model_transaction_policy)
 from .tensors import (TRITON_STRING_TO_NUMPY, Tensor, deserialize_bytes_tensor, numpy_to_triton_type,  # noqa: F401
@@ -60,7 +62,7 @@ class MetricFamily:
             raise TritonModelException(f"MetricFamily {name!r}: kind must be COUNTER, GAUGE or HISTOGRAM")
         self.name, self.description, self.kind = name, description, kind
 
-    def Metric(self, labels: dict | None = None, buckets: list | None = None) -> "Metric":   # noqa: N802 - Triton's name
+    def Metric(self, labels: dict | None = None, buckets: list | None = None) -> "Metric":   # noqa: N802 - Triton's
         if self.kind == MetricFamily.HISTOGRAM and not buckets:
             raise TritonModelException(f"MetricFamily {self.name!r}: a histogram metric needs buckets")
         return Metric(self.kind, dict(labels or {}))

@@ -22,7 +22,8 @@ class TritonError(Exception):
         if message is None:
             raise TypeError("TritonError: message must be a str, not None")
         if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < len(self._NAMES):
-            raise TypeError(f"TritonError: code {code!r} is not one of TritonError.{', TritonError.'.join(self._NAMES)}")
+            names = ", ".join(f"TritonError.{n}" for n in self._NAMES)
+            raise TypeError(f"TritonError: code {code!r} is not one of {names}")
         super().__init__(message)
         self._message, self._code = str(message), code
 

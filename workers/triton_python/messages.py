@@ -1,7 +1,7 @@
 """`InferenceRequest` and `InferenceResponse` as a Triton Python model's execute() sees and makes
-them, and what tgw does not serve from inside a model: BLS calls (`exec`, `async_exec`) answer
-a response carrying an UNSUPPORTED TritonError, as Triton answers a failed BLS call; a response
-sender (decoupled mode) raises."""
+them, a request's response sender (one response per request: decoupled models are refused at
+load), and what tgw does not serve from inside a model: BLS calls (`exec`, `async_exec`) answer
+a response carrying an UNSUPPORTED TritonError, as Triton answers a failed BLS call."""
 from __future__ import annotations
 
 import json
@@ -52,6 +52,7 @@ class InferenceRequest:
         self._outputs, self._model, self._version = list(requested_output_names), model_name, model_version
         self._flags, self._timeout, self._parameters = int(flags), int(timeout), parameters_json(parameters)
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        self._sender: ResponseSender | None = None
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -92,9 +93,12 @@ class InferenceRequest:
                                        "supported by tgw: it serves sequences through sequence models")
         self._release_flags = flags
 
-    def get_response_sender(self):
-        raise TritonModelException("decoupled responses (get_response_sender) are not supported by tgw's Triton "
-                                   "Python-backend compatibility: return one InferenceResponse per request")
+    def get_response_sender(self) -> "ResponseSender":
+        """The sender a model may answer this request with instead of returning it (one response,
+        during execute(), as Triton allows a model that is not decoupled)."""
+        if self._sender is None:
+            self._sender = ResponseSender()
+        return self._sender
 
     def exec(self, decoupled: bool = False):
         """BLS: not served; the answer is a response with an UNSUPPORTED error (check has_error())."""
@@ -105,6 +109,31 @@ class InferenceRequest:
 
     async def async_exec(self, decoupled: bool = False):
         return self.exec(decoupled)
+
+
+class ResponseSender:
+    """A request's response sender, for a model that is not decoupled: it takes the request's one
+    response (`send(response, flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)`) during execute()."""
+
+    def __init__(self):
+        self.response: InferenceResponse | None = None
+        self.closed = False
+
+    def send(self, response=None, flags: int = 0) -> None:
+        if self.closed:
+            raise TritonModelException("Unable to send response. Response sender has been closed.")
+        if response is not None:
+            if not isinstance(response, InferenceResponse):
+                raise TritonModelException(f"send() takes an InferenceResponse, not {type(response).__name__}")
+            if self.response is not None:
+                raise TritonModelException("a second response for one request: decoupled mode is not supported by "
+                                           "tgw's Triton Python-backend compatibility (one response per request)")
+            self.response = response
+        if flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            self.closed = True
+
+    def is_cancelled(self) -> bool:
+        return False
 
 
 class InferenceResponse:

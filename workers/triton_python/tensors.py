@@ -37,15 +37,15 @@ def triton_to_numpy_type(data_type: int):
     return found[1] if found else None
 
 
+_BY_NUMPY = {np.dtype(np_type): code for code, (_, np_type, _) in TYPES.items() if np_type is not None}
+
+
 def numpy_to_triton_type(data_type):
     """The TRITONSERVER_DataType number of a numpy type (np.object_ and np.bytes_: 13, BYTES)."""
     kind = np.dtype(data_type)
-    if kind == np.object_ or kind.type == np.bytes_:
+    if kind.type == np.bytes_:
         return BYTES_CODE
-    for code, (_, np_type, _) in TYPES.items():
-        if np_type is not None and np_type is not np.object_ and kind == np.dtype(np_type):
-            return code
-    return None
+    return _BY_NUMPY.get(kind)
 
 
 def serialize_byte_tensor(input_tensor: np.ndarray):
@@ -129,7 +129,8 @@ class Tensor:
         if self._array is None:
             raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy."
                                        if not self.is_cpu() else
-                                       f"Tensor {self._name!r} is bfloat16, which numpy has no type for: use to_dlpack()")
+                                       f"Tensor {self._name!r} is bfloat16, which numpy has no type for: use "
+                                       "to_dlpack()")
         return self._array
 
     def is_cpu(self) -> bool:

@@ -87,6 +87,9 @@ class Inference:
             decoded = tensors.decode(req, next(self.ids), version, self.face.shm, deadline, generate=entry is not None)
             if entry is not None:
                 decoupled.check(entry, decoded)
+                if decoded.classes:   # a generation's outputs stream back as they come: no top-k of them
+                    raise fail(Code.INVALID_ARGUMENT, f"output {next(iter(decoded.classes))!r}: classification is "
+                               "not offered for a generator's outputs", reason="classification_generator")
             decoded.infer.routing_key = kserve.routing_key(decoded.infer.routing_key, meta.get(kserve.ROUTING_HEADER),
                                                            f"metadata {kserve.ROUTING_HEADER}")
         except TgwError as err:

@@ -79,8 +79,6 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
     (None: regions refused); `generate`: the request is a generation (its model a generator)."""
     params = parameters(req.parameters)
     refuse_unoffered(params, "")
-    if not req.inputs:
-        raise bad("\"inputs\" must hold at least one tensor")
     raw = req.raw_input_contents
     metas, frames, next_raw = [], [], 0
     for i, spec in enumerate(req.inputs):

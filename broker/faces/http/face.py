@@ -227,8 +227,10 @@ class HttpFace:
         content_type, length = headers.get("Content-Type"), headers.get(kserve.HEADER_LENGTH)
         body = body if body is not None else await self.body(request)
         if kserve.is_raw(request.method, content_type, length):   # an image as the body, answered in JSON
+            plan = self.deps.view.pipelines.table.get(model)   # a batch dim unless max_batch_size 0
+            batched = plan.max_batch_size > 0 if plan is not None else self.deps.entry(model).decl.batched
             decoded = kserve.decode_raw(body, content_type, self.inputs_of(model), model, version,
-                                        next(self.ids), headers.get(kserve.ROUTING_HEADER))
+                                        next(self.ids), headers.get(kserve.ROUTING_HEADER), batched)
         else:
             decoded = kserve.decode(body, length, model, version, next(self.ids), self.shm,
                                     headers.get(kserve.ROUTING_HEADER))

@@ -41,9 +41,9 @@ def test_files_form_a_fresh_folder_under_the_first_root(tmp_path):
     up = uploads.Uploads(str(root))
     one = up.write("net", {"1/model.pt": b"a", "2/model.pt": b"b", "config.pbtxt": b""})
     two = up.write("net", {"1/model.pt": b"c"})
-    assert one == str(root / "uploads" / "net.1") and two == str(root / "uploads" / "net.2")
-    assert (root / "uploads" / "net.1" / "2" / "model.pt").read_bytes() == b"b"
-    assert (root / "uploads" / "net.2" / "1" / "model.pt").read_bytes() == b"c"
+    assert one == str(root / "uploads" / "net.1" / "net") and two == str(root / "uploads" / "net.2" / "net")
+    assert (root / "uploads" / "net.1" / "net" / "2" / "model.pt").read_bytes() == b"b"
+    assert (root / "uploads" / "net.2" / "net" / "1" / "model.pt").read_bytes() == b"c"
     with pytest.raises(TgwError, match="cannot write its files"):   # a file where a folder must be
         up.write("net", {"1": b"x", "1/model.pt": b"y"})
     assert not (root / "uploads" / "net.3").exists()   # a failed write leaves nothing
@@ -52,6 +52,11 @@ def test_files_form_a_fresh_folder_under_the_first_root(tmp_path):
             up.write(bad, {"1/model.pt": b""})
     assert sorted(os.listdir(root / "uploads")) == ["net.1", "net.2"]
     assert uploads.model_folder("net", [one + "/1/model.pt", one + "/2/model.pt"]) == one
+    assert up.folder_of([one + "/1/model.pt", one + "/2/model.pt"]) == one
+    assert up.folder_of([str(tmp_path / "net.pt")]) is None and up.folder_of([None]) is None
+    up.discard(two)
+    up.discard(str(tmp_path / "root"))   # not an uploaded model folder: left alone
+    assert sorted(os.listdir(root / "uploads")) == ["net.1"] and root.is_dir()
     with pytest.raises(TgwError, match="needs a model from a Triton repository"):
         uploads.model_folder("net", [str(tmp_path / "net.pt")])
 
@@ -83,3 +88,13 @@ def test_the_switch_needs_the_token():
     with pytest.raises(ValidationError, match="allow_model_uploads needs server.auth_token_file"):
         ServerDecl(allow_model_uploads=True)
     assert ServerDecl(allow_model_uploads=True, auth_token_file="/t").allow_model_uploads
+
+
+def test_a_stages_handler_file_places_its_model_folder():
+    from types import SimpleNamespace as V
+    versions = [V(path=None, handler="/repo/pre/1/model.py:TritonPythonModel"), V(path="/repo/pre/2/model.pt",
+                                                                                    handler=None)]
+    assert uploads.version_files(versions) == ["/repo/pre/1/model.py", "/repo/pre/2/model.pt"]
+    assert uploads.model_folder("pre", uploads.version_files(versions)) == "/repo/pre"
+    with pytest.raises(TgwError, match="needs a model from a Triton repository"):   # a module's class
+        uploads.model_folder("pre", uploads.version_files([V(path=None, handler="pkg.mod:Cls")]))
