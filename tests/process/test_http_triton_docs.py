@@ -63,7 +63,7 @@ def test_model_config(triton):
     assert triton.get_model_config("mlp", "2")["name"] == "mlp"          # by its alias
     assert triton.get_model_config("mlp", "beta")["name"] == "mlp"       # and by its name
     assert "dynamic_batching" in triton.get_model_config("fails")
-    with pytest.raises(InferenceServerException, match="no version '7'"):
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'mlp' version 7 is not found"):
         triton.get_model_config("mlp", "7")
 
 
