@@ -48,7 +48,7 @@ def served(root):
            "models": [model_decl("m", [("1", str(root / "add1.onnx"))]),
                       {"name": "mlp", "versions": [{"version": "1", "path": mlp, "format": "onnx"}],
                        **DEMO_MODELS["mlp"][2]}]}
-    b = BrokerProc(cfg, tempfile.mkdtemp(prefix="tgwo-", dir="/tmp")).start(timeout=120)
+    b = BrokerProc(cfg, tempfile.mkdtemp(prefix="tgwox-", dir="/tmp")).start(timeout=120)
     yield b
     assert b.stop() == 0, b.output()
 
