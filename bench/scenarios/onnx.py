@@ -216,7 +216,8 @@ def run(a: argparse.Namespace) -> int:
                      _f(r["p50_ms"], ".2f"), _f(r["p99_ms"], ".2f"), _f(float(np.median(r["ratios"])), ".2f")])
     g = [["goal", "value", "target", "met"]] + [[x["goal"], _f(x["value"], ".2f"), str(x["target"]),
                                                  {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
-    g.append(["tgw ONNX / tgw TorchScript rows/s (median of the rounds' ratios)", _f(res["onnx_over_torchscript"], ".2f"), "reported", "-"])
+    g.append(["tgw ONNX / tgw TorchScript rows/s (median of the rounds' ratios)",
+              _f(res["onnx_over_torchscript"], ".2f"), "reported", "-"])
     g.append(["tgw's ONNX answer vs onnxruntime's, max abs diff", _f(res.get("answer_max_abs_diff"), ".2e"),
               "< 1e-4", "-"])
     report.conclude(res, "onnx", a.out, date, mode, t0, report.text_table(body) + "\n\n" + report.text_table(g))
