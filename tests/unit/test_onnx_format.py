@@ -101,3 +101,14 @@ def test_initializer_bytes_count_every_dtype(tmp_path):
     import onnx
     onnx.save_model(helper.make_model(graph), str(tmp_path / "m.onnx"))
     assert onnx_info(str(tmp_path / "m.onnx")).initializer_bytes == sum(a.nbytes for a in arrays)
+
+
+def test_triton_config_names_the_onnxruntime_platform(folder):
+    from tgw.broker.config.load import ModelDecl
+    from tgw.broker.models.entry import ModelEntry
+    from tgw.broker.protocol.triton_docs import model_config
+    decl = ModelDecl(name="m", versions=[{"version": "1", "path": str(folder / "add.onnx"), "format": "onnx"}],
+                     inputs=[{"name": "x", "dtype": "float32", "shape": [4]}],
+                     outputs=[{"name": "y", "dtype": "float32", "shape": [4]}], max_batch_size=8)
+    cfg = model_config(ModelEntry(decl), None, ["cpu"])
+    assert (cfg["platform"], cfg["backend"]) == ("onnxruntime_onnx", "onnxruntime")
