@@ -1,8 +1,9 @@
 """`tgw-bench onnx`: an ONNX model served by tgw against onnxruntime's own in-process floor, and
 against the same model as TorchScript in tgw. The demo resnet (float32 [3, 64, 64] -> 1000
 logits) is exported with `torch.onnx.export(..., dynamo=True)` and saved as TorchScript from the
-same weights. The floor is onnxruntime's plain API (`InferenceSession.run` on numpy arrays, one
-intra-op thread) swept over batches of 1..64 rows, its best rows/s kept; tgw serves both files
+same weights. The floor is onnxruntime in process, one thread, swept over batches of 1..64 rows,
+each batch the better of its plain API (`InferenceSession.run` on numpy arrays) and the worker's
+own call (`load_in_process("onnx", path)`, I/O binding), its best rows/s kept; tgw serves both files
 from one cpu worker (one thread, max_batch_size 64) and each is driven closed-loop at c=64. The
 issue's goal: tgw's ONNX rows/s at c=64 >= 0.9x the floor's best. Each round runs the floor
 sweep (the broker up and idle), then tgw's ONNX row, then its TorchScript row, back to back: the
@@ -48,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="floor batches 1 and 8, 1 s rows, one round (seconds)")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop callers per tgw row (default 64)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per tgw row (default 10, quick 1)")
-    p.add_argument("--floor-seconds", type=float, default=None, help="seconds per floor batch (default 2, quick 0.2)")
+    p.add_argument("--floor-seconds", type=float, default=None, help="seconds per floor batch and kind (default 1.5, quick 0.2)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of the floor and the tgw rows "
                                                             "(default 5, quick 1)")
     p.add_argument("--out", help="folder for results/ (default: bench/ of the checkout, else .)")
@@ -66,28 +67,44 @@ def build(folder: str) -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _timed(call, seconds: float) -> dict[str, float]:
+    end = time.perf_counter() + min(1.0, seconds / 2)
+    while time.perf_counter() < end:
+        call()
+    lat, t0 = [], time.perf_counter()
+    while len(lat) < 5 or time.perf_counter() < t0 + seconds:
+        t1 = time.perf_counter()
+        call()
+        lat.append(time.perf_counter() - t1)
+    return {"calls": len(lat), "calls_per_s": len(lat) / (time.perf_counter() - t0),
+            "p50_ms": float(np.percentile(np.array(lat) * 1e3, 50))}
+
+
 def ort_floor(path: str, batches: list[int], seconds: float) -> dict[str, Any]:
-    """onnxruntime's own figures, in this process (run as a subprocess by floor()): per batch
-    calls/s and rows/s of `session.run` with one intra-op thread; its answer to image(0)."""
+    """The floor, in this process (run as a subprocess by floor()), one thread: per batch,
+    onnxruntime's own `session.run` on numpy arrays, then the worker's call of the same file
+    (`load_in_process("onnx", path)`: I/O binding over torch tensors); a batch's figure is the
+    better of the two. Also onnxruntime's answer to image(0)."""
     import onnxruntime as ort
+    import torch
+    from tgw.workers.formats import load_in_process
+    torch.set_num_threads(1)   # the worker's call takes its intra-op threads from torch
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    served = load_in_process("onnx", path).call
     name = session.get_inputs()[0].name
     runs = []
     for b in batches:
         x = np.random.default_rng(b).standard_normal((b, *SHAPE), dtype=np.float32)
-        end = time.perf_counter() + min(1.0, seconds / 2)
-        while time.perf_counter() < end:
-            session.run(None, {name: x})
-        lat, t0 = [], time.perf_counter()
-        while len(lat) < 5 or time.perf_counter() < t0 + seconds:
-            t1 = time.perf_counter()
-            session.run(None, {name: x})
-            lat.append(time.perf_counter() - t1)
-        calls = len(lat) / (time.perf_counter() - t0)
-        runs.append({"batch": b, "calls": len(lat), "calls_per_s": calls, "rows_per_s": calls * b,
-                     "p50_ms": float(np.percentile(np.array(lat) * 1e3, 50))})
+        t = torch.from_numpy(x)
+        own = _timed(lambda: session.run(None, {name: x}), seconds)
+        call = _timed(lambda: served(t), seconds)
+        top = max(own, call, key=lambda r: r["calls_per_s"])
+        runs.append({"batch": b, "rows_per_s": top["calls_per_s"] * b, "p50_ms": top["p50_ms"],
+                     "by": "session.run" if top is own else "load_in_process",
+                     "session_run_rows_per_s": own["calls_per_s"] * b, "load_in_process_rows_per_s":
+                     call["calls_per_s"] * b})
     answer = session.run(None, {name: image(0)})[0][0]
     return {"onnxruntime": ort.__version__, "runs": runs, "answer": answer.tolist()}
 
@@ -144,7 +161,7 @@ def _f(v: Optional[float], fmt: str) -> str:
 
 def run(a: argparse.Namespace) -> int:
     duration = a.duration or (1.0 if a.quick else 10.0)
-    seconds = a.floor_seconds or (0.2 if a.quick else 2.0)
+    seconds = a.floor_seconds or (0.2 if a.quick else 1.5)
     rounds = a.rounds or (1 if a.quick else 5)
     batches = list(QUICK_BATCHES if a.quick else FULL_BATCHES)
     custom = (a.duration, a.floor_seconds, a.rounds) != (None, None, None) or a.concurrency != 64
@@ -157,8 +174,10 @@ def run(a: argparse.Namespace) -> int:
                                "model": "the demo resnet (workers/demo_models.py SmallResNet), float32 [3, 64, 64] "
                                         "-> [1000]; ONNX by torch.onnx.export(dynamo=True, a dynamic batch dim), "
                                         "TorchScript by torch.jit.script, the same weights",
-                               "floor": "onnxruntime's InferenceSession.run on numpy inputs, CPU execution provider, "
-                                        "one intra-op thread, its defaults otherwise; batches " + str(batches),
+                               "floor": "per batch the better of onnxruntime's InferenceSession.run on numpy inputs "
+                                        "(CPU execution provider, one intra-op thread, its defaults otherwise) and "
+                                        "the worker's call (load_in_process('onnx'), I/O binding, one thread); "
+                                        "batches " + str(batches),
                                "tgw": f"one cpu worker, one thread, max_batch_size {MAX_BATCH}, closed loop at "
                                       f"c={a.concurrency} over the native client, {duration} s per row, "
                                       f"{rounds} round(s), each the floor sweep then both tgw rows"},
@@ -209,7 +228,7 @@ def run(a: argparse.Namespace) -> int:
     res["onnx_over_torchscript"] = float(np.median(pairs)) if pairs else None
     body = [["row (best round)", "rows/s", "mean batch", "p50 ms", "p99 ms", "x floor (median of rounds)"]]
     if best:
-        body.append([f"onnxruntime floor (batch {best['batch']})", _f(best["rows_per_s"], ",.0f"), str(best["batch"]),
+        body.append([f"floor (batch {best['batch']}, {best['by']})", _f(best["rows_per_s"], ",.0f"), str(best["batch"]),
                      _f(best["p50_ms"], ".2f"), "-", "1.00"])
     for fmt, r in res["rows"].items():
         body.append([f"tgw {fmt} c={a.concurrency}", _f(r["rows_per_s"], ",.0f"), _f(r["mean_batch_rows"], ".1f"),
