@@ -5,7 +5,9 @@ same weights. The floor is onnxruntime in process, one thread, swept over batche
 each batch the better of its plain API (`InferenceSession.run` on numpy arrays) and the worker's
 own call (`load_in_process("onnx", path)`, I/O binding), its best rows/s kept; tgw serves both files
 from one cpu worker (one thread, max_batch_size 64) and each is driven closed-loop at c=64. The
-issue's goal: tgw's ONNX rows/s at c=64 >= 0.9x the floor's best. Each round runs the floor
+issue's goal: tgw's ONNX rows/s at c=64 >= 0.9x the floor's best. Also each side's CPU per row
+(the floor's least over batches; the worker's during tgw's row), which the box's other load
+does not move. Each round runs the floor
 sweep (the broker up and idle), then tgw's ONNX row, then its TorchScript row, back to back: the
 ratios are the median over rounds of each round's ratio to its own floor (a shared box's load
 moves between rounds); the table shows each row's best round. tgw's ONNX answer to
@@ -71,12 +73,13 @@ def _timed(call, seconds: float) -> dict[str, float]:
     end = time.perf_counter() + min(1.0, seconds / 2)
     while time.perf_counter() < end:
         call()
-    lat, t0 = [], time.perf_counter()
+    lat, t0, cpu0 = [], time.perf_counter(), time.process_time()
     while len(lat) < 5 or time.perf_counter() < t0 + seconds:
         t1 = time.perf_counter()
         call()
         lat.append(time.perf_counter() - t1)
     return {"calls": len(lat), "calls_per_s": len(lat) / (time.perf_counter() - t0),
+            "cpu_us_per_call": (time.process_time() - cpu0) * 1e6 / len(lat),
             "p50_ms": float(np.percentile(np.array(lat) * 1e3, 50))}
 
 
@@ -102,6 +105,7 @@ def ort_floor(path: str, batches: list[int], seconds: float) -> dict[str, Any]:
         call = _timed(lambda: served(t), seconds)
         top = max(own, call, key=lambda r: r["calls_per_s"])
         runs.append({"batch": b, "rows_per_s": top["calls_per_s"] * b, "p50_ms": top["p50_ms"],
+                     "cpu_us_per_row": min(own["cpu_us_per_call"], call["cpu_us_per_call"]) / b,
                      "by": "session.run" if top is own else "load_in_process",
                      "session_run_rows_per_s": own["calls_per_s"] * b, "load_in_process_rows_per_s":
                      call["calls_per_s"] * b})
@@ -152,7 +156,10 @@ def tgw_row(broker: BrokerProc, model: str, concurrency: int, duration: float) -
     return {"rows_per_s": row["throughput_rps"], "p50_ms": row["latency_ms"]["p50"],
             "p99_ms": row["latency_ms"]["p99"], "requests": row.get("requests_ok"),
             "failed": row.get("requests_failed"), "errors": row.get("errors", {}),
-            "mean_batch_rows": (row.get("broker_stats") or {}).get("mean_batch_rows"), "raw": row}
+            "mean_batch_rows": (row.get("broker_stats") or {}).get("mean_batch_rows"),
+            "worker_cpu_us_per_row": (row.get("cpu_us_per_request") or {}).get("workers"),
+            "broker_cpu_us_per_row": (row.get("cpu_us_per_request") or {}).get("broker"),
+            "other_cpu_cores": (row.get("machine") or {}).get("other_cpu_cores"), "raw": row}
 
 
 def _f(v: Optional[float], fmt: str) -> str:
@@ -203,10 +210,13 @@ def run(a: argparse.Namespace) -> int:
                 old = res["rows"].get(fmt) or {}
                 kept = new if not old or new["rows_per_s"] > old["rows_per_s"] else old
                 res["rows"][fmt] = {**kept, "rounds": old.get("rounds", []) + [new["rows_per_s"]],
-                                    "ratios": old.get("ratios", []) + [new["over_round_floor"]]}
+                                    "ratios": old.get("ratios", []) + [new["over_round_floor"]],
+                                    "worker_cpu": old.get("worker_cpu", []) + [new["worker_cpu_us_per_row"]],
+                                    "broker_cpu": old.get("broker_cpu", []) + [new["broker_cpu_us_per_row"]]}
                 log(f"round {r + 1} tgw {fmt}: {new['rows_per_s']:,.0f} rows/s ({new['over_round_floor']:.2f}x the "
                     f"round's floor), mean batch {_f(new['mean_batch_rows'], '.1f')}, p50 {_f(new['p50_ms'], '.2f')} "
-                    f"ms, errors {new['errors']}")
+                    f"ms, worker CPU {_f(new['worker_cpu_us_per_row'], '.0f')} us/row, other load "
+                    f"{_f(new['other_cpu_cores'], '.2f')} cores, errors {new['errors']}")
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
         return 130
@@ -224,6 +234,13 @@ def run(a: argparse.Namespace) -> int:
                              "(the median of the rounds' ratios, each to its own round's floor)", "value": ratio,
                      "target": TARGET, "unit": "x", "met": None if ratio is None else ratio >= TARGET}]
     res["best_over_best_floor"] = onnx_r["rows_per_s"] / best["rows_per_s"] if onnx_r and best else None
+    # CPU per row, which the box's other load does not change: the floor's least at any batch over
+    # the worker's own (its share of the ONNX row), each row's median over the rounds
+    floor_cpu = min((r["cpu_us_per_row"] for r in (res.get("floor") or {}).get("runs", [])), default=None)
+    worker_cpu = float(np.median(onnx_r["worker_cpu"])) if onnx_r.get("worker_cpu") else None
+    res["cpu_per_row"] = {"floor_us": floor_cpu, "tgw_worker_us": worker_cpu,
+                          "tgw_broker_us": float(np.median(onnx_r["broker_cpu"])) if onnx_r.get("broker_cpu") else None,
+                          "floor_over_worker": floor_cpu / worker_cpu if floor_cpu and worker_cpu else None}
     pairs = [o / t for o, t in zip(onnx_r.get("rounds", []), ts_r.get("rounds", [])) if o and t]
     res["onnx_over_torchscript"] = float(np.median(pairs)) if pairs else None
     body = [["row (best round)", "rows/s", "mean batch", "p50 ms", "p99 ms", "x floor (median of rounds)"]]
@@ -237,6 +254,10 @@ def run(a: argparse.Namespace) -> int:
                                                  {True: "yes", False: "NO", None: "-"}[x["met"]]] for x in res["goals"]]
     g.append(["tgw ONNX / tgw TorchScript rows/s (median of the rounds' ratios)",
               _f(res["onnx_over_torchscript"], ".2f"), "reported", "-"])
+    cpu = res["cpu_per_row"]
+    g.append([f"CPU us per row: the floor's least {_f(cpu['floor_us'], '.0f')} / tgw's worker "
+              f"{_f(cpu['tgw_worker_us'], '.0f')} (its broker {_f(cpu['tgw_broker_us'], '.0f')}; medians of the rounds)",
+              _f(cpu["floor_over_worker"], ".2f"), "reported", "-"])
     g.append(["tgw's ONNX answer vs onnxruntime's, max abs diff", _f(res.get("answer_max_abs_diff"), ".2e"),
               "< 1e-4", "-"])
     report.conclude(res, "onnx", a.out, date, mode, t0, report.text_table(body) + "\n\n" + report.text_table(g))
