@@ -15,7 +15,7 @@ from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata,
 
 from tgw.broker.models.replay import summary as replay_summary
 
-from . import load_progress, rollout as cli_rollout
+from . import convert, load_progress, rollout as cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
@@ -67,7 +67,7 @@ class WeightsAction(argparse.Action):
 
 
 def add_verbs(sub, broker_verb) -> None:
-    """Add `models {list,load,unload,traffic,metadata}` and `reload` to the subcommands `sub`;
+    """Add `models {list,load,unload,traffic,metadata,convert}` and `reload` to the subcommands `sub`;
     `broker_verb(sub, name, help, wait_s, request, show)` (cli/main.py) makes each parser."""
     models = sub.add_parser("models", help="list, load, unload, weigh and describe model versions")
     verbs = models.add_subparsers(dest="verb", required=True)
@@ -113,6 +113,7 @@ def add_verbs(sub, broker_verb) -> None:
     model_verb("metadata", "inputs, outputs and per version its state, weight, memory and workers", QUERY_WAIT_S,
                lambda args: Metadata(v=PROTOCOL_VERSION, model=args.model), print_metadata,
                nargs="?", help="a model (default: every model)")
+    convert.add_verb(verbs)
     broker_verb(sub, "reload", "re-read the config file and apply the difference, as SIGHUP does",
                 CONTROL_WAIT_S, lambda args: Reload(v=PROTOCOL_VERSION), print_control)
 
