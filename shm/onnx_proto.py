@@ -9,18 +9,27 @@ Every top-level field must be one of ModelProto's with its wire type, and `ir_ve
 `graph` must be there; a torch.save checkpoint, a TorchScript zip or a text file fails at
 once. Initializers stored outside the file (`torch.onnx.export` writes `model.onnx.data` beside
 `model.onnx` by default) are named, so a missing or escaping data file is refused up front.
+The graph's inputs (initializers aside) and outputs are read with their element types and dims,
+so a config that declares none (a Triton config.pbtxt left to auto-complete) can be filled in
+without onnxruntime.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Optional
 
 # ModelProto's fields: number -> (name, wire type); 0 varint, 2 length-delimited
 MODEL_FIELDS = {1: ("ir_version", 0), 2: ("producer_name", 2), 3: ("producer_version", 2), 4: ("domain", 2),
                 5: ("model_version", 0), 6: ("doc_string", 2), 7: ("graph", 2), 8: ("opset_import", 2),
                 14: ("metadata_props", 2), 20: ("training_info", 2), 25: ("functions", 2), 26: ("configuration", 2)}
-GRAPH_INITIALIZER = 5                 # GraphProto.initializer: repeated TensorProto
-TENSOR_DIMS, TENSOR_TYPE, TENSOR_EXTERNAL = 1, 2, 13   # TensorProto.dims, data_type, external_data
+GRAPH_INITIALIZER, GRAPH_INPUT, GRAPH_OUTPUT = 5, 11, 12   # GraphProto: TensorProto, ValueInfoProto x2
+TENSOR_DIMS, TENSOR_TYPE, TENSOR_NAME, TENSOR_EXTERNAL = 1, 2, 8, 13   # TensorProto's fields
+VALUE_NAME, VALUE_TYPE = 1, 2         # ValueInfoProto.name, .type (TypeProto)
+TYPE_TENSOR = 1                       # TypeProto.tensor_type (TypeProto.Tensor: elem_type 1, shape 2)
+DIM_VALUE, DIM_PARAM = 1, 2           # TensorShapeProto.Dimension
+# TensorProto.DataType -> tgw dtype
+DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 8: "bytes", 9: "bool",
+          10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 16: "bfloat16"}
 ENTRY_KEY, ENTRY_VALUE = 1, 2         # StringStringEntryProto
 # TensorProto.DataType -> bytes per element (strings and 4-bit types count as 0 and 1)
 ITEM_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 8: 0, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 14: 8, 15: 16,
@@ -33,11 +42,22 @@ class NotOnnx(ValueError):
 
 
 @dataclass
+class OnnxTensor:
+    """A graph input or output: its name, tgw dtype (None: a type tgw does not serve, e.g. a
+    sequence or complex64) and dims (-1: symbolic or unknown; None: rank unknown)."""
+    name: str
+    dtype: Optional[str]
+    dims: Optional[list[int]]
+
+
+@dataclass
 class OnnxInfo:
     ir_version: int
     producer: str = ""
     initializer_bytes: int = 0        # the weights' bytes, inline and external
     external_files: list[str] = field(default_factory=list)   # external data locations, as written
+    inputs: list[OnnxTensor] = field(default_factory=list)    # the graph's inputs, initializers aside
+    outputs: list[OnnxTensor] = field(default_factory=list)
 
 
 class _Reader:
@@ -116,15 +136,65 @@ def read_model(f: IO[bytes]) -> OnnxInfo:
 
 
 def _graph(r: _Reader, info: OnnxInfo) -> None:
+    inputs, weights = [], set()
     for number, wire, value in r.fields():
         if number == GRAPH_INITIALIZER and wire == 2:
-            _tensor(r.sub(value), info)
+            weights.add(_tensor(r.sub(value), info))
+        elif number in (GRAPH_INPUT, GRAPH_OUTPUT) and wire == 2:
+            (inputs if number == GRAPH_INPUT else info.outputs).append(_value_info(r.sub(value)))
         elif wire == 2:
             r.skip(value)
+    # before IR version 4 every initializer was also listed as an input
+    info.inputs = [t for t in inputs if t.name not in weights]
 
 
-def _tensor(r: _Reader, info: OnnxInfo) -> None:
-    dims, dtype, external = [], 0, {}
+def _value_info(r: _Reader) -> OnnxTensor:
+    name, dtype, dims = "", None, None
+    for number, wire, value in r.fields():
+        if number == VALUE_NAME and wire == 2:
+            name = r.f.read(value).decode("utf-8", "replace")
+        elif number == VALUE_TYPE and wire == 2:
+            dtype, dims = _tensor_type(r.sub(value))
+        elif wire == 2:
+            r.skip(value)
+    return OnnxTensor(name, dtype, dims)
+
+
+def _tensor_type(r: _Reader) -> tuple[Optional[str], Optional[list[int]]]:
+    dtype, dims = None, None
+    for number, wire, value in r.fields():
+        if number == TYPE_TENSOR and wire == 2:
+            t = r.sub(value)
+            for n2, w2, v2 in t.fields():
+                if n2 == 1 and w2 == 0:
+                    dtype = DTYPES.get(v2)
+                elif n2 == 2 and w2 == 2:
+                    dims = _shape(t.sub(v2))
+                elif w2 == 2:
+                    t.skip(v2)
+        elif wire == 2:
+            r.skip(value)   # a sequence, map or optional type: not a tensor tgw serves
+    return dtype, dims
+
+
+def _shape(r: _Reader) -> list[int]:
+    dims = []
+    for number, wire, value in r.fields():
+        if number == 1 and wire == 2:   # a Dimension
+            d, dim = r.sub(value), -1
+            for n2, w2, v2 in d.fields():
+                if n2 == DIM_VALUE and w2 == 0:
+                    dim = v2
+                elif w2 == 2:
+                    d.skip(v2)
+            dims.append(dim)
+        elif wire == 2:
+            r.skip(value)
+    return dims
+
+
+def _tensor(r: _Reader, info: OnnxInfo) -> str:
+    dims, dtype, external, name = [], 0, {}, ""
     for number, wire, value in r.fields():
         if number == TENSOR_DIMS and wire == 0:
             dims.append(value)
@@ -134,6 +204,8 @@ def _tensor(r: _Reader, info: OnnxInfo) -> None:
                 dims.append(packed.varint())
         elif number == TENSOR_TYPE and wire == 0:
             dtype = value
+        elif number == TENSOR_NAME and wire == 2:
+            name = r.f.read(value).decode("utf-8", "replace")
         elif number == TENSOR_EXTERNAL and wire == 2:
             key, val = _entry(r.sub(value))
             external[key] = val
@@ -146,6 +218,7 @@ def _tensor(r: _Reader, info: OnnxInfo) -> None:
     location = external.get("location")
     if location is not None and location not in info.external_files:
         info.external_files.append(location)
+    return name
 
 
 def _entry(r: _Reader) -> tuple[str, str]:

@@ -115,7 +115,9 @@ def diagnosis(exc: BaseException, warnings: list[str] = ()) -> tuple[str, str] |
         ours = f" ({torch.__version__})" if torch is not None else ""
         return (f"the file was saved by a newer torch than the worker's{ours}",
                 "save it again with the worker's torch version (or older), or upgrade the worker's torch")
-    if type(exc).__name__ in ("ModelFormatError", "FormatMismatch") or any(s in text for s in NOT_A_MODEL):
+    if type(exc).__name__ == "FormatMismatch":   # a program against its declaration: its message says the fix
+        return None
+    if type(exc).__name__ == "ModelFormatError" or any(s in text for s in NOT_A_MODEL):
         return ("the file is not a model of the declared format (another format, or truncated)",
                 "set the version's format: to what the file holds, or save the file again")
     if type(exc).__name__ == "OutOfMemoryError" or isinstance(exc, MemoryError):

@@ -157,8 +157,8 @@ def _one_tensor(kind: str, t: IOSpec, a, batched: bool, max_batch: int) -> list[
                             f"batches 1..{max_batch} rows (max_batch_size): {EXPORT_HINT}, or set max_batch_size: 0 "
                             "if the model takes no batch dim")
     elif len(model_dims) != len(want):
-        return problems + [f"{kind} {t.name!r} has {len(model_dims)} dims in the model {_shown(model_dims)}; the config "
-                           f"declares {len(want)} (max_batch_size 0: no batch dim)"]
+        return problems + [f"{kind} {t.name!r} has {len(model_dims)} dims in the model {_shown(model_dims)}; the "
+                           f"config declares {len(want)} (max_batch_size 0: no batch dim)"]
     for k, (w, d) in enumerate(zip(want, model_dims)):
         if w == -1 and isinstance(d, int):
             problems.append(f"{kind} {t.name!r} shape[{k}] is declared -1 (variable) but is static {d} in the model: "

@@ -83,7 +83,8 @@ def test_a_declaration_the_graph_cannot_serve_is_refused_by_name(tmp_path):
     said = refusal(spec(fixed, *ADD_IO))
     assert ("input 'x' has a static batch dim of 4 in the model, but the broker batches 1..8 rows (max_batch_size): "
             "export it with a dynamic batch dim: torch.onnx.export(model, args, f, dynamo=True, "
-            "dynamic_shapes=({0: torch.export.Dim('batch')},))") in said and said.startswith(f"{fixed} cannot serve m:1")
+            "dynamic_shapes=({0: torch.export.Dim('batch')},))") in said
+    assert said.startswith(f"{fixed} cannot serve m:1")
     assert "has no such input; its inputs are ['x']" in refusal(spec(add, [("image", "float32", [4])], ADD_IO[1]))
     assert "output 'y' is float16 in the config but float32 in the model" in refusal(
         spec(add, ADD_IO[0], [("y", "float16", [4])]))
@@ -97,8 +98,10 @@ def test_a_declaration_the_graph_cannot_serve_is_refused_by_name(tmp_path):
         spec(two, [("ids", "int64", [-1])], [("count", "int64", [])]))
     # max_batch_size 0: the graph has no batch dim; the declared shape is the whole tensor
     assert "(max_batch_size 0: no batch dim)" in refusal(spec(add, *ADD_IO, max_batch_size=0, batched=False))
-    ModelRunner(spec(fixed, [("x", "float32", [4, 4])], [("y", "float32", [4, 4])], max_batch_size=0,
-                     batched=False), CPU)
+    unbatched = ModelRunner(spec(fixed, [("x", "float32", [4, 4])], [("y", "float32", [4, 4])], max_batch_size=0,
+                                 batched=False), CPU)
+    x = torch.arange(16, dtype=torch.float32).reshape(1, 4, 4)   # one request; the graph gets [4, 4]
+    assert torch.equal(unbatched.run([x], 1)[0], x + 1)
 
 
 def test_inputs_the_graph_cannot_take_are_the_callers_mistake(tmp_path):

@@ -24,5 +24,8 @@ def test_onnx_bench_quick(tmp_path, capsys):
     for row in data["rows"].values():
         assert row["errors"] == {} and row["requests"] > 0 and row["mean_batch_rows"] >= 1
     assert data["answer_max_abs_diff"] < 1e-4
+    assert data["cpu_per_row"]["floor_us"] > 0 and data["cpu_per_row"]["tgw_worker_us"] > 0
     assert data["goals"][0]["value"] > 0 and data["onnx_over_torchscript"] > 0
-    assert "tgw onnx c=64" in out and "onnxruntime floor (batch" in out
+    assert {r["by"] for r in data["floor"]["runs"]} <= {"session.run", "load_in_process"}
+    assert all(r["session_run_rows_per_s"] > 0 and r["load_in_process_rows_per_s"] > 0 for r in data["floor"]["runs"])
+    assert "tgw onnx c=64" in out and "floor (batch" in out

@@ -119,10 +119,13 @@ def test_config_reads_the_format_and_names_a_mismatch_by_key(tmp_path, files):
         parse_config(config("aoti"), str(tmp_path))
     assert (f"models.0.versions.0.format: {files['mlp-export']} is declared format: aoti but is a torch.export "
             "program") in str(info.value)
-    bad = config("onnx")
-    with pytest.raises(ConfigError, match="models.0.versions.0.format: Input should be 'torchscript', 'export', 'aoti' or "
-                                          "'stage'"):
-        parse_config(bad, str(tmp_path))
+    with pytest.raises(ConfigError) as info:   # an ONNX model is a format too, told from the file
+        parse_config(config("onnx"), str(tmp_path))
+    assert (f"models.0.versions.0.format: {files['mlp-export']} is declared format: onnx but is a torch.export "
+            "program") in str(info.value)
+    with pytest.raises(ConfigError, match="models.0.versions.0.format: Input should be 'torchscript', 'export', 'aoti', "
+                                          "'onnx' or 'stage'"):
+        parse_config(config("tensorrt"), str(tmp_path))
 
 
 def test_check_config_validates_the_same_way(tmp_path, files):

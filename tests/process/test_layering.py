@@ -26,14 +26,14 @@ PROTOCOL = ["tgw.broker.protocol", "tgw.broker.protocol.door", "tgw.broker.proto
 CASES = {
     "shm": (["tgw.shm", "tgw.shm.wire", "tgw.shm.errors", "tgw.shm.ring", "tgw.shm.segment", "tgw.shm.views",
              "tgw.shm.paths", "tgw.shm.model_format"],
-            ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", *SERVER_ONLY]),
+            ["tgw.client", "tgw.broker", "tgw.workers", "zmq", "torch", "lz4", "onnx", "onnxruntime", *SERVER_ONLY]),
     "client": (["tgw.client", "tgw.client.client", "tgw.client.tensors"],
                ["tgw.broker", "tgw.workers", "torch", *SERVER_ONLY]),
     "broker": (["tgw.broker", "tgw.broker.core.run", "tgw.broker.cli", "tgw.broker.core.assembly", "tgw.broker.core.lifecycle",
                 "tgw.broker.sched.admission", "tgw.broker.fleet.handshake", "tgw.broker.observe.status", "tgw.broker.front.endpoints"],
-               ["tgw.client", "tgw.workers", "torch"]),
+               ["tgw.client", "tgw.workers", "torch", "onnx", "onnxruntime"]),   # ONNX files told without them
     "workers": (["tgw.workers", "tgw.workers.main"],
-                ["tgw.client", "tgw.broker"]),
+                ["tgw.client", "tgw.broker", "onnxruntime"]),   # onnxruntime only once an ONNX model loads
     # face-neutral: no face's framework, and no face (orjson is allowed: a JSON codec)
     "protocol": (PROTOCOL, ["aiohttp", *GRPC, "tgw.broker.faces", "tgw.client", "tgw.workers", "torch"]),
     # the faces stand beside each other: neither loads the other, nor its framework

@@ -1,7 +1,7 @@
 """ONNX models end to end: a broker serving an ONNX model beside the demo mlp exported by
 torch.onnx.export (dynamo), told from their files; answers equal onnxruntime's in this process;
 versions hot-swapped under load with no failed request and no reply going back a version
-(tgw.testing.lifecycle's swap rig); runtime loads of a file tgw cannot serve refused with the
+(tgw.testing.lifecycle's swap rig), then to a TorchScript version; runtime loads of a file tgw cannot serve refused with the
 reason and the old version serving on; `tgw-broker check-config` naming a file that is not an
 ONNX model, and weights missing beside one, without onnxruntime in the broker."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tgw.client import Client, TgwError
 from tgw.shm.errors import Code
 from tgw.shm.wire import LoadVersion
 from tgw.testing.child import BrokerProc
-from tgw.testing.lifecycle import control, model_decl, swap, version_of
+from tgw.testing.lifecycle import control, model_decl, save_add_model, swap, version_of
 from tgw.workers.demo_models import DEMO_MODELS, build_file
 from tgw.workers.formats import load_in_process
 
@@ -35,6 +35,7 @@ def root(tmp_path_factory):
     for k in range(1, 4):
         add_model(str(d / f"add{k}.onnx"), k)
     add_model(str(d / "fixed.onnx"), 9, batch=1)
+    save_add_model(str(d / "add4.pt"), 4)   # TorchScript: a version may change format
     (d / "junk.onnx").write_bytes(b"#!/bin/sh\necho not a model\n")
     build_file(str(d), "mlp", "onnx")
     return d
@@ -48,7 +49,7 @@ def served(root):
            "models": [model_decl("m", [("1", str(root / "add1.onnx"))]),
                       {"name": "mlp", "versions": [{"version": "1", "path": mlp, "format": "onnx"}],
                        **DEMO_MODELS["mlp"][2]}]}
-    b = BrokerProc(cfg, tempfile.mkdtemp(prefix="tgwo-", dir="/tmp")).start(timeout=120)
+    b = BrokerProc(cfg, tempfile.mkdtemp(prefix="tgwox-", dir="/tmp")).start(timeout=120)
     yield b
     assert b.stop() == 0, b.output()
 
@@ -80,6 +81,10 @@ def test_onnx_models_serve_swap_under_load_and_refuse_what_they_cannot(served, r
     with Client(a) as c:
         assert sorted(c.status()["workers"][0]["models"]) == ["m:3", "mlp:1"]   # the old versions unloaded
         assert c.stats()["models"]["m"]["requests"] >= r["ok"]
+    control(a, LoadVersion(v=0, model="m", version="4", path=str(root / "add4.pt")))   # ONNX -> TorchScript
+    with Client(a) as c:
+        assert version_of(X, c.infer("m", {"x": X})["y"]) == 4
+        assert [v["version"] for v in c.metadata("m")[0]["versions"]] == ["4"]
 
 
 def test_check_config_names_files_that_are_not_onnx_models(root, tmp_path):

@@ -82,3 +82,11 @@ def test_export_archive_modules(tmp_path):
     assert "needs the types of module transformers.modeling_outputs" in line
     assert "workers.preload: [transformers.modeling_outputs]" in line
     assert missing_preloads(hf, ["transformers.modeling_outputs"]) == []
+
+
+def test_a_declaration_the_program_cannot_serve_carries_its_own_fix():
+    """A FormatMismatch names the dim and the export that fixes it: no cause line about another format."""
+    from tgw.workers.formats import FormatMismatch
+    said = ("m.onnx cannot serve m:1 as declared: input 'x' has a static batch dim of 2 in the model, but the broker "
+            "batches 1..8 rows (max_batch_size): export it with a dynamic batch dim")
+    assert error_text(raised(FormatMismatch(said))) == f"FormatMismatch: {said}"

@@ -101,3 +101,30 @@ def test_initializer_bytes_count_every_dtype(tmp_path):
     import onnx
     onnx.save_model(helper.make_model(graph), str(tmp_path / "m.onnx"))
     assert onnx_info(str(tmp_path / "m.onnx")).initializer_bytes == sum(a.nbytes for a in arrays)
+
+
+def test_triton_config_names_the_onnxruntime_platform(folder):
+    from tgw.broker.config.load import ModelDecl
+    from tgw.broker.models.entry import ModelEntry
+    from tgw.broker.protocol.triton_docs import model_config
+    decl = ModelDecl(name="m", versions=[{"version": "1", "path": str(folder / "add.onnx"), "format": "onnx"}],
+                     inputs=[{"name": "x", "dtype": "float32", "shape": [4]}],
+                     outputs=[{"name": "y", "dtype": "float32", "shape": [4]}], max_batch_size=8)
+    cfg = model_config(ModelEntry(decl), None, ["cpu"])
+    assert (cfg["platform"], cfg["backend"]) == ("onnxruntime_onnx", "onnxruntime")
+
+
+def test_the_graphs_inputs_and_outputs_are_read_without_onnxruntime(tmp_path):
+    """What a config that declares no tensors (Triton's auto-complete) is filled in from."""
+    from tgw.testing.onnx_models import two_inputs
+    info = onnx_info(two_inputs(str(tmp_path / "two.onnx")))
+    assert [(t.name, t.dtype, t.dims) for t in info.inputs] == [("scale", "float32", [-1, 1]),
+                                                                 ("ids", "int64", [-1, -1])]
+    assert [(t.name, t.dtype, t.dims) for t in info.outputs] == [("scaled", "float32", [-1, -1]),
+                                                                  ("count", "int64", [-1])]
+    # IR version 3 listed every initializer as a graph input too: those are weights, not inputs
+    import onnx
+    model = onnx.load(add_model(str(tmp_path / "add.onnx"), 1, batch=2))
+    model.graph.input.append(onnx.helper.make_tensor_value_info("k", onnx.TensorProto.FLOAT, [4]))
+    (tmp_path / "old.onnx").write_bytes(model.SerializeToString())
+    assert [(t.name, t.dims) for t in onnx_info(str(tmp_path / "old.onnx")).inputs] == [("x", [2, 4])]
