@@ -33,8 +33,11 @@ class TgwModelStore:
         return f"http://127.0.0.1:{self.management_port}"
 
     def config(self) -> dict[str, Any]:
+        """`workers` CPU workers of 1 torch thread, the store, the face's two ports, no model of its own."""
         return {"workers": {"devices": ["cpu"] * self.workers, "threads_per_worker": 1},
-                "torchserve": {"inference_address": self.url, "management_address": self.management}}
+                "model_store": self.store,
+                "torchserve": {"host": "127.0.0.1", "inference_port": self.inference_port,
+                               "management_port": self.management_port}}
 
     def _call(self, method: str, url: str) -> Any:
         with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=READY_TIMEOUT) as r:
