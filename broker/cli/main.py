@@ -9,7 +9,7 @@ import sys
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
 from . import connect, load_progress, models as cli_models
-from tgw.broker.config.load import ConfigError, load_config
+from tgw.broker.config.load import ConfigError, load_config, parse_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(0: any free one; the host is http.host, default 127.0.0.1)")
     start.add_argument("--grpc-port", type=int, help="serve the KServe v2 gRPC face (with grpc.health.v1 and "
                        "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
+    start.add_argument("--model-store", help="serve the TorchServe archives (.mar) of this folder: TorchServe's "
+                       "inference and management APIs on torchserve.inference_port / management_port (8080, 8081)")
+    start.add_argument("--models", nargs="+", metavar="MODEL", help="with --model-store: the archives served at start, "
+                       "as TorchServe's --models: all, NAME=FILE.mar or FILE.mar")
+    start.add_argument("--ts-inference-port", type=int, help="TorchServe's inference API on this port (0: any free one)")
+    start.add_argument("--ts-management-port", type=int, help="TorchServe's management API on this port "
+                       "(0: any free one)")
     start.add_argument("--progress", choices=("auto", "on", "off"),
                        help="each model's loading/warming/ready lines on stderr (default: $TGW_PROGRESS, else auto: "
                             "when stderr is a terminal and the log format is text)")
@@ -253,8 +260,9 @@ def run(argv: list[str] | None) -> None:
         sys.exit(query(args))
 
     if args.cmd == "check-config":
+        from tgw.broker.torchserve.store import with_store
         try:
-            cfg = load_config(args.file)
+            cfg = with_store(load_config(args.file))
         except ConfigError as exc:
             sys.exit(str(exc))
         print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
@@ -281,8 +289,16 @@ def run(argv: list[str] | None) -> None:
         os.environ["TGW_PROGRESS"] = args.progress
     from .demo import demo_config
     from tgw.broker.core.run import run_broker
+    from tgw.broker.torchserve.store import with_flags, with_store
     try:
-        cfg = load_config(args.config) if args.config else demo_config()
+        if args.config:
+            cfg = load_config(args.config)
+        elif args.model_store:   # TorchServe's way: the archives alone
+            cfg = parse_config({"model_store": os.path.abspath(args.model_store)}, os.getcwd(), "--model-store")
+        else:
+            cfg = demo_config()
+        cfg = with_store(with_flags(cfg, args.model_store, args.models, args.ts_inference_port,
+                                    args.ts_management_port))
     except ConfigError as exc:
         sys.exit(str(exc))
     from tgw.broker.config.load import with_grpc_port, with_http_port

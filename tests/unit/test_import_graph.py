@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", "client": "tgw.client"}
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it
 WINGS = ["config", "state", "cache", "models", "generate", "sequence", "jobs", "sched", "front", "pipeline", "canary", "fleet", "observe", "protocol",
-         "faces"]
+         "faces", "torchserve"]
 CORE = "core"   # broker/core/ and broker/cli/ (and anything else outside the wings): the assembly and the command line
 
 
