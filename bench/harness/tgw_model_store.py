@@ -1,15 +1,14 @@
 """tgw serving a TorchServe model store, as `tgw-bench torchserve` measures it: `tgw-broker start
---model-store DIR` (a broker in a child process, stopped by PID), its TorchServe face's inference
-and management ports on 127.0.0.1, each archive registered through the management API as a
-TorchServe user would (`POST /models?url=x.mar&batch_size=..&max_batch_delay=..&initial_workers=..`),
-waited for until its workers are READY. Same shape as torchserve_server.TorchServe: .url,
+--model-store DIR --models NAME=FILE.mar ...` as TorchServe is started (a broker in a child
+process, stopped by PID), its TorchServe face's inference and management ports on 127.0.0.1, each
+archive's batching from its model-config.yaml; ready when the broker is, /ping says Healthy and
+the management API describes each model. Same shape as torchserve_server.TorchServe: .url,
 .processes(), .stop().
 """
 from __future__ import annotations
 
 import json
 import os
-import urllib.parse
 import urllib.request
 from typing import Any, Optional
 
@@ -45,15 +44,19 @@ class TgwModelStore:
 
     def start(self, timeout: float = READY_TIMEOUT) -> "TgwModelStore":
         self.broker = BrokerProc(self.config(), self.dir)
-        self.broker.start(timeout=timeout, args=("--model-store", self.store))
-        self.broker.wait_for(lambda: self._call("GET", f"{self.url}/ping").get("status") == "Healthy",
-                             timeout, "/ping")
-        for name, m in self.models.items():
-            q = urllib.parse.urlencode({"url": m["mar"], "model_name": name, "batch_size": m.get("batch_size", 1),
-                                        "max_batch_delay": m.get("max_batch_delay_ms", 0),
-                                        "initial_workers": self.workers, "synchronous": "true"})
-            self._call("POST", f"{self.management}/models?{q}")
+        self.broker.start(timeout=timeout, args=("--model-store", self.store, "--models",
+                                                 *(f"{n}={m['mar']}" for n, m in self.models.items())))
+        self.broker.wait_for(self.ready, timeout, "/ping and each model described")
         return self
+
+    def describe(self, name: str) -> Any:
+        """The management API's `GET /models/{name}`."""
+        return self._call("GET", f"{self.management}/models/{name}")
+
+    def ready(self) -> bool:
+        if self._call("GET", f"{self.url}/ping").get("status") != "Healthy":
+            return False
+        return all(self._call("GET", f"{self.management}/models/{name}")[0].get("workers") for name in self.models)
 
     def processes(self) -> list[dict[str, Any]]:
         from tgw.client import Client

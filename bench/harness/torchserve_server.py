@@ -48,7 +48,7 @@ def missing() -> Optional[str]:
 
 class TorchServe:
     """One TorchServe on 127.0.0.1 serving the archives of `store` named in `models`
-    ({name: {"mar": file, "batch_size": n, "max_batch_delay_ms": ms}}), `workers` workers each."""
+    ({name: {"mar": file, ...}}), `workers` workers each."""
 
     def __init__(self, work: str, store: str, models: dict[str, dict[str, Any]], workers: int,
                  torch_threads: int = 1):
@@ -63,23 +63,26 @@ class TorchServe:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.inference_port}"
 
+    @property
+    def management(self) -> str:
+        return f"http://127.0.0.1:{self.management_port}"
+
+    def describe(self, name: str) -> Any:
+        """The management API's `GET /models/{name}`."""
+        return self._get(f"{self.management}/models/{name}")
+
     def properties(self) -> str:
-        """config.properties: every address on 127.0.0.1, the workers and per-model batching
-        (`models`: TorchServe's per-model JSON, which --models' registrations take)."""
-        per_model = {name: {"1.0": {"defaultVersion": True, "marName": m["mar"], "minWorkers": self.workers,
-                                    "maxWorkers": self.workers, "batchSize": m.get("batch_size", 1),
-                                    "maxBatchDelay": m.get("max_batch_delay_ms", 0), "responseTimeout": 120}}
-                     for name, m in self.models.items()}
+        """config.properties: every address on 127.0.0.1, the default workers per model (each
+        archive's model-config.yaml carries its batching, read by TorchServe and tgw alike)."""
         lines = {"inference_address": self.url,
-                 "management_address": f"http://127.0.0.1:{self.management_port}",
+                 "management_address": self.management,
                  "metrics_address": f"http://127.0.0.1:{self.metrics_port}",
                  "model_store": self.store,
                  "default_workers_per_model": str(self.workers),
                  "job_queue_size": "1000",      # the default 100 would refuse a deep closed loop's bursts
                  "install_py_dep_per_model": "false",
                  "disable_token_authorization": "true",
-                 "enable_metrics_api": "false",
-                 "models": json.dumps(per_model)}
+                 "enable_metrics_api": "false"}
         return "".join(f"{k}={v}\n" for k, v in lines.items())
 
     def start(self, timeout: float = READY_TIMEOUT) -> "TorchServe":
@@ -113,7 +116,7 @@ class TorchServe:
         if self._get(f"{self.url}/ping").get("status") != "Healthy":
             return False
         for name in self.models:
-            desc = self._get(f"http://127.0.0.1:{self.management_port}/models/{name}")
+            desc = self.describe(name)
             ready = [w for w in desc[0].get("workers", []) if w.get("status") == "READY"]
             if len(ready) < self.workers:
                 return False

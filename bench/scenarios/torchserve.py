@@ -192,6 +192,8 @@ def start_system(system: str, a: argparse.Namespace, res: dict, work: str, store
         rows["start_s"] = time.monotonic() - t0
         rows["processes"] = server.processes()
         log(f"{system} ready at {server.url} in {rows['start_s']:.1f} s, processes {rows['processes']}")
+        # each model as the server's management API describes it: the batching both read from the archive
+        rows["describe"] = {MODELS[x]: server.describe(MODELS[x]) for x in a.archives}
         for arch in a.archives:
             answer = predict(server.url, MODELS[arch], body[arch], CONTENT_TYPE[arch])
             res["answers"].setdefault(arch, {})[system] = answer
@@ -291,8 +293,11 @@ def run(a: argparse.Namespace) -> int:
     servers: dict[str, Any] = {}
     try:
         store = os.path.join(work, "store")
-        mar_archives.text_archive(store, MODELS["text"]) if "text" in archives else None
-        mar_archives.image_archive(store, MODELS["image"]) if "image" in archives else None
+        if "text" in archives:
+            mar_archives.text_archive(store, MODELS["text"], workers=a.workers)
+        if "image" in archives:
+            mar_archives.image_archive(store, MODELS["image"], batch_size=a.batch_size,
+                                       max_batch_delay_ms=a.batch_delay_ms, workers=a.workers)
         body = bodies(work)
         spec = {"duration": duration, "warmup": warmup, "procs": 1}
         for system in systems:

@@ -9,6 +9,9 @@ for the tests and `tgw-bench torchserve` alike (nothing downloaded, nothing comm
   JPEG or PNG with Pillow into a 32x32 RGB tensor, a tiny CNN saved as TorchScript (no model
   file: BaseHandler's `torch.jit.load` path), batched, top-3 classes by name per request.
 
+Batching and workers, when asked, go into the archive's model-config.yaml (`--config-file`),
+which TorchServe and tgw both read: one archive, the same settings on both servers.
+
 The vocabulary covers every word and bigram of `SENTENCES` (the built-in handler indexes its
 vocabulary with `[]`, so an unknown token is a KeyError in TorchServe as in tgw): send those.
 """
@@ -88,11 +91,26 @@ def archiver() -> str:
     return found
 
 
+def model_config(work: str, batch_size: Optional[int], max_batch_delay_ms: Optional[int],
+                 workers: Optional[int]) -> Optional[str]:
+    """The archive's model-config.yaml (torch-model-archiver --config-file; TorchServe and tgw
+    both read its batchSize, maxBatchDelay, minWorkers/maxWorkers), or None when nothing is asked."""
+    cfg = {k: v for k, v in (("batchSize", batch_size), ("maxBatchDelay", max_batch_delay_ms),
+                             ("minWorkers", workers), ("maxWorkers", workers)) if v is not None}
+    if not cfg:
+        return None
+    with open(os.path.join(work, "model-config.yaml"), "w") as f:
+        f.write("".join(f"{k}: {v}\n" for k, v in cfg.items()))
+    return "model-config.yaml"
+
+
 def _archive(work: str, export: str, name: str, handler: str, serialized: str, model_file: Optional[str],
-             extra: list[str]) -> str:
+             extra: list[str], config_file: Optional[str] = None) -> str:
     os.makedirs(export, exist_ok=True)
     argv = [archiver(), "--model-name", name, "--version", "1.0", "--serialized-file", serialized,
             "--handler", handler, "--export-path", export, "--force"]
+    if config_file:
+        argv += ["--config-file", config_file]
     if model_file:
         argv += ["--model-file", model_file]
     if extra:
@@ -119,8 +137,10 @@ def _labels(path: str, names: tuple[str, ...]) -> str:
     return path
 
 
-def text_archive(export: str, name: str = "textclf", seed: int = 0) -> str:
-    """A .mar for TorchServe's built-in `text_classifier` in folder `export`; returns its path."""
+def text_archive(export: str, name: str = "textclf", seed: int = 0, workers: Optional[int] = None) -> str:
+    """A .mar for TorchServe's built-in `text_classifier` in folder `export`; returns its path.
+    `workers`: minWorkers = maxWorkers in its model-config.yaml (batchSize 1: the handler reads
+    only a batch's first request)."""
     import torch
     work = os.path.join(export, f".{name}-src")
     os.makedirs(work, exist_ok=True)
@@ -135,11 +155,14 @@ def text_archive(export: str, name: str = "textclf", seed: int = 0) -> str:
     torch.save(vocab, os.path.join(work, "source_vocab.pt"))
     _labels(os.path.join(work, "index_to_name.json"), TEXT_CLASSES)
     return _archive(work, export, name, "text_classifier", "model.pt", "model.py",
-                    ["source_vocab.pt", "index_to_name.json"])
+                    ["source_vocab.pt", "index_to_name.json"],
+                    model_config(work, 1 if workers else None, None, workers))
 
 
-def image_archive(export: str, name: str = "imgclf", seed: int = 0) -> str:
-    """A .mar with the custom Pillow handler and a TorchScript CNN in folder `export`; returns its path."""
+def image_archive(export: str, name: str = "imgclf", seed: int = 0, batch_size: Optional[int] = None,
+                  max_batch_delay_ms: Optional[int] = None, workers: Optional[int] = None) -> str:
+    """A .mar with the custom Pillow handler and a TorchScript CNN in folder `export`; returns its
+    path. batch_size, max_batch_delay_ms, workers: its model-config.yaml (none: no such file)."""
     import torch
     from torch import nn
     work = os.path.join(export, f".{name}-src")
@@ -152,7 +175,8 @@ def image_archive(export: str, name: str = "imgclf", seed: int = 0) -> str:
                         nn.Linear(16, len(IMAGE_CLASSES))).eval()
     torch.jit.save(torch.jit.script(cnn), os.path.join(work, "model.pt"))
     _labels(os.path.join(work, "index_to_name.json"), IMAGE_CLASSES)
-    return _archive(work, export, name, "image_handler.py", "model.pt", None, ["index_to_name.json"])
+    return _archive(work, export, name, "image_handler.py", "model.pt", None, ["index_to_name.json"],
+                    model_config(work, batch_size, max_batch_delay_ms, workers))
 
 
 def sample_image(fmt: str = "JPEG", size: int = 64, seed: int = 0) -> bytes:
