@@ -58,6 +58,12 @@ class TgwModelStore:
             return False
         return all(self._call("GET", f"{self.management}/models/{name}")[0].get("workers") for name in self.models)
 
+    def stats(self) -> dict[str, Any]:
+        """The broker's `stats()`: measure() diffs it across a row (the batch sizes it formed)."""
+        from tgw.client import Client
+        with Client(self.broker.address) as c:
+            return c.stats()
+
     def processes(self) -> list[dict[str, Any]]:
         from tgw.client import Client
         with Client(self.broker.address) as c:

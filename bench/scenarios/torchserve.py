@@ -146,8 +146,28 @@ def goals(res: dict[str, Any], archives: list[str], lv: list[int]) -> list[dict[
     return out
 
 
+def cpu_per_request(res: dict[str, Any], archives: list[str], lv: list[int]) -> dict[str, Any]:
+    """Each system's server CPU per request (front + workers, µs; each level's kept row) and
+    TorchServe's over tgw's: what a request costs, which other sessions' load on a shared box
+    moves less than req/s. Reported beside the goals, not one of them."""
+    out: dict[str, Any] = {}
+    for a in archives:
+        for n in lv:
+            cell = {}
+            for system in SYSTEMS:
+                r = ((res["rows"].get(system) or {}).get(a) or {}).get(str(n))
+                if r and "error" not in r:
+                    f, w = front_cpu_us(r)
+                    cell[system] = None if f is None or w is None else f + w
+            if cell.get("torchserve") and cell.get("tgw"):
+                cell["torchserve/tgw"] = cell["torchserve"] / cell["tgw"]
+            out.setdefault(a, {})[str(n)] = cell
+    return out
+
+
 def tables(res: dict[str, Any], archives: list[str], lv: list[int]) -> str:
-    body = [["archive", "c", "system", "req/s", "p50 ms", "p99 ms", "front us/req", "workers us/req", "failed"]]
+    body = [["archive", "c", "system", "req/s", "p50 ms", "p99 ms", "front us/req", "workers us/req", "others' cores",
+             "failed"]]
     for a in archives:
         for n in lv:
             for system in SYSTEMS:
@@ -157,16 +177,20 @@ def tables(res: dict[str, Any], archives: list[str], lv: list[int]) -> str:
                 r = (sys_rows.get(a) or {}).get(str(n))
                 if r is None or "error" in r:
                     body.append([a, str(n), system, (r or {}).get("error", sys_rows.get("skipped", "not run"))[:60],
-                                 "", "", "", "", ""])
+                                 "", "", "", "", "", ""])
                     continue
                 f, w = front_cpu_us(r)
                 lat = r["latency_ms"]
                 body.append([a, str(n), system, f"{r['throughput_rps']:,.0f}", _f(lat["p50"], ".2f"),
-                             _f(lat["p99"], ".2f"), _f(f, ".0f"), _f(w, ".0f"), str(r["requests_failed"])])
+                             _f(lat["p99"], ".2f"), _f(f, ".0f"), _f(w, ".0f"),
+                             _f(r["machine"].get("other_cpu_cores"), ".2f"), str(r["requests_failed"])])
     g = [["goal", "value", "target", "met"]] + [
         [x["goal"], _f(x["value"], ".2f"), f"{x['target']:.2f}", {True: "yes", False: "NO", None: "-"}[x["met"]]]
         for x in res["goals"]]
-    return report.text_table(body) + "\n\n" + report.text_table(g)
+    cpu = [["archive", "c", "TorchServe CPU us/req", "tgw CPU us/req", "TorchServe/tgw"]] + [
+        [a, n, _f(c.get("torchserve"), ".0f"), _f(c.get("tgw"), ".0f"), _f(c.get("torchserve/tgw"), ".2f")]
+        for a, levels_ in res.get("cpu_per_request", {}).items() for n, c in levels_.items()]
+    return report.text_table(body) + "\n\n" + report.text_table(g) + "\n\n" + report.text_table(cpu)
 
 
 def _f(v: Optional[float], fmt: str) -> str:
@@ -212,14 +236,18 @@ def one_row(system: str, server, arch: str, n: int, body: dict[str, str], spec: 
     target = HttpTarget("127.0.0.1", int(server.url.rsplit(":", 1)[1]), f"/predictions/{model}", body[arch],
                         timeout=60.0, label=f"{system}-{arch}", model=model, content_type=CONTENT_TYPE[arch])
     try:
-        row = measure(target, LoadSpec(level=n, **spec), server.processes(), drive=drive)
+        row = measure(target, LoadSpec(level=n, **spec), server.processes(), drive=drive,
+                      stats=getattr(server, "stats", None))   # tgw's: the batches its broker formed
     except Exception as exc:  # noqa: BLE001 - recorded; the other rows still run
         log(f"{system} {arch} c={n} FAILED: {type(exc).__name__}: {exc}")
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     f, w = front_cpu_us(row)
+    batch = (row.get("broker_stats") or {}).get("mean_batch_rows")
     log(f"{system} {arch} c={n}: {row['throughput_rps']:,.0f} req/s, p50 {_f(row['latency_ms']['p50'], '.2f')} "
         f"ms, p99 {_f(row['latency_ms']['p99'], '.2f')} ms, front {_f(f, '.0f')} us/req, workers "
-        f"{_f(w, '.0f')} us/req" + (f", {row['requests_failed']} failed" if row["requests_failed"] else ""))
+        f"{_f(w, '.0f')} us/req, other processes {_f(row['machine']['other_cpu_cores'], '.2f')} cores"
+        + (f", mean batch {batch:.1f}" if batch else "")
+        + (f", {row['requests_failed']} failed" if row["requests_failed"] else ""))
     return row
 
 
@@ -333,6 +361,7 @@ def run(a: argparse.Namespace) -> int:
         else:
             print(f"kept {work}", file=sys.stderr)
     res["goals"] = goals(res, archives, lv)
+    res["cpu_per_request"] = cpu_per_request(res, archives, lv)
     report.conclude(res, NAME, a.out, date, mode, t0, tables(res, archives, lv))
     complete = "error" not in res and all(res.get("answer_checks", {}).values()) and all(
         "error" not in rows and (rows.get("skipped") or all(
