@@ -8,7 +8,6 @@ management API lists, describes, registers, sets the default version and unregis
 the token answer in TorchServe's shape and status."""
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import struct
@@ -194,9 +193,15 @@ def test_management_registers_a_custom_handler_batched_with_versions(served):
     with Client(broker.address, token=TOKEN) as c:
         assert c.stats()["models"]["imgclf"]["batch_sizes"] == {"4": 1}
 
-    # a second version: named by path; the default moves only by set-default
-    resp = requests.post(f"{man}/models?url=imgclf-v2.mar", headers=AUTH)
-    assert resp.json() == {"status": 'Model "imgclf" Version: 2.0 registered with 1 initial workers'}
+    # a second version, by `tgw-broker models load FILE.mar`: named by path; the default moves only by set-default
+    token_file = os.path.join(broker.dir, "token")
+    with open(token_file, "w") as f:
+        f.write(TOKEN)
+    os.chmod(token_file, 0o600)
+    out = subprocess.run([sys.executable, "-m", "tgw.broker", "models", "load", "imgclf-v2.mar", "--address",
+                          broker.address, "--token-file", token_file], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout) == (0, 'Model "imgclf" Version: 2.0 registered with 1 initial workers\n'), \
+        out.stderr
     assert [d["modelVersion"] for d in requests.get(f"{man}/models/imgclf/all", headers=AUTH).json()] == ["1.0", "2.0"]
     one = {"params": [("body", "image/jpeg", images[0])]}
     v1, v2 = torchserve_answer(files["image"], [one])[0][1], torchserve_answer(files["v2"], [one])[0][1]
@@ -204,6 +209,11 @@ def test_management_registers_a_custom_handler_batched_with_versions(served):
     ask = lambda path: requests.post(f"{inf}/predictions/{path}", data=images[0],  # noqa: E731
                                      headers={**AUTH, "Content-Type": "image/jpeg"}).content
     assert (ask("imgclf"), ask("imgclf/2.0"), ask("imgclf/1.0")) == (v1, v2, v1)
+    # a reload of the config file keeps what the store serves (the archives are no entries of the file)
+    out = subprocess.run([sys.executable, "-m", "tgw.broker", "reload", "--address", broker.address, "--token-file",
+                          token_file], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "no changes" in out.stdout, out.stdout + out.stderr
+    assert (ask("imgclf"), ask("imgclf/2.0")) == (v1, v2)
     assert requests.put(f"{man}/models/imgclf/2.0/set-default", headers=AUTH).json() == {
         "status": 'Default version successfully updated for model "imgclf" to "2.0"'}
     assert ask("imgclf") == v2
