@@ -8,7 +8,7 @@ import sys
 
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
-from . import connect, load_progress, models as cli_models
+from . import archive_load, connect, load_progress, models as cli_models
 from tgw.broker.config.load import ConfigError, load_config, parse_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
@@ -181,8 +181,20 @@ def reload_line(reload: dict) -> str:
     return cli_models.with_message(f"{line}, last reload {outcome} at {reload['at_s']:.1f} s", reload.get("message"))
 
 
+class Parser(argparse.ArgumentParser):
+    """The top parser: what one flag's parser cannot see is a usage error too."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        if ns.cmd == "models" and ns.verb == "load" and not archive_load.is_archive(ns.model) and (
+                ns.version is None or (ns.batch_size, ns.max_batch_delay, ns.name) != (None, None, None)):
+            self.error("models load: the following arguments are required: --version (--batch-size, "
+                       "--max-batch-delay and --name are an archive's: models load FILE.mar)")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tgw-broker", description="tgw torch inference gateway broker")
+    ap = Parser(prog="tgw-broker", description="tgw torch inference gateway broker")
     sub = ap.add_subparsers(dest="cmd", required=True)
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
     start.add_argument("--config", help="YAML config file")
@@ -255,6 +267,9 @@ def run(argv: list[str] | None) -> None:
 
     if args.cmd == "keygen":
         sys.exit(keygen(args))
+
+    if args.cmd == "models" and args.verb == "load" and archive_load.is_archive(args.model):
+        sys.exit(archive_load.register(args))   # TorchServe's register, through its management API
 
     if hasattr(args, "request"):     # a verb that asks a running broker
         sys.exit(query(args))

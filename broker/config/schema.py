@@ -333,11 +333,11 @@ class Config(Strict):
 
     @model_validator(mode="after")
     def _references(self) -> "Config":
+        if self.torchserve is not None and self.torchserve.models and self.model_store is None:
+            raise ValueError("torchserve.models names archives of model_store, which is not set")
         if not self.models and self.model_store is None:
             raise ValueError("models: at least one model is required (or a TorchServe model_store whose archives "
                              "torchserve.models names)")
-        if self.torchserve is not None and self.torchserve.models and self.model_store is None:
-            raise ValueError("torchserve.models names archives of model_store, which is not set")
         if self.default_tenant is not None and self.default_tenant not in self.tenants:
             raise ValueError(f"default_tenant {self.default_tenant!r} is not one of tenants {sorted(self.tenants)}")
         if self.require_tenant and not self.tenants:

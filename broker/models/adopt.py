@@ -43,10 +43,16 @@ class Adoption:
         weights = {r.version: r.weight for r in entry.records.values() if r.weight > 0}
         self.registry.flip(entry.name, {**weights, rec.version: FULL_WEIGHT if new else 0}, drain=[])
         known = [] if new else [v for v in entry.decl.versions if v.version != version.version]
-        whole = decl.model_copy(update={"versions": [*known, version]})
+        self.declared(decl.model_copy(update={"versions": [*known, version]}), root)
+        return f"{rec.key} loaded"
+
+    def declared(self, decl: ModelDecl, root: str = "") -> None:
+        """The model's declaration as served now: its versions, the default pinned (so a reload
+        keeps the default where registrations and set-default put it)."""
+        entry = self.registry.entry(decl.name)
+        whole = decl.model_copy(update={"default_version": entry.default or decl.versions[-1].version})
         self.registry.redeclare(whole)
         self.reloader.adopted(whole, root)
-        return f"{rec.key} loaded"
 
     async def remove(self, name: str, version: str) -> str:
         """Stop serving one version (drained, then unloaded); the model goes with its last one."""
@@ -61,11 +67,10 @@ class Adoption:
             self.registry.forget(name)
             self.reloader.abandoned(name)
         elif left:
-            whole = entry.decl.model_copy(update={"versions": left})
-            self.registry.redeclare(whole)
-            self.reloader.adopted(whole, "")
+            self.declared(entry.decl.model_copy(update={"versions": left}))
         return f"{name}:{version} unloaded"
 
     def set_default(self, name: str, version: str) -> None:
         """`version` takes every request that names no version; the others stay routable by name."""
         self.registry.flip(name, {version: FULL_WEIGHT}, drain=[])
+        self.declared(self.registry.entry(name).decl)

@@ -175,6 +175,8 @@ class Reloader:
         """A model added while serving (a TorchServe archive registered), or its declaration with
         its versions now: kept by later reloads."""
         self.cfg = with_models(without_model(self.cfg, decl.name), [decl], [root] if root else [])
+        if self.path:   # its entry file's content, as a reload compares it
+            self.digests = {**self.digests, **handler_digests(self.cfg.model_copy(update={"models": [decl]}))}
 
     def abandoned(self, name: str) -> None:
         """An added model unregistered: later reloads leave it out."""

@@ -89,6 +89,7 @@ def unpack(path: str, into: str) -> Archive:
         work = tempfile.mkdtemp(prefix=f".{stem}-", dir=into)
         try:
             _extract(path, work)
+            read(path, work)   # refused: nothing kept
             with open(os.path.join(work, ENTRY_FILE), "w") as f:
                 f.write(ENTRY_TEXT)
             shutil.rmtree(dest, ignore_errors=True)
