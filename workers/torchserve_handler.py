@@ -58,6 +58,9 @@ class TorchServeStage:
         if model_dir not in sys.path:   # as TorchServe's worker: the handler imports its siblings
             sys.path.insert(0, model_dir)
         os.environ.setdefault("TS_MODEL_DIR", model_dir)
+        # ts logs a [METRICS] line per batch (TorchServe's frontend parses them from the worker's
+        # stdout); here each would cross into the broker's log: tgw's own metrics count the same
+        logging.getLogger("ts.metrics").setLevel(logging.WARNING)
         gpu = context.device.index if context.device.type == "cuda" else None
         metrics_yaml = os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml")
         metrics = MetricsCacheYamlImpl(config_file_path=metrics_yaml)
