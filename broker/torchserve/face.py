@@ -163,6 +163,9 @@ class TorchServeFace:
                 return err.response()
             except TgwError as err:
                 return from_tgw(err, request.match_info.get("model", "")).response()
+            except web.HTTPException as exc:   # aiohttp's own refusals: a body over max_body_bytes (413)
+                return TsError(exc.status, STATUS_TYPES.get(exc.status, "InternalServerException"),
+                               exc.text or exc.reason).response()
             except Exception as exc:  # a broker bug: answered, logged with its stack
                 self.port.note("broker_error", type(exc).__name__, f"TorchServe {request.method} {request.path} "
                                "failed inside the broker", exc_info=True)
