@@ -321,6 +321,8 @@ class TorchServeFace:
         try:
             await self.operator.exclusive(lambda: self.operator.adoption.add(decl, self.store.unpack_dir))
         except TgwError as err:
+            if err.details.get("reason") == "exists":   # registered meanwhile, by another request
+                raise TsError(409, "ConflictStatusException", err.message) from None
             raise TsError(500, "InternalServerException",
                           f"Failed to start workers for model {decl.name} version: {version}: {err.message}") from None
         opts = decl.options.get("torchserve", {})
