@@ -12,6 +12,7 @@
     tgw-bench generate [--quick]                        # streamed generation: floor, Flask, one-shot, LitServe, tgw
     tgw-bench generate-faces [--quick]                  # one generator over native, gRPC, HTTP SSE, OpenAI streams
     tgw-bench sequences [--quick]                       # a sequence model's steps against one-shot requests
+    tgw-bench onnx [--quick]                            # an ONNX resnet: onnxruntime's own floor, tgw, TorchScript
     tgw-bench torchserve [--quick]                      # the same .mar archives on TorchServe and tgw's /predictions
 
 `tgw-bench --model ...` without a name is `load`. Every scenario but `load` starts its own

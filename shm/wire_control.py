@@ -75,10 +75,14 @@ class Metadata(Struct, tag_field="op", tag="metadata"):
 
 
 class Reload(Struct, tag_field="op", tag="reload"):
-    """Re-read the config file and apply the difference, as SIGHUP does; answered once applied."""
+    """Re-read the config file and apply the difference, as SIGHUP does; answered once applied.
+    With `models`: no file is read; these model entries (config-shaped dicts, a Triton load's
+    config override) are served as given, replacing the models of their names, and kept by later
+    reloads."""
     v: int
     id: int = 0
     token: Optional[str] = None
+    models: Optional[list[dict[str, Any]]] = None
 
 
 class VersionInfo(Struct):

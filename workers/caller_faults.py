@@ -25,6 +25,10 @@ PATTERNS = [re.compile(p) for p in (
     r"shape '\[[-\d, ]*\]' is invalid for input of size \d+",
     r"index out of range in self",                      # an embedding's index past its table
     r"Expected size for first two dimensions of batch2 tensor",
+    # onnxruntime's (an ONNX model's): an input's dim the graph fixes, operands that do not broadcast
+    r"Got invalid dimensions for input",
+    r"Attempting to broadcast an axis by a dimension other than 1",
+    r"Incompatible dimensions",
 )]
 MAX_CHARS = 500
 

@@ -24,6 +24,10 @@ Exporting your own model (`save_model` below does exactly this):
     # program as saved and loaded back, with mkldnn and nnpack off (save_model says why)
     with torch.backends.mkldnn.flags(enabled=False), torch.backends.nnpack.flags(enabled=False):
         torch._inductor.aoti_compile_and_package(torch.export.load("model.pt2"), package_path="model-aoti.pt2")
+    # format: onnx -- served through onnxruntime (the `onnx` extra); the dynamo exporter takes the
+    # same dynamic_shapes; inputs and outputs are named as the config declares them
+    torch.onnx.export(model, example, "model.onnx", dynamo=True, dynamic_shapes=shapes,
+                      input_names=["x"], output_names=["y"], external_data=False)
 
 The config then declares the file as usual; `format:` is optional (tgw reads it from the file)
 and, when given, must match. The batch Dim's range must cover 1..max_batch_size and the
@@ -117,7 +121,7 @@ DEMO_MODELS = {
 DEMO_VERSION = "1"
 # the same weights in another format: name -> (the model it is made from, format)
 FORMAT_MODELS = {"mlp-export": ("mlp", "export"), "mlp-aoti": ("mlp", "aoti")}
-SUFFIX = {"torchscript": ".pt", "export": ".pt2", "aoti": ".pt2"}
+SUFFIX = {"torchscript": ".pt", "export": ".pt2", "aoti": ".pt2", "onnx": ".onnx"}
 TORCH_TAG = torch.__version__.split("+")[0]   # an AOTInductor build runs only with the torch that built it
 
 
@@ -143,9 +147,11 @@ def dynamic_shapes(io_decl: dict, max_batch_size: int) -> tuple:
                  for t in io_decl["inputs"])
 
 
-def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: tuple | None = None) -> str:
-    """Write `module` to `path` in format `fmt` (torchscript, export or aoti), atomically: a
-    reader never sees half a file. `shapes`: torch.export's dynamic_shapes (export and aoti)."""
+def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: tuple | None = None,
+               names: tuple[list[str], list[str]] | None = None) -> str:
+    """Write `module` to `path` in format `fmt` (torchscript, export, aoti or onnx), atomically: a
+    reader never sees half a file. `shapes`: torch.export's dynamic_shapes (export, aoti, onnx);
+    `names`: an ONNX file's (input names, output names), as the config declares them."""
     tmp = os.path.join(os.path.dirname(path) or ".", f".tmp-{os.getpid()}-{os.path.basename(path)}")
     try:
         if fmt == "torchscript":
@@ -153,6 +159,9 @@ def save_model(module: nn.Module, example: tuple, path: str, fmt: str, shapes: t
             torch.jit.save(torch.jit.script(module), data)  # in memory: no temp name inside the archive
             with open(tmp, "wb") as f:
                 f.write(data.getvalue())
+        elif fmt == "onnx":   # one file: external data would carry the temporary name
+            torch.onnx.export(module, example, tmp, dynamo=True, dynamic_shapes=shapes, external_data=False,
+                              input_names=names[0] if names else None, output_names=names[1] if names else None)
         else:
             ep = torch.export.export(module, example, dynamic_shapes=shapes)
             if fmt == "export":
@@ -190,8 +199,9 @@ def build_file(out_dir: str, base: str, fmt: str) -> str:
     if not os.path.exists(path):
         os.makedirs(out_dir, exist_ok=True)
         example = tuple(x.repeat(2, *[1] * (x.dim() - 1)) for x in DEMO_MODELS[base][1]())  # 4 rows
-        save_model(build_module(base), example, path, fmt, dynamic_shapes(DEMO_MODELS[base][2],
-                                                                          DEMO_MODELS[base][2]["max_batch_size"]))
+        io_decl = DEMO_MODELS[base][2]
+        names = ([t["name"] for t in io_decl["inputs"]], [t["name"] for t in io_decl["outputs"]])
+        save_model(build_module(base), example, path, fmt, dynamic_shapes(io_decl, io_decl["max_batch_size"]), names)
     return path
 
 

@@ -5,6 +5,8 @@ export:      torch.export.load(...).module(), moved with torch.export.passes.mov
 aoti:        torch._inductor.aoti_load_package on the worker's device; its compiled-in input
              checks are turned on (AOTI_RUNTIME_CHECK_INPUTS), so a wrong shape is an error
              rather than a read past the end of a buffer.
+onnx:        an onnxruntime InferenceSession on the worker's device, called through I/O binding
+             (onnx_program.py); onnxruntime is imported only when an ONNX model loads.
 
 `load_in_process` is also what the demo's answer check and the benchmark's in-process floor
 call, so all three measure the very program the worker serves.
@@ -19,7 +21,7 @@ from typing import IO, Callable, Optional, Union
 
 import torch
 
-from tgw.shm.model_format import aoti_metadata
+from tgw.shm.model_format import aoti_metadata, onnx_info
 
 # read once, by the package's first call: it must be set before any AOTInductor model runs
 os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
@@ -40,10 +42,16 @@ class Program:
     dims: Optional[list[list[Dim]]] = None      # per input, per dim (batch first); None: not readable
     dtypes: Optional[list[torch.dtype]] = None
     names: list[str] = field(default_factory=list)
+    # the program's own check against a declaration: the problems in words (ONNX: by name)
+    check: Optional[Callable[..., list[str]]] = None
 
 
-def load_in_process(fmt: str, f: Union[str, IO[bytes]], device: torch.device = torch.device("cpu")) -> Program:
-    """Load a model file of format `fmt` (a path, or an open binary file) on `device`."""
+def load_in_process(fmt: str, f: Union[str, IO[bytes]], device: torch.device = torch.device("cpu"),
+                    origin: Optional[str] = None) -> Program:
+    """Load a model file of format `fmt` (a path, or an open binary file) on `device`; `origin`:
+    the path `f` was copied from, where an ONNX model's external weights lie beside it."""
+    if fmt == "onnx":
+        return _onnx(f, device, origin)
     return LOADERS[fmt](f, device)
 
 
@@ -120,7 +128,15 @@ def missing_cpu_features(isa: str, flags: Optional[set[str]] = None) -> list[str
     return [w for w in wanted if flags and w not in flags]
 
 
-LOADERS = {"torchscript": _torchscript, "export": _export, "aoti": _aoti}
+def _onnx(f, device: torch.device, origin: Optional[str] = None) -> Program:
+    from . import onnx_program   # onnxruntime only where ONNX models are served
+    program = onnx_program.load(f, device, origin)
+    if hasattr(f, "seek"):
+        f.seek(0)
+    return Program(program, "onnx", onnx_info(f).initializer_bytes, check=program.declare)
+
+
+LOADERS = {"torchscript": _torchscript, "export": _export, "aoti": _aoti, "onnx": _onnx}
 
 
 def storage_bytes(module: torch.nn.Module) -> int:

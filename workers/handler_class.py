@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from . import triton_python
 from .runner import ChecksumMismatch
 from .stage import StageContext
 
@@ -27,6 +28,7 @@ def load_class(handler: str, sha256: str | None = None) -> type:
     where, _, name = handler.rpartition(":")
     if not where or not name:
         raise StageLoadError(f"handler {handler!r} is not FILE.py:Class or module:Class")
+    triton_python.install()   # a Triton Python model's `import triton_python_backend_utils`
     module = _file_module(where, sha256) if where.endswith(".py") else _import(where)
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
@@ -56,6 +58,9 @@ def _file_module(path: str, sha256: str | None):
     folder = os.path.dirname(path)
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    parent = os.path.dirname(folder)
+    if os.path.basename(folder).isdigit() and parent not in sys.path:
+        sys.path.append(parent)   # a Triton version folder (REPO/M/1/model.py): M's files import as in Triton
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -85,9 +90,17 @@ def code_file(cls: type) -> str:
 
 def made(spec, who: str) -> tuple[object, str]:
     """The instance of the class `spec.handler` names and the file its frames are told from;
-    StageLoadError (prefixed `who`) when the class cannot be made."""
+    StageLoadError (prefixed `who`) when the class cannot be made. A Triton Python model (a class
+    with `execute` and no `__call__`) is made inside the stage that serves it (triton_python)."""
     cls = load_class(spec.handler, spec.sha256)
+    triton = triton_python.is_triton_model(cls)
+    if triton and spec.sequence is not None:
+        raise StageLoadError(f"{who}: {cls.__name__} is a Triton Python model (it has execute()): tgw serves "
+                             "those as stages, not as sequence handlers; drop the entry's sequence: section")
     try:
+        if triton:
+            from .triton_python.adapter import TritonStage   # imports torch-side code only when used
+            return TritonStage(cls, spec), code_file(cls)
         return cls(), code_file(cls)
     except Exception as exc:
         raise StageLoadError(f"{who}: {cls.__name__}() failed: {type(exc).__name__}: {exc}") from exc
@@ -98,4 +111,5 @@ def set_up(module, spec, device: torch.device) -> None:
     setup = getattr(module, "setup", None)
     if setup is not None:
         setup(StageContext(name=spec.name, version=spec.version, dir=handler_dir(spec.handler), device=device,
-                           threads=torch.get_num_threads(), options=dict(spec.options)))
+                           threads=torch.get_num_threads(), options=dict(spec.options),
+                           batched=spec.batched))

@@ -1,4 +1,4 @@
-"""One loaded model (TorchScript, exported program or AOTInductor package): load, check it
+"""One loaded model (TorchScript, exported program, AOTInductor package or ONNX model): load, check it
 against the declaration, warm up, run a batch, map results to declared outputs."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from tgw.shm.wire import IOSpec, ModelSpec, model_key
 
 from .caller_faults import rejected
 from .footprint import Gauge
+from .model_shapes import from_model, plain, to_model
 from .formats import FormatMismatch, Program, aoti_input_problem, load_in_process
-from .shape_checks import aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
+from .shape_checks import VARIABLE_SIZE, aoti_edges, check_request_dims, example_size, export_refusals, out_of_range
 
 log = logging.getLogger("tgw.worker")
 TORCH_DTYPES = {
@@ -42,7 +43,10 @@ class ModelRunner:
         """`program`: already loaded (load_verified) by a caller that reads it first (sequence_runner.py)."""
         self.spec, self.device = spec, device
         self.program = program if program is not None else load_verified(spec, device)
-        problems = export_refusals(spec, self.program)
+        # an exported program's dims are checked against the declaration when it takes it as declared;
+        # a program with its own check (ONNX) checks itself
+        problems = (export_refusals(spec, self.program) if plain(spec) else []) + \
+            (self.program.check(spec) if self.program.check else [])
         if problems:
             raise self._refused("; ".join(problems))
         self.module, self.nbytes = self.program.call, self.program.nbytes
@@ -83,7 +87,9 @@ class ModelRunner:
     def examples(self, rows: int, change: tuple[int, int, int] | None = None) -> list[torch.Tensor]:
         """Warm-up inputs: zeros (the least likely to trip a model's own input checks); a -1 dim
         at a size the program allows, or as `change` (input, tensor dim, size) says."""
-        shapes = [[rows, *(example_size(self.program, i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
+        # the program's dims line up with the declared ones only for a plain spec (model_shapes.py)
+        size = (lambda i, k: example_size(self.program, i, k)) if plain(self.spec) else (lambda i, k: VARIABLE_SIZE)
+        shapes = [[rows, *(size(i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
                   for i, t in enumerate(self.spec.inputs)]
         if change is not None:
             shapes[change[0]][change[1]] = change[2]
@@ -99,7 +105,8 @@ class ModelRunner:
         (on its device)."""
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
-        check_request_dims(self.spec, self.program, inputs)
+        if plain(self.spec):
+            check_request_dims(self.spec, self.program, inputs)
         sent = inputs   # before any padding: a rejection's message names these shapes
         short = rows < self.min_batch
         if short:   # run at the program's smallest batch; the padding rows are dropped below
@@ -124,10 +131,10 @@ class ModelRunner:
 
     def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():
-            return self.module(*inputs)
+            return self.module(*to_model(self.spec, inputs))
 
     def _checked(self, result, rows: int) -> list[torch.Tensor]:
-        outs = self._map(result)
+        outs = from_model(self.spec, self._map(result))
         for decl, t in zip(self.outputs, outs):
             _check(decl, t, rows)
         return outs
@@ -176,7 +183,7 @@ def load_verified(spec: ModelSpec, device: torch.device) -> Program:
         with open(f"/proc/self/fd/{fd}", "rb") as copy:
             fmt = detect(copy, spec.format, where=spec.path)
             copy.seek(0)
-            return load_in_process(fmt, copy, device)
+            return load_in_process(fmt, copy, device, origin=spec.path)
     finally:
         os.close(fd)
 

@@ -23,14 +23,20 @@ class StageContext:
     device: torch.device       # where the stage runs: cpu, or the worker's GPU for `device: cuda`
     threads: int               # torch's intra-op threads in this worker
     options: dict[str, Any] = field(default_factory=dict)   # the config's `options:` for this stage
+    # False for max_batch_size 0: batch tensors come without the batch dim (one request a batch)
+    batched: bool = True
 
 
 class StageBatch:
     """One batch as a stage sees it: `batch["name"]` for an input, `batch.rows`, `batch.device`,
     `batch.fail(row, message)`."""
 
-    def __init__(self, rows: int, device: torch.device, inputs: dict[str, Any]):
+    def __init__(self, rows: int, device: torch.device, inputs: dict[str, Any], starts: list[int] | None = None,
+                 ids: list[int] | None = None):
         self.rows, self.device, self.inputs = rows, device, inputs
+        # where each request's rows begin, and the end (None: not told, e.g. a warm-up example);
+        # each request's id as its caller sent it. Read by adapters that answer per request.
+        self.starts, self.ids = starts, list(ids or [])
         self.failed: dict[int, str] = {}    # row -> message, in the order the stage failed them
 
     def __getitem__(self, name: str) -> Any:
@@ -48,9 +54,23 @@ class StageBatch:
     def fail(self, row: int, message: str) -> None:
         """Fail one row: its request is answered INVALID_ARGUMENT with `message`. The outputs
         returned must still have all rows (a failed row's values are ignored)."""
+        self.fail_as(row, str(message))
+
+    def fail_as(self, row: int, failure: str) -> None:
+        """Fail one row with a RowFailure (its own code and wording) or a message."""
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.rows:
             raise IndexError(f"batch.fail: row {row!r} is not a row of this {self.rows}-row batch")
-        self.failed.setdefault(row, str(message))
+        self.failed.setdefault(row, failure)
+
+
+class RowFailure(str):
+    """A row's message answered with `code` and as it is (no "stage NAME:" in front): an adapter
+    that speaks another server's errors (a Triton Python model's TritonError) fails rows so."""
+
+    def __new__(cls, message: str, code: str):
+        failure = super().__new__(cls, message)
+        failure.code = code
+        return failure
 
 
 class Stage:

@@ -15,6 +15,7 @@ from tgw.shm.wire import ModelSpec, model_key
 
 from .generate.runner import GeneratorRunner
 from .handler_class import StageLoadError, handler_dir, load_class, made, set_up  # noqa: F401 - StageLoadError, load_class re-exported
+from .model_shapes import stage_inputs, stage_result
 from .runner import ModelRunner
 from .sequence_runner import SequenceRunner, make_sequence_runner
 from .stage import StageBatch
@@ -34,7 +35,8 @@ class StageRunner:
         self.footprint = None   # measured at load and warm-up (footprint.warm_measured)
         self.module, self.code_file = made(spec, f"stage {self.key}")   # code_file: where its frames are told from
         if not callable(self.module):
-            raise StageLoadError(f"stage {self.key}: {type(self.module).__name__} has no __call__(batch)")
+            raise StageLoadError(f"stage {self.key}: {type(self.module).__name__} has no __call__(batch) (nor "
+                                 "execute(requests), which a Triton Python model has)")
         set_up(self.module, spec, self.device)
 
     @property
@@ -53,13 +55,15 @@ class StageRunner:
         prove(self.label, self.key, self.spec.inputs, self.spec.warmup_inputs, handler_dir(self.spec.handler),
               self.call, self.module, self.code_file, self.device)
 
-    def call(self, inputs: dict[str, Any], rows: int) -> tuple[list, dict[int, str]]:
+    def call(self, inputs: dict[str, Any], rows: int, starts: list[int] | None = None,
+             ids: list[int] | None = None) -> tuple[list, dict[int, str]]:
         """One batch through the stage: its outputs in declared order, checked and on the host
-        (torch tensors, or stage_outputs.PackedBytes for bytes), and the rows it failed."""
-        batch = StageBatch(rows, self.device, inputs)
+        (torch tensors, or stage_outputs.PackedBytes for bytes), and the rows it failed.
+        `starts`: where each request's rows begin, and the end; `ids`: the requests' ids."""
+        batch = StageBatch(rows, self.device, stage_inputs(self.spec, inputs), starts, ids)
         with torch.no_grad():   # not inference_mode: a stage may keep tensors it made across batches
             result = self.module(batch)
-        return host_outputs(self.label, self.outputs, result, rows), batch.failed
+        return host_outputs(self.label, self.outputs, stage_result(self.spec, result), rows), batch.failed
 
 
 def make_runner(spec: ModelSpec, device: torch.device) -> ModelRunner | StageRunner | GeneratorRunner | SequenceRunner:

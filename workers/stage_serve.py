@@ -20,6 +20,7 @@ from .answers import error_done, failed
 from .oom import is_oom, oom_text
 from .output_blocks import request_starts
 from .sequence_runner import SequenceRunner
+from .stage import RowFailure
 from .stage_runner import StageRunner
 
 
@@ -41,7 +42,9 @@ def serve_stage(server, batch: Batch, runner: StageRunner | SequenceRunner) -> D
         a, b = starts[lo], starts[hi]
         named = {t.name: x[a:b] if (a, b) != (0, batch.rows) else x for t, x in zip(batch.inputs, inputs)}
         steps = (batch.steps[lo:hi],) if isinstance(runner, SequenceRunner) else ()
-        outs, rows_failed = runner.call(named, *steps, b - a)
+        # a stage is told where its requests begin (a Triton Python model answers per request)
+        told = {} if steps else {"starts": [s - a for s in starts[lo:hi + 1]], "ids": batch.ids[lo:hi]}
+        outs, rows_failed = runner.call(named, *steps, b - a, **told)
         for row, message in rows_failed.items():
             failures.setdefault(a + row, message)
         return outs
@@ -82,6 +85,9 @@ def _failed_requests(runner: StageRunner, failures: dict[int, str], starts: list
     for row in sorted(failures):
         request = bisect.bisect_right(starts, row) - 1
         if request not in out:
-            out[request] = fail(Code.INVALID_ARGUMENT, f"stage {runner.spec.name}: {failures[row]}",
-                                row=row - starts[request], request=request, reason="stage_row_failed").to_body()
+            message = failures[row]
+            code, text = ((Code(message.code), str(message)) if isinstance(message, RowFailure) else
+                          (Code.INVALID_ARGUMENT, f"stage {runner.spec.name}: {message}"))
+            out[request] = fail(code, text, row=row - starts[request], request=request,
+                                reason="stage_row_failed").to_body()
     return out

@@ -3,6 +3,7 @@ and the model lifecycle verbs of cli/models.py (models ..., reload)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
     start.add_argument("--config", help="YAML config file")
     start.add_argument("--address", help="override server.address, e.g. ipc:///run/tgw/tgw.sock")
+    start.add_argument("--model-repository", metavar="DIR", action="append",
+                       help="serve a Triton model repository (config.pbtxt and numbered version folders per model; "
+                            "repeat for more) beside the config's models, or alone without --config "
+                            "(docs/MIGRATING.md)")
     start.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     start.add_argument("--log-format", choices=("text", "json"), default=os.environ.get("TGW_LOG_FORMAT") or "text",
                        help="text lines, or one JSON object per line (the workers' too; default: $TGW_LOG_FORMAT, "
@@ -218,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="each model's loading/warming/ready lines on stderr (default: $TGW_PROGRESS, else auto: "
                             "when stderr is a terminal and the log format is text)")
     check = sub.add_parser("check-config", help="validate a config file (model files included) and exit")
-    check.add_argument("file")
+    check.add_argument("file", nargs="?", help="the YAML config (optional with --model-repository)")
+    check.add_argument("--model-repository", metavar="DIR", action="append",
+                       help="a Triton model repository, as start takes it")
     check.add_argument("--load", action="store_true",
                        help="also load and warm up every model and stage version as a worker would, in a child "
                             "process (torch; no broker starts), and report each: exit 1 when one fails")
@@ -247,6 +254,12 @@ def start_problem(args) -> str | None:
     return f"--address {args.address!r}: {problem}; expected {ADDRESS_FORMS}" if problem else None
 
 
+def configured(path: str | None, model_repository: list[str] | None):
+    """The config of `--config`/check-config's FILE, with `--model-repository` (either may be missing)."""
+    from tgw.broker.config.load import repository_config
+    return load_config(path, model_repository) if path else repository_config(model_repository)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `tgw-broker` entry point. A reader that goes away (`tgw-broker status | head -1`) ends
     the command quietly with status 141 (128 + SIGPIPE, what `cat` killed by the signal gives),
@@ -270,17 +283,24 @@ def run(argv: list[str] | None) -> None:
 
     if args.cmd == "models" and args.verb == "load" and archive_load.is_archive(args.model):
         sys.exit(archive_load.register(args))   # TorchServe's register, through its management API
+    if hasattr(args, "local"):       # a verb that works here, without a broker (models convert)
+        sys.exit(args.local(args))
 
     if hasattr(args, "request"):     # a verb that asks a running broker
         sys.exit(query(args))
 
     if args.cmd == "check-config":
+        if args.file is None and args.model_repository is None:
+            sys.exit("tgw-broker check-config: name a config FILE, --model-repository DIR, or both")
         from tgw.broker.torchserve.store import with_store
         try:
-            cfg = with_store(load_config(args.file))
+            cfg = with_store(configured(args.file, args.model_repository))
         except ConfigError as exc:
             sys.exit(str(exc))
-        print(f"{args.file}: OK ({len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)})")
+        for line in cfg._repository_warnings:
+            print(f"warning: {line}")
+        names = ", ".join(m.name for m in cfg.models)
+        print(f"{args.file or ' '.join(args.model_repository)}: OK ({len(cfg.models)} model(s): {names})")
         for m in cfg.models:
             print(f"  {m.name}: " + ", ".join(f"version {v.version} ({v.format})" for v in m.versions))
         if cfg.pipelines:
@@ -306,8 +326,8 @@ def run(argv: list[str] | None) -> None:
     from tgw.broker.core.run import run_broker
     from tgw.broker.torchserve.store import with_flags, with_store
     try:
-        if args.config:
-            cfg = load_config(args.config)
+        if args.config or args.model_repository:
+            cfg = configured(args.config, args.model_repository)
         elif args.model_store:   # TorchServe's way: the archives alone
             cfg = parse_config({"model_store": os.path.abspath(args.model_store)}, os.getcwd(), "--model-store")
         else:
@@ -316,6 +336,8 @@ def run(argv: list[str] | None) -> None:
                                     args.ts_management_port))
     except ConfigError as exc:
         sys.exit(str(exc))
+    for line in cfg._repository_warnings:
+        logging.getLogger("tgw.broker").warning("model repository: %s", line)
     from tgw.broker.config.load import with_grpc_port, with_http_port
     try:
         if args.http_port is not None:

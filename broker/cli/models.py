@@ -9,13 +9,13 @@ import argparse
 import os
 from typing import Any, Iterator
 
-from tgw.shm.model_format import FORMATS
+from tgw.shm.model_format import MODEL_FORMATS
 from tgw.shm.wire import (PROTOCOL_VERSION, ControlReply, LoadVersion, Metadata, MetadataReply, ModelMetadata,
                           Reload, SetTraffic, UnloadVersion)
 
 from tgw.broker.models.replay import summary as replay_summary
 
-from . import load_progress, rollout as cli_rollout
+from . import convert, load_progress, rollout as cli_rollout
 
 CONTROL_WAIT_S = 600.0   # load, unload and reload answer once loads and drains are done
 QUERY_WAIT_S = 5.0
@@ -67,7 +67,7 @@ class WeightsAction(argparse.Action):
 
 
 def add_verbs(sub, broker_verb) -> None:
-    """Add `models {list,load,unload,traffic,metadata}` and `reload` to the subcommands `sub`;
+    """Add `models {list,load,unload,traffic,metadata,convert}` and `reload` to the subcommands `sub`;
     `broker_verb(sub, name, help, wait_s, request, show)` (cli/main.py) makes each parser."""
     models = sub.add_parser("models", help="list, load, unload, weigh and describe model versions")
     verbs = models.add_subparsers(dest="verb", required=True)
@@ -98,7 +98,7 @@ def add_verbs(sub, broker_verb) -> None:
                              "directory), or module:Class (default: the handler the config declares for this version)")
     load.add_argument("--sha256", type=sha256_hex, help="the file's (or handler file's) SHA-256; the worker checks "
                                                         "the bytes it loads")
-    load.add_argument("--format", choices=FORMATS, help="what the file must hold (default: whatever it holds)")
+    load.add_argument("--format", choices=MODEL_FORMATS, help="what the file must hold (default: whatever it holds)")
     load.add_argument("--weight", type=non_negative_int,
                       help="canary: add beside the other versions with this weight (0: only when named); "
                            "default: hot swap, the new version takes all unnamed traffic and the old ones unload")
@@ -119,6 +119,7 @@ def add_verbs(sub, broker_verb) -> None:
     model_verb("metadata", "inputs, outputs and per version its state, weight, memory and workers", QUERY_WAIT_S,
                lambda args: Metadata(v=PROTOCOL_VERSION, model=args.model), print_metadata,
                nargs="?", help="a model (default: every model)")
+    convert.add_verb(verbs)
     broker_verb(sub, "reload", "re-read the config file and apply the difference, as SIGHUP does",
                 CONTROL_WAIT_S, lambda args: Reload(v=PROTOCOL_VERSION), print_control)
 

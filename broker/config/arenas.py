@@ -51,7 +51,7 @@ def batch_bytes(tensors: Sequence[TensorDecl], rows: int) -> Optional[int]:
 
 def input_need(model: ModelDecl, max_inflight: int, max_request_bytes: int) -> int:
     """Bytes of input arena this model needs (the rule above)."""
-    block = batch_bytes(model.inputs, model.max_batch_size)
+    block = batch_bytes(model.inputs, model.max_rows)
     if block is None:  # the largest admissible request, laid out in aligned regions
         return align_up(max_request_bytes) + ALIGN * (len(model.inputs) - 1)
     return (max_inflight + 1) * block
@@ -59,10 +59,10 @@ def input_need(model: ModelDecl, max_inflight: int, max_request_bytes: int) -> i
 
 def output_need(model: ModelDecl, max_inflight: int) -> int:
     """Bytes of output arena this model needs (the rule above)."""
-    block = batch_bytes(model.outputs, model.max_batch_size)
+    block = batch_bytes(model.outputs, model.max_rows)
     if block is None:
         fixed = [t for t in model.outputs if sized(t)]
-        return max(VARIABLE_OUTPUT_BYTES, (max_inflight + 1) * (batch_bytes(fixed, model.max_batch_size) or 0))
+        return max(VARIABLE_OUTPUT_BYTES, (max_inflight + 1) * (batch_bytes(fixed, model.max_rows) or 0))
     return (max_inflight + 1) * block
 
 

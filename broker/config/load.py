@@ -11,10 +11,11 @@ from typing import Optional
 import yaml
 from pydantic import ValidationError
 
-from tgw.shm.model_format import FORMATS
+from tgw.shm.model_format import MODEL_FORMATS
 
-from . import arenas
+from . import arenas, repository
 from .export_types import missing_preloads
+from .labels import LabelFileError, read_labels
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, \
@@ -24,8 +25,8 @@ from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, Fragmenta
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",
            "ModelDecl", "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
-           "SupervisorDecl", "TenantDecl", "TensorDecl", "TorchServeDecl", "VersionDecl", "WarmupDecl", "WorkersDecl", "file_sha256",
-           "load_config", "parse_config"]
+           "SupervisorDecl", "TenantDecl", "TensorDecl", "TorchServeDecl", "VersionDecl", "WarmupDecl", "WorkersDecl",
+           "file_sha256", "load_config", "parse_config", "repository_config"]
 
 
 class ConfigError(ValueError):
@@ -118,7 +119,7 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
         if not isinstance(v, dict) or not isinstance(v.get("path"), str):
             continue
         sha256 = v.get("sha256") if isinstance(v.get("sha256"), str) else None
-        fmt = v.get("format") if v.get("format") in FORMATS else None
+        fmt = v.get("format") if v.get("format") in MODEL_FORMATS else None
         path = os.path.join(base_dir, v["path"])   # not normalised: confine refuses a ".." as written
         try:
             formats[vpath] = check_file(confine(path, roots) if roots is not None else path, sha256, fmt)
@@ -128,6 +129,12 @@ def _file_problems(data: object, base_dir: str, roots: Optional[list[str]]) -> t
             problems.append(f"  {vpath}.path: {err}")
         except ModelFileError as err:
             problems.append(f"  {vpath}.{err.field}: {err}")
+    for kpath, v in _items(data, ("models", "*", "outputs", "*", "labels")):
+        if isinstance(v, str):
+            try:   # its lines go back to clients: it lies in model_roots as model files do
+                read_labels(confine(os.path.join(base_dir, v), roots) if roots is not None else v)
+            except (PathRefused, LabelFileError) as err:
+                problems.append(f"  {kpath}: {err}")
     for kpath, v in [kv for key in GRPC_FILES for kv in _items(data, ("grpc", key))]:
         path = _resolve(v, base_dir) if isinstance(v, str) else None
         if path is not None and not os.path.isfile(path):
@@ -180,8 +187,10 @@ def _source(v: VersionDecl, base_dir: str, roots: list[str], fmt: str) -> Versio
 def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     """Validate everything and report every problem at once. model_roots and model paths come
     back as real paths (a model path is the confined file itself, symlinks resolved)."""
-    problems, cfg = [], None
     base_dir = os.path.abspath(base_dir)
+    problems, warnings, cfg = [], [], None
+    if isinstance(data, dict):   # a Triton repository's models and pipelines join the config's own
+        data, problems, warnings = repository.merged(data, base_dir)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -192,7 +201,9 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     if problems:
         raise ConfigError("\n".join([f"invalid config {source}: {len(problems)} problem(s)", *problems]))
     models = [m.model_copy(update={"versions": [
-        _source(v, base_dir, roots, formats[f"models.{i}.versions.{j}"]) for j, v in enumerate(m.versions)]})
+        _source(v, base_dir, roots, formats[f"models.{i}.versions.{j}"]) for j, v in enumerate(m.versions)],
+        "outputs": [t.model_copy(update={"labels": confine(os.path.join(base_dir, t.labels), roots)}) if t.labels else t
+                    for t in m.outputs]})
         for i, m in enumerate(cfg.models)]
     sup, server = cfg.supervisor, cfg.server
     if sup.snapshot_dir is not None:
@@ -205,13 +216,27 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
     ts = cfg.torchserve and (cfg.torchserve.model_copy(update={"unpack_dir": _resolve(cfg.torchserve.unpack_dir, base_dir)})
                              if cfg.torchserve.unpack_dir else cfg.torchserve)
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
-    return arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
-                                                 "server": server, "grpc": grpc, "model_store": store,
-                                                 "torchserve": ts}))
+    out = arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
+                                                "server": server, "grpc": grpc, "model_store": store,
+                                                "torchserve": ts}))
+    out._repository_warnings = warnings
+    return out
 
 
-def load_config(path: str) -> Config:
-    """Read and validate a config file; no side effects, so it may run again (SIGHUP)."""
+def repository_config(directories: list[str]) -> Config:
+    """`tgw-broker start --model-repository DIR ...` without --config: the repositories' models
+    alone, every other key at its default (the repository folders are the model roots)."""
+    directories = [os.path.abspath(d) for d in directories]
+    out = parse_config({repository.KEY: directories}, directories[0],
+                       f"--model-repository {' '.join(directories)}")
+    out._repository_flag = directories
+    return out
+
+
+def load_config(path: str, model_repository: Optional[list[str]] = None) -> Config:
+    """Read and validate a config file; no side effects, so it may run again (SIGHUP).
+    `model_repository` (`start --model-repository`, each relative to the current folder) replaces
+    the file's own key."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -223,7 +248,12 @@ def load_config(path: str) -> Config:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: top level must be a mapping with a 'models' key")
-    return parse_config(data, os.path.dirname(os.path.abspath(path)), path)
+    if model_repository:
+        model_repository = [os.path.abspath(d) for d in model_repository]
+        data[repository.KEY] = model_repository
+    out = parse_config(data, os.path.dirname(os.path.abspath(path)), path)
+    out._repository_flag = model_repository or None
+    return out
 
 
 def with_face_port(cfg: Config, face: str, port: int) -> Config:

@@ -107,6 +107,9 @@ class ServerDecl(Strict):
     # on the first SIGTERM/SIGINT: seconds of reporting not ready while still serving (so
     # balancers stop sending) before the drain; 0: drain at once
     drain_notice_s: Annotated[float, Field(ge=0, le=3600)] = 0.0
+    # Triton's repository load with a config override and files (file:<path>) on the HTTP and gRPC
+    # faces: written under <first model root>/uploads/ and served; needs auth_token_file
+    allow_model_uploads: bool = False
 
     @field_validator("address")
     @classmethod
@@ -123,6 +126,13 @@ class ServerDecl(Strict):
             raise ValueError(f"socket_dir_mode {v} lets other users replace the socket; "
                              "group and others may not write (e.g. 0750)")
         return v
+
+    @model_validator(mode="after")
+    def _uploads_need_the_token(self) -> "ServerDecl":
+        if self.allow_model_uploads and not self.auth_token_file:
+            raise ValueError("allow_model_uploads needs server.auth_token_file: a load with files runs what "
+                             "it is sent, so only a caller with the token may send it")
+        return self
 
     @model_validator(mode="after")
     def _tcp_is_encrypted(self) -> "ServerDecl":
@@ -310,6 +320,10 @@ class ObservabilityDecl(Strict):
 class Config(Strict):
     # folders model files must lie in; relative: to the config file's folder; empty: that folder
     model_roots: list[Annotated[str, Field(min_length=1)]] = []
+    # Triton model repositories served beside `models` (broker/config/repository.py, docs/MIGRATING.md):
+    # a folder or a list of them; relative: to the config file's folder; `start --model-repository` sets it
+    model_repository: Union[None, Annotated[str, Field(min_length=1)],
+                            Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
     server: ServerDecl = ServerDecl()
     workers: WorkersDecl = WorkersDecl()
     supervisor: SupervisorDecl = SupervisorDecl()
@@ -318,7 +332,8 @@ class Config(Strict):
     grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
     jobs: JobsDecl = JobsDecl()                    # polled jobs: bounds and how long results are kept
-    models: list[ModelDecl] = []                   # at least one, unless model_store serves archives
+    # at least one (a model_repository's are added to them), unless model_store serves archives
+    models: list[ModelDecl] = []
     model_store: Optional[str] = None              # a folder of TorchServe .mar archives (torchserve: serves them)
     torchserve: Optional[TorchServeDecl] = None    # TorchServe's APIs; None: off (on with model_store)
     tenants: dict[TenantName, TenantDecl] = {}
@@ -330,6 +345,9 @@ class Config(Strict):
     # models served beside the file's (TorchServe archives) and their roots: a reload keeps them
     _extra_models: list = PrivateAttr(default_factory=list)
     _extra_roots: list = PrivateAttr(default_factory=list)
+    _repository_flag: Optional[list[str]] = PrivateAttr(default=None)   # `start --model-repository`: a reload keeps it
+    # what the repository's files ask that tgw does not honour, one line per model (logged at start)
+    _repository_warnings: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> "Config":

@@ -6,6 +6,7 @@ schema.py re-exports these with the rest of the schema.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from typing import Annotated, Any, Literal, Optional
 
@@ -259,6 +260,16 @@ class ModelDecl(Strict):
     def is_stage(self) -> bool:
         return self.versions[0].handler is not None
 
+    @property
+    def batched(self) -> bool:
+        """False for max_batch_size 0: requests carry no batch dim and each runs alone."""
+        return self.max_batch_size > 0
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows in one batch: an unbatched model's request is one row inside tgw."""
+        return max(self.max_batch_size, 1)
+
     @field_validator("wire_dtypes")
     @classmethod
     def _wire_dtypes(cls, v: list[str]) -> list[str]:
@@ -280,6 +291,17 @@ class ModelDecl(Strict):
             too_big = [b for b in getattr(self, key) if b > max(self.max_batch_size, 1)]
             if too_big:
                 raise ValueError(f"{key} {too_big} exceed max_batch_size {self.max_batch_size}")
+        if not self.batched and (self.generator is not None or self.sequence_batching is not None):
+            raise ValueError(f"model {self.name!r}: max_batch_size 0 (no batch dim) is not offered for generators and "
+                             "sequence models (their state is kept per batch row)")
+        misplaced = [f"input {t.name!r} has labels (an output's label file)" for t in self.inputs if t.labels] + \
+            [f"output {t.name!r} has a format (an input's, Triton's)" for t in self.outputs if t.format]
+        if misplaced:
+            raise ValueError(f"model {self.name!r}: " + "; ".join(misplaced))
+        for t in (*self.inputs, *self.outputs):
+            problem = reshape_problem(t)
+            if problem:
+                raise ValueError(f"model {self.name!r}: {problem}")
         if self.wire_dtypes and not any(t.dtype == "float32" for t in self.inputs):
             raise ValueError(f"wire_dtypes {self.wire_dtypes}: model {self.name!r} has no float32 input (only "
                              "float32 inputs travel at a reduced precision)")
@@ -428,3 +450,16 @@ def _value_problem(t: TensorDecl, value: Any, dims: list[int], at: list[int]) ->
 
 def _relative(path: Any) -> bool:
     return isinstance(path, str) and bool(path) and not path.startswith("/") and ".." not in path.split("/")
+
+
+def reshape_problem(t: TensorDecl) -> str | None:
+    """Why a tensor's `reshape` cannot stand for its `shape` (None: it can, or there is none): the
+    same element count, and its -1 dims taken, in order, from the shape's -1 dims (Triton's rule)."""
+    if t.reshape is None:
+        return None
+    fixed = lambda dims: math.prod(d for d in dims if d != -1)   # noqa: E731
+    if any(d < -1 or d == 0 for d in t.reshape) or t.reshape.count(-1) != t.shape.count(-1) \
+            or fixed(t.reshape) != fixed(t.shape):
+        return (f"tensor {t.name!r}: reshape {t.reshape} does not hold the elements of shape {t.shape} (the same count "
+                "of fixed elements, and as many -1 dims)")
+    return None

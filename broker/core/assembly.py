@@ -48,6 +48,7 @@ from tgw.broker.observe.status import BrokerView, Listening, ReadOnlyAnswers
 from tgw.broker.pipeline.executor import PipelineDeps, Pipelines
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.triton_shm import TritonShm
+from tgw.broker.protocol.uploads import Uploads
 from tgw.broker.sched.admission import Admission
 from tgw.broker.sched.batcher import Batcher
 from tgw.broker.sched.costmodel import CostModel
@@ -164,7 +165,8 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     faces = _faces(cfg, DoorPort(token=token, view=view, entry=registry.entry, dispatch=door.dispatch,
                                  infer=door.infer, count_error=stats.error, note=complaints.note,
                                  withdraw=door.drop_caller, shm=TritonShm(server.max_region_bytes, roster),
-                                 load=load, scrape=metrics.render), operator)
+                                 load=load, scrape=metrics.render,
+                                 uploads=Uploads(cfg.model_roots[0]) if server.allow_model_uploads else None), operator)
     return Broker(clock=clock, phase=phase, roster=roster, complaints=complaints, callers=callers, registry=registry,
                   stats=stats, costs=costs, batcher=batcher, replay=replay, door=door, back=link, memory=memory,
                   faults=faults, placement=placement, admission=admission, handshake=handshake, pipelines=pipelines,

@@ -91,6 +91,7 @@ def reply_tensors(p: Pending, views: dict) -> tuple[list[TensorMeta], list]:
     for name in p.outputs:
         arr, raw = views[name]
         frame, compression = packed(p.compress, raw) if p.compress else (raw, None)
-        metas.append(TensorMeta(name=name, dtype=arr.dtype, shape=[p.rows, *arr.shape[1:]], compression=compression))
+        shape = [p.rows, *arr.shape[1:]] if p.batched else list(arr.shape[1:])   # unbatched: its one row, no batch dim
+        metas.append(TensorMeta(name=name, dtype=arr.dtype, shape=shape, compression=compression))
         payload.append(frame)
     return metas, payload

@@ -192,7 +192,8 @@ class Regions:
         for name, at in zip(p.outputs, places):
             t, data = views[name]
             view[at:at + data.nbytes] = data
-            metas.append(TensorMeta(name=name, dtype=t.dtype, shape=[p.rows, *t.shape[1:]], region=s.region,
+            shape = [p.rows, *t.shape[1:]] if p.batched else list(t.shape[1:])   # unbatched: no batch dim
+            metas.append(TensorMeta(name=name, dtype=t.dtype, shape=shape, region=s.region,
                                     offset=at))
         self.counts["outputs"] += 1
         return metas, [b""] * len(metas)

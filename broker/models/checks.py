@@ -2,7 +2,8 @@
 its tensors against the declared inputs.
 
 Pure checks, no I/O: a request that passes them is known to match its model's declared inputs
-exactly, so workers never see malformed tensors.
+exactly, so workers never see malformed tensors. The refusals clients match by text are worded
+as Triton's core words them (its infer_request.cc); the details carry tgw's fields.
 """
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from tgw.shm.errors import Code, fail
 from tgw.shm.wire import BYTES, COMPRESSIONS, WIRE_DTYPES, Infer, IOSpec, TensorMeta, nbytes_of
 
 from tgw.broker.state.versions import VersionRecord, VersionState
+
 from .entry import ModelEntry
+
+# Triton's protocol names of the datatypes (protocol/kserve.py's, which this layer may not import)
+DATATYPE_NAMES = {"bool": "BOOL", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
+                  "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32", "uint64": "UINT64", "float16": "FP16",
+                  "float32": "FP32", "float64": "FP64", "bfloat16": "BF16", BYTES: "BYTES"}
+BATCH_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch dimension to be prepended "
+              "to each input shape. If you want to specify the full shape including the batch dim in your input dims "
+              "config, try setting max_batch_size to zero. See the model configuration docs for more info on "
+              "max_batch_size.")
 
 
 def wire_nbytes(meta: TensorMeta) -> int:
@@ -96,36 +107,51 @@ def check_shapes(model: ModelEntry, req: Infer, frame_sizes: list[int]) -> Shape
 
 
 def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
+    """Triton's checks in Triton's order and words (core's infer_request.cc): the input count,
+    unknown names, the batch, the datatype, the shape, the byte size. A model without a batch dim
+    (max_batch_size 0) takes the declared shape exactly and runs as one row inside tgw."""
     if len(frame_sizes) != len(req.inputs):
         raise fail(Code.INVALID_ARGUMENT, f"header lists {len(req.inputs)} tensors but "
                    f"{len(frame_sizes)} tensor frames followed it")
+    name = model.name
     names = [t.name for t in req.inputs]
     expected = [t.name for t in model.inputs]
-    if sorted(names) != sorted(expected):
-        raise fail(Code.INVALID_ARGUMENT, f"model {model.name!r} takes inputs {expected}, got {names}",
-                   expected=expected, got=names)
+    if len(names) != len(expected) or any(n not in model.input_index for n in names) or len(set(names)) != len(names):
+        unknown = [n for n in names if n not in model.input_index]
+        if len(names) != len(expected) or not unknown:   # a count off, or a name twice
+            raise fail(Code.INVALID_ARGUMENT, count_words(name, expected, names), expected=expected, got=names)
+        raise fail(Code.INVALID_ARGUMENT, f"unexpected inference input '{unknown[0]}' for model '{name}'",
+                   input=unknown[0], expected=expected)
     order = [names.index(n) for n in expected]
-    rows, shape_key = None, []
-    max_rows = model.decl.max_batch_size
+    batched = model.decl.batched
+    # unbatched: one row inside tgw (the scheduler, the ring and the worker see [1, *dims])
+    rows, shape_key = (None if batched else 1), []
+    if batched:
+        for k, decl in enumerate(model.inputs):
+            shape = req.inputs[order[k]].shape
+            if not shape:
+                raise fail(Code.INVALID_INPUT_SHAPE, f"input '{decl.name}' has no shape but model requires batch "
+                           f"dimension for '{name}'", input=decl.name)
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise fail(Code.INVALID_INPUT_SHAPE, f"input '{decl.name}' batch size does not match other inputs "
+                           f"for '{name}'", input=decl.name)
+        if not 1 <= rows <= model.decl.max_batch_size:
+            raise fail(Code.INVALID_INPUT_SHAPE, f"inference request batch-size must be <= "
+                       f"{model.decl.max_batch_size} for '{name}'", max_batch_size=model.decl.max_batch_size, got=rows)
     for k, decl in enumerate(model.inputs):
         meta = req.inputs[order[k]]
         if meta.dtype != decl.dtype:
-            raise fail(Code.INVALID_INPUT_DTYPE, f"input {decl.name!r} must be {decl.dtype}, got {meta.dtype}",
+            raise fail(Code.INVALID_INPUT_DTYPE, dtype_words(name, decl.name, meta.dtype, decl.dtype),
                        input=decl.name, expected=decl.dtype, got=meta.dtype)
         shape = meta.shape
-        if len(shape) != len(decl.shape) + 1 or not _dims_match(shape[1:], decl.shape):
-            raise fail(Code.INVALID_INPUT_SHAPE, f"input {decl.name!r} must have shape "
-                       f"[batch, {', '.join(map(str, decl.shape))}] (-1 = any), got {shape}",
-                       input=decl.name, expected=[-1, *decl.shape], got=shape)
-        if rows is None:
-            rows = shape[0]
-        if shape[0] != rows:
-            raise fail(Code.INVALID_INPUT_SHAPE, f"inputs disagree on the batch dimension: "
-                       f"{decl.name!r} has {shape[0]} rows, others {rows}", input=decl.name)
-        if not 1 <= rows <= max_rows:
-            raise fail(Code.INVALID_INPUT_SHAPE, f"batch dimension of {decl.name!r} is {rows}; model "
-                       f"{model.name!r} takes 1..{max_rows} rows per request",
-                       input=decl.name, max_batch_size=max_rows)
+        dims = shape[1:] if batched else shape
+        if len(dims) != len(decl.shape) or not _dims_match(dims, decl.shape):
+            full = [-1, *decl.shape] if batched else decl.shape
+            raise fail(Code.INVALID_INPUT_SHAPE, f"unexpected shape for input '{decl.name}' for model '{name}'. "
+                       f"Expected {_dims(full)}, got {_dims(shape)}. {BATCH_NOTE if batched else ''}",
+                       input=decl.name, expected=full, got=shape)
         if meta.compression is not None and meta.compression not in COMPRESSIONS:
             raise fail(Code.INVALID_ARGUMENT, f"unknown compression {meta.compression!r} on "
                        f"{decl.name!r}; supported: {list(COMPRESSIONS)}")
@@ -135,11 +161,10 @@ def _check_inputs(model: ModelEntry, req: Infer, frame_sizes: list[int]):
         if meta.compression is None and decl.dtype != BYTES:
             want, got = wire_nbytes(meta), frame_sizes[order[k]]
             if got != want:
-                what = decl.dtype if meta.wire_dtype is None else f"{meta.wire_dtype} (wire_dtype)"
-                raise fail(Code.INVALID_ARGUMENT, f"input {decl.name!r}: frame holds {got} bytes but "
-                           f"shape {shape} x {what} needs {want}", input=decl.name, expected=want, got=got)
+                raise fail(Code.INVALID_ARGUMENT, f"input byte size mismatch for input '{decl.name}' for model "
+                           f"'{name}'. Expected {want}, got {got}", input=decl.name, expected=want, got=got)
         if model.variable:
-            shape_key.append(tuple(shape[1:]))
+            shape_key.append(tuple(dims))
     return order, rows, tuple(shape_key)
 
 
@@ -147,7 +172,10 @@ def _check_outputs(model: ModelEntry, wanted: list[str] | None) -> list[str]:
     if wanted is None:
         return [t.name for t in model.outputs]
     unknown = [n for n in wanted if n not in model.output_names]
-    if unknown or len(set(wanted)) != len(wanted):
+    if unknown:
+        raise fail(Code.INVALID_ARGUMENT, f"unexpected inference output '{unknown[0]}' for model '{model.name}'",
+                   output=unknown[0], expected=sorted(model.output_names))
+    if len(set(wanted)) != len(wanted):
         raise fail(Code.INVALID_ARGUMENT, f"requested outputs {wanted}; model {model.name!r} has "
                    f"{sorted(model.output_names)} (each at most once)")
     return list(wanted)
@@ -167,6 +195,28 @@ def _check_wire_dtype(model: ModelEntry, decl: IOSpec, wire_dtype: str) -> None:
                    f"{wire_dtype}: its config allows {list(allowed) or 'no reduced precision'} "
                    f"(models[].wire_dtypes)", input=decl.name, wire_dtype=wire_dtype, allowed=list(allowed),
                    config_key="models[].wire_dtypes")
+
+
+def count_words(model: str, expected: list[str], names: list[str]) -> str:
+    """Triton's words for inputs that are not the declared ones, one for one."""
+    missing = [n for n in expected if n not in names]
+    shown = _quoted(missing) if missing else "]"   # Triton's own rendering of none missing (an extra input)
+    return (f"expected {len(expected)} inputs but got {len(names)} inputs for model '{model}'. Got input(s) "
+            f"{_quoted(names)}, but missing required input(s) {shown}. Please provide all required input(s).")
+
+
+def dtype_words(model: str, name: str, got: str, expected: str) -> str:
+    # a native client may send a dtype Triton has no name for: shown as sent
+    return (f"inference input '{name}' data-type is '{DATATYPE_NAMES.get(got, got)}', but model '{model}' expects "
+            f"'{DATATYPE_NAMES[expected]}'")
+
+
+def _quoted(names: list[str]) -> str:
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
+def _dims(dims: list[int]) -> str:
+    return "[" + ",".join(map(str, dims)) + "]"
 
 
 def _dims_match(got: list[int], declared: list[int]) -> bool:

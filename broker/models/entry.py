@@ -22,6 +22,7 @@ from tgw.shm.wire import BYTES, ControlSpec, GeneratorSpec, ImplicitStateSpec, I
 from tgw.broker.cache.responses import ResponseCache
 from tgw.broker.config.load import ModelDecl
 from tgw.broker.config.schema import CacheDecl
+from tgw.broker.config.labels import read_labels
 from tgw.broker.state.versions import VersionRecord, VersionState
 
 FULL_WEIGHT = 100   # a version that takes every unnamed request shows weight 100 (100 %)
@@ -43,6 +44,8 @@ class ModelEntry:
         self.variable = any(d == -1 for t in decl.inputs for d in t.shape)  # batch only equal shapes
         self.has_bytes_inputs = any(t.dtype == BYTES for t in decl.inputs)  # sized by their frames
         self.on_demand = decl.residency == "on_demand"
+        self.labels: dict[str, list[str]] = {}
+        self.relabel()
         self.removed = False     # dropped from the config: refused, kept until its queue drains
         self.records: dict[str, VersionRecord] = {}
         weights = decl.weights()
@@ -57,6 +60,11 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.decl.name
+
+    def relabel(self) -> None:
+        """Its outputs' class labels for the classification extension, read anew (config/labels.py):
+        at start and at each reload (whose config check found the files readable)."""
+        self.labels = {t.name: read_labels(t.labels) for t in self.decl.outputs if t.labels}
 
     @property
     def default(self) -> str | None:
@@ -94,8 +102,9 @@ class ModelEntry:
 
     def spec(self, rec: VersionRecord) -> ModelSpec:
         stage = self.decl.is_stage   # a stage's worker also needs its device, options and warm-up inputs
-        spec = rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_batch_size,
+        spec = rec.spec(self.inputs, self.outputs, self.decl.warmup_batch_sizes, self.decl.max_rows,
                         device=(self.decl.device or "cpu") if stage else "", options=self.decl.options if stage else None)
+        spec.batched = self.decl.batched
         spec.warmup_inputs = list(self.decl.warmup_inputs) if stage else []
         spec.generator = generator_spec(self.decl.generator) if self.decl.generator is not None else None
         sb = self.decl.sequence_batching
@@ -135,7 +144,8 @@ def sequence_spec(sb) -> SequenceSpec:
 
 
 def _io(t) -> IOSpec:
-    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape))
+    return IOSpec(name=t.name, dtype=t.dtype, shape=list(t.shape),
+                  reshape=None if t.reshape is None else list(t.reshape))
 
 
 class Traffic:

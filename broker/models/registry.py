@@ -78,6 +78,7 @@ class Registry:
         if decl.cache != entry.decl.cache:
             entry.recache(decl.cache)
         entry.decl = decl
+        entry.relabel()   # a label file edited since is read again
         self._changed()
 
     def remove(self, name: str) -> list[VersionRecord]:

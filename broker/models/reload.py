@@ -13,6 +13,11 @@ its workers: a restart. The reload is one transaction: every new version is load
 (beside what serves); if any load fails, what was loaded is taken out again and nothing has
 changed. Then routing flips for every model in one step, and the versions and models left out
 drain and unload. The outcome, good or bad, is logged and kept for `tgw-broker status`.
+
+An override (a Reload with `models`: Triton's repository load with a config, protocol/uploads.py)
+reads no file: each model entry given is validated as a config's, and served in place of the
+model of its name (that one drained and unloaded first: its inputs, files and code may all
+differ) or beside the others; later reloads of the file keep it.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
 from tgw.broker.config.load import (Config, ConfigError, ModelDecl, WarmupDecl, file_sha256, load_config,
-                                     with_grpc_port, with_http_port, with_models, without_model)
+                                     parse_config, repository_config, with_grpc_port, with_http_port, with_models,
+                                     without_model)
 from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
@@ -127,8 +133,11 @@ class Reloader:
             outcome["path"] = path
         # the handler files' content as the served config was read (small files: read at start)
         self.digests = handler_digests(cfg) if path else {}
+        self.overrides: dict[str, ModelDecl] = {}   # models served as a load's config override said
 
     async def reload(self, msg: Reload) -> ControlReply:
+        if msg.models is not None:
+            return await self.override(msg)
         try:
             message, changes = await self._reload()
         except Exception as exc:
@@ -142,7 +151,7 @@ class Reloader:
         return round(self.d.uptime(), 3)
 
     async def _reload(self) -> tuple[str, dict]:
-        if self.path is None:
+        if self.path is None and self.cfg._repository_flag is None:
             raise fail(Code.INVALID_ARGUMENT, "this broker serves the embedded demo: there is no config file to reload")
         try:  # hashing model files takes a while: off the loop
             new, digests = await asyncio.get_running_loop().run_in_executor(None, self._read)
@@ -153,6 +162,9 @@ class Reloader:
             new = with_http_port(new, self.cfg._http_port)
         if self.cfg._grpc_port is not None:   # and `start --grpc-port`
             new = with_grpc_port(new, self.cfg._grpc_port)
+        if self.overrides:   # what loads with a config override put in place stays
+            new = new.model_copy(update={"models": [m for m in new.models if m.name not in self.overrides]
+                                         + list(self.overrides.values())})
         if self.cfg._extra_models:   # TorchServe archives served beside the file's models stay
             try:
                 new = with_models(new, self.cfg._extra_models, self.cfg._extra_roots)
@@ -168,37 +180,87 @@ class Reloader:
         changes = await self._apply(new)
         self.cfg, self.digests = new, digests
         done = {k: v for k, v in changes.items() if v}
-        return (f"reloaded {self.path}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
+        source = self.path or " ".join(self.cfg._repository_flag)
+        return (f"reloaded {source}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
                 changes)
 
     def adopted(self, decl: ModelDecl, root: str) -> None:
         """A model added while serving (a TorchServe archive registered), or its declaration with
         its versions now: kept by later reloads."""
         self.cfg = with_models(without_model(self.cfg, decl.name), [decl], [root] if root else [])
-        if self.path:   # its entry file's content, as a reload compares it
-            self.digests = {**self.digests, **handler_digests(self.cfg.model_copy(update={"models": [decl]}))}
+        # its entry file's content, as a reload compares it
+        self.digests = {**self.digests, **handler_digests(self.cfg.model_copy(update={"models": [decl]}))}
 
     def abandoned(self, name: str) -> None:
         """An added model unregistered: later reloads leave it out."""
         self.cfg = without_model(self.cfg, name)
 
     def _read(self) -> tuple[Config, dict]:
-        cfg = load_config(self.path)
+        repo = self.cfg._repository_flag   # `start --model-repository`, read again as the file is
+        cfg = load_config(self.path, repo) if self.path is not None else repository_config(repo)
         return cfg, handler_digests(cfg)
 
     def _served(self, name: str) -> set[str]:
         entry = self.d.registry.models.get(name)
         return set(entry.records) if entry is not None else set()
 
-    def _arena_misfits(self, new: Config) -> list[str]:
-        """New models must fit the arenas the workers were started with."""
-        old = {m.name for m in self.cfg.models}
+    def _arena_misfits(self, new: Config, old: set[str] | None = None) -> list[str]:
+        """New models (those not in `old`, by default the served config's) must fit the arenas
+        the workers were started with."""
+        old = {m.name for m in self.cfg.models} if old is None else old
         k, limit = new.server.max_inflight_batches_per_worker, new.server.max_request_bytes
         w = self.cfg.workers
         return [f"models.{m.name} (needs {arenas.input_need(m, k, limit)} input / {arenas.output_need(m, k)} output "
                 f"arena bytes; the workers have {w.input_bytes} / {w.output_bytes})"
                 for m in new.models if m.name not in old and
                 (arenas.input_need(m, k, limit) > w.input_bytes or arenas.output_need(m, k) > w.output_bytes)]
+
+    # ---- a load's config override ------------------------------------------------------------
+
+    async def override(self, msg: Reload) -> ControlReply:
+        """Serve the models `msg` gives (each replacing the model of its name); answered once
+        they are loaded. Nothing changes when one is refused before the old one is drained."""
+        decls = [self._validated(d) for d in msg.models]
+        done = []
+        for decl in decls:
+            done.append(await self._override_one(decl))
+        return ControlReply(v=PROTOCOL_VERSION, id=msg.id, message="; ".join(done),
+                            details={"models": [d.name for d in decls]})
+
+    def _validated(self, entry: dict) -> ModelDecl:
+        """A model entry checked as the config file's are (schema, files in model_roots, sha256)."""
+        name = entry.get("name") if isinstance(entry, dict) else None
+        try:
+            cfg = parse_config({"model_roots": self.cfg.model_roots, "models": [entry]}, "/",
+                               f"(the config override of model {name!r})")
+        except ConfigError as exc:
+            raise fail(Code.INVALID_ARGUMENT, f"failed to load '{name}', {exc}", model=name,
+                       reason="invalid_config") from None
+        return cfg.models[0]
+
+    async def _override_one(self, decl: ModelDecl) -> str:
+        name = decl.name
+        served = {m.name for m in self.cfg.models}
+        users = [p.name for p in self.cfg.pipelines if name in {s.model for s in p.steps}]
+        if users:
+            raise fail(Code.INVALID_ARGUMENT, f"failed to load '{name}', it is a step of pipelines {users}: its "
+                       "config cannot be replaced while they serve", model=name, reason="pipeline_step")
+        without = self.cfg.model_copy(update={"models": [m for m in self.cfg.models if m.name != name]})
+        new = without.model_copy(update={"models": [*without.models, decl]})
+        misfits = self._arena_misfits(new, served - {name})
+        if misfits:
+            raise fail(Code.INVALID_ARGUMENT, f"failed to load '{name}', it does not fit the workers' arenas: "
+                       + "; ".join(misfits), model=name, reason="arena")
+        if name in served:   # drained and unloaded first: its declaration may change in every key
+            await self._apply(without)
+            self.cfg = without
+            self.overrides.pop(name, None)
+        changes = await self._apply(new)
+        self.cfg = new
+        self.overrides[name] = decl
+        self.digests.update(handler_digests(new))
+        return f"{name}: loaded from its config override ({', '.join(changes['versions loaded']) or 'no version'})" \
+            + (", in place of the model of that name" if name in served else "")
 
     async def _apply(self, new: Config) -> dict:
         registry, rollout = self.d.registry, self.rollout

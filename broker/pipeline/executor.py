@@ -16,6 +16,7 @@ from tgw.shm.errors import Code, TgwError, fail
 from tgw.shm.wire import PROTOCOL_VERSION, ErrorReply, Infer, ModelMetadata
 
 from tgw.broker.config.pipelines import PipelineDecl
+from tgw.broker.models.checks import count_words, dtype_words
 
 from .counters import PipelineCounters
 from .plan import Plan
@@ -94,29 +95,28 @@ class Pipelines:
         if len(frames) != len(msg.inputs):
             raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r}: {len(msg.inputs)} tensors in the header but "
                        f"{len(frames)} tensor frames")
+        # Triton's checks and words, an ensemble being a model to its clients (models/checks.py)
+        names, expected = [t.name for t in msg.inputs], list(plan.input_specs)
+        unknown = [n for n in names if n not in plan.input_specs]
+        if len(names) != len(expected) or len(set(names)) != len(names):
+            raise fail(Code.INVALID_ARGUMENT, count_words(name, expected, names), expected=expected, got=names)
+        if unknown:
+            raise fail(Code.INVALID_ARGUMENT, f"unexpected inference input '{unknown[0]}' for model '{name}'",
+                       input=unknown[0], expected=expected)
         values = {}
         for meta, frame in zip(msg.inputs, frames):
-            spec = plan.input_specs.get(meta.name)
-            if spec is None:
-                raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r} has no input {meta.name!r} (inputs: "
-                           f"{', '.join(plan.input_specs)})", input=meta.name)
-            if meta.name in values:
-                raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r}: input {meta.name!r} is sent twice",
-                           input=meta.name)
+            spec = plan.input_specs[meta.name]
             if meta.dtype != spec.dtype:
-                raise fail(Code.INVALID_INPUT_DTYPE, f"pipeline {name!r} input {meta.name!r} is {spec.dtype}, got "
-                           f"{meta.dtype}", input=meta.name, expected=spec.dtype, got=meta.dtype)
+                raise fail(Code.INVALID_INPUT_DTYPE, dtype_words(name, meta.name, meta.dtype, spec.dtype),
+                           input=meta.name, expected=spec.dtype, got=meta.dtype)
             if meta.cuda is not None:
                 raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r} input {meta.name!r}: CUDA tensors by handle "
                            "are not taken by pipelines; send its bytes", input=meta.name)
             values[meta.name] = (meta, frame)
-        missing = [n for n in plan.input_specs if n not in values]
-        if missing:
-            raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r}: missing input(s) {missing}", missing=missing)
         unknown = [n for n in msg.outputs or () if n not in plan.output_sources]
         if unknown:
-            raise fail(Code.INVALID_ARGUMENT, f"pipeline {name!r} has no output(s) {unknown} (outputs: "
-                       f"{', '.join(plan.output_names)})", outputs=unknown)
+            raise fail(Code.INVALID_ARGUMENT, f"unexpected inference output '{unknown[0]}' for model '{name}'",
+                       outputs=unknown)
         return values
 
     def ended(self, run: Run, code: str | None, abandoned: bool = False) -> None:

@@ -134,7 +134,8 @@ class Run:
         step, values, rows = caller.step, self.values, p.rows
         for name in p.outputs:
             block, view = views[name]
-            values[f"{step.name}.{name}"] = (TensorMeta(name=name, dtype=block.dtype, shape=[rows, *block.shape[1:]]),
+            shape = [rows, *block.shape[1:]] if p.batched else list(block.shape[1:])   # a step without a batch dim
+            values[f"{step.name}.{name}"] = (TensorMeta(name=name, dtype=block.dtype, shape=shape),
                                             CheckedFrame(memoryview(bytes(view))))
         self.took(step)
 

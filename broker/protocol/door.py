@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from tgw.broker.observe.status import BrokerView
 
     from .triton_shm import TritonShm
+    from .uploads import Uploads
 
 
 class Caller(Protocol):
@@ -51,6 +52,7 @@ class DoorPort:
     shm: "TritonShm | None" = None                # Triton's client shared memory, one registry for every face
     load: "LoadReport | None" = None              # the load report: its header on every response, /v2/load
     scrape: Callable[[], tuple[bytes, str]] = lambda: (b"", "text/plain")   # the /metrics exposition, its type
+    uploads: "Uploads | None" = None              # where a load's files go (server.allow_model_uploads)
 
 
 class AwaitedCaller:

@@ -7,8 +7,9 @@ input goes to the ring as it came) and `BF16` is bfloat16 (JSON numbers, rounded
 even; binary: 2 bytes an element). No ml_dtypes here: bfloat16 is handled as its bit patterns.
 
 Parameters: priority, timeout (microseconds, as Triton's), routing_key and the sequence's
-(streaming.py) are read; classification is refused by name, never silently ignored. The gRPC face reads
-its typed parameters with the same functions.
+(streaming.py) are read; an output's `classification` asks for its top k (classification.py).
+The gRPC face reads its typed parameters with the same functions. The checks clients match by
+text are worded as Triton's server words them (its http_server.cc).
 
 A body (the HTTP face's, as KServe's REST binding has it) is a JSON header, optionally followed
 by raw tensor bytes: the binary tensor extension gives the header's length in
@@ -41,6 +42,7 @@ from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, SequenceRef
 
 from tgw.broker.front.regions import SliceFrame   # a body's slice stands in for a ZeroMQ frame
 
+from . import classification
 from .errors import bad
 from .streaming import sequence_ref
 
@@ -54,8 +56,8 @@ TAKES = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 ROUTING_HEADER = "tgw-routing-key"   # the routing key as a header (gRPC: metadata), for balancers to hash on too
-# request parameters tgw has no meaning for: refused rather than silently ignored
-UNOFFERED = {"classification": "classification outputs"}
+# request parameters tgw has no meaning for: refused rather than silently ignored (none now)
+UNOFFERED: dict[str, str] = {}
 SHM_REGION = "shared_memory_region"   # Triton's client shared memory: only with a registry (triton_shm.py)
 
 
@@ -83,8 +85,7 @@ def json_tensor(data: Any, dtype: str, shape: list[int], name: str) -> memoryvie
         raise bad(f"input {name!r}: \"data\" is not a regular array: {exc}", Code.INVALID_INPUT_SHAPE,
                   input=name) from None
     if found.size != want:
-        raise bad(f"input {name!r}: \"data\" holds {found.size} values; shape {shape} needs {want}",
-                  Code.INVALID_INPUT_SHAPE, input=name, got=found.size, expected=want)
+        raise bad(_count_words(found.size, want), Code.INVALID_INPUT_SHAPE, input=name, got=found.size, expected=want)
     target = np.dtype("float32" if dtype == BFLOAT16 else dtype)   # bfloat16: rounded from float32
     if want and found.dtype.kind not in TAKES[target.kind]:
         raise bad(f"input {name!r}: {DATATYPE_OF[dtype]} data must be "
@@ -108,9 +109,15 @@ def json_bytes(data: list, shape: list[int], name: str) -> memoryview:
     _strings(data, items, name)
     want = math.prod(shape)
     if len(items) != want:
-        raise bad(f"input {name!r}: \"data\" holds {len(items)} strings; shape {shape} needs {want}",
-                  Code.INVALID_INPUT_SHAPE, input=name, got=len(items), expected=want)
+        raise bad(_count_words(len(items), want), Code.INVALID_INPUT_SHAPE, input=name, got=len(items), expected=want)
     return memoryview(pack(items))
+
+
+def _count_words(got: int, want: int) -> str:
+    """Triton's words for JSON `data` that does not hold the shape's elements (more, or fewer)."""
+    if got > want:
+        return "Unable to parse 'data': Shape does not match true shape of 'data' field"
+    return "Failed to parse 'data' field: shape does not match true shape"
 
 
 def _strings(data: list, out: list, name: str) -> None:
@@ -213,6 +220,7 @@ class Decoded(NamedTuple):
     request_id: str | None          # the body's "id", echoed in the reply
     binary: frozenset[str] | bool   # outputs to send as raw bytes (True: all of them)
     places: dict = {}               # outputs to write into shared memory regions: name -> triton_shm.Place
+    classes: dict = {}              # outputs asked for as their top k classes: name -> k (classification.py)
 
 
 def header_length(value: str | None, body_size: int) -> int:
@@ -240,6 +248,7 @@ class Header(NamedTuple):
     routing_key: str | None
     shm_outputs: dict | None = None  # outputs naming a shared memory region: name -> their parameters
     sequence: SequenceRef | None = None   # Triton's sequence_id/sequence_start/sequence_end
+    classes: dict = {}               # outputs asked for as their top k classes: name -> k
 
 
 HEADERS_MAX = 256           # binary-only headers remembered (a steady stream repeats one)
@@ -284,7 +293,7 @@ def decode(body: bytes, length: str | None, model: str, version: str | None, req
         if shm is None:
             refuse_unoffered(head.shm_outputs[next(iter(head.shm_outputs))], "")
         places = {name: shm.output_place(name, params) for name, params in head.shm_outputs.items()}
-    return Decoded(msg, frames, head.request_id, head.binary, places)
+    return Decoded(msg, frames, head.request_id, head.binary, places, head.classes)
 
 
 def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[SliceFrame], int]:
@@ -300,8 +309,8 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
     params = mapping(doc.get("parameters"), "parameters")
     refuse_unoffered(params, "")
     inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise bad("\"inputs\" must be a non-empty list of tensors")
+    if not isinstance(inputs, list):   # an empty one: the model's check names what is missing, as Triton's
+        raise bad("\"inputs\" must be a list of tensors")
     metas, frames, sizes, end = [], [], [], n
     for i, spec in enumerate(inputs):
         meta, frame, size = input_tensor(spec, i, view, end, shm)
@@ -309,13 +318,13 @@ def parse_header(view: memoryview, n: int, shm=None) -> tuple[Header, list[Slice
         frames.append(frame)
         sizes.append(size)
         end += size or 0
-    outputs, binary, shm_outputs = requested_outputs(doc.get("outputs"), params, shm is not None)
+    outputs, binary, shm_outputs, classes = requested_outputs(doc.get("outputs"), params, shm is not None)
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad(f"\"id\" must be a string, got {type(request_id).__name__}")
     head = Header(metas, sizes if None not in sizes else None, outputs, binary, request_id,
                   int_param(params, "priority", 0), timeout_ms(params), str_param(params, "routing_key"),
-                  shm_outputs, sequence_ref(params))
+                  shm_outputs, sequence_ref(params), classes)
     return head, frames, end
 
 
@@ -334,35 +343,40 @@ def input_tensor(spec: Any, i: int, body: memoryview, offset: int, shm=None) \
     dtype = datatype(spec.get("datatype"), name)
     params = mapping(spec.get("parameters"), f"input {name!r} parameters")
     refuse_unoffered(params, f"input {name!r}: ", shm is not None, input=name)
+    one_content(spec, params, name)
     if SHM_REGION in params:
-        if "data" in spec or "binary_data_size" in params:
-            raise bad(f"input {name!r} names a shared memory region and also carries data", input=name)
         meta = TensorMeta(name=name, dtype=dtype, shape=shape)
         return meta, shm.input_frame(meta, params), None
-    size = params.get("binary_data_size")
-    if size is not None:
-        if "data" in spec:
-            raise bad(f"input {name!r} has both \"data\" and parameters.binary_data_size", input=name)
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
         if type(size) is not int or size < 0 or offset + size > body.nbytes:
             raise bad(f"input {name!r}: binary_data_size {size!r} does not fit the {body.nbytes - offset} bytes "
                       "left in the body", input=name)
         return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(body[offset:offset + size]), size
-    if "data" not in spec:
-        raise bad(f"input {name!r} has neither \"data\" nor parameters.binary_data_size", input=name)
     data = json_tensor(spec["data"], dtype, shape, name)
     return TensorMeta(name=name, dtype=dtype, shape=shape), SliceFrame(data), None
 
 
+def one_content(spec: dict, params: dict, name: str) -> None:
+    """Exactly one of data, binary_data_size, shared_memory_region: Triton's check and words."""
+    given = [key for key, present in (("data", "data" in spec), ("binary_data_size", "binary_data_size" in params),
+                                      ("shared_memory_region", SHM_REGION in params)) if present]
+    if len(given) != 1:
+        said = " no field is set" if not given else " set" + "".join(f" '{key}'" for key in given)
+        raise bad("Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+                  f"'shared_memory_region' in 'parameters'. But{said}", input=name, reason="input_contents")
+
+
 def requested_outputs(outputs: Any, params: dict, shm_allowed: bool = False) \
-        -> tuple[list[str] | None, frozenset[str] | bool, dict | None]:
+        -> tuple[list[str] | None, frozenset[str] | bool, dict | None, dict]:
     everything_binary = params.get("binary_data_output", False)
     if type(everything_binary) is not bool:
         raise bad("parameter binary_data_output must be true or false")
     if outputs is None:
-        return None, everything_binary, None
+        return None, everything_binary, None, {}
     if not isinstance(outputs, list):
         raise bad("\"outputs\" must be a list")
-    names, binary, shm_outputs = [], set(), {}
+    names, binary, shm_outputs, classes = [], set(), {}, {}
     for i, spec in enumerate(outputs):
         name = spec.get("name") if isinstance(spec, dict) else None
         if not isinstance(name, str):
@@ -371,13 +385,16 @@ def requested_outputs(outputs: Any, params: dict, shm_allowed: bool = False) \
         refuse_unoffered(out_params, f"output {name!r}: ", shm_allowed, output=name)
         if SHM_REGION in out_params:
             shm_outputs[name] = out_params
+        k = classification.class_count(out_params, name, SHM_REGION in out_params)
+        if k:
+            classes[name] = k
         flag = out_params.get("binary_data", everything_binary)
         if type(flag) is not bool:
             raise bad(f"output {name!r}: binary_data must be true or false", output=name)
         names.append(name)
         if flag:
             binary.add(name)
-    return names, frozenset(binary), shm_outputs or None
+    return names, frozenset(binary), shm_outputs or None, classes
 
 
 def encode(reply: InferReply, frames: list, request_id: str | None, binary: frozenset[str] | bool,
@@ -427,9 +444,10 @@ def takes(inputs) -> str:
 
 
 def decode_raw(body: bytes, content_type: str | None, inputs, model: str, version: str | None, req_id: int,
-               routing_header: str | None = None) -> Decoded:
+               routing_header: str | None = None, batched: bool = True) -> Decoded:
     """The Infer message and frame of a raw body, for `model`, whose declared `inputs` (IOSpec)
-    must be one BYTES input of one element a row; its outputs are answered in JSON."""
+    must be one BYTES input of one element a row; its outputs are answered in JSON. `batched`:
+    False for a model without a batch dim (the element is sent with the declared shape alone)."""
     shown = f"Content-Type {content_type}" if content_type else "no Content-Type"
     if media_type(content_type) == MULTIPART:
         raise bad(f"a multipart form body (curl -F) is not taken: send the file itself, as the body "
@@ -444,7 +462,7 @@ def decode_raw(body: bytes, content_type: str | None, inputs, model: str, versio
         raise bad(f"the raw body is empty ({shown}): send the bytes of {model!r}'s input {inputs[0].name!r}",
                   reason="raw_body", input=inputs[0].name)
     spec = inputs[0]
-    meta = TensorMeta(name=spec.name, dtype=BYTES, shape=[1, *spec.shape])
+    meta = TensorMeta(name=spec.name, dtype=BYTES, shape=[1, *spec.shape] if batched else list(spec.shape))
     msg = Infer(v=PROTOCOL_VERSION, id=req_id, model=model, version=version, inputs=[meta],
                 routing_key=routing_key(None, routing_header, f"header {ROUTING_HEADER}"))
     return Decoded(msg, [SliceFrame(memoryview(pack([body])))], None, False)

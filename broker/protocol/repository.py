@@ -6,28 +6,31 @@ lifecycle controls. Each face parses its request and calls these with plain valu
 Load and unload go through the operator exactly as `tgw-broker models load|unload` do: one at a
 time, answered once done. Like the native control ops they are refused where anyone on the
 network could send them: an HTTP face listening beyond loopback without server.auth_token_file.
+A load with Triton's `config` and `file:` parameters (protocol/uploads.py) is off unless
+server.allow_model_uploads.
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from typing import Awaitable, Callable
 
 import msgspec
 
-from tgw.shm.errors import Code, fail
-from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, RolloutPolicy, UnloadVersion, model_key
+from tgw.shm.errors import Code, TgwError, fail
+from tgw.shm.wire import PROTOCOL_VERSION, LoadVersion, Reload, RolloutPolicy, UnloadVersion, model_key
 
 from tgw.broker.models.registry import ModelEntry
 from tgw.broker.observe.status import BrokerView, listed, pipeline_ready, serving
 from tgw.broker.state.pool import WorkerState
 from tgw.broker.state.versions import VersionState
 
-from . import triton_docs
+from . import triton_docs, uploads
 from .kserve import DATATYPE_OF
 
 # Triton extensions both faces offer (the shared-memory ones only where the face allows regions;
 # HTTP adds "generate", its own routes)
-EXTENSIONS = ["binary_tensor_data", "model_repository", "metrics", "statistics", "sequence"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "metrics", "statistics", "sequence"]
 STATES = {VersionState.LOADING: "LOADING", VersionState.READY: "READY", VersionState.DRAINING: "UNLOADING"}
 LOAD_PARAMS = {"version": str, "path": str, "handler": str, "sha256": str, "weight": int, "format": str,
                "shadow": float, "policy": str,   # a shadow's fraction; a rollout policy as a JSON object's text
@@ -53,18 +56,23 @@ def loopback(host: str) -> bool:
         return False
 
 
-def io(specs) -> list[dict]:
-    return [{"name": t.name, "datatype": DATATYPE_OF[t.dtype], "shape": [-1, *t.shape]} for t in specs]
+def io(specs, batched: bool = True) -> list[dict]:
+    """Triton's metadata tensors: the batch dim shown as -1, none for a model without one."""
+    return [{"name": t.name, "datatype": DATATYPE_OF[t.dtype], "shape": [-1, *t.shape] if batched else list(t.shape)}
+            for t in specs]
 
 
 class Repository:
     def __init__(self, view: BrokerView, entry: Callable[[str], ModelEntry], ask: Callable[..., Awaitable],
-                 host: str = "127.0.0.1", token: str | None = None, face: str = "an HTTP face"):
+                 host: str = "127.0.0.1", token: str | None = None, face: str = "an HTTP face",
+                 uploads: "uploads.Uploads | None" = None):
         """`entry`: the registry's model by name (raises MODEL_NOT_FOUND); `ask`: a message through
         the front door, answered (door.ask); `host`, `token`: where the face listens and the
-        broker's token, which decide whether load and unload are open; `face`: named in refusals."""
+        broker's token, which decide whether load and unload are open; `face`: named in refusals;
+        `uploads`: where a load's files go (None: server.allow_model_uploads is off)."""
         self.view, self.entry, self.ask, self.face = view, entry, ask, face
         self.open_to_network = not loopback(host) and not token
+        self.uploads, self.token = uploads, token
 
     # ---- metadata and readiness --------------------------------------------------------------
 
@@ -120,15 +128,17 @@ class Repository:
         plan = self.pipeline(model, version)
         if plan is not None:
             return {"name": plan.name, "versions": [plan.version], "platform": "tgw_pipeline",
-                    "inputs": io(plan.inputs), "outputs": io(plan.outputs),
+                    "inputs": io(plan.inputs, plan.max_batch_size > 0),
+                    "outputs": io(plan.outputs, plan.max_batch_size > 0),
                     "parameters": {"max_batch_size": plan.max_batch_size, "default_version": plan.version,
                                    "steps": [{"name": s.name, "model": s.model, "version": s.version}
                                              for s in plan.steps]}}
         entry, version = self.version_of(model, version)
         shown = entry.records.get(version or entry.default or "")   # the version asked for, else the default
         return {"name": entry.name, "versions": [version] if version else entry.routable(),
-                "platform": f"pytorch_{shown.format if shown else 'torchscript'}", "inputs": io(entry.inputs),
-                "outputs": io(entry.outputs),
+                "platform": triton_docs.platform("stage" if entry.decl.is_stage else
+                                                 shown.format if shown else "torchscript"),
+                "inputs": io(entry.inputs, entry.decl.batched), "outputs": io(entry.outputs, entry.decl.batched),
                 "parameters": {"max_batch_size": entry.decl.max_batch_size, "default_version": entry.default,
                                "residency": entry.decl.residency}}
 
@@ -170,7 +180,14 @@ class Repository:
         what serves; none: a hot swap), format, shadow (a fraction: a shadow), policy (a rollout
         policy, docs/ROLLOUT.md, as JSON text). The operator's message."""
         self.control_allowed()
-        entry = self.entry(model)
+        upload, parameters = uploads.split(model, parameters)
+        if upload is not None:
+            return await self.load_upload(model, upload, parameters)
+        try:
+            entry = self.entry(model)
+        except TgwError as err:   # Triton's words for a load of a model its repository lacks
+            raise uploads.failed(model, "failed to poll from model repository: no model of that name in the broker's "
+                                 "config", err.code, available=err.details.get("available")) from None
         params = self.params(parameters)
         version = params.get("version") or entry.decl.default_version or entry.decl.versions[-1].version
         if "version" not in params and version in entry.records:
@@ -181,6 +198,43 @@ class Repository:
                           policy=rollout_policy(params.get("policy")))
         reply, _ = await self.ask(msg)
         return reply.message
+
+    async def load_upload(self, model: str, upload: "uploads.Upload", rest: dict) -> str:
+        """Triton's load with a config override and files: the files (if any) form a new model
+        folder, the config maps onto a tgw model over it, and the operator serves that in place of
+        the model of this name."""
+        if self.uploads is None or not self.token:
+            raise uploads.failed(model, "a load with a config override or files is off on this broker: set "
+                                 "server.allow_model_uploads: true (with server.auth_token_file; docs/SECURITY.md)",
+                                 reason="model_uploads_disabled")
+        extra = sorted(set(rest) - {"unload_dependents"})
+        if extra:
+            raise uploads.failed(model, f"parameters {extra} go with a load of the model's declared files, not with "
+                                 "a config override")
+        if upload.config is None:   # Triton's words: the files would form a folder with no config
+            raise uploads.failed(model, "failed to poll from model repository: files sent without a config "
+                                 "override (parameter config), which the files' model folder needs")
+        loop = asyncio.get_running_loop()
+        entry = self.view.models.get(model)
+        files = uploads.version_files(entry.decl.versions) if entry is not None else []
+        replaced = self.uploads.folder_of(files)
+        if upload.files:
+            folder = await loop.run_in_executor(None, self.uploads.write, model, upload.files)
+        else:
+            if entry is None or entry.removed:
+                raise uploads.failed(model, "failed to poll from model repository: no model of that name is served; "
+                                     "send its files with the config (file:1/model.pt ...)")
+            folder = uploads.model_folder(model, files)
+        try:
+            decl, warnings = await loop.run_in_executor(None, uploads.translate, model, upload.config, folder)
+            reply, _ = await self.ask(Reload(v=PROTOCOL_VERSION, models=[decl]))
+        except BaseException:
+            if upload.files:
+                self.uploads.discard(folder)
+            raise
+        if replaced is not None and replaced != folder:   # drained and unloaded: its files go too
+            self.uploads.discard(replaced)
+        return reply.message + ("; warnings: " + "; ".join(warnings) if warnings else "")
 
     async def unload_model(self, model: str, parameters: dict) -> str:
         """parameters: version (default: every version of the model)."""
@@ -199,10 +253,6 @@ class Repository:
                                        "policy")) -> dict:
         for key, value in params.items():
             want = LOAD_PARAMS.get(key) if key in allowed else None
-            if want is None and (key == "config" or key.startswith("file:")):
-                raise fail(Code.INVALID_ARGUMENT, f"parameter {key!r}: tgw takes no model config or files over "
-                           "HTTP or gRPC; it loads files that lie in model_roots (give parameters.path, or a stage's "
-                           "parameters.handler)", parameter=key)
             if want is None:
                 raise fail(Code.INVALID_ARGUMENT, f"unknown parameter {key!r}: tgw takes {', '.join(allowed)}",
                            parameter=key)

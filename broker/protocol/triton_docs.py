@@ -16,6 +16,7 @@ many times: tritonclient and Triton's tools stream to it); a sequence model's sh
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 from tgw.shm.wire import BYTES, model_key
@@ -26,11 +27,16 @@ from tgw.broker.state.stats import ModelCounters, Timed, VersionCounters
 
 from .kserve import DATATYPE_OF
 
-# the platform each tgw format is served as: Triton's own name for TorchScript and ensembles;
-# tgw's names where Triton has none (export and AOTInductor archives, Python stages)
+# the platform each tgw format is served as: Triton's own names for TorchScript, ONNX, Python
+# (a stage) and ensembles; tgw's where Triton has none (export and AOTInductor archives)
 PLATFORMS = {"torchscript": "pytorch_libtorch", "export": "pytorch_export", "aoti": "pytorch_aoti",
-             "stage": "tgw_stage"}
-BACKENDS = {"stage": "python"}   # everything else runs on libtorch
+             "onnx": "onnxruntime_onnx", "stage": "python"}
+BACKENDS = {"stage": "python", "onnx": "onnxruntime"}   # everything else runs on libtorch
+
+
+def platform(fmt: str) -> str:
+    """Triton's platform name of a tgw format (model_config's and the model metadata's)."""
+    return PLATFORMS.get(fmt, f"pytorch_{fmt}")
 ENSEMBLE = "ensemble"
 INFERENCE_STATS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
                    "cache_miss")
@@ -70,13 +76,18 @@ def version_named(versions: Iterable[str], asked: str | None) -> str | None:
 
 
 def tensors(specs, output: bool = False) -> list[dict]:
-    """Triton's input/output entries; dims without the batch dim (-1: variable)."""
+    """Triton's input/output entries; dims without the batch dim (-1: variable); a declared
+    tensor's (config TensorDecl) format, reshape and label file as Triton's config shows them."""
     out = []
     for t in specs:
         doc = {"name": t.name, "data_type": data_type(t.dtype), "dims": list(t.shape)}
-        doc.update({"label_filename": "", "is_shape_tensor": False} if output else
-                   {"format": "FORMAT_NONE", "is_shape_tensor": False, "allow_ragged_batch": False,
-                    "optional": False})
+        labels = getattr(t, "labels", None)
+        doc.update({"label_filename": os.path.basename(labels) if labels else "", "is_shape_tensor": False} if output
+                   else {"format": getattr(t, "format", None) or "FORMAT_NONE", "is_shape_tensor": False,
+                         "allow_ragged_batch": False, "optional": False})
+        reshape = getattr(t, "reshape", None)
+        if reshape is not None:
+            doc["reshape"] = {"shape": list(reshape)}
         out.append(doc)
     return out
 
@@ -107,10 +118,9 @@ def model_config(entry: ModelEntry, version: str | None, devices: Iterable[str])
     aliases = numeric_aliases(entry.records)
     shown = entry.records.get(version or entry.default or "")
     fmt = "stage" if decl.is_stage else (shown.format if shown is not None else "torchscript")
-    doc = {"name": entry.name, "platform": PLATFORMS.get(fmt, f"pytorch_{fmt}"),
-           "backend": BACKENDS.get(fmt, "pytorch"),
+    doc = {"name": entry.name, "platform": platform(fmt), "backend": BACKENDS.get(fmt, "pytorch"),
            "version_policy": {"specific": {"versions": [int(aliases[v]) for v in entry.records]}},
-           "max_batch_size": decl.max_batch_size, "input": tensors(entry.inputs), "output": tensors(entry.outputs, True),
+           "max_batch_size": decl.max_batch_size, "input": tensors(decl.inputs), "output": tensors(decl.outputs, True),
            "instance_group": instance_groups(entry.name, devices),
            "parameters": {"tgw_default_version": {"string_value": entry.default or ""},
                           "tgw_versions": {"string_value": ",".join(f"{v}={a}" for v, a in aliases.items())}}}

@@ -32,6 +32,7 @@ import stat
 import sys
 from typing import NamedTuple
 
+from tgw.shm.bytes_tensor import BytesTensorError, element_count, starts
 from tgw.shm.devices import norm_uuid
 from tgw.shm.errors import Code, fail
 from tgw.shm.wire import BYTES, DTYPE_SIZES, CudaIpc, TensorMeta, nbytes_of
@@ -90,7 +91,8 @@ def open_segment(path: str, key: str) -> int:
     try:   # O_NOFOLLOW: a link in /dev/shm must not lead the broker to another file
         return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
-        raise refuse(f"cannot open shared memory key {key!r} ({path}): {exc.strerror}", "shm_key", key=key) from None
+        raise refuse(f"Unable to open shared memory region: {key!r}: {exc.strerror} ({path})", "shm_key",
+                     key=key) from None
 
 
 def read_segment(region, offset: int, size: int, what: str) -> bytearray:
@@ -222,9 +224,9 @@ class TritonShm:
                              f"of its own uid ({os.geteuid()})", "shm_owner", Code.UNAUTHENTICATED, key=key,
                              owner=st.st_uid, broker_uid=os.geteuid())
             if offset + byte_size > st.st_size:
-                raise refuse(f"system shared memory region {name!r}: bytes [{offset}, {offset + byte_size}) lie "
-                             f"outside segment {key!r} of {st.st_size} bytes", "shm_bounds", region=name, key=key,
-                             segment_bytes=st.st_size)
+                raise refuse(f"failed to register shared memory region {name!r}: invalid args: bytes [{offset}, "
+                             f"{offset + byte_size}) lie outside segment {key!r} of {st.st_size} bytes", "shm_bounds",
+                             region=name, key=key, segment_bytes=st.st_size)
         except BaseException:
             os.close(fd)
             raise
@@ -270,7 +272,7 @@ class TritonShm:
             self.counts["unregistrations"] += 1
 
     def cuda_status(self, name: str | None) -> list[dict]:
-        regions = [self._named(name, self.cuda, "CUDA")] if name else list(self.cuda.values())
+        regions = [self._named(name, self.cuda, "cuda")] if name else list(self.cuda.values())
         return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
 
     # ---- inference ---------------------------------------------------------------------------
@@ -283,14 +285,14 @@ class TritonShm:
         what = f"input {meta.name!r}"
         region, offset, size = self._slice(params, what)
         if meta.dtype == BYTES:
-            raise refuse(f"{what} names shared memory region {region.name!r}: it is a BYTES tensor, whose layout "
-                         "travels in the request, never in a region", "shm_bytes", input=meta.name)
+            return self._bytes_input(meta, region, offset, size, what)
         if meta.dtype not in DTYPE_SIZES:
             raise refuse(f"{what}: unknown datatype {meta.dtype!r}", "shm_dtype", input=meta.name)
         need = nbytes_of(meta.dtype, meta.shape)
         if size != need:
-            raise refuse(f"{what}: shared_memory_byte_size is {size}, but shape {meta.shape} of {meta.dtype} holds "
-                         f"{need} bytes", "shm_byte_size", input=meta.name, byte_size=size, expected=need)
+            raise refuse(f"input byte size mismatch for input {meta.name!r}. Expected {need}, got {size} "
+                         f"(shared_memory_byte_size; shape {meta.shape} of {meta.dtype})", "shm_byte_size",
+                         input=meta.name, byte_size=size, expected=need)
         if isinstance(region, CudaRegion):
             if offset % DTYPE_SIZES[meta.dtype]:
                 raise refuse(f"{what}: shared_memory_offset {offset} is not a multiple of {DTYPE_SIZES[meta.dtype]} "
@@ -301,6 +303,24 @@ class TritonShm:
             frame = SliceFrame(memoryview(read_segment(region, offset, size, what)))
         self.counts["inputs"] += 1
         return frame
+
+    def _bytes_input(self, meta: TensorMeta, region, offset: int, size: int, what: str) -> SliceFrame:
+        """A BYTES input in Triton's layout (each element a 4-byte little-endian length, then its
+        bytes: tgw's own frame layout), checked to be exactly the shape's elements in `size` bytes."""
+        if isinstance(region, CudaRegion):   # the broker reads no GPU memory, and a BYTES frame must be read
+            raise refuse(f"{what} names CUDA shared memory region {region.name!r}: a BYTES tensor is read by the "
+                         "broker, which maps no GPU memory; put it in a system shared memory region",
+                         "shm_bytes_cuda", input=meta.name, region=region.name)
+        data = read_segment(region, offset, size, what)
+        try:
+            starts(data, element_count(meta.shape))
+        except BytesTensorError as exc:
+            raise refuse(f"{what}: the {size} bytes at offset {offset} of shared memory region {region.name!r} are "
+                         f"not {element_count(meta.shape)} BYTES elements of shape {meta.shape} (each a 4-byte "
+                         f"little-endian length, then its bytes): {exc}", "shm_bytes_layout", input=meta.name,
+                         region=region.name) from None
+        self.counts["inputs"] += 1
+        return SliceFrame(memoryview(data))
 
     def output_place(self, name: str, params: dict) -> Place | None:
         """Where output `name` goes when its parameters name a region (None: they do not)."""
@@ -314,9 +334,10 @@ class TritonShm:
         """Write output `meta` (its bytes `data`) to its place; the reply's parameters for it.
         A CUDA place was written by the worker (meta.cuda set): nothing to copy."""
         what = f"output {meta.name!r}"
-        if meta.dtype == BYTES:
-            raise refuse(f"{what} is a BYTES tensor, which travels in the reply, never in a shared memory region",
-                         "shm_bytes", output=meta.name)
+        if meta.dtype == BYTES and place.cuda is not None:
+            raise refuse(f"{what} is a BYTES tensor: the broker writes it in Triton's layout, and maps no GPU "
+                         f"memory; name a system shared memory region for it, not CUDA region {place.region!r}",
+                         "shm_bytes_cuda", output=meta.name, region=place.region)
         if place.cuda is not None:
             if meta.cuda is None:
                 raise fail(Code.INTERNAL, f"{what}: the worker did not write CUDA region {place.region!r}",
@@ -358,8 +379,8 @@ class TritonShm:
             check_caller(caller)
         if name in self.system or name in self.cuda:
             kind = "system" if name in self.system else "CUDA"
-            raise refuse(f"shared memory region {name!r} is already registered (as {kind} shared memory); "
-                         "unregister it first", "shm_exists", region=name)
+            raise refuse(f"shared memory region {name!r} already in manager (registered as {kind} shared memory; "
+                         "unregister it first)", "shm_exists", region=name)
         if len(self.system) + len(self.cuda) >= MAX_REGIONS:
             raise refuse(f"{MAX_REGIONS} shared memory regions are registered, the most this broker holds",
                          "shm_quota", Code.PAYLOAD_TOO_LARGE, limit=MAX_REGIONS)
@@ -367,7 +388,7 @@ class TritonShm:
     def _named(self, name: str, table: dict, kind: str):
         region = table.get(name)
         if region is None:
-            raise refuse(f"no {kind} shared memory region {name!r} is registered", "shm_unknown_region", region=name)
+            raise refuse(f"Unable to find {kind} shared memory region: {name!r}", "shm_unknown_region", region=name)
         return region
 
     def _slice(self, params: dict, what: str) -> tuple[SystemRegion | CudaRegion, int, int]:
@@ -377,8 +398,8 @@ class TritonShm:
             raise refuse(f"{what}: {REGION} must be a region's name, got {name!r}", "shm_name")
         region = self.system.get(name) or self.cuda.get(name)
         if region is None:
-            raise refuse(f"{what} names shared memory region {name!r}, which is not registered", "shm_unknown_region",
-                         region=name)
+            raise refuse(f"Unable to find shared memory region: {name!r} ({what} names it; it is not registered)",
+                         "shm_unknown_region", region=name)
         if BYTE_SIZE not in params:
             raise refuse(f"{what} names shared memory region {name!r} without {BYTE_SIZE}", "shm_byte_size",
                          region=name)
@@ -387,10 +408,11 @@ class TritonShm:
             if type(value) is not int or value < 0:
                 raise refuse(f"{what}: {key} must be a non-negative integer, got {value!r}", "shm_byte_size",
                              region=name)
-        if offset + size > region.byte_size:
-            raise refuse(f"{what}: bytes [{offset}, {offset + size}) lie outside shared memory region {name!r} of "
-                         f"{region.byte_size} bytes", "shm_bounds", region=name, offset=offset, byte_size=size,
-                         region_bytes=region.byte_size)
+        if offset >= region.byte_size or offset + size > region.byte_size:
+            which = "offset" if offset >= region.byte_size else "offset + byte size"
+            raise refuse(f"Invalid {which} for shared memory region: {name!r} ({what}: bytes [{offset}, "
+                         f"{offset + size}) lie outside its {region.byte_size} bytes)", "shm_bounds", region=name,
+                         offset=offset, byte_size=size, region_bytes=region.byte_size)
         return region, offset, size
 
     def _worker_on(self, device_id: int):
@@ -446,5 +468,5 @@ def _chosen(table: dict, name: str | None) -> list:
 
 def _check_int(value, key: str, name: str, minimum: int) -> None:
     if type(value) is not int or value < minimum:
-        raise refuse(f"shared memory region {name!r}: {key} must be an integer of at least {minimum}, got {value!r}",
-                     "shm_" + key, region=name)
+        raise refuse(f"failed to register shared memory region {name!r}: invalid args: {key} must be an integer of "
+                     f"at least {minimum}, got {value!r}", "shm_" + key, region=name)

@@ -132,7 +132,7 @@ class Admission:
     def declare(self, m: ModelDecl) -> None:
         """A model's adaptive limit and breakers (a model declared at run time gets them too)."""
         if m.adaptive_concurrency and m.slo_p99_ms and m.name not in self.limits:
-            self.limits[m.name] = AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_batch_size * self.pipeline,
+            self.limits[m.name] = AdaptiveLimit(m.slo_p99_ms / 1000, floor=m.max_rows * self.pipeline,
                                                 ceiling=m.max_queue, now=self.clock(), levels=m.priority_levels)
         self.breakers.declare(m, [v.version for v in m.versions], self.clock())
 
@@ -288,7 +288,8 @@ class Admission:
         p = Pending(client=client, req_id=msg.id, model=checked.model.name, version=checked.version,
                     rows=shape.rows, shape_key=shape.shape_key, tensors=tensors, outputs=shape.outputs,
                     deadline=deadline, compress=msg.compress_outputs, out_nbytes=intake.out_nbytes,
-                    priority=msg.priority, arrived=now, tenant=tenant, record=checked.record)
+                    priority=msg.priority, arrived=now, tenant=tenant, record=checked.record,
+                    batched=checked.model.decl.batched)
         if msg.traceparent is not None:   # an invalid one is ignored (W3C: a new trace starts)
             p.trace = check_traceparent(msg.traceparent)
         p.output_region = msg.output_region   # checked by regions.Regions.resolve

@@ -76,7 +76,7 @@ class Batcher:
 
     def declare(self, m) -> None:
         """A queue for a model declaration (config.ModelDecl)."""
-        self.add_model(m.name, m.max_batch_size, m.max_queue, levels=m.priority_levels, max_delay_us=m.max_delay_us,
+        self.add_model(m.name, m.max_rows, m.max_queue, levels=m.priority_levels, max_delay_us=m.max_delay_us,
                        preferred=m.preferred_batch_sizes, aging_batches=m.aging_batches)
 
     def set_max_queue(self, model: str, n: int) -> None:

@@ -37,6 +37,7 @@ class Pending(msgspec.Struct, kw_only=True, eq=False):
     out_total: Optional[int] = None
     attempts: int = 0               # dispatches lost to a dying worker
     alone: bool = False             # runs in a batch of its own (a retry after a death)
+    batched: bool = True            # False: its model has no batch dim (max_batch_size 0): answered without one
     # clock seconds it was handed to a worker; None: never (queued, a cache hit) or taken back from
     # one (withdrawn: its latency is nobody's, so latency figures and the breaker skip it)
     dispatched: Optional[float] = None

@@ -134,17 +134,19 @@ def test_one_stream_of_1000_requests(triton, native):
     # batched with each other: the same rows up to the float rounding a batch's matmul may differ by
     assert all(np.allclose(answers[str(i)], want, rtol=1e-5, atol=1e-6) for i in range(1000))
     errors = [k for k in answers if k.startswith("error:")]
-    assert len(errors) == 1 and "[MODEL_NOT_FOUND]" in errors[0]
+    assert errors == ["error:Request for unknown model: 'nope' is not found"], errors
 
 
 def test_errors_map_to_status_codes_with_the_tgw_code(triton, stub):
     x = np.zeros((1, 256), np.float32)
     with pytest.raises(InferenceServerException) as err:
         triton.infer("nope", [mlp_input(x)])
-    assert err.value.status() == "StatusCode.NOT_FOUND" and "[MODEL_NOT_FOUND]" in err.value.message()
+    assert err.value.status() == "StatusCode.NOT_FOUND" and \
+        err.value.message() == "Request for unknown model: 'nope' is not found"   # Triton's words, no tgw code
     with pytest.raises(InferenceServerException) as err:
         triton.infer("mlp", [mlp_input(np.zeros((1, 7), np.float32))])
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "[INVALID_INPUT_SHAPE]" in err.value.message()
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and err.value.message().startswith(
+        "unexpected shape for input 'x' for model 'mlp'. Expected [-1,256], got [1,7].")
     with pytest.raises(InferenceServerException, match="sequence batching") as err:
         triton.infer("mlp", [mlp_input(x)], sequence_id=7)
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -152,7 +154,7 @@ def test_errors_map_to_status_codes_with_the_tgw_code(triton, stub):
         inp = grpcclient.InferInput("x", [1, 2], "FP32")
         inp.set_data_from_numpy(np.array([[-1, 0]], np.float32))
         triton.infer("fails", [inp])
-    assert err.value.status() == "StatusCode.INTERNAL" and "[MODEL_EXECUTION_ERROR]" in err.value.message()
+    assert err.value.status() == "StatusCode.INTERNAL" and not err.value.message().startswith("[")
     req = service_pb2.ModelInferRequest(model_name="nope")
     req.inputs.add(name="x", datatype="FP32", shape=[1])
     with pytest.raises(grpc.RpcError) as rpc:
@@ -199,7 +201,7 @@ def test_tenant_and_traceparent_metadata(triton, stub):
     triton.infer("mlp", [mlp_input(x)], headers={"tgw-tenant": "tiny"})   # its one token
     with pytest.raises(InferenceServerException) as err:
         triton.infer("mlp", [mlp_input(x)], headers={"tgw-tenant": "tiny"})
-    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and "[RATE_LIMITED]" in err.value.message()
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED" and "tiny" in err.value.message()
     req = service_pb2.ModelInferRequest(model_name="mlp")
     t = req.inputs.add(name="x", datatype="FP32", shape=[1, 256])
     t.contents.fp32_contents.extend([0.0] * 256)
@@ -230,7 +232,7 @@ def test_config_statistics_metadata_and_repository(triton):
     wait_until(lambda: not triton.is_model_ready("double"), what="double unloaded")
     triton.load_model("double")
     assert triton.is_model_ready("double")
-    with pytest.raises(InferenceServerException, match="no model config or files"):
+    with pytest.raises(InferenceServerException, match="failed to load 'double', a load with a config override"):
         triton.load_model("double", config='{"max_batch_size": 4}')
 
 

@@ -84,5 +84,6 @@ def test_plaintext_is_refused(broker):
 def test_client_shared_memory_is_off_unless_allowed(triton):
     with pytest.raises(InferenceServerException) as err:
         triton.register_system_shared_memory("r", "/tgw-nothing", 64, headers=BEARER)
-    assert err.value.status() == "StatusCode.FAILED_PRECONDITION" and "allow_client_shm" in err.value.message()
+    assert err.value.status() == "StatusCode.UNIMPLEMENTED" and \
+        err.value.message().startswith("Client shared memory is disabled.") and "allow_client_shm" in err.value.message()
     assert "system_shared_memory" not in triton.get_server_metadata(headers=BEARER).extensions

@@ -174,7 +174,8 @@ def test_http_infer_metadata_and_readiness_of_a_pipeline(broker):
     assert http_json(f"{broker.http}/v2/models/diamond/ready") == (200, {"ready": True})
     code, doc = http_json(f"{broker.http}/v2/models/chain/versions/9/infer", {"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0, 0, 0, 0]}]})
-    assert code == 404 and "pipeline 'chain' has no version '9'" in doc["error"]
+    assert code == 404 and doc["error"] == "Request for unknown model: 'chain' version 9 is not found" and \
+        doc["details"]["tgw_message"].startswith("pipeline 'chain' has no version '9'")
 
 
 # ---- visibility ------------------------------------------------------------------------------
@@ -211,10 +212,13 @@ def test_pipelines_are_listed_described_and_counted(broker, client):
 # ---- refusals and errors ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("pipeline, inputs, code, expected", [
-    ("chain", {"x": X, "w": X}, Code.INVALID_ARGUMENT, "pipeline 'chain' has no input 'w' (inputs: x)"),
-    ("pair", {"a": X}, Code.INVALID_ARGUMENT, "pipeline 'pair': missing input(s) ['b']"),
-    ("chain", {"x": X.astype(np.float64)}, Code.INVALID_INPUT_DTYPE, "pipeline 'chain' input 'x' is float32, got "
-     "float64"),
+    ("chain", {"x": X, "w": X}, Code.INVALID_ARGUMENT, "expected 1 inputs but got 2 inputs for model 'chain'. Got "
+     "input(s) ['x','w'], but missing required input(s) ]. Please provide all required input(s)."),
+    ("chain", {"w": X}, Code.INVALID_ARGUMENT, "unexpected inference input 'w' for model 'chain'"),
+    ("pair", {"a": X}, Code.INVALID_ARGUMENT, "expected 2 inputs but got 1 inputs for model 'pair'. Got input(s) "
+     "['a'], but missing required input(s) ['b']. Please provide all required input(s)."),
+    ("chain", {"x": X.astype(np.float64)}, Code.INVALID_INPUT_DTYPE, "inference input 'x' data-type is 'FP64', but "
+     "model 'chain' expects 'FP32'"),
 ])
 def test_bad_inputs_are_refused_naming_the_pipeline(client, pipeline, inputs, code, expected):
     with pytest.raises(TgwError) as info:

@@ -142,28 +142,30 @@ def test_status_unregister_and_extensions(triton, region):
     assert triton.get_system_shared_memory_status("b") == [{"name": "b", "key": key_b, "offset": 1024,
                                                             "byte_size": 3072}]
     assert sorted(r["name"] for r in triton.get_system_shared_memory_status()) == ["a", "b"]
-    refusal(lambda: triton.register_system_shared_memory("a", key_a, 16), "'a' is already registered")
+    refusal(lambda: triton.register_system_shared_memory("a", key_a, 16), "shared memory region 'a' already in manager")   # Triton's words
     triton.unregister_system_shared_memory("a")
     triton.unregister_system_shared_memory("a")   # gone already: no error, as in Triton
-    refusal(lambda: triton.get_system_shared_memory_status("a"), "no system shared memory region 'a'")
+    refusal(lambda: triton.get_system_shared_memory_status("a"), "Unable to find system shared memory region: 'a'")
     assert [r["name"] for r in triton.get_system_shared_memory_status()] == ["b"]
     triton.unregister_system_shared_memory()
     assert triton.get_system_shared_memory_status() == []
     x = np.zeros((1, 256), np.float32)
     inputs, outputs = mlp_request("b", x)
-    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "'b', which is not registered")
+    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "Unable to find shared memory region: 'b'")
 
 
 def test_every_bad_registration_and_request_is_refused(triton, region, tmp_path):
     handle, key = region("bad", 2048, register=False)
-    refusal(lambda: triton.register_system_shared_memory("bad", key, 4096), "outside segment", "2048 bytes")
-    refusal(lambda: triton.register_system_shared_memory("bad", "/tgwtest_none", 16), "cannot open")
+    refusal(lambda: triton.register_system_shared_memory("bad", key, 4096), "failed to register shared memory region 'bad': invalid args",
+            "outside segment", "2048 bytes")
+    refusal(lambda: triton.register_system_shared_memory("bad", "/tgwtest_none", 16),
+            "Unable to open shared memory region: '/tgwtest_none'")
     refusal(lambda: triton.register_system_shared_memory("bad", "/tgw_ring_1_x", 16), "broker's own segments")
     refusal(lambda: triton.register_system_shared_memory("bad", "/a/b", 16), "not a POSIX shm name")
     refusal(lambda: triton.register_system_shared_memory("bad", key, 0), "byte_size must be")
     os.symlink(f"/dev/shm/{key.lstrip('/')}", f"/dev/shm/{key.lstrip('/')}_link")
     try:
-        refusal(lambda: triton.register_system_shared_memory("bad", key + "_link", 16), "cannot open")
+        refusal(lambda: triton.register_system_shared_memory("bad", key + "_link", 16), "Unable to open")
     finally:
         os.unlink(f"/dev/shm/{key.lstrip('/')}_link")
     big, big_key = region("big", MAX_REGION_BYTES + 4096, register=False)
@@ -177,15 +179,18 @@ def test_every_bad_registration_and_request_is_refused(triton, region, tmp_path)
     x = np.zeros((2, 256), np.float32)
     inputs, outputs = mlp_request("bad", x)   # 2048 bytes: fits
     inputs[0].set_shared_memory("bad", 1024)
-    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "shared_memory_byte_size is 1024", "2048 bytes")
+    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "input byte size mismatch for input 'x'. Expected 2048, got 1024")
     inputs[0].set_shared_memory("bad", 2048, 1024)
-    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "outside shared memory region 'bad'")
+    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs),
+            "Invalid offset + byte size for shared memory region: 'bad'", "[1024, 3072)")
+    inputs[0].set_shared_memory("bad", 8, 2048)
+    refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "Invalid offset for shared memory region: 'bad'")
     inputs, outputs = mlp_request("bad", x, "bad")
     outputs[0].set_shared_memory("bad", 40)
     refusal(lambda: triton.infer("mlp", inputs, outputs=outputs), "holds 80 bytes", "too small")
     text = httpclient.InferInput("x", [1], "BYTES")
     text.set_shared_memory("bad", 16)
-    refusal(lambda: triton.infer("mlp", [text]), "BYTES tensor")
+    refusal(lambda: triton.infer("mlp", [text]), "not 1 BYTES elements", "12 bytes follow")   # zeros: b"" + 12
 
 
 def test_a_truncated_segment_fails_its_request_not_the_broker(triton, native, region):
@@ -222,7 +227,7 @@ def test_cuda_regions_need_a_worker_on_their_gpu(shm_broker, triton):
     assert (status, body["details"]["reason"]) == (400, "shm_cuda_handle"), body
     assert triton.get_cuda_shared_memory_status() == []
     triton.unregister_cuda_shared_memory()
-    refusal(lambda: triton.get_cuda_shared_memory_status("g"), "no CUDA shared memory region 'g'")
+    refusal(lambda: triton.get_cuda_shared_memory_status("g"), "Unable to find cuda shared memory region: 'g'")
 
 
 @pytest.fixture(scope="module")
@@ -240,12 +245,13 @@ def test_off_unless_allowed(plain_broker):
         for call in (lambda: c.register_system_shared_memory("r", "/k", 16), c.get_system_shared_memory_status,
                      c.unregister_system_shared_memory, c.get_cuda_shared_memory_status,
                      lambda: c.register_cuda_shared_memory("g", base64.b64encode(bytes(64)).decode(), 0, 8)):
-            refusal(call, "client shared memory is off on this face", "http.allow_client_shm")
+            refusal(call, "Client shared memory is disabled", "http.allow_client_shm", status="501")
         inputs, outputs = mlp_request("r", np.zeros((1, 256), np.float32))
-        refusal(lambda: c.infer("mlp", inputs, outputs=outputs), "off on this face", "http.allow_client_shm")
+        refusal(lambda: c.infer("mlp", inputs, outputs=outputs), "off on this face", "http.allow_client_shm",
+                status="501")
         inputs, outputs = mlp_request(None, np.zeros((1, 256), np.float32), "r")
-        refusal(lambda: c.infer("mlp", inputs, outputs=outputs), "off on this face")
+        refusal(lambda: c.infer("mlp", inputs, outputs=outputs), "off on this face", status="501")
     finally:
         c.close()
     status, body = post(f"{plain_broker.http}/v2/systemsharedmemory/unregister", None)
-    assert (status, body["code"], body["details"]["reason"]) == (400, "INVALID_ARGUMENT", "client_shm_disabled")
+    assert (status, body["code"], body["details"]["reason"]) == (501, "INVALID_ARGUMENT", "client_shm_disabled")

@@ -108,6 +108,13 @@ CASES = [
     ("residency", _set("models.0.residency", "sometimes"), "models.0.residency", "'always' or 'on_demand'"),
     ("model_roots_string", _set("model_roots", "models"), "model_roots", "list"),
     ("model_roots_empty_entry", _set("model_roots", [""]), "model_roots.0", "at least 1 character"),
+    ("reshape_elements", _set("models.0.inputs.0.reshape", [3]), "models.0",
+     "tensor 'x': reshape [3] does not hold the elements of shape [4]"),
+    ("reshape_variable", _set("models.1.inputs.0.reshape", [2, 2]), "models.1", "as many -1 dims"),
+    ("labels_missing", _set("models.0.outputs.0.labels", "nope.txt"), "models.0.outputs.0.labels",
+     "label file"),
+    ("format_unknown", _set("models.0.inputs.0.format", "NCHW"), "models.0.inputs.0.format", "FORMAT_NCHW"),
+    ("no_batch_dim_warmup", _set("models.0.max_batch_size", 0), "models.0", "warmup_batch_sizes [8] exceed"),
     *[(f"max_model_memory_{name}", _set("workers.max_model_memory", value), "workers.max_model_memory",
        f"must be bytes (a whole number >= 1048576) or a share of device memory in (0, 1], got {value!r}")
       for name, value in [("bool", True), ("text", "1GB"), ("zero", 0), ("zero_share", 0.0), ("over_one", 1.5),
@@ -232,3 +239,15 @@ def test_union_key_path_is_readable(model_dir):
 def test_parse_non_mapping(model_dir):
     assert "(top level)" in problems(["models"], model_dir)
     assert "(top level)" in problems(None, model_dir)
+
+
+def test_label_file_is_read_from_model_roots_and_resolved(model_dir):
+    (model_dir / "labels.txt").write_text("cat\ndog\n")
+    data = valid()
+    data["models"][0]["outputs"][0]["labels"] = "labels.txt"
+    data["models"][0].update(max_batch_size=0, warmup_batch_sizes=[1])
+    cfg = parse_config(data, str(model_dir))
+    assert cfg.models[0].outputs[0].labels == str(model_dir / "labels.txt") and not cfg.models[0].batched
+    assert cfg.models[0].max_rows == 1
+    data["models"][0]["outputs"][0]["labels"] = "/etc/hostname"   # its lines go to clients: confined
+    assert "models.0.outputs.0.labels" in problems(data, model_dir)

@@ -45,6 +45,8 @@ MARKERS = {
     "model-export": "test_formats.py::test_the_readmes_recipe_writes_a_file_of_each_format_that_serves_every_batch",
     "stage-example:handler": "test_stages.py",
     "stage-example:config": "test_stages.py",
+    "triton-python-example:config": "test_triton_python.py::test_the_add_sub_example_runs_unchanged",
+    "triton-repository-example:scale": "test_triton_repository.py::test_a_repository_of_each_platform_serves_unchanged",
     "http-example:statistics": "test_http_triton_docs.py::test_the_docs_example_runs_as_printed",
     "http-example:generate": "test_http_generate.py::test_generate_and_generate_stream_answer_the_native_tokens",
     "grpc-example:python": "test_grpc.py::test_doc_example_runs_as_printed",

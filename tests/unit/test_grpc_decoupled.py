@@ -42,7 +42,7 @@ def test_outputs_split_one_response_per_position():
 
 def test_an_error_is_final_and_names_its_code():
     resp = decoupled.error(fail(Code.OVERLOADED, "slow"), decoded(), "1")
-    assert resp.error_message == "[OVERLOADED] slow" and resp.infer_response.id == "req-7"
+    assert resp.error_message == "slow" and resp.infer_response.id == "req-7"
     assert resp.infer_response.parameters[decoupled.FINAL].bool_param is True
     assert resp.infer_response.parameters["tgw_code"].string_param == "OVERLOADED"
 

@@ -60,7 +60,11 @@ def test_parameters_map_to_the_native_fields():
      Code.INVALID_INPUT_SHAPE, "not a regular array"),
     ({"inputs": [{"name": "x", "shape": [-1], "datatype": "FP32", "data": [1]}]}, Code.INVALID_INPUT_SHAPE,
      "non-negative"),
-    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, Code.INVALID_ARGUMENT, "neither"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, Code.INVALID_ARGUMENT, "But no field is set"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1], "parameters": {"binary_data_size": 4}}]},
+     Code.INVALID_ARGUMENT, "But set 'data' 'binary_data_size'"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": None}}]},
+     Code.INVALID_ARGUMENT, "binary_data_size None"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "parameters": {"timeout": 0}},
      Code.INVALID_ARGUMENT, "timeout must be positive"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}], "parameters": {"priority": -1}},
@@ -71,7 +75,7 @@ def test_parameters_map_to_the_native_fields():
                   "parameters": {"shared_memory_region": "r"}}]}, Code.INVALID_ARGUMENT, "shared-memory"),
     ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}],
       "outputs": [{"name": "y", "parameters": {"binary_data": "yes"}}]}, Code.INVALID_ARGUMENT, "true or false"),
-    ({"inputs": "x"}, Code.INVALID_ARGUMENT, "non-empty list"),
+    ({"inputs": "x"}, Code.INVALID_ARGUMENT, "must be a list of tensors"),
 ])
 def test_every_bad_field_is_named(doc, code, words):
     with pytest.raises(TgwError) as info:

@@ -118,7 +118,8 @@ def test_input_names_must_be_exactly_the_declared_ones(reg, names):
     inputs = metas([{**decls.get(n, FIXED_INPUTS[1]), "name": n} for n in names])
     err = refused(reg, infer(inputs=inputs))
     assert err.code is Code.INVALID_ARGUMENT
-    assert err.details == {"expected": ["a", "b"], "got": names}
+    want = {"expected": ["a", "b"], "input": "x"} if names == ["a", "x"] else {"expected": ["a", "b"], "got": names}
+    assert err.details == want
 
 
 def test_dtype(reg):
@@ -165,7 +166,8 @@ def test_inputs_must_agree_on_rows(reg):
 def test_rows_between_one_and_max_batch_size(reg, rows):
     err = refused(reg, infer(inputs=metas(FIXED_INPUTS, rows=rows)))
     assert err.code is Code.INVALID_INPUT_SHAPE
-    assert err.details == {"input": "a", "max_batch_size": MAX_ROWS}
+    assert err.details == {"max_batch_size": MAX_ROWS, "got": rows}
+    assert err.message == f"inference request batch-size must be <= {MAX_ROWS} for 'fixed'"
 
 
 def test_max_batch_size_rows_accepted(reg):
@@ -206,7 +208,8 @@ def test_outputs_subset_in_requested_order(reg, wanted):
 @pytest.mark.parametrize("wanted", [["w"], ["y", "w"], ["y", "y"]], ids=["unknown", "one-unknown", "duplicate"])
 def test_outputs_unknown_or_duplicated(reg, wanted):
     err = refused(reg, infer(outputs=wanted))
-    assert err.code is Code.INVALID_ARGUMENT and str(wanted) in err.message
+    said = "unexpected inference output 'w' for model 'fixed'" if "w" in wanted else str(wanted)
+    assert err.code is Code.INVALID_ARGUMENT and said in err.message
 
 
 # ---- what an admitted request carries -----------------------------------------------------------
@@ -257,3 +260,51 @@ def test_unnamed_requests_follow_the_weights_and_a_routing_key_sticks(reg):
     reg.retire("fixed", list(entry.records.values()))
     err = refused(reg, infer())
     assert err.code is Code.MODEL_NOT_READY and err.details["reason"] == "no_version"
+
+
+# ---- Triton's words, and a model without a batch dim ----------------------------------------------
+
+def test_the_checks_clients_match_read_as_tritons(reg):
+    """core's infer_request.cc words each check; clients match them by text."""
+    a, b = metas(FIXED_INPUTS)
+    assert refused(reg, infer(inputs=[a])).message == (
+        "expected 2 inputs but got 1 inputs for model 'fixed'. Got input(s) ['a'], but missing required input(s) "
+        "['b']. Please provide all required input(s).")
+    assert refused(reg, infer(inputs=[a, TensorMeta(name="c", dtype="int64", shape=[2, 4])])).message == \
+        "unexpected inference input 'c' for model 'fixed'"
+    assert refused(reg, infer(inputs=metas(FIXED_INPUTS, b={"dtype": "int32"}))).message == \
+        "inference input 'b' data-type is 'INT32', but model 'fixed' expects 'INT64'"
+    odd = infer(inputs=metas(FIXED_INPUTS, b={"dtype": "complex64"}))   # a native client's: shown as sent
+    assert "data-type is 'complex64'" in refused(reg, odd, [48, 0]).message
+    err = refused(reg, infer(inputs=metas(FIXED_INPUTS, a={"shape": [2, 3, 2]})))
+    assert err.message.startswith("unexpected shape for input 'a' for model 'fixed'. Expected [-1,2,3], got [2,3,2]. "
+                                  "NOTE: Setting a non-zero max_batch_size") and err.code is Code.INVALID_INPUT_SHAPE
+    req = infer()
+    sizes = frames_for(req)
+    assert refused(reg, req, [sizes[0] - 4, sizes[1]]).message == \
+        f"input byte size mismatch for input 'a' for model 'fixed'. Expected {sizes[0]}, got {sizes[0] - 4}"
+    assert refused(reg, infer(inputs=metas(FIXED_INPUTS, b={"shape": [3, 4]}))).message == \
+        "input 'b' batch size does not match other inputs for 'fixed'"
+
+
+@pytest.fixture
+def flat(tmp_path) -> Registry:
+    """"flat": max_batch_size 0, inputs [3, -1] and [2]."""
+    unloaded_model(tmp_path / "m.pt")
+    cfg = parse_config({"models": [
+        {"name": "flat", "versions": [{"version": "1", "path": "m.pt"}], "max_batch_size": 0,
+         "inputs": [{"name": "x", "dtype": "float32", "shape": [3, -1]}, {"name": "k", "dtype": "int64", "shape": [2]}],
+         "outputs": [{"name": "y", "dtype": "float32", "shape": [3]}]}]}, base_dir=str(tmp_path))
+    r = Registry(cfg.models)
+    r.models["flat"].records["1"].seen = True
+    return r
+
+
+def test_no_batch_dim_takes_the_declared_shape_as_one_row(flat):
+    req = Infer(v=1, id=1, model="flat", inputs=[TensorMeta(name="x", dtype="float32", shape=[3, 5]),
+                                                  TensorMeta(name="k", dtype="int64", shape=[2])])
+    checked = check(flat, req)
+    assert checked.rows == 1 and checked.shape_key == ((3, 5), (2,)) and req.inputs[0].shape == [3, 5]
+    req.inputs[0].shape = [1, 3, 5]   # a batch dim is a wrong shape here, worded without Triton's note
+    assert refused(flat, req).message == \
+        "unexpected shape for input 'x' for model 'flat'. Expected [3,-1], got [1,3,5]. "

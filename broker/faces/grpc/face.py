@@ -85,7 +85,8 @@ class GrpcFace:
         self.receive_limit = max_request_bytes + MESSAGE_OVERHEAD
         self.send_limit = max(max_request_bytes, max_reply_bytes) + MESSAGE_OVERHEAD
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
-        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token, "a gRPC face")
+        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token, "a gRPC face",
+                                     deps.uploads)
         # beyond loopback, control needs a token or callers that TLS identifies (client certificates)
         self.repository.open_to_network = not loopback(decl.host) and not deps.token and not decl.tls_client_ca_file
         self.inference = Inference(self)

@@ -23,7 +23,7 @@ import grpc
 from tgw.shm.errors import Code, TgwError, error_from_body, fail
 from tgw.shm.wire import ErrorReply
 
-from tgw.broker.protocol import kserve
+from tgw.broker.protocol import classification, kserve
 from tgw.broker.protocol.door import AwaitedCaller
 from tgw.broker.protocol import streaming
 from tgw.broker.protocol.errors import TRACEPARENT, details, trailers
@@ -87,6 +87,9 @@ class Inference:
             decoded = tensors.decode(req, next(self.ids), version, self.face.shm, deadline, generate=entry is not None)
             if entry is not None:
                 decoupled.check(entry, decoded)
+                if decoded.classes:   # a generation's outputs stream back as they come: no top-k of them
+                    raise fail(Code.INVALID_ARGUMENT, f"output {next(iter(decoded.classes))!r}: classification is "
+                               "not offered for a generator's outputs", reason="classification_generator")
             decoded.infer.routing_key = kserve.routing_key(decoded.infer.routing_key, meta.get(kserve.ROUTING_HEADER),
                                                            f"metadata {kserve.ROUTING_HEADER}")
         except TgwError as err:
@@ -122,6 +125,7 @@ class Inference:
             await abort(context, error_from_body(reply.error), reply.traceparent)
         if reply.traceparent:
             add_trailers(context, (TRACEPARENT, reply.traceparent))
+        reply, frames = classification.answered(self.deps, reply, frames, decoded.classes)
         return tensors.encode(reply, frames, decoded, self.face.shm)
 
     async def stream(self, requests, context) -> None:
@@ -243,6 +247,7 @@ class Stream:
             if isinstance(msg, ErrorReply):
                 resp = refusal(error_from_body(msg.error), decoded.request_id, decoded.infer.model, msg.traceparent)
             else:
+                msg, frames = classification.answered(self.deps, msg, frames, decoded.classes)
                 infer = tensors.encode(msg, frames, decoded, self.shm)
                 if msg.traceparent:
                     infer.parameters[TRACEPARENT].string_param = msg.traceparent

@@ -102,8 +102,8 @@ class Services:
     async def shm(self, context):
         """The registry, when this face offers it (grpc.allow_client_shm)."""
         if self.face.shm is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "client shared memory is off on this gRPC "
-                                "face: set grpc.allow_client_shm: true in the broker's config (docs/GRPC.md)")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Client shared memory is disabled. Set "
+                                "grpc.allow_client_shm: true in the broker's config to enable (docs/GRPC.md)")
         return self.face.shm
 
     def caller(self, context) -> Caller:

@@ -9,7 +9,8 @@ layout too; FP16 and BF16 have no typed field, so they come raw only). Outputs g
 Request parameters are read as over HTTP (protocol/kserve.py): priority, timeout (microseconds),
 routing_key and the sequence's (sequence_id, sequence_start, sequence_end); a generation's limits
 and sampling (max_tokens, temperature, ...: protocol/streaming.py) when the model is a generator;
-classification is refused by name; others are ignored.
+an output's `classification` (tritonclient's class_count) asks for its top k (protocol/
+classification.py); others are ignored. The checks clients match by text use Triton's words.
 Everything wrong raises a TgwError naming the field.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tgw.shm.errors import Code
 from tgw.shm.wire import BYTES, PROTOCOL_VERSION, Infer, InferReply, TensorMeta
 
 from tgw.broker.front.regions import SliceFrame
-from tgw.broker.protocol import kserve
+from tgw.broker.protocol import classification, kserve
 from tgw.broker.protocol.errors import bad
 from tgw.broker.protocol.kserve import DATATYPE_OF, SHM_REGION, datatype
 from tgw.broker.protocol.streaming import generate_params, sequence_ref
@@ -42,6 +43,7 @@ class Decoded(NamedTuple):
     frames: list
     request_id: str                   # the request's `id`, echoed in the reply
     places: dict[str, Any]            # output name -> its shared-memory place (deps.shm.output_place)
+    classes: dict = {}                # output name -> k: answered as its top k classes (class_count)
 
 
 def parameters(params) -> dict:
@@ -77,8 +79,6 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
     (None: regions refused); `generate`: the request is a generation (its model a generator)."""
     params = parameters(req.parameters)
     refuse_unoffered(params, "")
-    if not req.inputs:
-        raise bad("\"inputs\" must hold at least one tensor")
     raw = req.raw_input_contents
     metas, frames, next_raw = [], [], 0
     for i, spec in enumerate(req.inputs):
@@ -89,19 +89,19 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
                 if next_raw >= len(raw):
                     raise bad(f"{len(raw)} raw_input_contents for more inputs than that: give one per input "
                               "(not read from shared memory), in input order", input=meta.name)
-                if spec.HasField("contents"):
-                    raise bad(f"input {meta.name!r} has typed contents and raw_input_contents: use one",
-                              input=meta.name)
+                if spec.HasField("contents"):   # Triton's words (its grpc/infer_handler.cc)
+                    raise bad(f"contents field must not be specified when using raw_input_contents for "
+                              f"'{meta.name}' for model '{req.model_name}'", input=meta.name)
                 frame = SliceFrame(memoryview(raw[next_raw]))
                 next_raw += 1
             else:
-                frame = SliceFrame(typed(spec, meta))
+                frame = SliceFrame(typed(spec, meta, req.model_name))
         metas.append(meta)
         frames.append(frame)
     if next_raw != len(raw):
         raise bad(f"{len(raw)} raw_input_contents for {next_raw} inputs that take them: give one per input "
                   "(not read from shared memory), in input order")
-    outputs, places = requested_outputs(req.outputs, shm)
+    outputs, places, classes = requested_outputs(req.outputs, shm)
     timeout = kserve.timeout_ms(params)
     if deadline_ms is not None:
         timeout = deadline_ms if timeout is None else min(timeout, deadline_ms)
@@ -109,7 +109,7 @@ def decode(req: pb.ModelInferRequest, req_id: int, version: str | None, shm=None
                 priority=kserve.int_param(params, "priority", 0), timeout_ms=timeout,
                 routing_key=kserve.str_param(params, "routing_key"), sequence=sequence_ref(params),
                 generate=generate_params(params) if generate else None)
-    return Decoded(msg, frames, req.id, places)
+    return Decoded(msg, frames, req.id, places, classes)
 
 
 def input_meta(spec, i: int) -> tuple[TensorMeta, dict]:
@@ -135,7 +135,7 @@ def region_frame(shm, meta: TensorMeta, params: dict, kind: str):
     return shm.input_frame(meta, params)
 
 
-def typed(spec, meta: TensorMeta) -> memoryview:
+def typed(spec, meta: TensorMeta, model: str = "") -> memoryview:
     """An input's typed contents as the bytes the ring takes."""
     name, dtype = meta.name, meta.dtype
     field = TYPED.get(dtype)
@@ -144,11 +144,17 @@ def typed(spec, meta: TensorMeta) -> memoryview:
                   "raw_input_contents", Code.INVALID_INPUT_DTYPE, input=name)
     values = getattr(spec.contents, field)
     want = math.prod(meta.shape)
-    if len(values) != want:
+    if len(values) != want:   # Triton's core words: its bytes (a string tensor: its elements)
         other = [f for f in set(TYPED.values()) if f != field and len(getattr(spec.contents, f))]
-        hint = f" (it has {other[0]}, which is not {DATATYPE_OF[dtype]}'s)" if other else ""
-        raise bad(f"input {name!r}: contents.{field} holds {len(values)} values; shape {meta.shape} needs "
-                  f"{want}{hint}", Code.INVALID_INPUT_SHAPE, input=name, got=len(values), expected=want)
+        if not values and not other:
+            raise bad(f"unable to find data for input tensor '{name}' for model '{model}' in request.", input=name)
+        if dtype == BYTES:
+            raise bad(f"expected {want} string elements for inference input '{name}' for model '{model}', got "
+                      f"{len(values)}", Code.INVALID_INPUT_SHAPE, input=name, got=len(values), expected=want)
+        size = np.dtype(dtype).itemsize
+        hint = f" (contents.{other[0]} is not {DATATYPE_OF[dtype]}'s field, {field})" if other else ""
+        raise bad(f"input byte size mismatch for input '{name}' for model '{model}'. Expected {want * size}, got "
+                  f"{len(values) * size}{hint}", Code.INVALID_INPUT_SHAPE, input=name, got=len(values), expected=want)
     if dtype == BYTES:
         return memoryview(pack(values))
     wide = np.array(values, dtype="float64" if field.startswith("fp") else "bool" if dtype == "bool"
@@ -159,15 +165,18 @@ def typed(spec, meta: TensorMeta) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def requested_outputs(specs, shm) -> tuple[list[str] | None, dict]:
+def requested_outputs(specs, shm) -> tuple[list[str] | None, dict, dict]:
     if not specs:
-        return None, {}
-    names, places = [], {}
+        return None, {}, {}
+    names, places, classes = [], {}, {}
     for i, spec in enumerate(specs):
         if not spec.name:
             raise bad(f"outputs[{i}] needs a name")
         oparams = parameters(spec.parameters)
         refuse_unoffered(oparams, f"output {spec.name!r}: ", output=spec.name)
+        k = classification.class_count(oparams, spec.name, SHM_REGION in oparams)
+        if k:
+            classes[spec.name] = k
         if SHM_REGION in oparams:
             if shm is None:
                 raise bad(f"output {spec.name!r} names shared-memory region {oparams[SHM_REGION]!r}, but client "
@@ -176,7 +185,7 @@ def requested_outputs(specs, shm) -> tuple[list[str] | None, dict]:
             if place is not None:
                 places[spec.name] = place
         names.append(spec.name)
-    return names, places
+    return names, places, classes
 
 
 def encode(reply: InferReply, frames: list, decoded: Decoded, shm=None) -> pb.ModelInferResponse:

@@ -9,7 +9,7 @@ from tgw.shm.errors import TgwError
 
 from tgw.broker.protocol import kserve
 from tgw.broker.protocol.door import AwaitedCaller
-from tgw.broker.protocol.errors import TRACEPARENT, error_body
+from tgw.broker.protocol.errors import TRACEPARENT, error_body, headers, http_status
 
 
 class HttpCaller(AwaitedCaller):
@@ -19,8 +19,11 @@ class HttpCaller(AwaitedCaller):
 
 
 def error_response(err: TgwError, trace: str | None = None) -> web.Response:
-    return web.Response(status=err.http_status, body=error_body(err), content_type="application/json",
-                        headers={TRACEPARENT: trace} if trace else None)
+    extra = headers(err)   # tgw's code beside Triton's {"error": message}
+    if trace:
+        extra[TRACEPARENT] = trace
+    return web.Response(status=http_status(err), body=error_body(err), content_type="application/json",
+                        headers=extra)
 
 
 def json_response(doc, status_code: int = 200) -> web.Response:

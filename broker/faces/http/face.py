@@ -25,7 +25,7 @@ from tgw.broker.config.schema import HttpDecl
 from tgw.broker.observe import status
 from tgw.broker.observe.devices import missing
 from tgw.broker.observe.load import HEADER as LOAD_HEADER
-from tgw.broker.protocol import door, kserve, triton_docs, triton_shm
+from tgw.broker.protocol import classification, door, kserve, triton_docs, triton_shm
 from tgw.broker.protocol.door import DoorPort
 from tgw.broker.protocol.errors import TRACEPARENT
 from tgw.broker.protocol.repository import EXTENSIONS, Repository
@@ -49,7 +49,7 @@ class HttpFace:
         self.mounts = mounts or []
         self.inflight = 0            # inference requests admitted or waiting to be, not yet answered
         self.ids = count(1)
-        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token)
+        self.repository = Repository(deps.view, deps.entry, self.ask, decl.host, deps.token, uploads=deps.uploads)
         self.repository_routes = RepositoryRoutes(self.repository, self.body)
         self.shm = deps.shm if decl.allow_client_shm else None   # each face checks its own allow flag
         self.shm_routes = shm_routes.ShmRoutes(self.shm, self.body, deps.token is not None)
@@ -227,8 +227,10 @@ class HttpFace:
         content_type, length = headers.get("Content-Type"), headers.get(kserve.HEADER_LENGTH)
         body = body if body is not None else await self.body(request)
         if kserve.is_raw(request.method, content_type, length):   # an image as the body, answered in JSON
+            plan = self.deps.view.pipelines.table.get(model)   # a batch dim unless max_batch_size 0
+            batched = plan.max_batch_size > 0 if plan is not None else self.deps.entry(model).decl.batched
             decoded = kserve.decode_raw(body, content_type, self.inputs_of(model), model, version,
-                                        next(self.ids), headers.get(kserve.ROUTING_HEADER))
+                                        next(self.ids), headers.get(kserve.ROUTING_HEADER), batched)
         else:
             decoded = kserve.decode(body, length, model, version, next(self.ids), self.shm,
                                     headers.get(kserve.ROUTING_HEADER))
@@ -242,6 +244,7 @@ class HttpFace:
 
     def infer_response(self, request: web.Request, reply: InferReply, frames: list,
                        decoded: kserve.Decoded) -> web.Response:
+        reply, frames = classification.answered(self.deps, reply, frames, decoded.classes)   # top-k asked for
         placed = triton_shm.written(self.shm, decoded, reply, frames)   # outputs into their regions
         return infer_response(request, reply, frames, decoded, placed)
 

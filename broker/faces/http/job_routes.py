@@ -60,6 +60,9 @@ class JobRoutes:
         if shm or decoded.places:
             raise bad("a job's inputs must travel in its body and its outputs are kept by the broker: shared "
                       "memory regions are not for jobs", parameter=kserve.SHM_REGION)
+        if decoded.classes:   # a job keeps its outputs as computed: refused, never silently ignored
+            raise bad("a job's outputs are kept as computed: ask for classification on a synchronous infer",
+                      parameter="classification")
         generator = model not in self.deps.view.pipelines.table and self.deps.entry(model).is_generator
         if generator:
             msg.generate = generate_params(params)

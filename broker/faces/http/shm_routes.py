@@ -2,10 +2,11 @@
 tritonclient.http's *_shared_memory calls use, over the registry of protocol/triton_shm.py
 (which also holds the infer path's part: CUDA regions routed, outputs written into regions).
 
-Off unless `http.allow_client_shm`: every endpoint then answers INVALID_ARGUMENT (HTTP 400, as
-Triton answers a disabled extension; reason `client_shm_disabled`), and so does a request that
-names a region (protocol/kserve.py). Not UNAUTHENTICATED: no token would change the answer; not a
-retryable code: it is the broker's configuration, not a passing state.
+Off unless `http.allow_client_shm`: every endpoint then answers Triton's "Client shared memory is
+disabled" with its status, 501 (reason `client_shm_disabled`, tgw code INVALID_ARGUMENT:
+protocol/errors.py), and so does a request that names a region (protocol/kserve.py). Not
+UNAUTHENTICATED: no token would change the answer; not retryable: it is the broker's
+configuration, not a passing state.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ SYSTEM, CUDA = "/v2/systemsharedmemory", "/v2/cudasharedmemory"
 
 
 def disabled():
-    return fail(Code.INVALID_ARGUMENT, "client shared memory is off on this face: set http.allow_client_shm: true "
-                "(docs/SHARED_MEMORY.md)", reason="client_shm_disabled")
+    return fail(Code.INVALID_ARGUMENT, "Client shared memory is disabled. Set http.allow_client_shm: true in the "
+                "broker's config to enable (docs/SHARED_MEMORY.md)", reason="client_shm_disabled")
 
 
 def caller_of(request: web.Request, token: bool) -> Caller:
