@@ -90,7 +90,9 @@ def keygen(args) -> int:
 def print_status(address: str, reply) -> None:
     print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s"
           + (f"; HTTP (KServe v2) on {reply.http}" if reply.http else "")
-          + (f"; gRPC (KServe v2) on {reply.grpc}" if reply.grpc else ""))
+          + (f"; gRPC (KServe v2) on {reply.grpc}" if reply.grpc else "")
+          + ("; TorchServe inference on {} and management on {}".format(*reply.torchserve.split())
+             if reply.torchserve else ""))
     print(f"{'worker':<16}{'pid':>8} {'state':<9}{'inflight':>9}{'rss MiB':>9}{'batches':>9}{'beat s':>8}"
           f"{'restarts':>9}  last death / benched")
     for w in reply.workers:
