@@ -14,6 +14,7 @@
     tgw-bench sequences [--quick]                       # a sequence model's steps against one-shot requests
     tgw-bench onnx [--quick]                            # an ONNX resnet: onnxruntime's own floor, tgw, TorchScript
     tgw-bench triton-ensemble [--quick]                 # a Triton repository's ensemble: tgw against PyTriton
+    tgw-bench torchserve [--quick]                      # the same .mar archives on TorchServe and tgw's /predictions
 
 `tgw-bench --model ...` without a name is `load`. Every scenario but `load` starts its own
 brokers and stops them by PID, also on Ctrl-C and SIGTERM. Exit status: 0 success, 1 some

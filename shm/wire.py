@@ -262,6 +262,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     # sent, ok, failed, latency_ms {mean, p99}
     pipelines: dict[str, dict[str, Any]] = {}
     grpc: str = ""                      # the gRPC face's address (host:port); "" when off
+    # TorchServe's APIs: "http://host:INFERENCE http://host:MANAGEMENT"; "" when off
+    torchserve: str = ""
     devices: dict[str, dict[str, Any]] = {}   # as HealthReply.devices
     # sticky CUDA errors: total, by_device, out_of_service {device: reason, left_s}, recent [records]
     cuda_faults: dict[str, Any] = {}

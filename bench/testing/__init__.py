@@ -12,6 +12,7 @@ imports tgw.bench; the benchmarks' harness and scenarios may import it.
 | `cancellation.py`, `cancel_stage.py` | callers giving up behind a gated batch; the stage that records what it computed |
 | `regions.py` | a minimal native caller that sends through a shared-memory region |
 | `generators.py` | small deterministic generators (`Counter`, `ToyLM`), their references and config entries (docs/GENERATION.md) |
+| `mar_archives.py` | TorchServe `.mar` archives made by the real `torch-model-archiver`: the built-in text classifier's, a custom Pillow image handler's |
 | `slow_first.py` | a model slow on its first call per shape (preloaded by workers as `tgw.testing.slow_first`) |
 | `triton_repo.py` | a Triton model repository of stand-in models (`simple`, `simple_string`, image classifiers, an ensemble of Python pre/post-processing and a TorchScript model), written at run time |
 """

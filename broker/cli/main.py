@@ -9,8 +9,8 @@ import sys
 
 from tgw.shm.wire import PROTOCOL_VERSION, Scrape, Snapshot, Status
 
-from . import connect, load_progress, models as cli_models
-from tgw.broker.config.load import ConfigError, load_config
+from . import archive_load, connect, load_progress, models as cli_models
+from tgw.broker.config.load import ConfigError, load_config, parse_config
 
 RECENT_EVENTS = 5      # lifecycle events `status` shows; --json has all the broker keeps
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -90,7 +90,9 @@ def keygen(args) -> int:
 def print_status(address: str, reply) -> None:
     print(f"{address}: {reply.phase}, up {reply.uptime_s:.0f} s"
           + (f"; HTTP (KServe v2) on {reply.http}" if reply.http else "")
-          + (f"; gRPC (KServe v2) on {reply.grpc}" if reply.grpc else ""))
+          + (f"; gRPC (KServe v2) on {reply.grpc}" if reply.grpc else "")
+          + ("; TorchServe inference on {} and management on {}".format(*reply.torchserve.split())
+             if reply.torchserve else ""))
     print(f"{'worker':<16}{'pid':>8} {'state':<9}{'inflight':>9}{'rss MiB':>9}{'batches':>9}{'beat s':>8}"
           f"{'restarts':>9}  last death / benched")
     for w in reply.workers:
@@ -182,8 +184,20 @@ def reload_line(reload: dict) -> str:
     return cli_models.with_message(f"{line}, last reload {outcome} at {reload['at_s']:.1f} s", reload.get("message"))
 
 
+class Parser(argparse.ArgumentParser):
+    """The top parser: what one flag's parser cannot see is a usage error too."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        if ns.cmd == "models" and ns.verb == "load" and not archive_load.is_archive(ns.model) and (
+                ns.version is None or (ns.batch_size, ns.max_batch_delay, ns.name) != (None, None, None)):
+            self.error("models load: the following arguments are required: --version (--batch-size, "
+                       "--max-batch-delay and --name are an archive's: models load FILE.mar)")
+        return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tgw-broker", description="tgw torch inference gateway broker")
+    ap = Parser(prog="tgw-broker", description="tgw torch inference gateway broker")
     sub = ap.add_subparsers(dest="cmd", required=True)
     start = sub.add_parser("start", help="serve (the embedded demo models when no --config is given)")
     start.add_argument("--config", help="YAML config file")
@@ -200,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(0: any free one; the host is http.host, default 127.0.0.1)")
     start.add_argument("--grpc-port", type=int, help="serve the KServe v2 gRPC face (with grpc.health.v1 and "
                        "reflection) on this port (0: any free one; the host is grpc.host, default 127.0.0.1)")
+    start.add_argument("--model-store", help="serve the TorchServe archives (.mar) of this folder: TorchServe's "
+                       "inference and management APIs on torchserve.inference_port / management_port (8080, 8081)")
+    start.add_argument("--models", nargs="+", metavar="MODEL", help="with --model-store: the archives served at start, "
+                       "as TorchServe's --models: all, NAME=FILE.mar or FILE.mar")
+    start.add_argument("--ts-inference-port", type=int, help="TorchServe's inference API on this port (0: any free one)")
+    start.add_argument("--ts-management-port", type=int, help="TorchServe's management API on this port "
+                       "(0: any free one)")
     start.add_argument("--progress", choices=("auto", "on", "off"),
                        help="each model's loading/warming/ready lines on stderr (default: $TGW_PROGRESS, else auto: "
                             "when stderr is a terminal and the log format is text)")
@@ -262,6 +283,8 @@ def run(argv: list[str] | None) -> None:
     if args.cmd == "keygen":
         sys.exit(keygen(args))
 
+    if args.cmd == "models" and args.verb == "load" and archive_load.is_archive(args.model):
+        sys.exit(archive_load.register(args))   # TorchServe's register, through its management API
     if hasattr(args, "local"):       # a verb that works here, without a broker (models convert)
         sys.exit(args.local(args))
 
@@ -271,8 +294,9 @@ def run(argv: list[str] | None) -> None:
     if args.cmd == "check-config":
         if args.file is None and args.model_repository is None:
             sys.exit("tgw-broker check-config: name a config FILE, --model-repository DIR, or both")
+        from tgw.broker.torchserve.store import with_store
         try:
-            cfg = configured(args.file, args.model_repository)
+            cfg = with_store(configured(args.file, args.model_repository))
         except ConfigError as exc:
             sys.exit(str(exc))
         for line in cfg._repository_warnings:
@@ -302,9 +326,16 @@ def run(argv: list[str] | None) -> None:
         os.environ["TGW_PROGRESS"] = args.progress
     from .demo import demo_config
     from tgw.broker.core.run import run_broker
+    from tgw.broker.torchserve.store import with_flags, with_store
     try:
-        cfg = configured(args.config, args.model_repository) if args.config or args.model_repository \
-            else demo_config()
+        if args.config or args.model_repository:
+            cfg = configured(args.config, args.model_repository)
+        elif args.model_store:   # TorchServe's way: the archives alone
+            cfg = parse_config({"model_store": os.path.abspath(args.model_store)}, os.getcwd(), "--model-store")
+        else:
+            cfg = demo_config()
+        cfg = with_store(with_flags(cfg, args.model_store, args.models, args.ts_inference_port,
+                                    args.ts_management_port))
     except ConfigError as exc:
         sys.exit(str(exc))
     for line in cfg._repository_warnings:

@@ -80,9 +80,15 @@ def add_verbs(sub, broker_verb) -> None:
 
     broker_verb(verbs, "list", "every model: residency, default version, versions with state and weight",
                 QUERY_WAIT_S, lambda args: Metadata(v=PROTOCOL_VERSION), print_models)
-    load = model_verb("load", "load a new version of a declared model or stage (no --weight: a hot swap)",
+    load = model_verb("load", "load a new version of a declared model or stage (no --weight: a hot swap); or "
+                      "register a TorchServe archive of the model store (NAME: FILE.mar)",
                       CONTROL_WAIT_S, load_request, print_control)
-    load.add_argument("--version", required=True, help="the new version's name (a name in use is refused)")
+    load.add_argument("--version", help="the new version's name (a name in use is refused); required, but for an "
+                                        "archive (its MANIFEST names its version)")
+    load.add_argument("--batch-size", type=non_negative_int, help="an archive's batch_size (TorchServe's register)")
+    load.add_argument("--max-batch-delay", type=non_negative_int, metavar="MS",
+                      help="an archive's max_batch_delay in ms (TorchServe's register)")
+    load.add_argument("--name", help="an archive's model_name (default: its MANIFEST's)")
     source = load.add_mutually_exclusive_group()
     source.add_argument("--path", help="a model's file inside the config's model_roots; a relative path is taken "
                                        "from the current directory (default: the path the config declares for "

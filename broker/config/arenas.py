@@ -73,8 +73,8 @@ def whole_mib(nbytes: int) -> int:
 def auto_sizes(cfg: Config) -> tuple[int, int]:
     """(input, output) arena bytes per worker that `auto` means for this config."""
     k, limit = cfg.server.max_inflight_batches_per_worker, cfg.server.max_request_bytes
-    return (whole_mib(max(input_need(m, k, limit) for m in cfg.models)),
-            whole_mib(max(output_need(m, k) for m in cfg.models)))
+    return (whole_mib(max((input_need(m, k, limit) for m in cfg.models), default=0)),   # no models yet: a
+            whole_mib(max((output_need(m, k) for m in cfg.models), default=0)))            # model store's first
 
 
 def resolve(cfg: Config) -> Config:

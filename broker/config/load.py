@@ -19,14 +19,14 @@ from .labels import LabelFileError, read_labels
 from .roots import ModelFileError, PathRefused, check_file, check_handler_file, confine, file_sha256, split_handler
 from .pipelines import PipelineDecl, PipelineError, StepDecl
 from .schema import BreakerDecl, Config, CrashLoopDecl, CudaFaultDecl, FragmentationDecl, GrpcDecl, HttpDecl, \
-    LeakDecl, ModelDecl, ObservabilityDecl, ServerDecl, SupervisorDecl, TenantDecl, TensorDecl, VersionDecl, \
-    WarmupDecl, WorkersDecl
+    LeakDecl, ModelDecl, ObservabilityDecl, ServerDecl, SupervisorDecl, TenantDecl, TensorDecl, TorchServeDecl, \
+    VersionDecl, WarmupDecl, WorkersDecl
 
 # the rest of the broker imports the schema from here
 __all__ = ["BreakerDecl", "Config", "ConfigError", "CrashLoopDecl", "FragmentationDecl", "HttpDecl", "LeakDecl",
            "ModelDecl", "ObservabilityDecl", "PipelineDecl", "ServerDecl", "StepDecl",
-           "SupervisorDecl", "TenantDecl", "TensorDecl", "VersionDecl", "WarmupDecl", "WorkersDecl", "file_sha256",
-           "load_config", "parse_config", "repository_config"]
+           "SupervisorDecl", "TenantDecl", "TensorDecl", "TorchServeDecl", "VersionDecl", "WarmupDecl", "WorkersDecl",
+           "file_sha256", "load_config", "parse_config", "repository_config"]
 
 
 class ConfigError(ValueError):
@@ -212,9 +212,13 @@ def parse_config(data: object, base_dir: str, source: str = "<dict>") -> Config:
                                        ("auth_token_file", "curve_secret_key_file") if getattr(server, k)})
     grpc = cfg.grpc and cfg.grpc.model_copy(update={k: _resolve(getattr(cfg.grpc, k), base_dir) for k in GRPC_FILES
                                                     if getattr(cfg.grpc, k)})
+    store = _resolve(cfg.model_store, base_dir) if cfg.model_store else None
+    ts = cfg.torchserve and (cfg.torchserve.model_copy(update={"unpack_dir": _resolve(cfg.torchserve.unpack_dir, base_dir)})
+                             if cfg.torchserve.unpack_dir else cfg.torchserve)
     # workers.*_arena_mb: auto becomes bytes here, once (arenas.py has the rule)
     out = arenas.resolve(cfg.model_copy(update={"model_roots": roots, "models": models, "supervisor": sup,
-                                                "server": server, "grpc": grpc}))
+                                                "server": server, "grpc": grpc, "model_store": store,
+                                                "torchserve": ts}))
     out._repository_warnings = warnings
     return out
 
@@ -271,3 +275,24 @@ def with_http_port(cfg: Config, port: int) -> Config:
 
 def with_grpc_port(cfg: Config, port: int) -> Config:
     return with_face_port(cfg, "grpc", port)
+
+
+def with_models(cfg: Config, models: list[ModelDecl], roots: list[str]) -> Config:
+    """The config with `models` served beside its own (TorchServe archives, broker/torchserve/),
+    their folders `roots` added to model_roots; remembered, so a reload of the file keeps them."""
+    names = {m.name for m in cfg.models}
+    clash = sorted(m.name for m in models if m.name in names)
+    if clash:
+        raise ConfigError(f"model name(s) {', '.join(clash)} already served: an archive's model needs a name of its own")
+    out = arenas.resolve(cfg.model_copy(update={
+        "models": [*cfg.models, *models], "model_roots": [*cfg.model_roots, *(r for r in roots if r not in cfg.model_roots)]}))
+    out._extra_models = [*cfg._extra_models, *models]
+    out._extra_roots = [*cfg._extra_roots, *(r for r in roots if r not in cfg._extra_roots)]
+    return out
+
+
+def without_model(cfg: Config, name: str) -> Config:
+    """The config without the added model `name` (an archive unregistered)."""
+    out = cfg.model_copy(update={"models": [m for m in cfg.models if m.name != name]})
+    out._extra_models = [m for m in cfg._extra_models if m.name != name]
+    return out

@@ -237,6 +237,19 @@ class HttpDecl(Strict):
     allow_client_shm: bool = False   # Triton's system/CUDA shared-memory extensions (off, as in Triton now)
 
 
+class TorchServeDecl(Strict):
+    """TorchServe's inference and management APIs on their own ports, over the archives of
+    model_store (docs/MIGRATING.md, from TorchServe)."""
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    inference_port: Annotated[int, Field(ge=0, le=65535)] = 8080    # 0: any free port (status shows which)
+    management_port: Annotated[int, Field(ge=0, le=65535)] = 8081
+    # archives served at start, as TorchServe's --models: "all", "NAME=FILE.mar" or "FILE.mar"
+    models: list[Annotated[str, Field(min_length=1)]] = []
+    device: Literal["cpu", "cuda"] = "cpu"     # where the handlers run (cuda: on the GPU workers)
+    unpack_dir: Optional[str] = None           # where archives are unpacked; None: model_store/.tgw-unpacked
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 << 20   # TorchServe's max_request_size is 6.5 MB
+
+
 class JobsDecl(Strict):
     """Polled jobs (docs/JOBS.md): requests answered at once with an id, their results kept in the
     broker's memory until fetched and then for keep_s; every bound answers a clear error."""
@@ -319,19 +332,30 @@ class Config(Strict):
     grpc: Optional[GrpcDecl] = None                # the KServe v2 gRPC face; None: off
     observability: ObservabilityDecl = ObservabilityDecl()
     jobs: JobsDecl = JobsDecl()                    # polled jobs: bounds and how long results are kept
-    models: Annotated[list[ModelDecl], Field(min_length=1)]   # a model_repository's are added to them
+    # at least one (a model_repository's are added to them), unless model_store serves archives
+    models: list[ModelDecl] = []
+    model_store: Optional[str] = None              # a folder of TorchServe .mar archives (torchserve: serves them)
+    torchserve: Optional[TorchServeDecl] = None    # TorchServe's APIs; None: off (on with model_store)
     tenants: dict[TenantName, TenantDecl] = {}
     default_tenant: Optional[TenantName] = None   # whose limits a request naming no known tenant gets
     require_tenant: bool = False                   # then such a request is UNAUTHENTICATED instead
     pipelines: list[PipelineDecl] = []             # served names that are DAGs of steps (docs/PIPELINES.md)
     _http_port: Optional[int] = PrivateAttr(default=None)   # `start --http-port`: a reload keeps it
     _grpc_port: Optional[int] = PrivateAttr(default=None)   # `start --grpc-port`: a reload keeps it
+    # models served beside the file's (TorchServe archives) and their roots: a reload keeps them
+    _extra_models: list = PrivateAttr(default_factory=list)
+    _extra_roots: list = PrivateAttr(default_factory=list)
     _repository_flag: Optional[list[str]] = PrivateAttr(default=None)   # `start --model-repository`: a reload keeps it
     # what the repository's files ask that tgw does not honour, one line per model (logged at start)
     _repository_warnings: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _references(self) -> "Config":
+        if self.torchserve is not None and self.torchserve.models and self.model_store is None:
+            raise ValueError("torchserve.models names archives of model_store, which is not set")
+        if not self.models and self.model_store is None:
+            raise ValueError("models: at least one model is required (or a TorchServe model_store whose archives "
+                             "torchserve.models names)")
         if self.default_tenant is not None and self.default_tenant not in self.tenants:
             raise ValueError(f"default_tenant {self.default_tenant!r} is not one of tenants {sorted(self.tenants)}")
         if self.require_tenant and not self.tenants:

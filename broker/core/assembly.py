@@ -33,6 +33,7 @@ from tgw.broker.jobs.jobs import Jobs
 from tgw.broker.jobs.store import JobStore
 from tgw.broker.faces.http.face import HttpFace
 from tgw.broker.faces.openai.face import OpenAiFace
+from tgw.broker.torchserve.face import face_for as torchserve_face
 from tgw.broker.models.guarded import GuardHooks
 from tgw.broker.models.operator import Operator, OperatorDeps
 from tgw.broker.models.placement import Placement
@@ -165,7 +166,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                                  infer=door.infer, count_error=stats.error, note=complaints.note,
                                  withdraw=door.drop_caller, shm=TritonShm(server.max_region_bytes, roster),
                                  load=load, scrape=metrics.render,
-                                 uploads=Uploads(cfg.model_roots[0]) if server.allow_model_uploads else None))
+                                 uploads=Uploads(cfg.model_roots[0]) if server.allow_model_uploads else None), operator)
     return Broker(clock=clock, phase=phase, roster=roster, complaints=complaints, callers=callers, registry=registry,
                   stats=stats, costs=costs, batcher=batcher, replay=replay, door=door, back=link, memory=memory,
                   faults=faults, placement=placement, admission=admission, handshake=handshake, pipelines=pipelines,
@@ -194,9 +195,12 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
     return OperatorDeps(rollout=rollout, reload=reload, reply=door.reply, serving=phase.is_serving, phase=phase.value)
 
 
-def _faces(cfg: Config, port: DoorPort) -> dict:
-    """The faces configured by name ("http", "grpc"), not yet listening (run.py starts them)."""
+def _faces(cfg: Config, port: DoorPort, operator: Operator) -> dict:
+    """The faces configured by name ("http", "grpc", "torchserve"), not yet listening (run.py starts them)."""
     faces = {}
+    torchserve = torchserve_face(cfg, port, operator)   # TorchServe's APIs: register and unregister are ops
+    if torchserve is not None:
+        faces["torchserve"] = torchserve
     if cfg.http is not None:   # the OpenAI face's routes share the HTTP face's port (/v1/...)
         openai = OpenAiFace(port, cfg.http.max_inflight)
         try:

@@ -17,6 +17,7 @@ from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, ErrorReply, LoadVersion
     SetTraffic, UnloadVersion
 
 from tgw.broker.config.load import Config, ServerDecl
+from .adopt import Adoption
 from .guarded import Decision
 from .reload import ReloadDeps, Reloader
 from .rollout import Rollout, RolloutDeps
@@ -50,6 +51,7 @@ class Operator:
                                cfg.supervisor.shutdown_grace_s)
         outcome = {} if reload_outcome is None else reload_outcome
         self.reloader = Reloader(d.reload, self.rollout, cfg, config_path, outcome)
+        self.adoption = Adoption(self.rollout, self.reloader)
         self.unauthenticated = unauthenticated(address, cfg.server)
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task] = set()   # held so they are not collected while they run
@@ -115,6 +117,15 @@ class Operator:
         if isinstance(msg, Decision):
             return await self.rollout.decide(msg)
         raise fail(Code.INVALID_ARGUMENT, f"not a control op: {type(msg).__name__}")
+
+    async def exclusive(self, op):
+        """`op()` (a coroutine function: TorchServe's register, unregister, set default through
+        self.adoption) run in turn with the other ops; its answer or its error."""
+        if not self.d.serving():
+            raise fail(Code.MODEL_NOT_READY, f"the broker is {self.d.phase()}: control ops wait until "
+                       "it serves", reason=self.d.phase())
+        async with self.lock:
+            return await op()
 
     def answer_error(self, ident: bytes, req_id: int, err: TgwError) -> None:
         # not counted as a request error: control ops are not inference

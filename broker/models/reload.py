@@ -30,7 +30,8 @@ from tgw.shm.wire import PROTOCOL_VERSION, ControlReply, Reload, model_key
 
 from tgw.broker.config.load import arenas
 from tgw.broker.config.load import (Config, ConfigError, ModelDecl, WarmupDecl, file_sha256, load_config,
-                                     parse_config, repository_config, with_grpc_port, with_http_port)
+                                     parse_config, repository_config, with_grpc_port, with_http_port, with_models,
+                                     without_model)
 from tgw.broker.config.roots import split_handler
 from tgw.broker.state.versions import VersionRecord
 from .placement import Placement
@@ -93,7 +94,7 @@ def stage_changes(old: Config, new: Config, was: dict, now: dict, served: Callab
 def restart_only(old: Config, new: Config) -> list[str]:
     """The keys whose change a running broker cannot apply."""
     keys = [k for k in ("server", "supervisor", "tenants", "default_tenant", "require_tenant", "http", "grpc",
-                        "observability")
+                        "observability", "model_store", "torchserve")
             if getattr(old, k) != getattr(new, k)]
     if old.workers.model_dump(exclude={"max_model_memory"}) != new.workers.model_dump(exclude={"max_model_memory"}):
         keys.append("workers")
@@ -164,6 +165,13 @@ class Reloader:
         if self.overrides:   # what loads with a config override put in place stays
             new = new.model_copy(update={"models": [m for m in new.models if m.name not in self.overrides]
                                          + list(self.overrides.values())})
+        if self.cfg._extra_models:   # TorchServe archives served beside the file's models stay
+            try:
+                new = with_models(new, self.cfg._extra_models, self.cfg._extra_roots)
+            except ConfigError as exc:
+                raise fail(Code.INVALID_ARGUMENT, f"reload refused, nothing changed: {exc}",
+                           reason="invalid_config") from None
+            digests = handler_digests(new)
         refused = restart_only(self.cfg, new) + self._arena_misfits(new) + \
             stage_changes(self.cfg, new, self.digests, digests, self._served)
         if refused:
@@ -175,6 +183,17 @@ class Reloader:
         source = self.path or " ".join(self.cfg._repository_flag)
         return (f"reloaded {source}: " + ("; ".join(f"{k} {v}" for k, v in done.items()) if done else "no changes"),
                 changes)
+
+    def adopted(self, decl: ModelDecl, root: str) -> None:
+        """A model added while serving (a TorchServe archive registered), or its declaration with
+        its versions now: kept by later reloads."""
+        self.cfg = with_models(without_model(self.cfg, decl.name), [decl], [root] if root else [])
+        # its entry file's content, as a reload compares it
+        self.digests = {**self.digests, **handler_digests(self.cfg.model_copy(update={"models": [decl]}))}
+
+    def abandoned(self, name: str) -> None:
+        """An added model unregistered: later reloads leave it out."""
+        self.cfg = without_model(self.cfg, name)
 
     def _read(self) -> tuple[Config, dict]:
         repo = self.cfg._repository_flag   # `start --model-repository`, read again as the file is

@@ -40,6 +40,7 @@ class Listening:
     """Where each face listens: written once per face by the core as the face starts ("": off)."""
     http: str = ""
     grpc: str = ""
+    torchserve: str = ""   # "INFERENCE MANAGEMENT" addresses
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
     return StatusReply(v=PROTOCOL_VERSION, id=req_id, phase=view.phase(), uptime_s=round(now - view.started_at, 3),
                        workers=[worker_status(w, now) for w in view.roster], models=models,
                        snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
-                       http=view.listening.http, grpc=view.listening.grpc, devices=device_states(view),
+                       http=view.listening.http, grpc=view.listening.grpc,
+                       torchserve=view.listening.torchserve, devices=device_states(view),
                        cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 

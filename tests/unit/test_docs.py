@@ -159,7 +159,7 @@ def test_config_table_renders_the_schema_defaults():
     assert rows["server.max_request_bytes"][1] == "64 MiB" == f"{Config.model_fields['server'].default.max_request_bytes >> 20} MiB"
     assert rows["workers.cuda_host_memory"] == ("`register` \\| `staging` \\| `pageable`",
                                                 f"`{WorkersDecl().cuda_host_memory}`")
-    assert rows["models"][1] == rows["models[].name"][1] == "required"
+    assert rows["models[].name"][1] == "required" and rows["models"][1] == "`[]`"   # none: a model store's
     assert rows["models[].max_batch_size"] == ("integer 0..4096", "32")
     assert rows["tenants"][1] == "`{}`" and rows["tenants.NAME.rate"][0] == "number > 0"
 

@@ -51,7 +51,7 @@ zipp"""
 # absence the row records; openai and tritonclient: the clients `tgw-bench generate-faces` drives
 # the faces with (bench/harness/face_drive.py, imported when that scenario runs, never on the GPU run)
 NOT_ON_THE_GPU_RUN = {"opentelemetry", "PIL", "simplejpeg", "tokenizers", "torchvision", "litserve", "fastapi",
-                      "openai", "tritonclient",
+                      "openai", "tritonclient", "ts",   # ts: TorchServe archives, not on the GPU run
                       "pytriton"}   # bench/harness/pytriton_serve.py runs in PyTriton's own venv, never on the GPU run
 # run, not imported: the GPU bench's Flask row is `python -m gunicorn`
 RUN_AS_COMMANDS = {"gunicorn"}

@@ -11,7 +11,7 @@ PACKAGES = {"broker": "tgw.broker", "workers": "tgw.workers", "shm": "tgw.shm", 
 # bottom to top: a wing may import config/ and state/ (the foundation) and the wings before it;
 # triton_repo/ (Triton repositories read as config entries) lies under config/, which alone imports it
 WINGS = ["triton_repo", "config", "state", "cache", "models", "generate", "sequence", "jobs", "sched", "front", "pipeline", "canary", "fleet", "observe", "protocol",
-         "faces"]
+         "faces", "torchserve"]
 CORE = "core"   # broker/core/ and broker/cli/ (and anything else outside the wings): the assembly and the command line
 # Triton's generated protobuf messages (they import only protobuf): any wing may read them
 MESSAGES = "tgw.broker.faces.grpc.proto"
