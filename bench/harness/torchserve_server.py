@@ -123,15 +123,20 @@ class TorchServe:
         return True
 
     def processes(self) -> list[dict[str, Any]]:
-        """The frontend (the JVM) and its model workers, as measure()'s ProcessMonitor takes them."""
+        """The frontend (the JVM) and its model workers, as measure()'s ProcessMonitor takes them.
+        The JVM's periodic system-metrics collector (a short-lived Python child) is left out: a
+        process gone before the window's end has no CPU to read, and leaving it out is in
+        TorchServe's favour."""
         import psutil
         out = []
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
                 java = "java" in os.path.basename(p.exe() or p.name())
+                worker = any("model_service_worker" in part for part in p.cmdline())
             except psutil.Error:
                 continue
-            out.append({"role": "frontend" if java else "worker", "pid": p.pid})
+            if java or worker:
+                out.append({"role": "frontend" if java else "worker", "pid": p.pid})
         return out
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
