@@ -55,9 +55,18 @@ class TorchServeStage:
             manifest = json.load(f)
         options = context.options.get("torchserve", {})
         handler = manifest["model"]["handler"]
-        if model_dir not in sys.path:   # as TorchServe's worker: the handler imports its siblings
-            sys.path.insert(0, model_dir)
+        if model_dir in sys.path:
+            sys.path.remove(model_dir)
+        sys.path.insert(0, model_dir)   # as TorchServe's worker: the handler imports its siblings
+        # a worker may hold several archives, and TorchServe's examples all name their files alike
+        # (handler.py, model.py): this archive's own are imported afresh, the others keep theirs
+        for named in (handler.split(":", 1)[0], manifest["model"].get("modelFile") or ""):
+            if named.endswith(".py"):
+                sys.modules.pop(os.path.basename(named)[:-3], None)
         os.environ.setdefault("TS_MODEL_DIR", model_dir)
+        # ts logs a [METRICS] line per batch (TorchServe's frontend parses them from the worker's
+        # stdout); here each would cross into the broker's log: tgw's own metrics count the same
+        logging.getLogger("ts.metrics").setLevel(logging.WARNING)
         gpu = context.device.index if context.device.type == "cuda" else None
         metrics_yaml = os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml")
         metrics = MetricsCacheYamlImpl(config_file_path=metrics_yaml)

@@ -85,8 +85,12 @@ def unpack(path: str, into: str) -> Archive:
     stem = base.removesuffix(".mar").removesuffix(".tar.gz").removesuffix(".tgz").removesuffix(".zip")
     dest = os.path.join(into, f"{stem}-{digest[:16]}")
     if not os.path.exists(os.path.join(dest, ENTRY_FILE)):   # the entry is written last: a whole unpack
-        os.makedirs(into, mode=0o700, exist_ok=True)
-        work = tempfile.mkdtemp(prefix=f".{stem}-", dir=into)
+        try:
+            os.makedirs(into, mode=0o700, exist_ok=True)
+            work = tempfile.mkdtemp(prefix=f".{stem}-", dir=into)
+        except OSError as exc:
+            raise ArchiveError(f"{path}: cannot unpack it into {into}: {exc.strerror or exc} (set "
+                               "torchserve.unpack_dir to a folder the broker may write)") from None
         try:
             _extract(path, work)
             read(path, work)   # refused: nothing kept

@@ -163,6 +163,9 @@ class TorchServeFace:
                 return err.response()
             except TgwError as err:
                 return from_tgw(err, request.match_info.get("model", "")).response()
+            except web.HTTPException as exc:   # aiohttp's own refusals: a body over max_body_bytes (413)
+                return TsError(exc.status, STATUS_TYPES.get(exc.status, "InternalServerException"),
+                               exc.text or exc.reason).response()
             except Exception as exc:  # a broker bug: answered, logged with its stack
                 self.port.note("broker_error", type(exc).__name__, f"TorchServe {request.method} {request.path} "
                                "failed inside the broker", exc_info=True)
@@ -318,6 +321,8 @@ class TorchServeFace:
         try:
             await self.operator.exclusive(lambda: self.operator.adoption.add(decl, self.store.unpack_dir))
         except TgwError as err:
+            if err.details.get("reason") == "exists":   # registered meanwhile, by another request
+                raise TsError(409, "ConflictStatusException", err.message) from None
             raise TsError(500, "InternalServerException",
                           f"Failed to start workers for model {decl.name} version: {version}: {err.message}") from None
         opts = decl.options.get("torchserve", {})
