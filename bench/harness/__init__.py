@@ -10,7 +10,7 @@ compared with, the comparison's servers and ratios, reports and plots (bench/REA
 | `measure.py` | one measured level: the drive, the broker's stats diff, the process monitor, the summary |
 | `baselines.py` | the in-process floor, the transport echo, Flask + gunicorn |
 | `comparison.py` | the comparison's scenarios and servers, one row per (scenario, system), its ratios |
-| `torchserve_server.py`, `tgw_model_store.py` | the real TorchServe as a baseline; tgw serving a TorchServe model store (`tgw-bench torchserve`) |
+| `torchserve_server.py`, `tgw_model_store.py`, `ts_floor.py` | the real TorchServe as a baseline; tgw serving a TorchServe model store; an archive's handler alone in one process (`tgw-bench torchserve`) |
 | `fleet.py`, `haproxy.py` | brokers behind HAProxy (the recipe rendered for the run) and their checked HTTP load |
 | `report.py`, `plots.py` | every output: text tables, RESULTS.md sections, machine description, JSON; the plots |
 

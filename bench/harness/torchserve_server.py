@@ -56,6 +56,8 @@ class TorchServe:
         self.torch_threads = torch_threads
         os.makedirs(work, exist_ok=True)
         self.inference_port, self.management_port, self.metrics_port = free_port(), free_port(), free_port()
+        # its gRPC APIs too: their defaults (7070, 7071) taken by another TorchServe stop this one
+        self.grpc_ports = free_port(), free_port()
         self.config_path = os.path.join(work, "config.properties")
         self.proc: Optional[Proc] = None
 
@@ -77,6 +79,8 @@ class TorchServe:
         lines = {"inference_address": self.url,
                  "management_address": self.management,
                  "metrics_address": f"http://127.0.0.1:{self.metrics_port}",
+                 "grpc_inference_address": "127.0.0.1", "grpc_management_address": "127.0.0.1",
+                 "grpc_inference_port": str(self.grpc_ports[0]), "grpc_management_port": str(self.grpc_ports[1]),
                  "model_store": self.store,
                  "default_workers_per_model": str(self.workers),
                  "job_queue_size": "1000",      # the default 100 would refuse a deep closed loop's bursts
@@ -123,15 +127,20 @@ class TorchServe:
         return True
 
     def processes(self) -> list[dict[str, Any]]:
-        """The frontend (the JVM) and its model workers, as measure()'s ProcessMonitor takes them."""
+        """The frontend (the JVM) and its model workers, as measure()'s ProcessMonitor takes them.
+        The JVM's periodic system-metrics collector (a short-lived Python child) is left out: a
+        process gone before the window's end has no CPU to read, and leaving it out is in
+        TorchServe's favour."""
         import psutil
         out = []
         for p in psutil.Process(self.proc.pid).children(recursive=True):
             try:
                 java = "java" in os.path.basename(p.exe() or p.name())
+                worker = any("model_service_worker" in part for part in p.cmdline())
             except psutil.Error:
                 continue
-            out.append({"role": "frontend" if java else "worker", "pid": p.pid})
+            if java or worker:
+                out.append({"role": "frontend" if java else "worker", "pid": p.pid})
         return out
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:

@@ -3,7 +3,9 @@ TorchServe's built-in text classifier, and a custom BaseHandler decoding JPEG wi
 served by the real TorchServe 0.12.0 and by tgw's TorchServe face (`tgw-broker start
 --model-store DIR`), both POSTed the same body on `/predictions/{model}` by one closed loop at
 c=1/16/64: req/s, p50/p99, the front process's CPU (TorchServe's JVM, tgw's broker) and the
-workers' per request. The issue's goals: tgw >= 2x TorchServe's req/s at c=16 and c=64, and
+workers' per request, beside the in-process floor (the archive's handler
+alone, loaded by the `ts` package as TorchServe's worker loads it, Service.predict in a loop:
+harness/ts_floor.py). The issue's goals: tgw >= 2x TorchServe's req/s at c=16 and c=64, and
 tgw's p50 <= TorchServe's at c=1, for each archive. Before the load each system's answer to the
 body is checked (the text one against the archive's own files computed in-process, the image one
 against TorchServe's). Writes bench/results/torchserve-<date>[-quick].json. Exit status 0 when
@@ -35,6 +37,7 @@ from tgw.bench.harness.loadgen import LoadSpec
 from tgw.bench.harness.measure import loadgen_drive, measure
 from tgw.bench.harness.targets import HttpTarget
 from tgw.bench.harness.torchserve_server import TorchServe, missing
+from tgw.bench.harness.ts_floor import run_floor
 from tgw.bench.harness.tgw_model_store import TgwModelStore
 from tgw.bench.harness.wrk import WRK_INSTALL_HINT, wrk_drive
 from tgw.testing import mar_archives
@@ -153,7 +156,8 @@ def cpu_per_request(res: dict[str, Any], archives: list[str], lv: list[int]) -> 
     out: dict[str, Any] = {}
     for a in archives:
         for n in lv:
-            cell = {}
+            fl = (res.get("floor") or {}).get(a) or {}
+            cell = {"floor": fl.get("cpu_us_per_request")}
             for system in SYSTEMS:
                 r = ((res["rows"].get(system) or {}).get(a) or {}).get(str(n))
                 if r and "error" not in r:
@@ -161,6 +165,8 @@ def cpu_per_request(res: dict[str, Any], archives: list[str], lv: list[int]) -> 
                     cell[system] = None if f is None or w is None else f + w
             if cell.get("torchserve") and cell.get("tgw"):
                 cell["torchserve/tgw"] = cell["torchserve"] / cell["tgw"]
+            if cell.get("torchserve") and cell["floor"]:   # the most any server could gain, CPU-bound
+                cell["torchserve/floor"] = cell["torchserve"] / cell["floor"]
             out.setdefault(a, {})[str(n)] = cell
     return out
 
@@ -187,8 +193,10 @@ def tables(res: dict[str, Any], archives: list[str], lv: list[int]) -> str:
     g = [["goal", "value", "target", "met"]] + [
         [x["goal"], _f(x["value"], ".2f"), f"{x['target']:.2f}", {True: "yes", False: "NO", None: "-"}[x["met"]]]
         for x in res["goals"]]
-    cpu = [["archive", "c", "TorchServe CPU us/req", "tgw CPU us/req", "TorchServe/tgw"]] + [
-        [a, n, _f(c.get("torchserve"), ".0f"), _f(c.get("tgw"), ".0f"), _f(c.get("torchserve/tgw"), ".2f")]
+    cpu = [["archive", "c", "TorchServe CPU us/req", "tgw CPU us/req", "floor us/req", "TorchServe/tgw",
+            "TorchServe/floor"]] + [
+        [a, n, _f(c.get("torchserve"), ".0f"), _f(c.get("tgw"), ".0f"), _f(c.get("floor"), ".0f"),
+         _f(c.get("torchserve/tgw"), ".2f"), _f(c.get("torchserve/floor"), ".2f")]
         for a, levels_ in res.get("cpu_per_request", {}).items() for n, c in levels_.items()]
     return report.text_table(body) + "\n\n" + report.text_table(g) + "\n\n" + report.text_table(cpu)
 
@@ -327,6 +335,17 @@ def run(a: argparse.Namespace) -> int:
             mar_archives.image_archive(store, MODELS["image"], batch_size=a.batch_size,
                                        max_batch_delay_ms=a.batch_delay_ms, workers=a.workers)
         body = bodies(work)
+        res["floor"] = {}
+        for arch in archives:   # the handler alone, in one process: before any server runs
+            reg = regs[MODELS[arch]]
+            try:
+                res["floor"][arch] = run_floor(os.path.join(store, reg["mar"]), body[arch], CONTENT_TYPE[arch],
+                                               reg["batch_size"], duration)
+                log(f"floor {arch}: {res['floor'][arch]['cpu_us_per_request']:.0f} us/req CPU, batch "
+                    f"{reg['batch_size']}, {res['floor'][arch]['requests_per_s']:,.0f} req/s in one process")
+            except Exception as exc:  # noqa: BLE001 - recorded (no ts package): the servers still run
+                res["floor"][arch] = {"error": f"{type(exc).__name__}: {exc}"}
+                log(f"floor {arch} FAILED: {res['floor'][arch]['error']}")
         spec = {"duration": duration, "warmup": warmup, "procs": 1}
         for system in systems:
             why = missing() if system == "torchserve" else None
@@ -364,6 +383,7 @@ def run(a: argparse.Namespace) -> int:
     res["cpu_per_request"] = cpu_per_request(res, archives, lv)
     report.conclude(res, NAME, a.out, date, mode, t0, tables(res, archives, lv))
     complete = "error" not in res and all(res.get("answer_checks", {}).values()) and all(
+        "error" not in f for f in res.get("floor", {}).values()) and all(
         "error" not in rows and (rows.get("skipped") or all(
             "error" not in (rows.get(x) or {}).get(str(n), {"error": 1}) and not rows[x][str(n)]["requests_failed"]
             for x in archives for n in lv))

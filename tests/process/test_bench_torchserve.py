@@ -3,7 +3,7 @@
 by tgw's `--model-store` face, each loaded at c=1 and c=4 on /predictions. Structure, zero
 failed requests, each system's answer right (the text one equal to the archive's own weights
 computed in-process, the image one tgw's equal to TorchServe's), both servers stopped by PID
-with nothing left behind - never timings. Without java the TorchServe side is recorded as
+with nothing left behind, the handler's in-process floor filled - never timings. Without java the TorchServe side is recorded as
 skipped with its reason and tgw's still runs."""
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def test_torchserve_quick_serves_both_archives_on_both_systems(tmp_path, capsys)
     expect = {"text/tgw": True, **({"text/torchserve": True, "image/tgw=torchserve": True} if java else {})}
     assert data["answer_checks"] == expect, data["answers"]
     assert set(data["answers"]["text"]["tgw"]) == {"World", "Sports", "Business", "Sci/Tech"}
+    # the handler alone in one process (ts's loader, Service.predict), and each row's CPU beside it
+    for archive, batch in (("text", 1), ("image", 8)):
+        assert data["floor"][archive]["batch"] == batch and data["floor"][archive]["cpu_us_per_request"] > 0
+        for n in ("1", "4"):
+            cell = data["cpu_per_request"][archive][n]
+            assert cell["tgw"] > 0 and cell["floor"] > 0 and ("torchserve/tgw" in cell) == java, cell
     goals = {g["goal"]: g for g in data["goals"]}
     assert sorted(g.split(" (")[0] for g in goals) == ["image: p50 at c=1, tgw/TorchServe",
                                                        "text: p50 at c=1, tgw/TorchServe"]
