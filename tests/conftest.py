@@ -238,16 +238,18 @@ def in_parallel(address: str, model: str, rows: list[bytes], name: str = "data")
     return out
 
 
-def served(cfg: dict, d: str, http: bool = False, **attrs):
+def served(cfg: dict, d: str, http: bool = False, grpc: bool = False, **attrs):
     """A module fixture's body: a real broker on `cfg` in folder `d` (with `http`, `b.http` is its
-    HTTP face's address; `attrs` are set on it), yielded; then stopped, which must exit 0 and
-    leave no segment, and `d` removed. Use as `yield from served(cfg, d)`."""
+    HTTP face's address, with `grpc` `b.grpc` its gRPC face's; `attrs` are set on it), yielded;
+    then stopped, which must exit 0 and leave no segment, and `d` removed. Use as
+    `yield from served(cfg, d)`."""
     b = BrokerProc(cfg, d).start()
     for key, value in attrs.items():
         setattr(b, key, value)
-    if http:
+    if http or grpc:
         with Client(b.address) as c:
-            b.http = c.status()["http"]
+            faces = c.status()
+        b.http, b.grpc = faces.get("http"), faces.get("grpc")
     yield b
     code = b.stop()
     shutil.rmtree(d, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Triton Python-backend models written at test time (tests/unit/test_triton_python.py,
+"""Triton Python-backend models written at test time (tests/unit/test_triton_backend_utils.py,
 tests/process/test_triton_python.py): python_backend's own add_sub example, verbatim with its
 licence (examples/add_sub/model.py), and small models of the same API for BYTES tensors, a
 response that fails one request, per-request batches, and a model whose initialize() raises.

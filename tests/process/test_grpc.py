@@ -38,11 +38,7 @@ def broker(model_files):
     cfg.update(model_roots=[d, os.path.dirname(model_files["mlp"][0]), os.path.dirname(model_files["spin"][0])],
                grpc={"port": 0, "allow_client_shm": True}, http={"port": 0},
                tenants={"tiny": {"rate": 0.001, "burst": 1}})
-    b = next(gen := served(cfg, d, http=True))
-    with Client(b.address) as c:
-        b.grpc = c.status()["grpc"]
-    yield b
-    next(gen, None)
+    yield from served(cfg, d, http=True, grpc=True)
 
 
 @pytest.fixture(scope="module")

@@ -72,12 +72,7 @@ def broker(model_files):
                model_repository=os.path.join(d, "repo"))
     os.environ["TGW_TOKEN"] = TOKEN   # the native client's
     try:
-        b = next(gen := served(cfg, d, http=True))
-        with Client(b.address) as c:
-            b.grpc = c.status()["grpc"]
-        b.dir = d
-        yield b
-        next(gen, None)
+        yield from served(cfg, d, http=True, grpc=True, dir=d)
     finally:
         os.environ.pop("TGW_TOKEN", None)
 

@@ -45,11 +45,7 @@ def broker(model_files):
                       fails={"max_batch_size": 1, "breaker": {"min_requests": 3, "error_rate": 0.5,
                                                               "cooldown_s": 4}})
     cfg.update(http={"port": 0}, grpc={"port": 0})
-    b = next(gen := served(cfg, d, http=True))
-    with Client(b.address) as c:
-        b.grpc = c.status()["grpc"]
-    yield b
-    next(gen, None)
+    yield from served(cfg, d, http=True, grpc=True)
 
 
 def get(url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, bytes]:

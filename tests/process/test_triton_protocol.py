@@ -26,7 +26,6 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import served
-from tgw.client import Client
 from tgw.workers.demo_models import save_model
 
 LABELS = ["zero", "one", "two", "three"]
@@ -78,11 +77,7 @@ def broker():
                {"name": "flatstage", "versions": [{"version": "1", "handler": "flat_stage.py:Flat"}],
                 "max_batch_size": 0, "inputs": [{"name": "x", "dtype": "float32", "shape": [3]}],
                 "outputs": [{"name": "y", "dtype": "float32", "shape": [3]}]}]}
-    b = next(gen := served(cfg, d, http=True))
-    with Client(b.address) as c:
-        b.grpc = c.status()["grpc"]
-    yield b
-    next(gen, None)
+    yield from served(cfg, d, http=True, grpc=True)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor, 
 
 import stages
 from conftest import base_config, served
-from tgw.client import Client
 
 WORDS = [b"abc", b"\x00\xff\x01", b"", "h\u00e9llo".encode(), b"x" * 300]
 
@@ -31,11 +30,7 @@ def broker(model_files):
     cfg["models"].append(stages.stage_entry("stages/stages.py", "Echo"))
     cfg.update(model_roots=[d, os.path.dirname(model_files["mlp"][0])], http={"port": 0, "allow_client_shm": True},
                grpc={"port": 0, "allow_client_shm": True})
-    b = next(gen := served(cfg, d, http=True))
-    with Client(b.address) as c:
-        b.grpc = c.status()["grpc"]
-    yield b
-    next(gen, None)
+    yield from served(cfg, d, http=True, grpc=True)
 
 
 @pytest.fixture(scope="module")
