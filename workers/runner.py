@@ -45,7 +45,8 @@ class ModelRunner:
         self.program = program if program is not None else load_verified(spec, device)
         # an exported program's dims are checked against the declaration when it takes it as declared;
         # a program with its own check (ONNX) checks itself
-        problems = (export_refusals(spec, self.program) if plain(spec) else []) + \
+        self.plain = plain(spec)   # the batch path skips model_shapes for the common case
+        problems = (export_refusals(spec, self.program) if self.plain else []) + \
             (self.program.check(spec) if self.program.check else [])
         if problems:
             raise self._refused("; ".join(problems))
@@ -88,7 +89,7 @@ class ModelRunner:
         """Warm-up inputs: zeros (the least likely to trip a model's own input checks); a -1 dim
         at a size the program allows, or as `change` (input, tensor dim, size) says."""
         # the program's dims line up with the declared ones only for a plain spec (model_shapes.py)
-        size = (lambda i, k: example_size(self.program, i, k)) if plain(self.spec) else (lambda i, k: VARIABLE_SIZE)
+        size = (lambda i, k: example_size(self.program, i, k)) if self.plain else (lambda i, k: VARIABLE_SIZE)
         shapes = [[rows, *(size(i, k) if d == -1 else d for k, d in enumerate(t.shape, 1))]
                   for i, t in enumerate(self.spec.inputs)]
         if change is not None:
@@ -105,7 +106,7 @@ class ModelRunner:
         (on its device)."""
         if self.device.type != "cpu":
             inputs = [t.to(self.device, non_blocking=True) for t in inputs]
-        if plain(self.spec):
+        if self.plain:
             check_request_dims(self.spec, self.program, inputs)
         sent = inputs   # before any padding: a rejection's message names these shapes
         short = rows < self.min_batch
@@ -131,10 +132,12 @@ class ModelRunner:
 
     def _call(self, inputs: list[torch.Tensor]):
         with torch.inference_mode():
-            return self.module(*to_model(self.spec, inputs))
+            return self.module(*(inputs if self.plain else to_model(self.spec, inputs)))
 
     def _checked(self, result, rows: int) -> list[torch.Tensor]:
-        outs = from_model(self.spec, self._map(result))
+        outs = self._map(result)
+        if not self.plain:
+            outs = from_model(self.spec, outs)
         for decl, t in zip(self.outputs, outs):
             _check(decl, t, rows)
         return outs

@@ -15,7 +15,7 @@ from tgw.shm.wire import ModelSpec, model_key
 
 from .generate.runner import GeneratorRunner
 from .handler_class import StageLoadError, handler_dir, load_class, made, set_up  # noqa: F401 - StageLoadError, load_class re-exported
-from .model_shapes import stage_inputs, stage_result
+from .model_shapes import plain, stage_inputs, stage_result
 from .runner import ModelRunner
 from .sequence_runner import SequenceRunner, make_sequence_runner
 from .stage import StageBatch
@@ -29,6 +29,7 @@ class StageRunner:
 
     def __init__(self, spec: ModelSpec, device: torch.device):
         self.spec, self.outputs = spec, spec.outputs
+        self.plain = plain(spec)   # the batch path skips model_shapes for the common case
         # a cuda stage runs on this worker's GPU; a cpu stage on the CPU even on a GPU worker
         self.device = device if spec.device == "cuda" else torch.device("cpu")
         self.nbytes, self.min_batch = 0, 1
@@ -60,10 +61,14 @@ class StageRunner:
         """One batch through the stage: its outputs in declared order, checked and on the host
         (torch tensors, or stage_outputs.PackedBytes for bytes), and the rows it failed.
         `starts`: where each request's rows begin, and the end; `ids`: the requests' ids."""
-        batch = StageBatch(rows, self.device, stage_inputs(self.spec, inputs), starts, ids)
+        if not self.plain:
+            inputs = stage_inputs(self.spec, inputs)
+        batch = StageBatch(rows, self.device, inputs, starts, ids)
         with torch.no_grad():   # not inference_mode: a stage may keep tensors it made across batches
             result = self.module(batch)
-        return host_outputs(self.label, self.outputs, stage_result(self.spec, result), rows), batch.failed
+        if not self.plain:
+            result = stage_result(self.spec, result)
+        return host_outputs(self.label, self.outputs, result, rows), batch.failed
 
 
 def make_runner(spec: ModelSpec, device: torch.device) -> ModelRunner | StageRunner | GeneratorRunner | SequenceRunner:
