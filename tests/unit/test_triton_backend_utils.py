@@ -24,7 +24,9 @@ CPU = torch.device("cpu")
 
 
 def runner(path: str, inputs: list[tuple], outputs: list[tuple], cls: str = "TritonPythonModel", **fields) -> StageRunner:
-    io = lambda decl: [IOSpec(name=n, dtype=d, shape=list(s)) for n, d, s in decl]   # noqa: E731
+    # (name, dtype, shape[, reshape])
+    io = lambda decl: [IOSpec(name=n, dtype=d, shape=list(s), reshape=r[0] if r else None)   # noqa: E731
+                       for n, d, s, *r in decl]
     spec = ModelSpec(name=fields.pop("name", "m"), version="1", path="", format="stage", handler=f"{path}:{cls}",
                      device="cpu", inputs=io(inputs), outputs=io(outputs), **{"max_batch_size": 8, **fields})
     return StageRunner(spec, CPU)
@@ -63,10 +65,8 @@ def test_add_sub_with_its_config_batched_and_without_a_batch_dim(tmp_path):
     assert seen == [[[4], [4]]] and outs[0].tolist() == [(x[0] + 1).tolist()]   # no batch dim in, one row out
 
     # Triton's reshape: the model takes and returns [rows, 2, 2] of the declared [rows, 4]
-    shaped = runner(files["add_sub"], *([(n, "float32", [4]) for n in names] for names in
+    shaped = runner(files["add_sub"], *([(n, "float32", [4], [2, 2]) for n in names] for names in
                                         (("INPUT0", "INPUT1"), ("OUTPUT0", "OUTPUT1"))))
-    shaped.spec.inputs[0].reshape = shaped.spec.inputs[1].reshape = [2, 2]
-    shaped.spec.outputs[0].reshape = shaped.spec.outputs[1].reshape = [2, 2]
     seen.clear()
     execute = shaped.module.model.execute
     shaped.module.model.execute = lambda requests: seen.append([t.shape() for t in requests[0].inputs()]) or execute(requests)
