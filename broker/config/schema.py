@@ -110,6 +110,12 @@ class ServerDecl(Strict):
     # Triton's repository load with a config override and files (file:<path>) on the HTTP and gRPC
     # faces: written under <first model root>/uploads/ and served; needs auth_token_file
     allow_model_uploads: bool = False
+    # processes that serve the HTTP and gRPC faces' ports (SO_REUSEPORT) and parse requests off the
+    # broker's loop (broker/fronts/); None: chosen from the cores (0 on small boxes: one loop does all)
+    front_processes: Optional[Annotated[int, Field(ge=0, le=64)]] = None
+    # gc.freeze() after start-up and warm-up in the broker, fronts and workers: no full collection
+    # walks the long-lived objects during load (status shows the longest pause either way)
+    gc_freeze: bool = True
 
     @field_validator("address")
     @classmethod
