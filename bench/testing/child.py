@@ -125,9 +125,13 @@ def stop_all() -> None:
 
 
 def exit_record(broker: "BrokerProc") -> dict:
-    """A benchmark's broker stopped: its exit status and any segment of its own left in /dev/shm."""
+    """A benchmark's broker stopped: its exit status and any segment of its own left in /dev/shm;
+    a status other than 0 also keeps its log's last lines (the work folder goes with the run)."""
     from tgw.shm.segment import list_segments
-    return {"exit_status": broker.stop(timeout=30), "shm_leftovers": list_segments(broker.pid)}
+    record = {"exit_status": broker.stop(timeout=30), "shm_leftovers": list_segments(broker.pid)}
+    if record["exit_status"] != 0:
+        record["log_tail"] = broker.output().splitlines()[-40:]
+    return record
 
 
 def finish_run(work: str, keep: bool) -> None:
