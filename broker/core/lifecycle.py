@@ -237,6 +237,8 @@ class Lifecycle:
             for proc in self.fronts.watch(now, starting=self.broker.phase.now is Phase.STARTING):
                 if self.exits is not None:
                     self.exits.add(proc)
+            if self.fronts.failure is not None:
+                self.changed.set()   # the start fails now, not when the workers are ready
         if self.broker.phase.now is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")

@@ -80,7 +80,8 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         try:
             fleet = broker.fronts
             if fleet is not None:   # the public ports are the fronts' (held by the broker meanwhile)
-                fleet.prepare(cfg.http, cfg.grpc, cfg.server.auth_token_file, f"ipc://{run_dir}/fronts")
+                fleet.prepare(cfg.http, cfg.grpc, cfg.server.auth_token_file, f"ipc://{run_dir}/fronts",
+                              cfg.workers.output_bytes, format_in_use())
             for name, face in broker.faces.items():
                 if fleet is not None and name in fleet.public:   # the broker's own: on its Unix socket
                     await face.start(unix=fleet.unix_path(name))
