@@ -90,23 +90,29 @@ class HttpFace:
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
 
-    async def start(self) -> str:
+    async def start(self, unix: str | None = None) -> str:
+        """Listen on the configured host and port, or with `unix` on that Unix socket instead (front
+        processes serve the port and forward what they do not serve themselves here)."""
         # handler_cancellation: a client that closes its connection cancels its handler, so an
         # inference nobody waits for is withdrawn (infer) - no per-request watcher needed
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0,
                                     handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.decl.host, self.decl.port, backlog=1024, reuse_address=True)
+        site = web.UnixSite(self.runner, unix, backlog=1024) if unix else \
+            web.TCPSite(self.runner, self.decl.host, self.decl.port, backlog=1024, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:
             await self.runner.cleanup()
             self.runner = None
             from tgw.broker.config.startup import StartupError
-            raise StartupError(f"http face: cannot listen on {self.decl.host}:{self.decl.port}: "
+            raise StartupError(f"http face: cannot listen on {unix or f'{self.decl.host}:{self.decl.port}'}: "
                                f"{exc.strerror or exc}") from None
-        host, port = site._server.sockets[0].getsockname()[:2]
-        self.address = f"http://{host}:{port}"
+        if unix:
+            self.address = f"unix:{unix}"
+        else:
+            host, port = site._server.sockets[0].getsockname()[:2]
+            self.address = f"http://{host}:{port}"
         log.info("HTTP face (KServe v2, /metrics) on %s", self.address)
         return self.address
 
