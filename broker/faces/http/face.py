@@ -167,7 +167,8 @@ class HttpFace:
 
     # ---- inference ---------------------------------------------------------------------------
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request, body: bytes | None = None) -> web.Response:
+        """`body`: already read (a front process looked into it first), else read here."""
         model = request.match_info["model"]
         if self.inflight >= self.decl.max_inflight:   # bodies being read count: they hold memory
             self.deps.count_error(model, Code.OVERLOADED.value)
@@ -176,7 +177,7 @@ class HttpFace:
         self.inflight += 1
         try:
             try:
-                decoded = await self.decode(request, model)
+                decoded = await self.decode(request, model, body)
             except TgwError as err:   # counted as the native door counts its refusals
                 self.deps.count_error(model, err.code.value)
                 raise
