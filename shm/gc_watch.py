@@ -60,8 +60,12 @@ class GcWatch:
 
     def freeze(self) -> None:
         """Collect once, then move every surviving object to the permanent generation. Called
-        after start-up and warm-up; calling it again (say after a load) freezes the newcomers
-        too, which is harmless but not needed: the point is the start-up heap."""
+        once start-up and warm-up are over, so the longest pause counts from here on (as
+        reset_longest: a process that does not freeze calls that at the same point)."""
+        self._collect_and_freeze()
+        self.reset_longest()
+
+    def _collect_and_freeze(self) -> None:
         self._explicit = True
         try:
             gc.collect()
@@ -78,10 +82,11 @@ class GcWatch:
             gc.collect()
             return
         gc.unfreeze()
-        self.freeze()
+        self._collect_and_freeze()
 
     def reset_longest(self) -> None:
-        """Forget the longest pause (a bench does this once load starts) and the slow count."""
+        """Forget the longest pause and the slow count: they count from serving on (freeze() or,
+        without the freeze, this at the same point), not over start-up's imports and loads."""
         self.longest_ns = 0
         self.pauses_over_1ms = 0
 

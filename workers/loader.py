@@ -92,6 +92,8 @@ class Loader(SideThread):
             self.sock.send(encode(reply))
         if self.freeze:   # torch, the models and their warm-up are start-up objects: no collection walks them again
             gc_watch.watch.freeze()
+        else:
+            gc_watch.watch.reset_longest()   # the longest pause: one met while serving, as with the freeze
         return WorkerReady(worker_id=self.worker_id, models=sorted(loaded),
                            sizes={key: runner.nbytes for key, runner in loaded.items()},
                            footprints={key: runner.footprint for key, runner in loaded.items()})

@@ -112,6 +112,8 @@ class Lifecycle:
                 return
             if self.supervisor.gc_freeze:   # workers warm, faces up: what lives now lives for good
                 gc_watch.watch.freeze()     # (before the phase turns serving: its one full collection delays no request)
+            else:
+                gc_watch.watch.reset_longest()   # either way, status' longest pause is one met while serving
             self._enter(self.broker.start_serving)
             self._log_start(address)
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
