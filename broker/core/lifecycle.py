@@ -160,6 +160,8 @@ class Lifecycle:
         header just after /v2/health/ready changed sees the same phase (the periodic look may be late)."""
         change()
         self.load.refresh(time.monotonic(), force=True)
+        if self.broker.hub is not None:   # the fronts hear of it as soon
+            self.broker.hub.look()
 
     def shutdown(self) -> None:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""
