@@ -48,9 +48,17 @@ class DirectoryBook:
 
     def _models(self) -> dict[str, FrontModel]:
         return {name: FrontModel(decl=m.decl.model_dump(mode="json"), versions=list(m.records),
-                                 generator=bool(m.is_generator))
+                                 generator=bool(m.is_generator), default=m.default)
                 for name, m in self.registry.models.items() if not m.removed}
 
     def _pipelines(self) -> dict[str, FrontPipeline]:
-        return {name: FrontPipeline(inputs=[as_builtins(t) for t in plan.inputs], max_batch_size=plan.max_batch_size)
+        return {name: FrontPipeline(inputs=[as_builtins(t) for t in plan.inputs], max_batch_size=plan.max_batch_size,
+                                    version=plan.version, sources=sources(plan))
                 for name, plan in self.pipelines.table.items()}
+
+
+def sources(plan) -> dict[str, list[str]]:
+    """Each pipeline output a step's model makes: [that model, its output's name] (the labels
+    classification shows are that model output's: protocol/classification.step_labels)."""
+    models = {s.name: s.model for s in plan.steps}
+    return {name: [models[src.step], src.name] for name, src in plan.output_sources.items() if src.step is not None}
