@@ -69,6 +69,8 @@ class _NoWatch:
         gc.freeze()
         self.frozen = True
 
+    def reset_longest(self) -> None: ...
+
     def as_dict(self) -> dict:
         return {"frozen": self.frozen}
 
@@ -113,6 +115,8 @@ class Front:
                                    f"within {FIRST_DIRECTORY_S:.0f} s")
             if self.cfg.server.gc_freeze:   # what start-up made stays out of every collection
                 self.watch.freeze()
+            else:   # the longest pause counts from serving on, as the freeze makes it count
+                self.watch.reset_longest()
             self.tick(link)
             log.info("front %d (pid %d) serving %s", self.index, os.getpid(),
                      ", ".join(f"{f} on {self.spec[f]['host']}:{self.spec[f]['port']}" for f in ("http", "grpc")
