@@ -4,8 +4,8 @@ pipelines as the faces read them, and the load report's header.
 Built only when something it is made of may have changed - the registry's generation, the
 pipeline table's plans, the header - so the lifecycle's periodic look costs a tuple compare
 while nothing changes. `generation` grows with every change a front is sent: a model or
-pipeline, or the header (refreshed at most every HEADER_S: the fronts attach it to their
-answers, as the broker's own faces do).
+pipeline, the drain notice, or the header (refreshed at most every HEADER_S: the fronts attach
+it to their answers, as the broker's own faces do).
 """
 from __future__ import annotations
 
@@ -35,15 +35,16 @@ class DirectoryBook:
         if key != self._key:
             self._key = key
             models, pipelines = self._models(), self._pipelines()
-        header = old.load_header
+        header, draining = old.load_header, self.load.draining
         now = self.clock()
-        if force_header or now - self._header_at >= HEADER_S:
+        if force_header or now - self._header_at >= HEADER_S or draining != old.draining:
             header = self.load.header
             self._header_at = now
-        if models == old.models and pipelines == old.pipelines and header == old.load_header:
+        if models == old.models and pipelines == old.pipelines and header == old.load_header \
+                and draining == old.draining:
             return False
         self.current = Directory(generation=old.generation + 1, models=models, pipelines=pipelines,
-                                 load_header=header)
+                                 load_header=header, draining=draining)
         return True
 
     def _models(self) -> dict[str, FrontModel]:
@@ -53,12 +54,11 @@ class DirectoryBook:
 
     def _pipelines(self) -> dict[str, FrontPipeline]:
         return {name: FrontPipeline(inputs=[as_builtins(t) for t in plan.inputs], max_batch_size=plan.max_batch_size,
-                                    version=plan.version, sources=sources(plan))
+                                    version=plan.version, sources=_sources(plan))
                 for name, plan in self.pipelines.table.items()}
 
 
-def sources(plan) -> dict[str, list[str]]:
-    """Each pipeline output a step's model makes: [that model, its output's name] (the labels
-    classification shows are that model output's: protocol/classification.step_labels)."""
-    models = {s.name: s.model for s in plan.steps}
-    return {name: [models[src.step], src.name] for name, src in plan.output_sources.items() if src.step is not None}
+def _sources(plan) -> dict[str, list[str]]:
+    """Each output a step's model makes: [that model, its output's name] (the labels it shows)."""
+    models = {step.name: step.model for step in plan.steps}
+    return {out: [models[src.step], src.name] for out, src in plan.output_sources.items() if src.step is not None}

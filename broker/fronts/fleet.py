@@ -84,13 +84,15 @@ def reserve_port(host: str, port: int, face: str) -> socket.socket:
     try:
         family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
-        if port:   # a port someone holds without SO_REUSEPORT, or at all: refused before sharing it
+        if port:   # a port another program listens on (SO_REUSEPORT or not): refused, never shared
             probe = socket.socket(family, socket.SOCK_STREAM)
-            try:
+            try:   # SO_REUSEADDR: a restart's connections in TIME_WAIT do not hold the port
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(addr)
             finally:
                 probe.close()
         sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(addr)
         return sock
@@ -136,9 +138,11 @@ class FrontFleet:
 
     # ---- start ---------------------------------------------------------------------------------
 
-    def prepare(self, http: Any, grpc: Any, token_file: str | None, hub_address: str) -> None:
+    def prepare(self, http: Any, grpc: Any, token_file: str | None, hub_address: str, max_reply_bytes: int,
+                log_format: str) -> None:
         """Reserve the public ports and write the fronts' config file. `http`, `grpc`: the faces'
-        declarations (None: off)."""
+        declarations (None: off); `max_reply_bytes`: the workers' output arena (the gRPC send
+        limit, as the broker's face has it); `log_format`: the broker's ("text", "json")."""
         faces: dict[str, Any] = {}
         for face, decl in (("http", http), ("grpc", grpc)):
             if decl is None:
@@ -151,7 +155,8 @@ class FrontFleet:
             self.public[face] = f"http://{shown}" if face == "http" else shown
             faces[face] = {"host": decl.host, "port": port, "broker": self.unix_path(face)}
         doc = {"config": self.config, "hub": hub_address, **faces,
-               "token_file": os.path.abspath(token_file) if token_file else None, "broker_pid": os.getpid()}
+               "token_file": os.path.abspath(token_file) if token_file else None, "broker_pid": os.getpid(),
+               "max_reply_bytes": max_reply_bytes, "log_format": log_format}
         fd = os.open(self.config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
@@ -192,28 +197,33 @@ class FrontFleet:
 
     def watch(self, now: float, starting: bool) -> list[subprocess.Popen]:
         """One look: dead fronts' requests withdrawn (hub.end), each started again when its
-        backoff is over (during start-up, one that never said HELLO fails the start instead).
-        The processes started now (to watch for their exits)."""
+        backoff is over (during start-up, one that never said HELLO fails the start instead:
+        `failure`). The processes started now (to watch for their exits)."""
         started = []
         for front in self.fronts:
             proc = front.proc
             if proc is not None and proc.poll() is not None:
                 if starting and not front.hello and self.failure is None:
                     self.failure = self.startup_failure()
-                self.hub.end(front.index, proc.pid)
-                code = proc.returncode
-                front.last_death = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                front.proc, front.hello = None, False
-                delay, benched = self.restarts.died(front.index, now)
-                front.due_at = now + delay
-                log.warning("front %d (pid %d) %s; starting again in %.1f s%s", front.index, proc.pid,
-                            front.last_death, delay, f" ({benched} early deaths)" if benched else "",
-                            extra={"event": "front_exit", "index": front.index, "pid": proc.pid, "code": code})
+                self._reap(front, proc, now)
             if self.failure is None and not self.stopping and front.proc is None and front.due_at is not None \
                     and now >= front.due_at:
                 front.restarts += 1
                 started.append(self._spawn(front))
         return started
+
+    def _reap(self, front: Front, proc: subprocess.Popen, now: float) -> None:
+        self.hub.end(front.index, proc.pid)
+        code = proc.returncode
+        front.last_death = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        front.proc, front.hello = None, False
+        delay, benched = self.restarts.died(front.index, now)
+        front.due_at = now + delay
+        if self.failure is not None or self.stopping:
+            return   # not started again: said by the start's failure, or the stop
+        log.warning("front %d (pid %d) %s; starting again in %.1f s%s", front.index, proc.pid, front.last_death,
+                    delay, f" ({benched} early deaths)" if benched else "",
+                    extra={"event": "front_exit", "index": front.index, "pid": proc.pid, "code": code})
 
     def ready(self) -> bool:
         """Health: at least one front serves (none configured: nothing to wait for)."""
@@ -228,6 +238,9 @@ class FrontFleet:
         try:
             if live:
                 self.hub.drain_all()
+                for front in self.fronts:   # not connected yet: no DRAIN reaches it, its SIGTERM drains it
+                    if front.proc is not None and not front.hello and front.proc.poll() is None:
+                        front.proc.send_signal(signal.SIGTERM)
                 if not await self._exited(live, self.grace_s):
                     for proc in live:
                         if proc.poll() is None:
