@@ -14,6 +14,7 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
 from tgw.broker.fronts.grpc_proxy import PEER_KEY, GrpcForwarder, tgw_methods
@@ -306,6 +307,7 @@ async def grpc_rig(tmp_path, up: GrpcUpstream | None):
     if up is not None:
         back = grpc.aio.server()
         back.add_generic_rpc_handlers((up.handler(), up.live_handler()))
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), back)   # tgw's face's own
         back.add_insecure_port(target)
         await back.start()
 
@@ -344,7 +346,8 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
                 assert pair in seen
             peers = [v for k, v in seen if k == PEER_KEY]
             assert len(peers) == 1 and peers[0].startswith("tcp 127.0.0.1 ") and front_peer_uid(peers[0]) == os.getuid()
-            assert 0 < up.remaining[-1] <= 20   # the caller's deadline, less the hop
+            # the caller's deadline, less the hop (gRPC's timeout header rounds up: a little over 20 s)
+            assert 10 < up.remaining[-1] < 21
             await channel.unary_unary("/t.Test/Unary")(b"x")
             assert up.remaining[-1] is None       # none given, none invented
 
@@ -371,6 +374,11 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
                                              response_deserializer=pb.ServerLiveResponse.FromString)(
                 pb.ServerLiveRequest())
             assert live.live
+            probe = health_pb2_grpc.HealthStub(channel)
+            assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+            watch = probe.Watch(health_pb2.HealthCheckRequest())   # a stream that lasts: its first answer
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await channel.unary_unary("/t.Test/Nope")(b"")
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -379,7 +387,7 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
             await up.waiting.wait()
             ask.cancel()
             await up.cancelled.wait()   # the caller's cancel reached the broker's face
-            assert forwarder.forwarded == 8
+            assert forwarder.forwarded == 10
         finally:
             await grpc_down(*rigs)
     run(main())
