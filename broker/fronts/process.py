@@ -32,6 +32,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from tgw.shm.gc_watch import watch
+
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.front.auth import load_token
@@ -49,37 +51,11 @@ DRAIN_POLL_S = 0.05      # while draining, how often "is everything answered?" i
 REPLY_BYTES = 1 << 30    # the gRPC send limit when F names none (the broker's own limits bound replies)
 
 
-def gc_watch():
-    """shm/gc_watch.py's watch of this process (a stand-in of the same shape until it exists)."""
-    try:
-        from tgw.shm.gc_watch import watch
-        return watch
-    except ImportError:
-        return _NoWatch()
-
-
-class _NoWatch:
-    frozen = False
-
-    def install(self) -> None: ...
-
-    def freeze(self) -> None:
-        import gc
-        gc.collect()
-        gc.freeze()
-        self.frozen = True
-
-    def reset_longest(self) -> None: ...
-
-    def as_dict(self) -> dict:
-        return {"frozen": self.frozen}
-
-
 class Front:
     def __init__(self, cfg: Config, spec: dict[str, Any], run_dir: str, index: int):
         self.cfg, self.spec, self.run_dir, self.index = cfg, spec, run_dir, index
         self.parent = spec.get("broker_pid") or os.getppid()
-        self.watch = gc_watch()
+        self.watch = watch   # this process's (shm/gc_watch.py)
         self.stopping: asyncio.Future | None = None
         self.listeners: list = []
         self.port: RemotePort | None = None
@@ -147,7 +123,9 @@ class Front:
     def on_directory(self, mirror: Mirror, frames: list) -> None:
         d = wire_directory.decode(frames[1].buffer)
         mirror.apply(d)
-        self.port.load.header = d.load_header or ""
+        load = self.port.load
+        load.header = d.load_header or ""
+        load.draining = d.draining or self.stopping.done()   # the broker's drain notice, or this front's drain
 
     def stop(self, why: str) -> None:
         if self.stopping is not None and not self.stopping.done():
