@@ -271,6 +271,10 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     rollouts: dict[str, Any] = {}
     # polled jobs (docs/JOBS.md): live, done (kept), bytes, and counts: submitted, expired, evicted, ...
     jobs: dict[str, Any] = {}
+    # front processes (docs/FRONTS.md): configured, alive, restarts, ready, public, lives [{index, pid, ...}]
+    fronts: dict[str, Any] = {}
+    # collection pauses (shm/gc_watch.py): {"broker": figures, "workers": {worker id: figures}}
+    gc: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):
