@@ -146,7 +146,7 @@ class GrpcLocal:
         try:
             resp = await call
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details(), exc.trailing_metadata())
+            await context.abort(exc.code(), exc.details(), tuple(exc.trailing_metadata() or ()))
         context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
         return resp
 
