@@ -49,7 +49,7 @@ class DirectoryBook:
 
     def _models(self) -> dict[str, FrontModel]:
         return {name: FrontModel(decl=m.decl.model_dump(mode="json"), versions=list(m.records),
-                                 generator=bool(m.is_generator), default=m.default)
+                                 generator=bool(m.is_generator), default=m.default, labels=m.labels)
                 for name, m in self.registry.models.items() if not m.removed}
 
     def _pipelines(self) -> dict[str, FrontPipeline]:

@@ -146,7 +146,7 @@ class GrpcLocal:
         try:
             resp = await call
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details(), exc.trailing_metadata())
+            await context.abort(exc.code(), exc.details(), tuple(exc.trailing_metadata() or ()))
         context.set_trailing_metadata(tuple(await call.trailing_metadata() or ()))
         return resp
 
@@ -180,6 +180,12 @@ class FrontStream(Stream):
             infer = pb.ModelInferResponse(model_name=req.model_name, id=req.id)
             infer.parameters["tgw_code"].string_param = trailers.get(CODE_HEADER, "INTERNAL")
             error = exc.details() or ""
+        except Exception as exc:   # a front bug: this request answered, the stream goes on
+            self.deps.note("broker_error", type(exc).__name__, "a relayed stream request failed in the front",
+                           exc_info=True)
+            trailers, error = {}, f"broker error: {type(exc).__name__}: {exc}"
+            infer = pb.ModelInferResponse(model_name=req.model_name, id=req.id)
+            infer.parameters["tgw_code"].string_param = "INTERNAL"
         if trailers.get(TRACEPARENT):
             infer.parameters[TRACEPARENT].string_param = trailers[TRACEPARENT]
         infer.parameters[decoupled.FINAL].bool_param = True   # as Triton marks every stream response

@@ -31,19 +31,17 @@ FRESH_TIMEOUT_S = 2.0   # a hub that does not answer an ask in this long: the co
 
 class MirroredEntry(ModelEntry):
     """A ModelEntry whose versions are names only: the records' states and weights stay in the
-    broker, which routes; `default` is the broker's, as sent."""
+    broker, which routes; `default` and the output labels are the broker's, as sent (a reload
+    reads the label files again there)."""
 
-    def __init__(self, decl: ModelDecl, versions: list[str], default: str | None):
+    def __init__(self, decl: ModelDecl, m: FrontModel):
+        self.sent = m   # what it was built from: the next directory's same data keeps it
         super().__init__(decl, versions=False)
-        self.records = dict.fromkeys(versions)   # version -> None: the faces read only the names
-        self._default = default
+        self.records = dict.fromkeys(m.versions)   # version -> None: the faces read only the names
+        self._default = m.default
 
     def relabel(self) -> None:
-        try:   # the broker read these files; one unreadable here costs only the labels' text
-            super().relabel()
-        except Exception as exc:
-            log.warning("front: model %r: its output labels are unreadable here (%s)", self.decl.name, exc)
-            self.labels = {}
+        self.labels = dict(self.sent.labels)
 
     @property
     def default(self) -> str | None:
@@ -153,10 +151,8 @@ class Mirror:
 
 
 def same(entry: MirroredEntry, m: FrontModel) -> bool:
-    return entry.decl_data == m.decl and list(entry.records) == m.versions and entry.default == m.default
+    return entry.sent == m
 
 
 def built(name: str, m: FrontModel) -> MirroredEntry:
-    entry = MirroredEntry(ModelDecl.model_validate(m.decl), m.versions, m.default)
-    entry.decl_data = m.decl   # what it was built from: the next directory's same data keeps it
-    return entry
+    return MirroredEntry(ModelDecl.model_validate(m.decl), m)

@@ -73,6 +73,7 @@ class FrontModel(FrontStruct):
     versions: list[str]         # loaded versions, newest last
     generator: bool = False
     default: Optional[str] = None   # ModelEntry.default: the version a request naming none gets shown
+    labels: dict[str, list[str]] = {}   # ModelEntry.labels: each output's class labels as last read
 
 
 class FrontPipeline(FrontStruct):

@@ -58,7 +58,7 @@ FACE_MODULES = [
 def fronted(model_files):
     d = tempfile.mkdtemp(prefix="tgwf-", dir="/tmp")
     cfg = base_config(model_files, "mlp", server={"front_processes": 2})
-    cfg.update(http={"port": 0}, grpc={"port": 0})
+    cfg.update(http={"port": 0}, grpc={"port": 0, "allow_client_shm": True})
     yield from served(cfg, d, http=True, grpc=True)
 
 
@@ -96,10 +96,43 @@ def test_each_front_is_named_serves_both_faces_and_reports_its_figures(fronted):
         np.testing.assert_array_equal(g.infer("mlp", [i]).as_numpy("y"), want)
         g.close()
 
+    # a stream request naming shared-memory regions (the broker's registry) is relayed to the
+    # broker's face alone, its answer written in the stream's turn beside a plain one
+    import queue
+    import tritonclient.utils.shared_memory as shm
+    key = f"/tgwf-test-{os.getpid()}"
+    handle = shm.create_shared_memory_region("front_io", key, x.nbytes + 120)
+    g = grpcclient.InferenceServerClient(b.grpc)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        g.register_system_shared_memory("front_io", key, x.nbytes + 120)
+        answers: queue.Queue = queue.Queue()
+        g.start_stream(callback=lambda result, error: answers.put((result, error)))
+        placed = grpcclient.InferInput("x", list(x.shape), "FP32")
+        placed.set_shared_memory("front_io", x.nbytes)
+        out = grpcclient.InferRequestedOutput("y")
+        out.set_shared_memory("front_io", 120, offset=x.nbytes)
+        g.async_stream_infer("mlp", [placed], outputs=[out], request_id="placed")
+        plain = grpcclient.InferInput("x", list(x.shape), "FP32")
+        plain.set_data_from_numpy(x)
+        g.async_stream_infer("mlp", [plain], request_id="plain")
+        got = {}
+        for _ in range(2):
+            result, error = answers.get(timeout=30)
+            assert error is None, error
+            got[result.get_response().id] = result
+        g.stop_stream()
+        np.testing.assert_array_equal(got["plain"].as_numpy("y"), want)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [3, 10], offset=x.nbytes), want)
+    finally:
+        g.unregister_system_shared_memory()
+        g.close()
+        shm.destroy_shared_memory_region(handle)
+
     def reported():
         lives = fronts(b)["lives"]
         return lives if sum(life["requests"] for life in lives) >= 16 and \
-            sum(life["forwarded"] for life in lives) >= 8 else None
+            sum(life["forwarded"] for life in lives) >= 9 else None
     lives = wait_until(reported, 10, "the fronts' STATS")
     assert all(life["gc"]["frozen"] and life["inflight"] == 0 for life in lives)   # server.gc_freeze's default
 
