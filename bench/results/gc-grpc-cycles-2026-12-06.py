@@ -1,13 +1,13 @@
-# What the broker's collector finds under gRPC load: the types of the objects in reference cycles
-# (garbage only the collector frees) per request, through the gRPC face and through the native
-# socket. A broker (the demo mlp, one CPU worker) runs with gc.DEBUG_SAVEALL armed once it has
+# What the broker's collector finds under load: the types of the objects in reference cycles
+# (garbage only the collector frees) per request, through the native socket, the gRPC face and
+# the HTTP face (binary extension). A broker (the demo mlp, one CPU worker) runs with gc.DEBUG_SAVEALL armed once it has
 # frozen its start-up heap, so every collection's garbage is kept in gc.garbage; 16 callers for
 # 5 s on one face; at its exit it prints the kinds found. Run from the checkout's root:
 #   .venv/bin/python bench/results/gc-grpc-cycles-2026-12-06.py
 import os, signal, subprocess, sys, tempfile, time, json, socket
 
 from tgw.bench.harness.loadgen import LoadSpec, run_load
-from tgw.bench.harness.targets import GrpcTarget, find_model
+from tgw.bench.harness.targets import GrpcTarget, find_model, v2_body, v2_target
 from tgw.testing.demo import demo_models, tgw_config
 from tgw.client import Client
 
@@ -37,8 +37,8 @@ def free_port():
 def one(face, work, models):
     import yaml
     cfg = tgw_config(models, ["mlp"], 1)
-    cfg.pop("http")
     cfg["grpc"]["port"] = port = free_port()
+    cfg["http"]["port"] = http_port = free_port()
     cfg["model_roots"] = ["/"]
     path = os.path.join(work, f"{face}.yaml")
     with open(path, "w") as f:
@@ -57,6 +57,11 @@ def one(face, work, models):
             time.sleep(0.1)
         if face == "grpc":
             target = GrpcTarget(f"127.0.0.1:{port}", "mlp", meta)
+        elif face == "http":
+            body, header = v2_body(meta, binary=True)
+            with open(os.path.join(work, "body.bin"), "wb") as f:
+                f.write(body)
+            target = v2_target(f"http://127.0.0.1:{http_port}", "mlp", os.path.join(work, "body.bin"), header, True)
         else:
             from tgw.bench.scenarios.gc_pauses import NativeAsyncTarget
             target = NativeAsyncTarget(address, "mlp", meta)
@@ -76,5 +81,5 @@ def one(face, work, models):
 if __name__ == "__main__":   # the load generator's processes are spawned: they import this file
     work = tempfile.mkdtemp(prefix="tgwcy-", dir="/tmp")
     models = demo_models(os.path.join(work, "models"))
-    for face in ("native", "grpc"):
+    for face in ("native", "grpc", "http"):
         one(face, work, models)
