@@ -23,8 +23,10 @@ class GcWatch:
     def __init__(self) -> None:
         self.frozen = False
         self.longest_ns = 0
-        self.longest_cpu_ns = 0         # the same pauses in the collecting thread's CPU time: without the
-        self.last_ns = 0                # time the OS ran something else meanwhile (a busy box inflates wall time)
+        # the longest in the collecting thread's CPU time: without what the OS ran meanwhile
+        # (on a busy box a sub-millisecond collection can take milliseconds of wall time)
+        self.longest_cpu_ns = 0
+        self.last_ns = 0
         self.pauses_over_1ms = 0
         self.collections = [0, 0, 0]   # by generation
         self.freeze_ns = 0              # the freeze's full collection: what one costs without the freeze
