@@ -15,6 +15,7 @@
     tgw-bench onnx [--quick]                            # an ONNX resnet: onnxruntime's own floor, tgw, TorchScript
     tgw-bench triton-ensemble [--quick]                 # a Triton repository's ensemble: tgw against PyTriton
     tgw-bench torchserve [--quick]                      # the same .mar archives on TorchServe and tgw's /predictions
+    tgw-bench gc-pauses [--quick] [--face grpc]         # the broker's GC pauses and p99.9, gc_freeze off and on
 
 `tgw-bench --model ...` without a name is `load`. Every scenario but `load` starts its own
 brokers and stops them by PID, also on Ctrl-C and SIGTERM. Exit status: 0 success, 1 some

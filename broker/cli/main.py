@@ -123,6 +123,8 @@ def print_status(address: str, reply) -> None:
                   f"  mean {s['latency_ms']['mean']:.2f} ms  p99 {s['latency_ms']['p99']:.2f} ms")
     if reply.jobs.get("submitted"):
         print(jobs_line(reply.jobs))
+    if reply.gc:
+        print(gc_line(reply.gc))
     for path in reply.snapshots:
         print(f"snapshot: {path}")
     if reply.reload:
@@ -162,6 +164,17 @@ def sequences_line(model: str, s: dict) -> str:
     0 misrouted, 2 refused, ended {'end': 37}" (docs/SEQUENCES.md)."""
     return (f"sequences {model}: {s['live']}/{s['slots']} slots live, {s['started']} started, {s['steps']} steps, "
             f"{s['misrouted']} misrouted, {s['refused']} refused, ended {s['ended']}")
+
+
+def gc_line(figures: dict) -> str:
+    """Collection pauses while serving: "gc: broker frozen, longest pause 0.21 ms, 0 over 1 ms, collections
+    41/3/0; worker 0 frozen, longest pause 0.05 ms, 0 over 1 ms, collections 9/0/0" (docs/OPERATIONS.md)."""
+    def one(f: dict) -> str:
+        c = f["collections"]
+        return (f"{'frozen' if f['frozen'] else 'not frozen'}, longest pause {f['longest_pause_ms']:.2f} ms, "
+                f"{f['pauses_over_1ms']} over 1 ms, collections {c['0']}/{c['1']}/{c['2']}")
+    return "; ".join([f"gc: broker {one(figures['broker'])}"]
+                     + [f"worker {n} {one(f)}" for n, f in figures.get("workers", {}).items()])
 
 
 def jobs_line(j: dict) -> str:

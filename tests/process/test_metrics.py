@@ -177,6 +177,9 @@ def test_gc_frozen_after_start_in_status_and_metrics(scraped):
     assert value(fams, "tgw_gc_frozen_objects", process="broker") > 0
     assert value(fams, "tgw_gc_collections_total", process="worker-0", generation="2") >= 1
     assert value(fams, "tgw_gc_longest_pause_seconds", process="broker") >= 0
+    printed = subprocess.run([sys.executable, "-m", "tgw.broker", "status", "--address", scraped.address],
+                             capture_output=True, text=True, timeout=30).stdout
+    assert "gc: broker frozen, longest pause " in printed and "; worker 0 frozen" in printed, printed
 
 
 def test_json_flag_prints_the_reply(scraped):
