@@ -34,6 +34,8 @@ class WorkerStart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     log_format: Literal["text", "json"] = "text"   # the broker's --log-format: the worker logs the same way
     slow_ms: Optional[float] = None                # observability.slow_request_ms: slow batches are logged
     tracing: Optional[dict[str, Any]] = None       # observability.tracing, resolved (paths absolute), as a dict
+    # the worker's end of its lane (shm/doorbell.py), an fd it inherits; -1: its serving loop talks ZeroMQ
+    lane_fd: int = -1
 
 
 class BadStart(ValueError):
