@@ -42,11 +42,12 @@ def frame(data: bytes) -> bytes:
 
 class Inbox:
     """What was read off a lane, cut into whole messages (a message may arrive in pieces)."""
-    __slots__ = ("buf", "start", "end")
+    __slots__ = ("buf", "start", "end", "short")
 
     def __init__(self):
         self.buf = bytearray(CHUNK)
         self.start = self.end = 0
+        self.short = False   # the last fill read less than it had room for: the socket was empty then
 
     def fill(self, sock: socket.socket) -> int:
         """One recv into the buffer: the bytes read (0 at EOF); BlockingIOError on a
@@ -61,6 +62,7 @@ class Inbox:
             self.buf.extend(bytes(max(CHUNK, len(self.buf))))
         with memoryview(self.buf) as view:
             n = sock.recv_into(view[self.end:])
+        self.short = n < len(self.buf) - self.end
         self.end += n
         return n
 

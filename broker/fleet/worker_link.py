@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import socket
 from typing import Callable
 
@@ -47,24 +48,17 @@ class _Lane:
         self.link, self.identity, self.sock, self.fd = link, identity, sock, sock.fileno()
         self.inbox = doorbell.Inbox()
         self.out = bytearray()     # what the socket did not take yet (a busy worker), sent in order
-        self.reading = self.closed = False
+        self.closed = False
 
-    def start(self) -> None:
-        if not self.reading and not self.closed:
-            self.reading = True
-            self.link.loop.add_reader(self.fd, self.drain)
-
-    def drain(self) -> None:
-        """Hand every whole message waiting to the handler; at EOF, the lane closes."""
-        if self.closed or self.link.handler is None:
-            return
+    def read(self) -> bool:
+        """Hand every whole message waiting to the handler; False at EOF (the worker is gone)."""
         frames = [_Frame(self.identity), _Frame(None)]
-        handler, inbox, sock, eof = self.link.handler, self.inbox, self.sock, False
+        handler, inbox, sock = self.link.handler, self.inbox, self.sock
         for _ in range(READS):
             try:
                 n = inbox.fill(sock)
             except BlockingIOError:
-                break
+                return True
             except ConnectionError:
                 n = 0
             while (msg := inbox.take()) is not None:
@@ -74,12 +68,10 @@ class _Lane:
                 except Exception:  # one bad message must not stall the rest
                     log.exception("handler failed on a message; continuing")
             if not n:
-                eof = True
-                break
-        if eof:
-            self.link.lost(self)
-        if self.link.after is not None:
-            self.link.after()
+                return False
+            if inbox.short:   # read all there was: no second recv (and its exception) to learn it
+                return True
+        return True   # more may be waiting: the poll says so again on the next wake
 
     def send(self, data: bytes) -> None:
         if self.closed:
@@ -113,8 +105,6 @@ class _Lane:
         if self.closed:
             return
         self.closed = True
-        if self.reading:
-            self.link.loop.remove_reader(self.fd)
         if self.out:
             self.link.loop.remove_writer(self.fd)
             self.out = bytearray()
@@ -123,45 +113,63 @@ class _Lane:
 
 class WorkerLink:
     """Built with the sockets, so placement and the memory watch can be given `send`; it listens
-    once the core that handles what workers send exists."""
+    once the core that handles what workers send exists.
+
+    The lanes sit in one epoll set of their own, on the loop as one reader: a wake reads every
+    lane with something to say, then calls `after` once, as one drain of the back socket does -
+    two workers' completions of the same moment are both in before the next batches are formed."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, doorbell_kind: str = "zmq"):
         """`doorbell_kind`: workers.doorbell ("socket": lanes for the serving loops; "zmq": none)."""
         self.loop, self.sock = loop, sock
-        self.lanes_on = doorbell_kind == "socket"
         self.pump: Pump | None = None
         self.handler: Callable[[list], None] | None = None
         self.after: Callable[[], None] | None = None
         self.lanes: dict[bytes, _Lane] = {}   # worker life's identity -> its lane, until EOF
+        self._by_fd: dict[int, _Lane] = {}
+        self._ready = select.epoll() if doorbell_kind == "socket" else None   # the lanes' fds, level-triggered
         # a lane's EOF: its worker exited, the lifecycle looks now (run.py sets it)
         self.on_gone: Callable[[], None] = lambda: None
 
     def listen(self, handler: Callable[[list], None], after: Callable[[], None]) -> None:
         self.handler, self.after = handler, after
         self.pump = Pump(self.loop, self.sock, handler, after=after)
-        for lane in self.lanes.values():
-            lane.start()
+        if self._ready is not None:
+            self.loop.add_reader(self._ready.fileno(), self._read_lanes)
 
     def open_lane(self, identity: bytes) -> socket.socket | None:
         """A fresh lane for the worker life `identity`: its worker's end, for the spawn to pass
         and then close; None when the serving loops talk ZeroMQ (workers.doorbell: zmq)."""
-        if not self.lanes_on:
+        if self._ready is None:
             return None
         mine, theirs = doorbell.pair()
-        old = self.lanes.pop(identity, None)
+        old = self.lanes.get(identity)
         if old is not None:
-            old.close()
-        lane = self.lanes[identity] = _Lane(self, identity, mine)
-        if self.handler is not None:
-            lane.start()
+            self._drop(old)
+        lane = self.lanes[identity] = self._by_fd[mine.fileno()] = _Lane(self, identity, mine)
+        self._ready.register(lane.fd, select.EPOLLIN)
         return theirs
 
-    def lost(self, lane: _Lane) -> None:
+    def _read_lanes(self) -> None:
+        """Every lane with something to read (or at EOF), then the serving flush once."""
+        for fd, _ in self._ready.poll(0):
+            lane = self._by_fd.get(fd)
+            if lane is not None and not lane.read():
+                self._lost(lane)
+        if self.after is not None:
+            self.after()
+
+    def _lost(self, lane: _Lane) -> None:
         """EOF on a lane: its worker is gone; the lifecycle looks at its exit on the next turn."""
-        lane.close()
+        self._drop(lane)
+        self.loop.call_soon(self.on_gone)
+
+    def _drop(self, lane: _Lane) -> None:
         if self.lanes.get(lane.identity) is lane:
             del self.lanes[lane.identity]
-        self.loop.call_soon(self.on_gone)
+        if self._by_fd.pop(lane.fd, None) is lane:
+            self._ready.unregister(lane.fd)
+        lane.close()
 
     def send(self, ident: bytes, msg) -> None:
         lane = self.lanes.get(ident)
@@ -174,13 +182,20 @@ class WorkerLink:
         """Read what workers sent now (a dying worker's last words before its death is handled)."""
         if self.pump is not None:
             self.pump.drain()
-        for lane in list(self.lanes.values()):
-            lane.drain()
+        if self._ready is not None and self.handler is not None:
+            for lane in list(self.lanes.values()):
+                if not lane.read():
+                    self._lost(lane)
+            self.after()
 
     def close(self) -> None:
         for lane in list(self.lanes.values()):
-            lane.close()
-        self.lanes.clear()
+            self._drop(lane)
+        if self._ready is not None:
+            if self.handler is not None:
+                self.loop.remove_reader(self._ready.fileno())
+            self._ready.close()
+            self._ready = None
         if self.pump is not None:
             self.pump.close()
         else:

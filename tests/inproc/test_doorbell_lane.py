@@ -1,5 +1,6 @@
 """The worker lane (shm/doorbell.py) and the broker's end of it (broker/fleet/worker_link.py), over
-real socketpairs: messages whole and in order whatever pieces they arrive in, what was sent before
+real socketpairs: messages whole and in order whatever pieces they arrive in, every lane with
+something to say read before one serving flush, what was sent before
 the peer's exit read before its EOF, EOF as the liveness signal both ways, and a broker send the
 socket cannot take yet queued, in order, not dropped."""
 from __future__ import annotations
@@ -62,14 +63,22 @@ def test_the_broker_end_hands_messages_in_order_queues_what_the_socket_cannot_ta
         assert link.lanes[b"w0.1"].out, "the socket took everything: the test sends too little"
         seen = await asyncio.to_thread(lambda: [to_worker_decoder.decode(lane.recv()).blocks[0] for _ in range(n)])
         assert seen == list(range(n))
-        # worker -> broker: completions, then its exit
+        # two workers' completions of the same moment: both handled, then the serving flush once
+        other = doorbell.Lane(link.open_lane(b"w1.1"))
+        before = len(flushes)
+        other.send(encode(Done(batch_id=100)))
         for i in range(5):
             lane.send(encode(Done(batch_id=i)))
+        while len(got) < 6:
+            await asyncio.sleep(0)   # one loop turn: the lanes' poll is ready
+        assert flushes[before:] == [6]
+        assert sorted((ident, msg.batch_id) for ident, msg in got) == [(b"w0.1", i) for i in range(5)] + [(b"w1.1", 100)]
+        assert [msg.batch_id for ident, msg in got if ident == b"w0.1"] == list(range(5))   # in order
+        # a worker's exit: its lane's EOF
         lane.close()
         await asyncio.wait_for(gone.wait(), 30)
-        assert [(ident, msg.batch_id) for ident, msg in got] == [(b"w0.1", i) for i in range(5)]
-        assert flushes and flushes[-1] == 5   # the serving flush ran after the messages were handled
-        assert b"w0.1" not in link.lanes   # a closed lane is dropped; a send to it now goes nowhere harmful
+        assert b"w0.1" not in link.lanes and b"w1.1" in link.lanes   # the dead one's lane dropped, alone
+        other.close()
         link.close()
         ctx.term()
 
