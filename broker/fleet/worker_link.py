@@ -1,7 +1,7 @@
 """The broker's link to its workers: the ZeroMQ back socket, and each worker life's lane.
 
-Every worker thread has a DEALER on the back socket (a ROUTER): the beacon (heartbeats,
-snapshots) and the loader (run-time loads) always talk there. The serving loop's messages -
+A worker's beacon (heartbeats, snapshots) and loader (run-time loads) threads each have a DEALER
+on the back socket (a ROUTER) and always talk there. The serving loop's messages -
 the hello and its answer, Batch, Done, Release, Withdraw, Steps, Stop - are on the per-batch
 path, and with `workers.doorbell: socket` (the default) they take the worker life's lane
 instead (shm/doorbell.py: a socketpair, no ZeroMQ I/O thread on either side); with `zmq` they
@@ -11,7 +11,7 @@ A lane is opened at each spawn (`open_lane`, the supervisor's hook) and dies wit
 what it sent before is read first, then EOF closes the lane and asks the lifecycle to look at
 the worker's exit now (`on_gone`; its pidfd usually says the same a moment later). Both paths
 hand each message to the same handler, as [identity, body] frames, and call `after` (the
-serving flush) once a read pass ends.
+serving flush) once a read pass ends (for the lanes, one epoll set of them all: see WorkerLink).
 """
 from __future__ import annotations
 
