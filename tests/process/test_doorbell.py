@@ -32,6 +32,7 @@ def test_a_worker_says_hello_on_its_lane_and_exits_when_the_broker_end_closes(sh
                                 stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, pass_fds=(theirs.fileno(),))
         theirs.close()
         lane = doorbell.Lane(mine)
+        assert lane.poll(120_000), "no hello on the lane"   # fails rather than hangs
         hello = from_worker_decoder.decode(lane.recv())   # not on the ZeroMQ endpoint: nothing listens there
         assert isinstance(hello, WorkerHello) and hello.pid == proc.pid
         lane.close()   # the broker is gone: the worker, waiting for its load message, reads EOF
