@@ -35,6 +35,8 @@ class WorkerStart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     slow_ms: Optional[float] = None                # observability.slow_request_ms: slow batches are logged
     tracing: Optional[dict[str, Any]] = None       # observability.tracing, resolved (paths absolute), as a dict
     gc_freeze: bool = False                        # server.gc_freeze: gc.freeze() once the start-up models are warm
+    # the worker's end of its lane (shm/doorbell.py), an fd it inherits; -1: its serving loop talks ZeroMQ
+    lane_fd: int = -1
 
 
 class BadStart(ValueError):

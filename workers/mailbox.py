@@ -8,6 +8,9 @@ noted the moment they are read, wherever that happens, for batches not yet launc
 about to launch first reads what is already waiting on the socket (look_ahead), so one sent
 while the batch waited behind another still reaches it. The completions of a batch that was
 shrunk say which requests it left out (Done.withdrawn), stamped here as they are sent.
+
+The socket is the worker life's lane (a socketpair, shm/doorbell.py) or, with workers.doorbell:
+zmq, a DEALER; both keep the broker's order, so a Withdraw still follows its Batch.
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ from collections import deque
 
 import zmq
 
+from tgw.shm.doorbell import Lane
 from tgw.shm.wire import Done, Withdraw, encode, to_worker_decoder
 
 
 class Mailbox:
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: Lane | zmq.Socket):
+        """`sock`: the worker's lane (shm/doorbell.py) or its DEALER (workers.doorbell: zmq)."""
         self.sock = sock
         self.parked: deque = deque()
         self.withdrawn: dict[int, set[int]] = {}   # batch id (not launched yet) -> requests withdrawn

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from tgw.shm import gc_watch
+from tgw.shm.doorbell import Lane, LaneClosed
 from tgw.shm.segment import Segment
 from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, encode, to_worker_decoder
@@ -103,10 +104,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None
     identity = start.identity.encode()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(start.endpoint)
+    sock = _serving_socket(ctx, start, identity)
     segment = Segment.attach(start.segment)
     progress = Progress()
     # beats from here on: a worker stuck importing or loading models is seen as hung
@@ -134,6 +132,9 @@ def run_worker(argv: list[str] | None = None) -> int:
         loader.start(msg.models, freeze=start.gc_freeze)
         server.serve()
         return 1 if loader.startup_failed else 0   # a failed start-up is a failure, stopped or not
+    except LaneClosed:   # the broker is gone (its end of the lane closed): nobody to serve
+        print(f"tgw worker {start.worker_id}: the broker closed its lane; exiting", file=sys.stderr)
+        return 1
     except CudaFault as fault:   # told to the broker already; this process's CUDA context is broken
         print(f"tgw worker {start.worker_id}: sticky CUDA error in batch {fault.batch_id}, exiting: {fault.error}",
               file=sys.stderr)
@@ -153,6 +154,18 @@ def run_worker(argv: list[str] | None = None) -> int:
             segment.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+
+def _serving_socket(ctx: zmq.Context, start: WorkerStart, identity: bytes) -> Lane | zmq.Socket:
+    """The serving loop's way to the broker: its lane (shm/doorbell.py) when the supervisor passed
+    one, else a DEALER on the back socket (workers.doorbell: zmq); both send, recv and poll alike."""
+    if start.lane_fd >= 0:
+        return Lane.from_fd(start.lane_fd)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(start.endpoint)
+    return sock
 
 
 def _preload(start: WorkerStart) -> WorkerFailed | None:

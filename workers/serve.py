@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 import zmq
 
+from tgw.shm.doorbell import Lane
 from tgw.shm.errors import Code
 from tgw.shm.segment import Segment
 from tgw.shm.wire import Batch, BlockTensor, CancelSequences, Done, Release, Stop, WorkerFault, model_key
@@ -70,7 +71,7 @@ class Launched:
 
 
 class Server:
-    def __init__(self, sock: zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
+    def __init__(self, sock: Lane | zmq.Socket, segment: Segment, input_bytes: int, output_bytes: int,
                  runners: dict[str, ModelRunner], progress: Progress | None = None, observer: Observer | None = None,
                  device: torch.device = torch.device("cpu"), host_memory: str = "register",
                  overlap: bool | None = None, worker_id: int = 0):

@@ -42,6 +42,9 @@ class WorkersDecl(Strict):
     placement: Literal["spread", "pack"] = "spread"
     # CPU workers that serve only stages (device cpu); 0: cpu stages go on the CPU workers with the models
     stage_workers: Annotated[int, Field(ge=0, le=64)] = 0
+    # how a worker's serving loop and the broker exchange batches (shm/doorbell.py): socket = a
+    # socketpair per worker life; zmq = the back socket, as the heartbeats and loads always do
+    doorbell: Literal["socket", "zmq"] = "socket"
     # the arenas' sizes in bytes once resolved (arenas.resolve, called by parse_config)
     _input_bytes: Optional[int] = PrivateAttr(default=None)
     _output_bytes: Optional[int] = PrivateAttr(default=None)

@@ -100,7 +100,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
 
     # the sockets: answers to clients, sends to workers
     door = FrontDoor(loop, front, server, token, clock, complaints, callers, stats, zap)
-    link = WorkerLink(loop, back)
+    link = WorkerLink(loop, back, cfg.workers.doorbell)
 
     # workers' memory and faults, versions on workers, admission
     memory = MemoryWatch(cfg.supervisor, link.send)

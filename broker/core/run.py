@@ -78,6 +78,8 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         lifecycle = Lifecycle(broker, supervisor, cfg.workers.start_timeout_s, cfg.supervisor.shutdown_grace_s,
                               cfg.server.drain_notice_s, HangJudge(cfg.supervisor, broker.costs,
                                                                    cfg.workers.start_timeout_s))
+        # each worker life's lane (workers.doorbell): opened at its spawn; its EOF is a worker's exit, looked at now
+        supervisor.lanes, broker.back.on_gone = broker.back.open_lane, lifecycle._on_exit
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lifecycle.on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)

@@ -37,17 +37,15 @@ import asyncio
 import logging
 from typing import Callable
 
-import zmq
-
 from tgw.shm.errors import Code, error_from_body, fail
 from tgw.shm.wire import DecodeError, Done, Heartbeat, LoadPhase, ModelLoaded, Release, Steps, Stop, WorkerFailed, \
-    WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot, encode, from_worker_decoder, model_key
+    WorkerFault, WorkerHello, WorkerReady, WorkerSnapshot, from_worker_decoder, model_key
 
 from tgw.broker.fleet.faults import CudaFaults
 from tgw.broker.fleet.handshake import Handshake, death_error
 from tgw.broker.fleet.memory import MemoryWatch
+from tgw.broker.fleet.worker_link import WorkerLink
 from tgw.broker.front.frontdoor import FrontDoor
-from tgw.broker.front.sockets import Pump
 from tgw.broker.generate.streams import Streams
 from tgw.broker.models.placement import Placement
 from tgw.broker.models.registry import Registry
@@ -66,32 +64,6 @@ from tgw.broker.state.stats import Stats
 from .phase import BrokerPhase, Phase
 
 log = logging.getLogger("tgw.broker")
-
-
-class WorkerLink:
-    """The back socket: built with the sockets, so placement and the memory watch can be given
-    `send`; it listens once the core that handles what workers send exists."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket):
-        self.loop, self.sock = loop, sock
-        self.pump: Pump | None = None
-
-    def listen(self, handler: Callable[[list], None], after: Callable[[], None]) -> None:
-        self.pump = Pump(self.loop, self.sock, handler, after=after)
-
-    def send(self, ident: bytes, msg) -> None:
-        self.pump.send([ident, encode(msg)])
-
-    def drain(self) -> None:
-        """Read what workers sent now (a dying worker's last words before its death is handled)."""
-        if self.pump is not None:
-            self.pump.drain()
-
-    def close(self) -> None:
-        if self.pump is not None:
-            self.pump.close()
-        else:
-            self.sock.close(linger=0)
 
 
 class Serving:

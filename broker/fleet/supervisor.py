@@ -63,6 +63,8 @@ class Supervisor:
         self._restart_at: dict[int, float] = {}     # worker id -> when its next life starts
         # device -> until when no worker may start on it (the CUDA fault rule's; faults.py)
         self.hold: Callable[[str], float | None] = lambda device: None
+        # a fresh lane for a worker life (identity -> the worker's end, None: none; worker_link.py)
+        self.lanes: Callable[[bytes], Any] = lambda identity: None
 
     def prepare(self) -> list[str]:
         """Sweep stale segments and create one ring per planned worker; returns swept names."""
@@ -103,19 +105,28 @@ class Supervisor:
         w.segment.unlink()
         log.info("%s retired", w.name)
 
-    def start_for(self, w: WorkerHandle) -> WorkerStart:
-        """What (this life of) `w` is told at its start."""
+    def start_for(self, w: WorkerHandle, lane_fd: int = -1) -> WorkerStart:
+        """What (this life of) `w` is told at its start (`lane_fd`: its end of its lane, if one)."""
         return WorkerStart(worker_id=w.worker_id, identity=w.identity.decode(), segment=w.segment.name,
                            input_bytes=w.input_bytes, output_bytes=w.output_bytes, endpoint=self.endpoint,
                            device="cuda:0" if w.device in self.mig else w.device,
                            threads=self.decl.threads_per_worker, cpus=list(w.cpus),
                            heartbeat_s=self.watch.heartbeat_s, preload=list(self.decl.preload),
-                           host_memory=self.decl.cuda_host_memory, gc_freeze=self.gc_freeze, **self.observe)
+                           host_memory=self.decl.cuda_host_memory, gc_freeze=self.gc_freeze, lane_fd=lane_fd,
+                           **self.observe)
 
     def spawn(self, w: WorkerHandle) -> None:
-        cmd = [sys.executable, "-m", "tgw.workers", encode_start(self.start_for(w))]
         self.restarts.spawned(w.worker_id)
-        w.spawned(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.spawn_env(w)), self.clock())
+        lane = self.lanes(w.identity)   # this life's own: the last life's died with it
+        try:
+            fd = lane.fileno() if lane is not None else -1
+            cmd = [sys.executable, "-m", "tgw.workers", encode_start(self.start_for(w, fd))]
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=self.spawn_env(w),
+                                    pass_fds=(fd,) if lane is not None else ())
+        finally:
+            if lane is not None:   # the worker's alone now: its exit closes it, and the broker reads EOF
+                lane.close()
+        w.spawned(proc, self.clock())
         log.info("spawned %s pid %d", w.name, w.pid, extra={"event": "worker_spawned", "worker": w.name,
                                                              "pid": w.pid})
 
