@@ -156,7 +156,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                          leave=admission.leave, batcher=batcher, schedule=serving.schedule, flush=serving.flush,
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
                          pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams,
-                         jobs=jobs))
+                         jobs=jobs, arrived=serving.arrived))
     link.listen(workers_side.on_message, after=serving.flush)
     admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)

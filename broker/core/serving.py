@@ -66,6 +66,7 @@ from tgw.broker.state.stats import Stats
 from .phase import BrokerPhase, Phase
 
 log = logging.getLogger("tgw.broker")
+FACE_HOLD_S = 0.0005   # how long a face's burst is waited for (Serving.arrived)
 
 
 class WorkerLink:
@@ -116,6 +117,7 @@ class Serving:
         self.loop = loop
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
+        self._hold_until = 0.0   # a face's burst is coming in (arrived): until then, full batches only
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 
@@ -210,6 +212,19 @@ class Serving:
         if self._pump_handle is None:
             self._pump_handle = self.loop.call_soon(self.pump)
 
+    def arrived(self) -> None:
+        """A face's request is queued (HTTP, gRPC, a front's). One that finds other requests
+        admitted and unanswered opens a short window (FACE_HOLD_S) in which the pump sends only
+        full batches: a face's requests reach the door one loop pass apart (grpc.aio accepts one
+        call at a time), so sent at once each would go alone to an idle worker, and every batch's
+        fixed cost would be paid per request (docs/ARCHITECTURE.md#scheduling). A lone request
+        (c=1) never waits."""
+        if not self._hold_until and len(self.door.abandon.inflight) > 1:
+            now = self.clock()
+            self._hold_until = now + FACE_HOLD_S
+            self.alarm.at(self._hold_until, now)
+        self.schedule()
+
     def flush(self) -> None:
         """At the end of a drain pass: form the batches now rather than on the next loop turn."""
         if self._pump_handle is not None:
@@ -223,6 +238,11 @@ class Serving:
         full: set[int] = set()
         moved = True
         now = self.clock()
+        settling = self._hold_until > now   # a face's burst still coming in: full batches only
+        if settling:
+            self.alarm.at(self._hold_until, now)
+        else:
+            self._hold_until = 0.0
         for p in self.batcher.expired_heads(now):
             self.door.fail(p, self.unserved.expired(p))
         if self.sequences.orphans:   # queued for a sequence that ended: answered, never run
@@ -232,6 +252,8 @@ class Serving:
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
+                if settling and not self.batcher.full(model):
+                    continue
                 head = self.batcher.head(model, now)
                 key = model_key(model, head.version)
                 # a sequence model's head may wait for its worker or a slot: the other workers may
