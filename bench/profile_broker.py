@@ -179,10 +179,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[:1] == ["_run-broker"]:
         run_profiled_broker(argv[1], argv[2:])
         return 0
+    if argv[:1] == ["broker"]:   # the retired tool's subcommand (its commands in bench/README.md)
+        argv = argv[1:]
     ap = argparse.ArgumentParser(prog="python -m tgw.bench.profile_broker", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add = ap.add_argument
     add("--face", choices=FACES, default="native", help="which face the load comes through (default native)")
+    add("--http", choices=("json", "binary"), help="the retired tool's spelling of --face http-json|http-binary")
     add("--model", default="mlp")
     add("--concurrency", type=int, default=64)
     add("--duration", type=float, default=10.0)
@@ -196,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     add("--out", help="also write the result (JSON, with the command and the report) to this file")
     a = ap.parse_args(argv)
     a.argv = argv
+    if a.http:
+        a.face = f"http-{a.http}"
     try:
         result = profile(a)
     finally:
