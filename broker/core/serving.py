@@ -212,17 +212,24 @@ class Serving:
         if self._pump_handle is None:
             self._pump_handle = self.loop.call_soon(self.pump)
 
-    def arrived(self) -> None:
-        """A face's request is queued (HTTP, gRPC, a front's). One that finds other requests
-        admitted and unanswered opens a short window (FACE_HOLD_S) in which the pump sends only
-        full batches: a face's requests reach the door one loop pass apart (grpc.aio accepts one
-        call at a time), so sent at once each would go alone to an idle worker, and every batch's
-        fixed cost would be paid per request (docs/ARCHITECTURE.md#scheduling). A lone request
-        (c=1) never waits."""
-        if not self._hold_until and len(self.door.abandon.inflight) > 1:
+    def arrived(self, model: str) -> None:
+        """A face's request for `model` is queued (HTTP, gRPC, a front's). One that finds other
+        requests admitted and unanswered opens a short window (FACE_HOLD_S) in which the pump
+        sends only full batches: a face's requests reach the door a loop pass or more apart
+        (grpc.aio accepts one call at a time), so sent at once each would go alone to an idle
+        worker, and every batch's fixed cost would be paid per request
+        (docs/ARCHITECTURE.md#scheduling). A lone request (c=1) never waits. While the window is
+        open the alarm pumps at its end; only a full batch needs a pump sooner."""
+        if self._hold_until:
+            if self.batcher.full(model):
+                self.schedule()
+            return
+        if len(self.door.abandon.inflight) > 1:
             now = self.clock()
             self._hold_until = now + FACE_HOLD_S
             self.alarm.at(self._hold_until, now)
+            if not self.batcher.full(model):
+                return
         self.schedule()
 
     def flush(self) -> None:

@@ -117,7 +117,7 @@ class DoorRoutes:
     answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
     streams: Any = None                          # generate.streams.Streams: running generations (cancel, bye, gone)
     jobs: Any = None                             # jobs.jobs.Jobs: an infer with `job` set, job reads and cancels
-    arrived: Callable[[], None] | None = None    # a face's request queued: the pump waits for the face's burst
+    arrived: Callable[[str], None] | None = None  # a face's request for the model queued: the pump waits for the burst
 
 
 class FrontDoor:
@@ -204,7 +204,7 @@ class FrontDoor:
             self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
             return self.error(ident, 0, err)
         if type(msg) is Infer:   # the hot path: no handler lookup; the drain's end pumps (flush)
-            return self._infer(ident, msg, frames[2:], frames[1], self.routes.schedule)
+            return self._infer(ident, msg, frames[2:], frames[1], False)
         handler = self.handlers.get(type(msg))
         if handler is not None:
             handler(ident, msg, frames)
@@ -230,14 +230,14 @@ class FrontDoor:
             self.error(ident, msg.id, err)
 
     def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
-        """A face's request (DoorPort.infer; a pipeline's step, a job's run): queued, the pump due once
-        the loop's burst of face requests is in (routes.arrived, docs/ARCHITECTURE.md#scheduling).
+        """A face's request (DoorPort.infer; a job's run): queued, the pump due once the face's
+        burst is in (routes.arrived, docs/ARCHITECTURE.md#scheduling); a pipeline's step at once.
         `header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
-        steps = is_step(ident) or self.routes.arrived is None   # a pipeline's steps come from the broker itself
-        self._infer(ident, msg, tensor_frames, header, self.routes.schedule if steps else self.routes.arrived)
+        # a pipeline's steps come from the broker itself: no burst to wait for
+        self._infer(ident, msg, tensor_frames, header, not is_step(ident) and self.routes.arrived is not None)
 
-    def _infer(self, ident, msg: Infer, tensor_frames: list, header, due: Callable[[], None]) -> None:
-        """`due`: how the pump is told a request is queued."""
+    def _infer(self, ident, msg: Infer, tensor_frames: list, header, face: bool) -> None:
+        """`face`: the pump is told by routes.arrived (else routes.schedule, the native drain's)."""
         if msg.job:   # answered at once with its id; the jobs wing sends it back through here as its own caller
             return self._job(ident, msg, tensor_frames, header)
         try:
@@ -256,7 +256,10 @@ class FrontDoor:
                 return self._cached(p)
             cuda_route.bind(self.routes.models, p, cuda)
             self.abandon.track(p)
-            due()
+            if face:
+                self.routes.arrived(p.model)
+            else:
+                self.routes.schedule()
         except TgwError as err:
             if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
                 self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)

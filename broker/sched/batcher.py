@@ -93,9 +93,6 @@ class Batcher:
         q = self.queues[model]
         return q.count >= q.max_batch_size
 
-    def any_full(self) -> bool:
-        return any(q.count >= q.max_batch_size for q in self.queues.values())
-
     def queued_by_level(self, model: str) -> list[int]:
         """Callers' requests per priority level (shadow copies are not callers')."""
         q = self.queues[model]
