@@ -236,6 +236,12 @@ class FrontDoor:
         # a pipeline's steps come from the broker itself: no burst to wait for
         self._infer(ident, msg, tensor_frames, header, not is_step(ident) and self.routes.arrived is not None)
 
+    def infer_drained(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
+        """A request read in a socket's drain whose end pumps (a Pump with after=routes.flush, as
+        the native socket's and the fronts socket's): its burst is whole when the drain ends, so
+        it is not held as a face's is."""
+        self._infer(ident, msg, tensor_frames, header, False)
+
     def _infer(self, ident, msg: Infer, tensor_frames: list, header, face: bool) -> None:
         """`face`: the pump is told by routes.arrived (else routes.schedule, the native drain's)."""
         if msg.job:   # answered at once with its id; the jobs wing sends it back through here as its own caller
