@@ -230,11 +230,13 @@ class FrontDoor:
             self.error(ident, msg.id, err)
 
     def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
-        """A face's request (DoorPort.infer; a job's run): queued, the pump due once the face's
-        burst is in (routes.arrived, docs/ARCHITECTURE.md#scheduling); a pipeline's step at once.
+        """A face's request (DoorPort.infer; a pipeline's step, a job's run). A caller whose face's
+        requests trickle in a loop pass or more apart (`trickles_in`: gRPC's) has the pump wait for
+        the burst (routes.arrived, docs/ARCHITECTURE.md#scheduling); the others' come in bursts
+        (aiohttp reads every ready connection in one pass), the pump due at once.
         `header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
-        # a pipeline's steps come from the broker itself: no burst to wait for
-        self._infer(ident, msg, tensor_frames, header, not is_step(ident) and self.routes.arrived is not None)
+        self._infer(ident, msg, tensor_frames, header,
+                    getattr(ident, "trickles_in", False) and self.routes.arrived is not None)
 
     def infer_drained(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
         """A request read in a socket's drain whose end pumps (a Pump with after=routes.flush, as

@@ -316,17 +316,17 @@ def test_admission_refuses_while_every_worker_is_benched(model_files):
         worker.segment.unlink()
 
 
-def test_a_faces_burst_is_batched_and_a_lone_face_request_is_not_held(model_files):
-    """A face's requests (door.infer, as HTTP and gRPC call it) that find others unanswered wait
-    for the burst (Serving.arrived, FACE_HOLD_S) and go as one batch; a lone one goes at once."""
+def test_a_grpc_burst_is_batched_and_a_lone_grpc_request_is_not_held(model_files):
+    """gRPC's requests (door.infer with the face's caller) that find others unanswered wait for
+    the burst (Serving.arrived, FACE_HOLD_S) and go as one batch; a lone one goes at once."""
+    from tgw.broker.faces.grpc.infer import GrpcCaller
     from tgw.broker.front.regions import SliceFrame
-    from tgw.broker.protocol.door import AwaitedCaller
 
     async def scenario(rig: Rig, clock: Clock):
         loop = asyncio.get_running_loop()
 
-        def face_infer(req_id: int) -> AwaitedCaller:
-            caller = AwaitedCaller(loop)
+        def face_infer(req_id: int) -> GrpcCaller:
+            caller = GrpcCaller(loop)
             msg = Infer(v=PROTOCOL_VERSION, id=req_id, model="mlp", timeout_ms=600_000,
                         inputs=[TensorMeta(name="x", dtype="float32", shape=list(X.shape))])
             rig.broker.door.infer(caller, msg, [SliceFrame(memoryview(X.tobytes()))])
