@@ -66,7 +66,7 @@ from tgw.broker.state.stats import Stats
 from .phase import BrokerPhase, Phase
 
 log = logging.getLogger("tgw.broker")
-FACE_HOLD_S = 0.0005   # how long a face's burst is waited for (Serving.arrived)
+FACE_HOLD_S = 0.0005   # how long gRPC's burst is waited for (Serving.arrived)
 
 
 class WorkerLink:
@@ -117,7 +117,7 @@ class Serving:
         self.loop = loop
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
-        self._hold_until = 0.0   # a face's burst is coming in (arrived): until then, full batches only
+        self._hold_until = 0.0   # gRPC's burst is coming in (arrived): until then, full batches only
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 
@@ -213,13 +213,12 @@ class Serving:
             self._pump_handle = self.loop.call_soon(self.pump)
 
     def arrived(self, model: str) -> None:
-        """A face's request for `model` is queued (HTTP, gRPC, a front's). One that finds other
-        requests admitted and unanswered opens a short window (FACE_HOLD_S) in which the pump
-        sends only full batches: a face's requests reach the door a loop pass or more apart
-        (grpc.aio accepts one call at a time), so sent at once each would go alone to an idle
-        worker, and every batch's fixed cost would be paid per request
-        (docs/ARCHITECTURE.md#scheduling). A lone request (c=1) never waits. While the window is
-        open the alarm pumps at its end; only a full batch needs a pump sooner."""
+        """A request for `model` from a caller whose requests trickle in (gRPC's: FrontDoor.infer)
+        is queued. One that finds other requests admitted and unanswered opens a short window
+        (FACE_HOLD_S) in which the pump sends only full batches: grpc.aio hands the loop one call
+        at a time, so sent at once each would go alone to an idle worker and pay a whole batch's
+        cost (docs/ARCHITECTURE.md#scheduling). A lone request (c=1) never waits. While the
+        window is open the alarm pumps at its end; only a full batch needs a pump sooner."""
         if self._hold_until:
             if self.batcher.full(model):
                 self.schedule()
@@ -245,7 +244,7 @@ class Serving:
         full: set[int] = set()
         moved = True
         now = self.clock()
-        settling = self._hold_until > now   # a face's burst still coming in: full batches only
+        settling = self._hold_until > now   # gRPC's burst still coming in: full batches only
         if settling:
             self.alarm.at(self._hold_until, now)
         else:

@@ -117,7 +117,7 @@ class DoorRoutes:
     answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
     streams: Any = None                          # generate.streams.Streams: running generations (cancel, bye, gone)
     jobs: Any = None                             # jobs.jobs.Jobs: an infer with `job` set, job reads and cancels
-    arrived: Callable[[str], None] | None = None  # a face's request for the model queued: the pump waits for the burst
+    arrived: Callable[[str], None] | None = None  # a trickling caller's request queued: the pump waits for the burst
 
 
 class FrontDoor:
@@ -241,7 +241,7 @@ class FrontDoor:
     def infer_drained(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
         """A request read in a socket's drain whose end pumps (a Pump with after=routes.flush, as
         the native socket's and the fronts socket's): its burst is whole when the drain ends, so
-        it is not held as a face's is."""
+        it is not held as gRPC's is."""
         self._infer(ident, msg, tensor_frames, header, False)
 
     def _infer(self, ident, msg: Infer, tensor_frames: list, header, face: bool) -> None:
