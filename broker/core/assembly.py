@@ -167,10 +167,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                          leave=admission.leave, batcher=batcher, schedule=serving.schedule, flush=serving.flush,
                          query=answers.answer, operate=operator.handle, snapshot=serving.snapshot,
                          pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams,
-                         jobs=jobs))
+                         jobs=jobs, arrived=serving.arrived))
     link.listen(workers_side.on_message, after=serving.flush)
     if hub is not None:   # after the door: its answers and withdrawals exist
-        hub.open(HubRoutes(infer=door.infer, dispatch=door.dispatch, withdraw=door.abandon.drop_ids,
+        hub.open(HubRoutes(infer=door.infer_drained, dispatch=door.dispatch, withdraw=door.abandon.drop_ids,
                            drop_caller=door.drop_caller, count_error=stats.error, note=complaints.note,
                            flush=serving.flush), DirectoryBook(registry, pipelines, load, clock))
     admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,

@@ -64,6 +64,7 @@ from tgw.broker.state.stats import Stats
 from .phase import BrokerPhase, Phase
 
 log = logging.getLogger("tgw.broker")
+FACE_HOLD_S = 0.0005   # how long gRPC's burst is waited for (Serving.arrived)
 
 
 class Serving:
@@ -88,6 +89,7 @@ class Serving:
         self.loop = loop
         self.batch_seq = 0
         self._pump_handle: asyncio.Handle | None = None   # a pump is due (call_soon, or the end of a drain)
+        self._hold_until = 0.0   # gRPC's burst is coming in (arrived): until then, full batches only
 
     # ---- control: called by the lifecycle -----------------------------------------------------
 
@@ -182,6 +184,25 @@ class Serving:
         if self._pump_handle is None:
             self._pump_handle = self.loop.call_soon(self.pump)
 
+    def arrived(self, model: str) -> None:
+        """A request for `model` from a caller whose requests trickle in (gRPC's: FrontDoor.infer)
+        is queued. One that finds other requests admitted and unanswered opens a short window
+        (FACE_HOLD_S) in which the pump sends only full batches: grpc.aio hands the loop one call
+        at a time, so sent at once each would go alone to an idle worker and pay a whole batch's
+        cost (docs/ARCHITECTURE.md#scheduling). A lone request (c=1) never waits. While the
+        window is open the alarm pumps at its end; only a full batch needs a pump sooner."""
+        if self._hold_until:
+            if self.batcher.full(model):
+                self.schedule()
+            return
+        if len(self.door.abandon.inflight) > 1:
+            now = self.clock()
+            self._hold_until = now + FACE_HOLD_S
+            self.alarm.at(self._hold_until, now)
+            if not self.batcher.full(model):
+                return
+        self.schedule()
+
     def flush(self) -> None:
         """At the end of a drain pass: form the batches now rather than on the next loop turn."""
         if self._pump_handle is not None:
@@ -195,6 +216,11 @@ class Serving:
         full: set[int] = set()
         moved = True
         now = self.clock()
+        settling = self._hold_until > now   # gRPC's burst still coming in: full batches only
+        if settling:
+            self.alarm.at(self._hold_until, now)
+        else:
+            self._hold_until = 0.0
         for p in self.batcher.expired_heads(now):
             self.door.fail(p, self.unserved.expired(p))
         if self.sequences.orphans:   # queued for a sequence that ended: answered, never run
@@ -204,6 +230,8 @@ class Serving:
         while moved:
             moved = False
             for model in self.batcher.models_with_work():
+                if settling and not self.batcher.full(model):
+                    continue
                 head = self.batcher.head(model, now)
                 key = model_key(model, head.version)
                 # a sequence model's head may wait for its worker or a slot: the other workers may

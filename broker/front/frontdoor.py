@@ -117,6 +117,7 @@ class DoorRoutes:
     answered: Callable[[list, float], None]      # a batch's answers sent (shadow copies)
     streams: Any = None                          # generate.streams.Streams: running generations (cancel, bye, gone)
     jobs: Any = None                             # jobs.jobs.Jobs: an infer with `job` set, job reads and cancels
+    arrived: Callable[[str], None] | None = None  # a trickling caller's request queued: the pump waits for the burst
 
 
 class FrontDoor:
@@ -202,8 +203,8 @@ class FrontDoor:
         except TgwError as err:
             self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)
             return self.error(ident, 0, err)
-        if type(msg) is Infer:   # the hot path: no handler lookup
-            return self.infer(ident, msg, frames[2:], frames[1])
+        if type(msg) is Infer:   # the hot path: no handler lookup; the drain's end pumps (flush)
+            return self._infer(ident, msg, frames[2:], frames[1], False)
         handler = self.handlers.get(type(msg))
         if handler is not None:
             handler(ident, msg, frames)
@@ -229,7 +230,22 @@ class FrontDoor:
             self.error(ident, msg.id, err)
 
     def infer(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
-        """`header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
+        """A face's request (DoorPort.infer; a pipeline's step, a job's run). A caller whose face's
+        requests trickle in a loop pass or more apart (`trickles_in`: gRPC's) has the pump wait for
+        the burst (routes.arrived, docs/ARCHITECTURE.md#scheduling); the others' come in bursts
+        (aiohttp reads every ready connection in one pass), the pump due at once.
+        `header`: the header frame (its Peer-Address says who sent it); None from the HTTP face."""
+        self._infer(ident, msg, tensor_frames, header,
+                    getattr(ident, "trickles_in", False) and self.routes.arrived is not None)
+
+    def infer_drained(self, ident, msg: Infer, tensor_frames: list, header=None) -> None:
+        """A request read in a socket's drain whose end pumps (a Pump with after=routes.flush, as
+        the native socket's and the fronts socket's): its burst is whole when the drain ends, so
+        it is not held as gRPC's is."""
+        self._infer(ident, msg, tensor_frames, header, False)
+
+    def _infer(self, ident, msg: Infer, tensor_frames: list, header, face: bool) -> None:
+        """`face`: the pump is told by routes.arrived (else routes.schedule, the native drain's)."""
         if msg.job:   # answered at once with its id; the jobs wing sends it back through here as its own caller
             return self._job(ident, msg, tensor_frames, header)
         try:
@@ -248,7 +264,10 @@ class FrontDoor:
                 return self._cached(p)
             cuda_route.bind(self.routes.models, p, cuda)
             self.abandon.track(p)
-            self.routes.schedule()
+            if face:
+                self.routes.arrived(p.model)
+            else:
+                self.routes.schedule()
         except TgwError as err:
             if err.code in NOTEWORTHY or err.details.get("reason") == "client_inflight":
                 self.complaints.note("refused", err.details.get("reason", err.code.value), err.message)

@@ -88,6 +88,11 @@ class Batcher:
             return self.queues[model].count
         return sum(q.count for q in self.queues.values())
 
+    def full(self, model: str) -> bool:
+        """Whether `model`'s queue holds a full batch's requests (max_batch_size of them)."""
+        q = self.queues[model]
+        return q.count >= q.max_batch_size
+
     def queued_by_level(self, model: str) -> list[int]:
         """Callers' requests per priority level (shadow copies are not callers')."""
         q = self.queues[model]

@@ -314,3 +314,40 @@ def test_admission_refuses_while_every_worker_is_benched(model_files):
     finally:
         worker.segment.close()
         worker.segment.unlink()
+
+
+def test_a_grpc_burst_is_batched_and_a_lone_grpc_request_is_not_held(model_files):
+    """gRPC's requests (door.infer with the face's caller) that find others unanswered wait for
+    the burst (Serving.arrived, FACE_HOLD_S) and go as one batch; a lone one goes at once."""
+    from tgw.broker.faces.grpc.infer import GrpcCaller
+    from tgw.broker.front.regions import SliceFrame
+
+    async def scenario(rig: Rig, clock: Clock):
+        loop = asyncio.get_running_loop()
+
+        def face_infer(req_id: int) -> GrpcCaller:
+            caller = GrpcCaller(loop)
+            msg = Infer(v=PROTOCOL_VERSION, id=req_id, model="mlp", timeout_ms=600_000,
+                        inputs=[TensorMeta(name="x", dtype="float32", shape=list(X.shape))])
+            rig.broker.door.infer(caller, msg, [SliceFrame(memoryview(X.tobytes()))])
+            return caller
+
+        alone = face_infer(1)
+        first = await rig.batch()                     # nobody else unanswered: sent at once, not held
+        assert len(first.splits) == 1
+        done = [BlockTensor(name="y", dtype="float32", shape=[1, 10], offset=rig.handle.input_bytes, nbytes=40)]
+        rig.worker.send(encode(Done(batch_id=first.batch_id, outputs=done, block=0, compute_us=100)))
+        reply, _ = await alone.future
+        assert reply.id == 1
+        callers = [face_infer(i) for i in (2, 3, 4)]   # a burst: the 2nd finds the 1st unanswered
+        assert (await rig.stats())["queued"] == 3      # the window is open (the clock stands still)
+        assert not rig.worker.poll(0), "a face's burst went out before its window closed"
+        clock.t += 0.001                               # the window (0.5 ms) is over: one batch of all three
+        batch = await rig.batch()
+        assert len(batch.splits) == 3
+        rig.worker.send(encode(Done(batch_id=batch.batch_id, outputs=[
+            BlockTensor(name="y", dtype="float32", shape=[3, 10], offset=rig.handle.input_bytes, nbytes=120)],
+            block=0, compute_us=100)))
+        assert sorted([(await c.future)[0].id for c in callers]) == [2, 3, 4]
+
+    run(model_files, scenario)

@@ -40,6 +40,8 @@ class GrpcCaller(AwaitedCaller):
     """One unary request's stand-in for a socket identity (protocol/door.py)."""
     __slots__ = ()
     face = "grpc"
+    # grpc.aio hands the loop one call at a time: the door waits for the burst (FrontDoor.infer)
+    trickles_in = True
 
 
 def metadata(context) -> dict:
@@ -135,6 +137,7 @@ class Inference:
 class OnceCaller:
     """One plain request of a stream, answered once: its answer goes to the stream's queue."""
     __slots__ = ("stream", "decoded")
+    trickles_in = True   # a stream's requests are read one at a time (FrontDoor.infer)
 
     def __init__(self, stream: "Stream", decoded: tensors.Decoded):
         self.stream, self.decoded = stream, decoded
