@@ -300,6 +300,7 @@ def run(a: argparse.Namespace) -> int:
     flask: dict[str, Any] = {}
     servers: dict[str, Any] = {}
     rows: Optional[Rows] = None
+    interrupted = False
     try:
         log(f"{mode} mode: {a.duration:g} s per row after {a.warmup:g} s warm-up; fronts {a.fronts}; work dir {work}")
         models = demo_models(os.path.join(work, "models"))
@@ -308,11 +309,13 @@ def run(a: argparse.Namespace) -> int:
             flask, servers["flask"] = run_flask(a, rows, models, work, log)
         for n in a.fronts:
             blocks[str(n)], servers[f"fronts={n}"] = run_broker(a, rows, models, work, n, log)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # Ctrl-C, or SIGTERM (gpu-check.sh's timeout): what was measured is written
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
-        return 130
+        interrupted = True
     finally:
         finish_run(work, a.keep)
+    if not blocks and not flask:
+        return 130
     for block in blocks.values():
         block.update(block_figures(block, flask))
     result = {"mode": mode, "date": date, "command": a.command_line, "machine": report.machine(),
@@ -328,7 +331,8 @@ def run(a: argparse.Namespace) -> int:
                           "http-c1": "HTTP JSON (Flask's body) under the HTTP generator, one connection",
                           "flask-c1": "one Python thread, a keep-alive socket (loadgen's HTTP caller)",
                           "flask-c1-wrk": "HTTP JSON under the HTTP generator, one connection"},
-              "fronts": blocks, "flask": flask, "servers": servers, "wall_s": time.monotonic() - t0}
+              "fronts": blocks, "flask": flask, "servers": servers, "interrupted": interrupted,
+              "wall_s": time.monotonic() - t0}
     result["goals"] = goals(blocks)
     result["predicts"] = predicts_lines(blocks, os.cpu_count() or 1)
     print("\n" + table(blocks, flask))
@@ -345,7 +349,7 @@ def run(a: argparse.Namespace) -> int:
     every = [r for b in blocks.values() for r in b["rows"].values()] + list(flask.values())
     complete = bool(every) and all("error" not in r and not r["requests_failed"] for r in every)
     clean = all(s.get("exit_status", 0) == 0 and not s.get("shm_leftovers") for s in servers.values())
-    return 0 if complete and clean else 1
+    return 130 if interrupted else 0 if complete and clean else 1
 
 
 def run_flask(a, rows: Rows, models: dict, work: str, log) -> tuple[dict[str, Any], dict[str, Any]]:
