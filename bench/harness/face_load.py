@@ -168,12 +168,11 @@ def process_cpu_s(pid: int) -> Optional[float]:
 
 
 def front_pids(status: dict[str, Any], stats: Optional[dict[str, Any]] = None) -> list[int]:
-    """The live front processes' pids: status `fronts.lives` (a list or a mapping of lives, each
-    with a pid), else stats' processes of role "front"; [] when the broker runs none."""
+    """The live front processes' pids: status `fronts.lives` (each life with its pid, and `hello`
+    once it said hello), else stats' processes of role "front"; [] when the broker runs none."""
     lives = (status.get("fronts") or {}).get("lives") if isinstance(status.get("fronts"), dict) else None
     items: Iterable[Any] = (lives.values() if isinstance(lives, dict) else lives) or []
-    pids = [int(x["pid"]) for x in items if isinstance(x, dict) and x.get("pid")
-            and x.get("state", "up") not in ("dead", "exited", "stopped")]
+    pids = [int(x["pid"]) for x in items if isinstance(x, dict) and x.get("pid") and x.get("hello", True)]
     if not pids and stats:
         pids = [int(p["pid"]) for p in stats.get("processes", []) if p.get("role") == "front" and p.get("pid")]
     return sorted(set(pids))

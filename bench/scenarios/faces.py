@@ -88,9 +88,11 @@ class Broker:
         os.makedirs(self.dir)
         self.proc = BrokerProc(cfg, self.dir)
         self.client = Client(self.proc.start(timeout=180).address)
-        status = self.client.status()
-        self.http, self.grpc = status["http"], status["grpc"]
         self.fronts, self.note = self._wait_fronts(fronts), None
+        status = self.client.status()
+        # with fronts, the public ports are theirs (the broker's own faces listen on Unix sockets)
+        public = (status.get("fronts") or {}).get("public") or {}
+        self.http, self.grpc = public.get("http") or status["http"], public.get("grpc") or status["grpc"]
         if len(self.fronts) != fronts:
             self.note = (f"asked for {fronts} front processes, status shows {len(self.fronts)}"
                          + ("" if "fronts" in status else " (this build's status has no fronts section)"))
