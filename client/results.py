@@ -35,4 +35,5 @@ def status_dict(r) -> dict:
     return {"phase": r.phase, "uptime_s": r.uptime_s, "workers": r.workers, "models": r.models,
             "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http,
             "grpc": r.grpc, "torchserve": r.torchserve, "pipelines": r.pipelines, "devices": r.devices, "cuda_faults": r.cuda_faults,
-            "rollouts": r.rollouts, "jobs": r.jobs}
+            "rollouts": r.rollouts, "jobs": r.jobs,
+            "fronts": r.fronts}

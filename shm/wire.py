@@ -271,6 +271,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     rollouts: dict[str, Any] = {}
     # polled jobs (docs/JOBS.md): live, done (kept), bytes, and counts: submitted, expired, evicted, ...
     jobs: dict[str, Any] = {}
+    # front processes (docs/FRONTS.md): configured, alive, restarts, ready, public, lives [{index, pid, ...}]
+    fronts: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

@@ -32,6 +32,22 @@ BASE_MODELS = ("mlp", "embed")          # from the demo set
 TEST_MODELS = ("mixed", "fails", "spin")  # from tests/models.py
 
 
+def _with_fronts(n: int) -> None:
+    """TGW_TEST_FRONTS=N: every broker a test starts (served, make_broker, or BrokerProc itself)
+    runs N front processes (server.front_processes), so the face tests check the faces as the
+    fronts serve them (tests/process/test_faces_with_fronts.py runs them so)."""
+    init = BrokerProc.__init__
+
+    @functools.wraps(init)
+    def with_fronts(self, config: dict, workdir: str):
+        init(self, {**config, "server": {"front_processes": n, **(config.get("server") or {})}}, workdir)   # a test's own value wins
+    BrokerProc.__init__ = with_fronts
+
+
+if os.environ.get("TGW_TEST_FRONTS"):
+    _with_fronts(int(os.environ["TGW_TEST_FRONTS"]))
+
+
 def unloaded_model(path, salt: bytes = b"") -> None:
     """A file config validation takes for a TorchScript archive (its zip directory says so) and
     no worker could load: for tests that validate configs and never load their models."""

@@ -28,6 +28,9 @@ from tgw.broker.fleet.handshake import Handshake
 from tgw.broker.fleet.memory import MemoryWatch
 from tgw.broker.front.callers import Callers
 from tgw.broker.front.frontdoor import DoorRoutes, FrontDoor
+from tgw.broker.fronts.directory import DirectoryBook
+from tgw.broker.fronts.fleet import FrontFleet
+from tgw.broker.fronts.hub import FrontsHub, HubRoutes
 from tgw.broker.generate.streams import Streams
 from tgw.broker.jobs.jobs import Jobs
 from tgw.broker.jobs.store import JobStore
@@ -66,12 +69,14 @@ from .serving import Serving, WorkerLink, WorkerMessages
 def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, back: zmq.Socket,
              zap: zmq.Socket | None = None, *, clock: Callable[[], float] = time.monotonic, token: str | None = None,
              max_clients: int | None = None, workers: int = 1, roster: list | None = None, address: str = "",
-             config_path: str | None = None, base_dir: str = "/") -> Broker:
+             config_path: str | None = None, base_dir: str = "/", fronts: zmq.Socket | None = None,
+             fronts_count: int = 0, run_dir: str = "") -> Broker:
     """The broker over its bound sockets. `roster`: the supervisor's list of workers, which it
     alone changes (None: a core without a supervisor, as the test rigs make, enrols workers
     itself); `workers`: how many devices serve; `address`: the client address (control ops are
     refused on tcp:// without a token); `config_path`: the file a reload re-reads; `base_dir`:
-    relative paths' root (the tracing files)."""
+    relative paths' root (the tracing files); `fronts`: the fronts socket (bound in `run_dir`,
+    the broker's private folder), with `fronts_count` front processes to supervise."""
     server, obs = cfg.server, cfg.observability
     # the exit hooks that depend on the config alone first: tracing may refuse to start, and
     # nothing is running yet then
@@ -130,6 +135,12 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     jobs = Jobs(job_store, loop, cfg.jobs.max_wait_ms, door.reply, door.error, door.infer, door.drop_caller,
                 door.admitted)
 
+    # the front processes' end of the broker (none without front_processes): their socket, read
+    # once the door is open (below), and their supervision, which status reads
+    hub = FrontsHub(loop, fronts) if fronts is not None else None
+    fleet = FrontFleet(fronts_count, cfg.server, cfg.supervisor, run_dir, hub, cfg.model_dump(mode="json"), clock) \
+        if hub is not None else None
+
     # what the read-only answers read; then the operator (control ops, reloads), which reads it
     listening = Listening()
     reload_outcome: dict = {}   # the operator's reloader writes it
@@ -142,12 +153,12 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                       cancelled=door.cancelled, regions=door.regions_held, pipelines=pipelines,
                       faults=faults.as_dict, rollouts=guards.status, replay=replay.as_dict,
                       generators=streams.counters, sequences=sequences.counters,
-                      jobs=job_store.as_dict)
-    operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
-                                       unserved, shadows, guards, door, phase, view, clock),
-                        cfg, address, config_path, reload_outcome)
+                      jobs=job_store.as_dict, **({"fronts": fleet.as_dict} if fleet is not None else {}))
     metrics = Metrics(view)
     load = LoadReport(view, metrics.latencies)   # the faces attach its header; the lifecycle refreshes it
+    operator = Operator(_operator_deps(cfg, registry, placement, admission, batcher, stats, pipelines, replay,
+                                       unserved, shadows, guards, door, phase, view, clock, hub),
+                        cfg, address, config_path, reload_outcome)
     answers = ReadOnlyAnswers(view, metrics.render)
     workers_side = WorkerMessages(serving, faults, stats)   # what workers send, by one table
 
@@ -158,6 +169,10 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                          pipelines=pipelines, withdraw=serving.withdraw, answered=shadows.sample, streams=streams,
                          jobs=jobs))
     link.listen(workers_side.on_message, after=serving.flush)
+    if hub is not None:   # after the door: its answers and withdrawals exist
+        hub.open(HubRoutes(infer=door.infer, dispatch=door.dispatch, withdraw=door.abandon.drop_ids,
+                           drop_caller=door.drop_caller, count_error=stats.error, note=complaints.note,
+                           flush=serving.flush), DirectoryBook(registry, pipelines, load, clock))
     admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)
                          if hook is not None))
@@ -171,13 +186,14 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
                   stats=stats, costs=costs, batcher=batcher, replay=replay, door=door, back=link, memory=memory,
                   faults=faults, placement=placement, admission=admission, handshake=handshake, pipelines=pipelines,
                   serving=serving, shadows=shadows, guards=guards, operator=operator, view=view, metrics=metrics,
-                  load=load, workers_side=workers_side, listening=listening, faces=faces, tracer=tracer)
+                  load=load, workers_side=workers_side, listening=listening, faces=faces, tracer=tracer, hub=hub,
+                  fronts=fleet)
 
 
 def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admission: Admission, batcher: Batcher,
                    stats: Stats, pipelines: Pipelines, replay: ReplayRecorder, unserved: Unserved,
                    shadows: Shadows, guards: Guards, door: FrontDoor, phase: BrokerPhase, view: BrokerView,
-                   clock: Callable[[], float]) -> OperatorDeps:
+                   clock: Callable[[], float], hub: FrontsHub | None) -> OperatorDeps:
     def declare(m: ModelDecl) -> None:   # what assembly does for each configured model, and admission
         batcher.declare(m)
         stats.model(m.name)
@@ -192,7 +208,12 @@ def _operator_deps(cfg: Config, registry: Registry, placement: Placement, admiss
                           guards=hooks)
     reload = ReloadDeps(registry=registry, placement=placement, uptime=phase.uptime, declare=declare,
                         set_max_queue=batcher.set_max_queue, pipelines=pipelines.configure, warmup=replay.configure)
-    return OperatorDeps(rollout=rollout, reload=reload, reply=door.reply, serving=phase.is_serving, phase=phase.value)
+    reply = door.reply
+    if hub is not None:   # a load, unload or reload done: the fronts hear of it before its caller does
+        def reply(ident, msg, *frames) -> None:
+            hub.look()
+            door.reply(ident, msg, *frames)
+    return OperatorDeps(rollout=rollout, reload=reload, reply=reply, serving=phase.is_serving, phase=phase.value)
 
 
 def _faces(cfg: Config, port: DoorPort, operator: Operator) -> dict:

@@ -65,6 +65,8 @@ class Broker:
     listening: Listening
     faces: dict                  # the faces configured by name ("http", "grpc"), each with start() and stop()
     tracer: Any = None           # observe/tracing.Tracer when tracing is on
+    hub: Any = None              # fronts/hub.FrontsHub with front processes (server.front_processes)
+    fronts: Any = None           # fronts/fleet.FrontFleet: their supervision, the same
 
     def tick(self, now: float) -> None:
         """The lifecycle's periodic look: the serving core's, then the guards' verdicts, which
@@ -86,3 +88,5 @@ class Broker:
 
     def close(self) -> None:
         self.serving.close()
+        if self.hub is not None:
+            self.hub.close()

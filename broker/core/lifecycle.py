@@ -63,6 +63,9 @@ class Lifecycle:
         broker.handshake.on_ready = self._on_ready
         supervisor.hold = broker.faults.held_until   # a device out of service starts no worker
         broker.handshake.on_failed = self._on_failed
+        self.fronts = broker.fronts   # fronts/fleet.FrontFleet, or None without front processes
+        if self.fronts is not None:
+            self.fronts.on_hello = self.changed.set   # start-up waits for every front's HELLO too
 
     def on_stop_signal(self, signum: int | None = None) -> None:
         if self.stop_signal is None and signum is not None:
@@ -106,6 +109,9 @@ class Lifecycle:
         try:
             for w in self.supervisor.spawn_all():
                 self._enrol(w)
+            if self.fronts is not None:
+                for proc in self.fronts.spawn_all():
+                    self.exits.add(proc)
             if not await self._wait_ready():
                 log.info("stopped during start-up")
                 return
@@ -164,16 +170,18 @@ class Lifecycle:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             self.changed.clear()   # nothing sets it before the wait below: one loop thread
-            if self.supervisor.all_ready():
+            if self.supervisor.all_ready() and (self.fronts is None or self.fronts.all_hello()):
                 return True
-            failure = self._startup_failure()
+            failure = self._startup_failure() or (self.fronts.startup_failure() if self.fronts is not None else None)
             if failure is not None:
                 raise StartupError(failure)
             if self.stop_event.is_set():
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
-                raise StartupError(f"workers not ready after {self.start_timeout_s:.0f}s")
+                raise StartupError(f"workers not ready after {self.start_timeout_s:.0f}s" if not
+                                   self.supervisor.all_ready() else
+                                   f"front processes not started after {self.start_timeout_s:.0f}s")
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
             except TimeoutError:
@@ -225,10 +233,18 @@ class Lifecycle:
             self._recycle()
         for w in self.supervisor.due_restarts():
             self._enrol(w)
+        if self.fronts is not None:   # dead fronts' requests withdrawn, each started again in its time
+            for proc in self.fronts.watch(now, starting=self.broker.phase.now is Phase.STARTING):
+                if self.exits is not None:
+                    self.exits.add(proc)
+            if self.fronts.failure is not None:
+                self.changed.set()   # the start fails now, not when the workers are ready
         if self.broker.phase.now is not Phase.STARTING and now - self._last_ping >= WATCHDOG_S:
             self._last_ping = now
             sd_notify("WATCHDOG=1")
         self.load.refresh(now)   # last: a failure here cannot keep the looks above from happening
+        if self.broker.hub is not None:
+            self.broker.hub.look()   # the fronts' directory: models, pipelines, the load header
 
     def _recycle(self) -> None:
         """Leaking workers: start a successor; once it serves, route nothing more to the old one;

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 
 import setproctitle
@@ -27,6 +28,7 @@ from tgw.broker.config.startup import StartupError
 from tgw.broker.front.endpoints import backend_address, bind, remove_socket_files, zap_handler
 from tgw.broker.fleet.hangs import HangJudge
 from tgw.broker.fleet.supervisor import Supervisor
+from tgw.broker.fronts.fleet import front_count, fronts_socket, run_dir_of
 from tgw.broker.models.roles import placement_problems
 from tgw.broker.observe.logs import format_in_use
 
@@ -54,15 +56,20 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     ctx = zmq.Context()
     made: list[str] = []  # socket files this start created: removed on every way out
     broker = None
+    # front processes serve the HTTP and gRPC faces: none without either
+    fronts_count = front_count(cfg.server) if cfg.http is not None or cfg.grpc is not None else 0
+    run_dir = run_dir_of(supervisor.endpoint) if fronts_count else ""
     try:
         zap = zap_handler(ctx)
         front = bind(ctx, address, cfg.server, public=True)  # refuses first if a live broker has the address
         made.append(address)
         back = bind(ctx, supervisor.endpoint, cfg.server, public=False)
         made.append(supervisor.endpoint)
+        hub_sock = fronts_socket(ctx, run_dir) if fronts_count else None   # in a private folder, made now
         broker = assemble(cfg, loop, front, back, zap, token=token, max_clients=max_clients,
                           workers=len(supervisor.devices), roster=supervisor.workers,   # one roster: the supervisor's
-                          address=address, config_path=config_path, base_dir=base_dir)
+                          address=address, config_path=config_path, base_dir=base_dir, fronts=hub_sock,
+                          fronts_count=fronts_count, run_dir=run_dir)
         lifecycle = Lifecycle(broker, supervisor, cfg.workers.start_timeout_s, cfg.supervisor.shutdown_grace_s,
                               cfg.server.drain_notice_s, HangJudge(cfg.supervisor, broker.costs,
                                                                    cfg.workers.start_timeout_s))
@@ -71,8 +78,16 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         loop.add_signal_handler(signal.SIGUSR1, lifecycle.on_snapshot_signal)
         loop.add_signal_handler(signal.SIGHUP, broker.operator.on_sighup)  # re-read the config, apply the difference
         try:
+            fleet = broker.fronts
+            if fleet is not None:   # the public ports are the fronts' (held by the broker meanwhile)
+                fleet.prepare(cfg.http, cfg.grpc, cfg.server.auth_token_file, f"ipc://{run_dir}/fronts",
+                              cfg.workers.output_bytes, format_in_use())
             for name, face in broker.faces.items():
-                setattr(broker.listening, name, await face.start())
+                if fleet is not None and name in fleet.public:   # the broker's own: on its Unix socket
+                    await face.start(unix=fleet.unix_path(name))
+                    setattr(broker.listening, name, fleet.public[name])
+                else:
+                    setattr(broker.listening, name, await face.start())
             try:
                 swept = supervisor.prepare()
             except ShmError as exc:
@@ -83,12 +98,16 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
         finally:
             lifecycle.shutdown()
             broker.serving.abandon("the broker stopped before this request ran")  # nothing admitted goes unanswered
+            if broker.fronts is not None:   # after the answers, so the fronts can write them; before
+                await broker.fronts.stop()  # the broker's faces, which they forward to
             for face in broker.faces.values():   # after the answers, so their handlers can write them
                 await face.stop()
             broker.close()
     finally:
         ctx.destroy(linger=0)
         remove_socket_files(*made)
+        if run_dir:   # the fronts' socket, the faces' Unix sockets, the fronts' config file
+            shutil.rmtree(run_dir, ignore_errors=True)
         if broker is not None and broker.tracer is not None:
             broker.tracer.shutdown()   # the last spans written (or sent)
 

@@ -109,17 +109,30 @@ class Abandonment:
     def drop_caller(self, idents: set, reason: str) -> int:
         """Withdraw every request of these callers (they gave up or are gone): queued, on a
         worker, or a pipeline's run; how many."""
-        taken = self.batcher.take_where(lambda p: p.client in idents)
+        runs = self.runs is not None and bool(self.runs.runs)
+        return self._drop_where(lambda p: p.client in idents, reason,
+                                [key for key in self.runs.runs if key[0] in idents] if runs else [],
+                                lambda: self.runs.drop(idents))
+
+    def drop_ids(self, ident, ids: list, reason: str) -> int:
+        """Withdraw these requests of one caller (`reason`: why its callers gave up), wherever
+        they are, unanswered - a front process's callers (broker/fronts/hub.py), as drop_caller
+        does a face's caller's; how many."""
+        keys = {(ident, i) for i in ids[:MAX_CANCEL_IDS]}
+        runs = self.runs is not None and bool(self.runs.runs)
+        return self._drop_where(lambda p: (p.client, p.req_id) in keys, reason,
+                                [key for key in keys if key in self.runs.runs] if runs else [],
+                                lambda: self.runs.cancel(ident, [i for _, i in keys]))
+
+    def _drop_where(self, wanted: Callable, reason: str, run_keys: list, stop_runs: Callable[[], int]) -> int:
+        taken = self.batcher.take_where(wanted)
         self._drop(taken, reason)
-        on_workers = self._withdraw_running(lambda p: p.client in idents)
+        on_workers = self._withdraw_running(wanted)
         if self.streams is not None:
-            for p in self.streams.drop(lambda p: p.client in idents):
+            for p in self.streams.drop(wanted):
                 self.cancelled[p.model, "generating"] += 1
                 on_workers += 1
-        stopped = 0
-        if self.runs is not None and self.runs.runs:
-            stopped = self._stop_runs([key for key in self.runs.runs if key[0] in idents],
-                                      lambda: self.runs.drop(idents))
+        stopped = self._stop_runs(run_keys, stop_runs) if run_keys else 0
         if stopped:
             self.counts[reason] += stopped
         return len(taken) + on_workers + stopped

@@ -72,11 +72,16 @@ class FrontModel(FrontStruct):
     decl: dict[str, Any]        # the ModelDecl as plain data (ModelDecl.model_dump(mode="json"))
     versions: list[str]         # loaded versions, newest last
     generator: bool = False
+    default: Optional[str] = None   # ModelEntry.default: the version a request naming none gets shown
 
 
 class FrontPipeline(FrontStruct):
     inputs: list[dict[str, Any]]   # TensorDecl dumps
     max_batch_size: int
+    version: str = ""              # Plan.version: the one version a pipeline has (versions/{v} paths)
+    # output name -> [step model, that model's output name], for each output a step's model makes
+    # (classification shows that model output's labels: protocol/classification.step_labels)
+    sources: dict[str, list[str]] = {}
 
 
 class Directory(FrontStruct):

@@ -200,6 +200,11 @@ def broker_families(view: BrokerView, now: float) -> Iterator:
     for model, wheres in view.cancelled().items():
         for where, n in wheres.items():
             cancelled.add_metric([model, where], n)
+    fronts = view.fronts()
+    yield GaugeMetricFamily("tgw_front_processes", "Front processes serving now (said HELLO, not exited); 0 "
+                            "without server.front_processes", fronts["alive"])
+    yield CounterMetricFamily("tgw_front_restarts", "Times a front process was started again since the broker "
+                              "started", fronts["restarts"])
     yield from (refused, dropped, abandoned, cancelled)
 
 

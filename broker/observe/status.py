@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 SERVER_NAME = "tgw/0.1.0"
 READY_PHASE = "serving"   # the one phase health calls ready (not "draining": the notice hides it)
+NO_FRONTS = {"configured": 0, "alive": 0, "restarts": 0, "ready": True, "public": {}, "lives": []}
 
 
 @dataclass
@@ -81,6 +82,9 @@ class BrokerView:
     generators: dict[str, GeneratorCounters] = field(default_factory=dict)
     # each sequence model's counters, by name (the sequence wing's; none counted yet: absent)
     sequences: dict[str, SequenceCounters] = field(default_factory=dict)
+    # the front processes (broker/fronts/fleet.py FrontFleet.as_dict): configured, alive, restarts,
+    # ready (health: one serves), lives; none configured: NO_FRONTS
+    fronts: Callable[[], dict] = lambda: dict(NO_FRONTS)
 
 
 def hello(view: BrokerView, req_id: int) -> HelloReply:
@@ -163,12 +167,13 @@ def models(view: BrokerView, req_id: int) -> ModelsReply:
 
 def health(view: BrokerView, req_id: int = 0) -> HealthReply:
     """Live: the loop answers. Ready: serving (not starting, not in the drain notice, not
-    stopping) and every model servable now (`serving`: a ready worker holds its default version
-    and its breaker lets requests through); each device's state beside (devices.py).
+    stopping), every model servable now (`serving`: a ready worker holds its default version
+    and its breaker lets requests through) and, with front processes, one of them serving; each
+    device's state beside (devices.py).
     docs/OPERATIONS.md#health-readiness-and-load."""
     ready_models = {m.name: serving(view, m) for m in listed(view)}
     return HealthReply(v=PROTOCOL_VERSION, id=req_id, live=True,
-                       ready=view.phase() == READY_PHASE and all(ready_models.values()),
+                       ready=view.phase() == READY_PHASE and all(ready_models.values()) and view.fronts()["ready"],
                        models=ready_models, workers={w.name: w.state.value for w in view.roster},
                        devices=device_states(view))
 
@@ -225,7 +230,7 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                        snapshots=list(view.snapshots()), reload=dict(view.reload), events=list(view.events),
                        http=view.listening.http, grpc=view.listening.grpc,
                        torchserve=view.listening.torchserve, devices=device_states(view),
-                       cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(),
+                       cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(), fronts=view.fronts(),
                        pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
 
 

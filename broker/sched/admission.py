@@ -61,7 +61,8 @@ class Owed:
 
     def check(self, ident: bytes) -> None:
         """OVERLOADED when this caller already has max_inflight_per_client requests unanswered."""
-        if self.by_caller.get(ident, 0) >= self.max_owed:
+        # a front process (broker/fronts/hub.py FrontCaller) is no client: it caps its own callers
+        if self.by_caller.get(ident, 0) >= self.max_owed and not getattr(ident, "unbounded", False):
             raise fail(Code.OVERLOADED, f"this caller already has {self.by_caller[ident]} requests in flight "
                        f"(server.max_inflight_per_client)", reason="client_inflight", limit=self.max_owed)
 

@@ -150,6 +150,9 @@ def test_state_at_rest(scraped):
     assert value(fams, "tgw_breaker_state", model="mlp", version="1", state="closed") == 1
     assert value(fams, "tgw_tenant_rate_limited_total", tenant="slow", reason="rate") == 1
     assert value(fams, "tgw_tenant_admitted_total", tenant="slow") == 1
+    # no front processes (no HTTP or gRPC face to serve): none counted, status says so
+    assert value(fams, "tgw_front_processes") == 0 and value(fams, "tgw_front_restarts_total") == 0
+    assert scraped.status["fronts"]["configured"] == 0 and scraped.status["fronts"]["lives"] == []
 
 def test_a_cpu_broker_has_gpu_families_without_samples(scraped):
     fams = scraped.fams

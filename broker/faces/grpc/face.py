@@ -109,7 +109,9 @@ class GrpcFace:
                                         response_serializer=response.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
-    async def start(self) -> str:
+    async def start(self, unix: str | None = None) -> str:
+        """Listen on the configured host and port, or with `unix` on that Unix socket instead, plain
+        (front processes serve the port, TLS included, and forward what they do not serve here)."""
         from tgw.broker.config.startup import StartupError
         options = [("grpc.max_receive_message_length", self.receive_limit),
                    ("grpc.max_send_message_length", self.send_limit),
@@ -120,7 +122,8 @@ class GrpcFace:
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         host = self.decl.host
         target = f"[{host}]:{self.decl.port}" if ":" in host else f"{host}:{self.decl.port}"
-        creds = credentials(self.decl)
+        creds = credentials(self.decl) if not unix else None
+        target = f"unix:{unix}" if unix else target
         try:
             port = server.add_secure_port(target, creds) if creds else server.add_insecure_port(target)
         except RuntimeError as exc:
@@ -131,7 +134,7 @@ class GrpcFace:
             raise StartupError(f"grpc face: cannot listen on {target}: {why}")
         await server.start()
         self.server, self.port = server, port
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.address = f"unix:{unix}" if unix else f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         await self.show_health()
         self.poller = asyncio.ensure_future(self.watch_health())
         log.info("gRPC face (KServe v2, grpc.health.v1, reflection%s) on %s", ", TLS" if creds else "", self.address)

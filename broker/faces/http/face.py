@@ -90,23 +90,29 @@ class HttpFace:
         add("*", "/{anything:.*}", self.guarded(self.nowhere, open_path=True))
         return app
 
-    async def start(self) -> str:
+    async def start(self, unix: str | None = None) -> str:
+        """Listen on the configured host and port, or with `unix` on that Unix socket instead (front
+        processes serve the port and forward what they do not serve themselves here)."""
         # handler_cancellation: a client that closes its connection cancels its handler, so an
         # inference nobody waits for is withdrawn (infer) - no per-request watcher needed
         self.runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=5.0,
                                     handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.decl.host, self.decl.port, backlog=1024, reuse_address=True)
+        site = web.UnixSite(self.runner, unix, backlog=1024) if unix else \
+            web.TCPSite(self.runner, self.decl.host, self.decl.port, backlog=1024, reuse_address=True)
         try:
             await site.start()
         except OSError as exc:
             await self.runner.cleanup()
             self.runner = None
             from tgw.broker.config.startup import StartupError
-            raise StartupError(f"http face: cannot listen on {self.decl.host}:{self.decl.port}: "
+            raise StartupError(f"http face: cannot listen on {unix or f'{self.decl.host}:{self.decl.port}'}: "
                                f"{exc.strerror or exc}") from None
-        host, port = site._server.sockets[0].getsockname()[:2]
-        self.address = f"http://{host}:{port}"
+        if unix:
+            self.address = f"unix:{unix}"
+        else:
+            host, port = site._server.sockets[0].getsockname()[:2]
+            self.address = f"http://{host}:{port}"
         log.info("HTTP face (KServe v2, /metrics) on %s", self.address)
         return self.address
 
@@ -161,7 +167,8 @@ class HttpFace:
 
     # ---- inference ---------------------------------------------------------------------------
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request, body: bytes | None = None) -> web.Response:
+        """`body`: already read (a front process looked into it first), else read here."""
         model = request.match_info["model"]
         if self.inflight >= self.decl.max_inflight:   # bodies being read count: they hold memory
             self.deps.count_error(model, Code.OVERLOADED.value)
@@ -170,7 +177,7 @@ class HttpFace:
         self.inflight += 1
         try:
             try:
-                decoded = await self.decode(request, model)
+                decoded = await self.decode(request, model, body)
             except TgwError as err:   # counted as the native door counts its refusals
                 self.deps.count_error(model, err.code.value)
                 raise
