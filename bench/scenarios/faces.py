@@ -43,7 +43,7 @@ FRONTS_TIMEOUT_S = 60.0
 # issue 43's goals: (name, the figure, ≥ or ≤, target)
 GOALS = (("grpc_over_http_bin", "≥", 1.0), ("grpc_stream_over_http_bin", "≥", 1.2),
          ("http_bin_over_native", "≥", 0.9), ("loop_us_per_request_max", "≤", 25.0),
-         ("client_us_per_request_max", "≤", 50.0), ("native_c1_p50_over_flask", "≤", 0.6),
+         ("native_client_us_per_request", "≤", 50.0), ("native_c1_p50_over_flask", "≤", 0.6),
          ("http_wrk_c1_p50_over_flask_wrk", "≤", 1.0))
 
 
@@ -228,12 +228,12 @@ def block_figures(block: dict[str, Any], flask: dict[str, Any]) -> dict[str, Any
     rps = lambda face: (f.get(face) or {}).get("rps")   # noqa: E731
     p50 = lambda rows, face: figures(rows.get(face) or {})["p50"]   # noqa: E731
     loops = [v["loop_us"] for k, v in f.items() if k in FACES and v["loop_us"] is not None]
-    clients = [v["client_us"] for k, v in f.items() if k in FACES and k != "http" and v["client_us"] is not None]
     ratios = {"grpc_over_http_bin": _ratio(rps("grpc"), rps("http")),
               "grpc_stream_over_http_bin": _ratio(rps("grpc-stream"), rps("http")),
               "http_bin_over_native": _ratio(rps("http"), rps("native")),
               "loop_us_per_request_max": max(loops) if loops else None,
-              "client_us_per_request_max": max(clients) if clients else None,
+              # tgw's own client (issue 27's goal); the gRPC clients' CPU is grpc.aio's, in each row
+              "native_client_us_per_request": (f.get("native") or {}).get("client_us"),
               "native_c1_p50_over_flask": _ratio(p50(block["rows"], "native-c1"), p50(flask, "flask-c1")),
               "http_wrk_c1_p50_over_flask_wrk": _ratio(p50(block["rows"], "http-c1"), p50(flask, "flask-c1-wrk"))}
     predicted = {face: {"loop_us": v["loop_us"], "front_us": v["front_us"],
