@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="folder for results/ (default: bench/ of the checkout, else .)")
     p.add_argument("--json", metavar="FILE", help="write the result here instead of results/faces-<date>.json")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (models, logs, sockets)")
+    p.add_argument("--note", action="append", default=[], help="a line for the result's notes (repeatable)")
 
 
 class Broker:
@@ -323,7 +324,7 @@ def run(a: argparse.Namespace) -> int:
     result = {"mode": mode, "date": date, "command": a.command_line, "machine": report.machine(),
               "settings": {k: getattr(a, k) for k in ("duration", "warmup", "fronts", "faces", "concurrency",
                                                       "workers", "flask_workers", "procs", "no_c1")},
-              "model": MODEL, "http_generator": rows.http_generator if rows else "-",
+              "notes": a.note, "model": MODEL, "http_generator": rows.http_generator if rows else "-",
               "clients": {"native": "tgw AsyncClient, one connection, every caller a coroutine on one loop",
                           "http": "HTTP binary (Triton's binary tensor extension) under the HTTP generator",
                           "grpc": "the generated KServe v2 stub over grpc.aio on one channel, bytes in and out "
