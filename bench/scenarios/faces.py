@@ -260,12 +260,16 @@ def table(blocks: dict[str, dict[str, Any]], flask: dict[str, Any]) -> str:
     for fronts, block in blocks.items():
         for face, row in block["rows"].items():
             f = figures(row)
-            rows.append([fronts, face if "error" not in row else f"{face} (FAILED)", fmt(f["rps"], 0),
+            label = f"{face} (FAILED)" if "error" in row else \
+                f"{face} (python-fallback)" if row["generator"]["kind"] == "python-fallback" else face
+            rows.append([fronts, label, fmt(f["rps"], 0),
                          fmt(f["p50"], 3), fmt(f["p99"], 3), fmt(f["rows_per_batch"], 1), fmt(f["tree_us"], 1),
                          fmt(f["loop_us"], 1), fmt(f["front_us"], 1), fmt(f["client_us"], 1)])
     for face, row in flask.items():
         f = figures(row)
-        rows.append(["-", face, fmt(f["rps"], 0), fmt(f["p50"], 3), fmt(f["p99"], 3), "-", "-", "-", "-",
+        label = face if "error" in row or row["generator"]["kind"] != "python-fallback" or face == "flask-c1" \
+            else f"{face} (python-fallback)"
+        rows.append(["-", label, fmt(f["rps"], 0), fmt(f["p50"], 3), fmt(f["p99"], 3), "-", "-", "-", "-",
                      fmt(f["client_us"], 1)])
     return report.text_table(rows, 2)
 
