@@ -10,6 +10,8 @@ process's:
   tritonclient InferenceServerClient is one channel), bytes in and out: tritonclient.grpc.aio's
   own Python (InferInput objects, InferResult parsing) would be measured with the broker, so the
   leaner stub is used - the request is serialized once per caller, a reply read to its status;
+* `TritonAioTarget` (a face asked for by name only): tritonclient.grpc.aio's own `infer` on one
+  client, to show what its Python costs the caller beside the stub;
 * `GrpcStreamTarget`: ONE ModelStreamInfer stream with every caller's request in flight on it,
   matched to its answer by request id (a writer task sends, a reader task answers the callers).
 
@@ -143,6 +145,48 @@ class GrpcStreamTarget(GrpcTarget):
             except Exception:  # noqa: BLE001 - the channel's close ends it anyway
                 pass
         await super().aclose()
+
+
+@dataclass
+class TritonAioTarget:
+    """tritonclient.grpc.aio's `infer`, every caller on one InferenceServerClient (one channel): what
+    a Triton user's Python client pays per call beside the bare stub (GrpcUnaryTarget)."""
+    address: str
+    model: str
+    meta: dict[str, Any]
+    timeout: float = 60.0
+    label: str = "grpc-tritonclient"
+
+    def open(self, seed: int) -> "TritonAioTarget":
+        self.seed, self.client = seed, None
+        return self
+
+    async def async_caller(self, index: int) -> Callable[[], Awaitable[None]]:
+        import tritonclient.grpc.aio as ga
+        from tgw.bench.harness.targets import v2_datatype
+        if self.client is None:
+            self.client = ga.InferenceServerClient(self.address)
+        inputs = []
+        for name, x in make_inputs(self.meta, 1, self.seed * 1000 + index).items():
+            inputs.append(ga.InferInput(name, list(x.shape), v2_datatype(x.dtype)))
+            inputs[-1].set_data_from_numpy(x)
+        outputs = [ga.InferRequestedOutput(o["name"]) for o in self.meta["outputs"]]
+        client, model, timeout = self.client, self.model, self.timeout
+
+        async def infer() -> None:
+            await client.infer(model, inputs, outputs=outputs, client_timeout=timeout)
+        result = await client.infer(model, inputs, outputs=outputs, client_timeout=timeout)
+        for o in self.meta["outputs"]:   # one answer checked before the window
+            if result.as_numpy(o["name"]) is None:
+                raise CallError("BAD_REPLY", f"no output {o['name']}")
+        return infer
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    def close(self) -> None:
+        pass
 
 
 # ---- where the broker's CPU goes --------------------------------------------------------------

@@ -37,6 +37,7 @@ from tgw.testing.demo import demo_models, tgw_config
 NAME = "faces"
 HELP = "each face's cost at mlp c=64 (native, HTTP binary, gRPC unary, gRPC stream) with 0..N front processes"
 FACES = ("native", "http", "grpc", "grpc-stream")
+EXTRA_FACES = ("grpc-tritonclient",)   # only when named: tritonclient.grpc.aio's own infer (its client cost)
 MODEL = "mlp"
 MODES = {"quick": (1.0, 0.5), "full": (10.0, 2.0)}   # measured seconds, warm-up seconds per row
 FRONTS_TIMEOUT_S = 60.0
@@ -61,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help=f"{MODES['quick'][0]:g} s per row (development, the test)")
     p.add_argument("--fronts", type=_counts, default=[0, 2],
                    help="server.front_processes of the brokers started, one broker each (default 0,2)")
-    p.add_argument("--faces", default=list(FACES), type=subset(FACES),
-                   help=f"comma-separated subset of {','.join(FACES)} (default: all)")
+    p.add_argument("--faces", default=list(FACES), type=subset(FACES + EXTRA_FACES),
+                   help=f"comma-separated subset of {','.join(FACES + EXTRA_FACES)} (default: {','.join(FACES)})")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight per c=N row (default 64)")
     p.add_argument("--duration", type=float, help="measured seconds per row (default 10, quick 1)")
     p.add_argument("--warmup", type=float, help="warm-up seconds per row (default 2, quick 0.5)")
@@ -159,8 +160,9 @@ class Rows:
         m = self.models[MODEL]
         if face == "native":
             target, drive = face_load.NativeTarget(b.proc.address, MODEL), loadgen_drive
-        elif face in ("grpc", "grpc-stream"):
-            cls = face_load.GrpcUnaryTarget if face == "grpc" else face_load.GrpcStreamTarget
+        elif face in ("grpc", "grpc-stream", "grpc-tritonclient"):
+            cls = {"grpc": face_load.GrpcUnaryTarget, "grpc-stream": face_load.GrpcStreamTarget,
+                   "grpc-tritonclient": face_load.TritonAioTarget}[face]
             target, drive = cls(b.grpc, MODEL, m, timeout=60.0), loadgen_drive
         elif face == "native-c1":   # one Python client thread, the synchronous Client
             target, drive = TgwTarget(b.proc.address, MODEL, timeout=60.0, label=face), loadgen_drive
@@ -228,7 +230,7 @@ def block_figures(block: dict[str, Any], flask: dict[str, Any]) -> dict[str, Any
     f = {face: figures(row) for face, row in block["rows"].items()}
     rps = lambda face: (f.get(face) or {}).get("rps")   # noqa: E731
     p50 = lambda rows, face: figures(rows.get(face) or {})["p50"]   # noqa: E731
-    loops = [v["loop_us"] for k, v in f.items() if k in FACES and v["loop_us"] is not None]
+    loops = [v["loop_us"] for k, v in f.items() if k in FACES + EXTRA_FACES and v["loop_us"] is not None]
     ratios = {"grpc_over_http_bin": _ratio(rps("grpc"), rps("http")),
               "grpc_stream_over_http_bin": _ratio(rps("grpc-stream"), rps("http")),
               "http_bin_over_native": _ratio(rps("http"), rps("native")),
@@ -239,7 +241,7 @@ def block_figures(block: dict[str, Any], flask: dict[str, Any]) -> dict[str, Any
               "http_wrk_c1_p50_over_flask_wrk": _ratio(p50(block["rows"], "http-c1"), p50(flask, "flask-c1-wrk"))}
     predicted = {face: {"loop_us": v["loop_us"], "front_us": v["front_us"],
                         "req_per_s_with_n_fronts": face_load.predicts(v["loop_us"], v["front_us"])}
-                 for face, v in f.items() if face in FACES}
+                 for face, v in f.items() if face in FACES + EXTRA_FACES}
     return {"ratios": ratios, "predicts": predicted}
 
 
@@ -334,6 +336,7 @@ def run(a: argparse.Namespace) -> int:
                           "grpc": "the generated KServe v2 stub over grpc.aio on one channel, bytes in and out "
                                   "(not tritonclient.grpc.aio, whose own Python cost would dominate the client's)",
                           "grpc-stream": "one ModelStreamInfer stream, every caller's request in flight on it",
+                          "grpc-tritonclient": "tritonclient.grpc.aio's infer, one client (one channel)",
                           "native-c1": "one Python thread, the synchronous tgw Client",
                           "http-c1": "HTTP JSON (Flask's body) under the HTTP generator, one connection",
                           "flask-c1": "one Python thread, a keep-alive socket (loadgen's HTTP caller)",
