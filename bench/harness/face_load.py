@@ -253,7 +253,8 @@ class CpuWatch:
                 "front_pids": self.fronts}
 
 
-def predicts(loop_us: Optional[float], front_us: Optional[float], counts=(1, 2, 4, 8, 16)) -> dict[str, Optional[float]]:
+def predicts(loop_us: Optional[float], front_us: Optional[float],
+             counts=(1, 2, 4, 8, 16)) -> dict[str, Optional[float]]:
     """The req/s N fronts would allow, each on a core of its own: 1e6 / max(loop µs, front µs / N)
     (the scheduler loop stays one; the fronts' CPU per request spreads over N)."""
     if not loop_us:

@@ -396,5 +396,6 @@ def run_broker(a, rows: Rows, models: dict, work: str, n: int, log) -> tuple[dic
     finally:
         server = b.stop()
     if server["exit_status"] != 0 or server["shm_leftovers"]:
-        log(f"broker (fronts={n}) stop: exit status {server['exit_status']}, /dev/shm leftovers {server['shm_leftovers']}")
+        log(f"broker (fronts={n}) stop: exit status {server['exit_status']}, "
+            f"/dev/shm leftovers {server['shm_leftovers']}")
     return block, server
