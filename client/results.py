@@ -36,4 +36,5 @@ def status_dict(r) -> dict:
             "snapshots": r.snapshots, "reload": r.reload, "events": r.events, "http": r.http,
             "grpc": r.grpc, "torchserve": r.torchserve, "pipelines": r.pipelines, "devices": r.devices, "cuda_faults": r.cuda_faults,
             "rollouts": r.rollouts, "jobs": r.jobs,
-            "fronts": r.fronts}
+            "fronts": r.fronts,
+            "gc": r.gc}

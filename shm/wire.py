@@ -273,6 +273,8 @@ class StatusReply(Struct, tag_field="op", tag="status"):
     jobs: dict[str, Any] = {}
     # front processes (docs/FRONTS.md): configured, alive, restarts, ready, public, lives [{index, pid, ...}]
     fronts: dict[str, Any] = {}
+    # collection pauses (shm/gc_watch.py): {"broker": figures, "workers": {worker id: figures}}
+    gc: dict[str, Any] = {}
 
 
 class SnapshotReply(Struct, tag_field="op", tag="snapshot"):

@@ -29,7 +29,11 @@ COMPRESSIONS = ("lz4",)
 WIRE_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2}
 
 
-class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+# gc=False: a message is never tracked by the cyclic collector (docs/OPERATIONS.md#garbage-collection):
+# decoded from bytes it holds only plain data (numbers, strings, lists and dicts of them, other
+# messages), so it cannot sit in a reference cycle, and a request's messages add nothing to the
+# count that triggers a collection. A message type that user code fills gets gc=True back.
+class Struct(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False, gc=False):
     pass
 
 

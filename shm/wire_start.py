@@ -34,6 +34,7 @@ class WorkerStart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     log_format: Literal["text", "json"] = "text"   # the broker's --log-format: the worker logs the same way
     slow_ms: Optional[float] = None                # observability.slow_request_ms: slow batches are logged
     tracing: Optional[dict[str, Any]] = None       # observability.tracing, resolved (paths absolute), as a dict
+    gc_freeze: bool = False                        # server.gc_freeze: gc.freeze() once the start-up models are warm
 
 
 class BadStart(ValueError):

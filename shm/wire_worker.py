@@ -37,7 +37,7 @@ class ReplayReport(Struct):
     failed: list[str] = []           # batches that raised (left out of later rounds), bounded
 
 
-class ModelSpec(Struct):
+class ModelSpec(Struct, gc=True):   # tracked: a stage's setup reads its options (copied, but user code), and loads are rare
     name: str
     version: str
     path: str
@@ -262,6 +262,7 @@ class Heartbeat(Struct, tag_field="op", tag="w_beat"):
     gpu: Optional[GpuReading] = None  # GPU workers where NVML answers; None on the CPU
     gpu_ooms: int = 0                # CUDA out-of-memory errors met since start, recovered ones included
     rss_anon: int = 0                # bytes of anonymous RSS: without the ring's shared pages and mapped files
+    gc: dict[str, Any] = {}          # its collection pauses and freeze (shm/gc_watch.py GcWatch.as_dict)
 
 
 class SnapshotRequest(Struct, tag_field="op", tag="w_snap"):

@@ -16,6 +16,7 @@ import tracemalloc
 import torch
 import zmq
 
+from tgw.shm import gc_watch
 from tgw.shm.wire import Heartbeat, LineGrowth, SnapshotRequest, WorkerSnapshot, encode, to_worker_decoder
 
 from .device_identity import device_uuid
@@ -78,7 +79,8 @@ class Beacon(SideThread):
                          fds=_count_fds(), threads=int(status[b"Threads"]), batches=self.progress.batches,
                          batch_id=batch_id, batch_since=self.progress.batch_since if batch_id is not None else 0.0,
                          output_used=self.progress.outputs.in_use if self.progress.outputs is not None else 0,
-                         gpu_ooms=self.progress.gpu_ooms, rss_anon=int(status.get(b"RssAnon", b"0").split()[0]) * 1024)
+                         gpu_ooms=self.progress.gpu_ooms, rss_anon=int(status.get(b"RssAnon", b"0").split()[0]) * 1024,
+                         gc=gc_watch.watch.as_dict())
         if self.cuda is not None:
             beat.cuda_allocated = torch.cuda.memory_allocated(self.cuda)
             beat.cuda_reserved = torch.cuda.memory_reserved(self.cuda)

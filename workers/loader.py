@@ -20,6 +20,7 @@ import weakref
 import torch
 import zmq
 
+from tgw.shm import gc_watch
 from tgw.shm.model_format import ModelFormatError
 from tgw.shm.wire import DecodeError, LoaderHello, LoadModel, LoadPhase, ModelLoaded, ModelSpec, ModelUnloaded, \
     ReplayReport, UnloadModel, WorkerFailed, WorkerReady, encode, model_key, to_worker_decoder
@@ -52,11 +53,13 @@ class Loader(SideThread):
         # the broker's messages to the loader, each type to the handler that makes its reply
         self.handlers = {LoadModel: lambda msg: self.load(msg.spec), UnloadModel: lambda msg: self.unload(msg.key)}
         self.startup: list[ModelSpec] | None = None   # the start-up models, once the main thread hands them over
+        self.freeze = False   # gc.freeze() once they are in and warm (WorkerStart.gc_freeze)
         self.startup_failed = False   # written once by the thread, before its WorkerFailed: the exit status's
 
-    def start(self, startup: list[ModelSpec] | None = None) -> None:
-        """Start the thread; with `startup` (the broker's LoadModels), it loads those first."""
-        self.startup = startup
+    def start(self, startup: list[ModelSpec] | None = None, freeze: bool = False) -> None:
+        """Start the thread; with `startup` (the broker's LoadModels), it loads those first, then
+        with `freeze` (server.gc_freeze) freezes the heap (shm/gc_watch.py) before WorkerReady."""
+        self.startup, self.freeze = startup, freeze
         super().start()
 
     def _run(self) -> None:
@@ -87,6 +90,10 @@ class Loader(SideThread):
             reply.startup = True
             loaded[key] = self.runners[key]
             self.sock.send(encode(reply))
+        if self.freeze:   # torch, the models and their warm-up are start-up objects: no collection walks them again
+            gc_watch.watch.freeze()
+        else:
+            gc_watch.watch.reset_longest()   # the longest pause: one met while serving, as with the freeze
         return WorkerReady(worker_id=self.worker_id, models=sorted(loaded),
                            sizes={key: runner.nbytes for key, runner in loaded.items()},
                            footprints={key: runner.footprint for key, runner in loaded.items()})
@@ -165,7 +172,7 @@ class Loader(SideThread):
         del runner
         # a full collection costs ~80 ms with torch loaded (it walks every object): only when a
         # reference cycle kept the module alive past its last reference
-        release_memory(self.device, collect=module is not None and module() is not None)
+        release_memory(self.device, collect=module is not None and module() is not None, frozen_too=True)
         return ModelUnloaded(worker_id=self.worker_id, key=key, rss_before=rss_before, rss_after=rss_bytes())
 
 
@@ -199,10 +206,13 @@ def _reason(exc: Exception, phase: str) -> str:
     return "load"
 
 
-def release_memory(device: torch.device, collect: bool = True) -> None:
-    """Collect what dropped models left in reference cycles, empty torch's CUDA cache, and hand
-    freed heap pages back to the OS (glibc keeps them for reuse otherwise)."""
-    if collect:
+def release_memory(device: torch.device, collect: bool = True, frozen_too: bool = False) -> None:
+    """Collect what dropped models left in reference cycles (`frozen_too`: among the objects
+    gc.freeze() set aside too: a start-up model's), empty torch's CUDA cache, and hand freed
+    heap pages back to the OS (glibc keeps them for reuse otherwise)."""
+    if collect and frozen_too:
+        gc_watch.watch.collect_all()
+    elif collect:
         gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

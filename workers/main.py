@@ -16,6 +16,7 @@ import setproctitle
 import torch
 import zmq
 
+from tgw.shm import gc_watch
 from tgw.shm.segment import Segment
 from tgw.shm.wire_start import BadStart, WorkerStart, decode_start
 from tgw.shm.wire import PROTOCOL_VERSION, LoadModels, WorkerFailed, WorkerHello, encode, to_worker_decoder
@@ -96,6 +97,7 @@ def run_worker(argv: list[str] | None = None) -> int:
         print(f"tgw worker: {exc}", file=sys.stderr)
         return 2
     setup_logging(start.log_format, start.worker_id)
+    gc_watch.watch.install()   # every collection timed from the start (status `gc.workers`)
     device = _setup_process(start)
     # what the broker asked for: spans, slow and failed batch lines (None: nothing per batch)
     observer = Observer(start.tracing, start.slow_ms) if start.tracing or start.slow_ms else None
@@ -129,7 +131,7 @@ def run_worker(argv: list[str] | None = None) -> int:
             return 1
         # the loader loads them one by one while the loop serves each that is in; it tells the
         # broker WorkerReady after the last, or WorkerFailed (then the broker sends Stop)
-        loader.start(msg.models)
+        loader.start(msg.models, freeze=start.gc_freeze)
         server.serve()
         return 1 if loader.startup_failed else 0   # a failed start-up is a failure, stopped or not
     except CudaFault as fault:   # told to the broker already; this process's CUDA context is broken

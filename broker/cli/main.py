@@ -102,6 +102,8 @@ def print_status(address: str, reply) -> None:
               f"{age:>8}{w['restarts']:>9}  {w['benched'] or w['last_death']}")
         if "gpu_ooms" in w:
             print(f"  {gpu_line(w)}")
+    if reply.fronts.get("configured"):
+        print(fronts_line(reply.fronts))
     print(f"{'model':<16}{'ready':>6}{'queued':>8}{'requests':>10}{'replies':>9}  errors")
     for name, m in reply.models.items():
         print(f"{name:<16}{'yes' if m['ready'] else 'no':>6}{m['queued']:>8}{m['requests']:>10}{m['replies']:>9}  "
@@ -129,6 +131,15 @@ def print_status(address: str, reply) -> None:
         print("recent model events:")
         for event in reply.events[-RECENT_EVENTS:]:
             print(f"  {cli_models.event_line(event)}")
+
+
+def fronts_line(f: dict) -> str:
+    """The front processes (docs/FRONTS.md): "fronts: 2/2 alive, 1 restart; 0 pid 4242 (12 in flight,
+    5120 requests, 3 forwarded), 1 pid 4243 (...)"."""
+    lives = ", ".join(f"{life['index']} pid {life['pid']} ({life['inflight']} in flight, {life['requests']} requests, "
+                      f"{life['forwarded']} forwarded)" for life in f["lives"])
+    return (f"fronts: {f['alive']}/{f['configured']} alive, {f['restarts']} restart{'s' if f['restarts'] != 1 else ''}"
+            + (f"; {lives}" if lives else ""))
 
 
 def cache_line(model: str, c: dict) -> str:

@@ -25,6 +25,7 @@ import time
 import psutil
 from collections.abc import Callable
 
+from tgw.shm import gc_watch
 from tgw.shm.segment import ShmError
 
 from tgw.broker.config.startup import StartupError
@@ -115,6 +116,10 @@ class Lifecycle:
             if not await self._wait_ready():
                 log.info("stopped during start-up")
                 return
+            if self.supervisor.gc_freeze:   # workers warm, faces up: what lives now lives for good
+                gc_watch.watch.freeze()     # (before the phase turns serving: its one full collection delays no request)
+            else:
+                gc_watch.watch.reset_longest()   # either way, status' longest pause is one met while serving
             self._enter(self.broker.start_serving)
             self._log_start(address)
             sd_notify(f"READY=1\nSTATUS=serving on {address}")
@@ -155,6 +160,8 @@ class Lifecycle:
         header just after /v2/health/ready changed sees the same phase (the periodic look may be late)."""
         change()
         self.load.refresh(time.monotonic(), force=True)
+        if self.broker.hub is not None:   # the fronts hear of it as soon
+            self.broker.hub.look()
 
     def shutdown(self) -> None:
         """Refuse new work, tell workers to stop, wait for them, unlink every ring."""

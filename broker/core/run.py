@@ -17,6 +17,7 @@ import setproctitle
 import uvloop
 import zmq
 
+from tgw.shm import gc_watch
 from tgw.shm.paths import default_address
 from tgw.shm.segment import ShmError
 
@@ -47,7 +48,8 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     base_dir = os.path.dirname(config_path) if config_path else os.getcwd()   # relative paths' root
     obs = cfg.observability   # the workers log and trace as the broker does: told in their WorkerStart
     supervisor = Supervisor(cfg.workers, cfg.supervisor, backend_address(address), log_format=format_in_use(),
-                            slow_ms=obs.slow_request_ms, tracing=tracing.for_workers(obs.tracing, base_dir))
+                            slow_ms=obs.slow_request_ms, tracing=tracing.for_workers(obs.tracing, base_dir),
+                            gc_freeze=cfg.server.gc_freeze)
     misplaced = placement_problems(cfg.models, supervisor.devices, supervisor.roles)
     if misplaced:   # a stage no worker would hold
         raise StartupError("; ".join(misplaced))
@@ -115,6 +117,7 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
 def run_broker(cfg: Config, address: str | None = None, config_path: str | None = None) -> int:
     """`config_path`: the file `cfg` came from, re-read on SIGHUP (None: the embedded demo)."""
     setproctitle.setproctitle("tgw-broker")  # what ps and top show
+    gc_watch.watch.install()   # every collection timed from the start (status `gc`)
     try:
         uvloop.run(serve(cfg, address or cfg.server.address or default_address(), config_path))
     except StartupError as exc:

@@ -47,10 +47,12 @@ def plan_cpus(n_workers: int, threads: int, pin: bool) -> list[list[int]]:
 
 class Supervisor:
     def __init__(self, decl: WorkersDecl, watch: SupervisorDecl, endpoint: str, *, log_format: str = "text",
-                 slow_ms: float | None = None, tracing: dict[str, Any] | None = None,
+                 slow_ms: float | None = None, tracing: dict[str, Any] | None = None, gc_freeze: bool = False,
                  clock: Callable[[], float] = time.monotonic):
-        """`log_format`, `slow_ms`, `tracing`: what the workers log and trace (their WorkerStart)."""
+        """`log_format`, `slow_ms`, `tracing`: what the workers log and trace (their WorkerStart);
+        `gc_freeze`: server.gc_freeze, which the workers are told and the lifecycle reads too."""
         self.decl, self.watch, self.endpoint, self.clock = decl, watch, endpoint, clock
+        self.gc_freeze = gc_freeze
         self.observe = {"log_format": log_format, "slow_ms": slow_ms, "tracing": tracing}
         # one worker each (NVML is asked once, here), then workers.stage_workers CPU workers for stages
         self.devices = plan_devices(decl) + ["cpu"] * decl.stage_workers
@@ -108,7 +110,7 @@ class Supervisor:
                            device="cuda:0" if w.device in self.mig else w.device,
                            threads=self.decl.threads_per_worker, cpus=list(w.cpus),
                            heartbeat_s=self.watch.heartbeat_s, preload=list(self.decl.preload),
-                           host_memory=self.decl.cuda_host_memory, **self.observe)
+                           host_memory=self.decl.cuda_host_memory, gc_freeze=self.gc_freeze, **self.observe)
 
     def spawn(self, w: WorkerHandle) -> None:
         cmd = [sys.executable, "-m", "tgw.workers", encode_start(self.start_for(w))]

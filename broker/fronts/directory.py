@@ -4,8 +4,8 @@ pipelines as the faces read them, and the load report's header.
 Built only when something it is made of may have changed - the registry's generation, the
 pipeline table's plans, the header - so the lifecycle's periodic look costs a tuple compare
 while nothing changes. `generation` grows with every change a front is sent: a model or
-pipeline, or the header (refreshed at most every HEADER_S: the fronts attach it to their
-answers, as the broker's own faces do).
+pipeline, the drain notice, or the header (refreshed at most every HEADER_S: the fronts attach
+it to their answers, as the broker's own faces do).
 """
 from __future__ import annotations
 
@@ -35,22 +35,30 @@ class DirectoryBook:
         if key != self._key:
             self._key = key
             models, pipelines = self._models(), self._pipelines()
-        header = old.load_header
+        header, draining = old.load_header, self.load.draining
         now = self.clock()
-        if force_header or now - self._header_at >= HEADER_S:
+        if force_header or now - self._header_at >= HEADER_S or draining != old.draining:
             header = self.load.header
             self._header_at = now
-        if models == old.models and pipelines == old.pipelines and header == old.load_header:
+        if models == old.models and pipelines == old.pipelines and header == old.load_header \
+                and draining == old.draining:
             return False
         self.current = Directory(generation=old.generation + 1, models=models, pipelines=pipelines,
-                                 load_header=header)
+                                 load_header=header, draining=draining)
         return True
 
     def _models(self) -> dict[str, FrontModel]:
         return {name: FrontModel(decl=m.decl.model_dump(mode="json"), versions=list(m.records),
-                                 generator=bool(m.is_generator))
+                                 generator=bool(m.is_generator), default=m.default)
                 for name, m in self.registry.models.items() if not m.removed}
 
     def _pipelines(self) -> dict[str, FrontPipeline]:
-        return {name: FrontPipeline(inputs=[as_builtins(t) for t in plan.inputs], max_batch_size=plan.max_batch_size)
+        return {name: FrontPipeline(inputs=[as_builtins(t) for t in plan.inputs], max_batch_size=plan.max_batch_size,
+                                    version=plan.version, sources=_sources(plan))
                 for name, plan in self.pipelines.table.items()}
+
+
+def _sources(plan) -> dict[str, list[str]]:
+    """Each output a step's model makes: [that model, its output's name] (the labels it shows)."""
+    models = {step.name: step.model for step in plan.steps}
+    return {out: [models[src.step], src.name] for out, src in plan.output_sources.items() if src.step is not None}

@@ -84,13 +84,15 @@ def reserve_port(host: str, port: int, face: str) -> socket.socket:
     try:
         family, _, _, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
-        if port:   # a port someone holds without SO_REUSEPORT, or at all: refused before sharing it
+        if port:   # a port another program listens on (SO_REUSEPORT or not): refused, never shared
             probe = socket.socket(family, socket.SOCK_STREAM)
-            try:
+            try:   # SO_REUSEADDR: a restart's connections in TIME_WAIT do not hold the port
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(addr)
             finally:
                 probe.close()
         sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(addr)
         return sock
@@ -236,6 +238,9 @@ class FrontFleet:
         try:
             if live:
                 self.hub.drain_all()
+                for front in self.fronts:   # not connected yet: no DRAIN reaches it, its SIGTERM drains it
+                    if front.proc is not None and not front.hello and front.proc.poll() is None:
+                        front.proc.send_signal(signal.SIGTERM)
                 if not await self._exited(live, self.grace_s):
                     for proc in live:
                         if proc.poll() is None:

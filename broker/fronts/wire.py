@@ -90,6 +90,9 @@ class Directory(FrontStruct):
     models: dict[str, FrontModel]
     pipelines: dict[str, FrontPipeline] = {}
     load_header: Optional[str] = None   # the load report's header value, refreshed by the lifecycle
+    # the broker's drain notice (server.drain_notice_s): health says not ready and each HTTP
+    # response closes its connection, so balancers move callers elsewhere (the load report's `draining`)
+    draining: bool = False
 
 
 encoder = msgspec.msgpack.Encoder()

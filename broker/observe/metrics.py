@@ -27,6 +27,7 @@ from tgw.broker.state.stats import Buckets
 from tgw.broker.state.versions import VersionState
 
 from .devices import DEVICE_STATES, device_states
+from .metrics_gc import gc_families
 from .metrics_kept import job_families, sequence_families
 from .status import BrokerView, generator_counters, gpu_status, listed, serving, worker_status
 
@@ -94,6 +95,7 @@ class Metrics(Collector):
         yield from device_families(view)
         yield from rollout_families(view)
         yield from job_families(view)
+        yield from gc_families(view)
 
     def _requests(self) -> CounterMetricFamily:
         """Every answer to an infer: admitted ones by version and code, as the hook counted them;

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from tgw.shm import gc_watch
 from tgw.shm.wire import PROTOCOL_VERSION, Health, HealthReply, Hello, HelloReply, ListModels, ModelsReply, Scrape, \
     ScrapeReply, Stats, StatsReply, Status, StatusReply, as_builtins, model_key
 
@@ -231,7 +232,15 @@ def status(view: BrokerView, req_id: int) -> StatusReply:
                        http=view.listening.http, grpc=view.listening.grpc,
                        torchserve=view.listening.torchserve, devices=device_states(view),
                        cuda_faults=view.faults(), rollouts=view.rollouts(), jobs=view.jobs(), fronts=view.fronts(),
-                       pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)))
+                       pipelines=view.pipelines.as_dict(lambda plan: pipeline_ready(view, plan)),
+                       gc=gc_figures(view))
+
+
+def gc_figures(view: BrokerView) -> dict:
+    """status' `gc`: this process's collection figures and each worker's from its last heartbeat
+    (docs/OPERATIONS.md#garbage-collection); a worker not yet beating is absent."""
+    return {"broker": gc_watch.watch.as_dict(),
+            "workers": {str(w.worker_id): w.beat.gc for w in view.roster if w.beat is not None and w.beat.gc}}
 
 
 def generator_counters(view: BrokerView, m: ModelEntry) -> GeneratorCounters | None:

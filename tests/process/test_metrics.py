@@ -99,7 +99,7 @@ def scraped(model_files, tmp_path_factory):
         assert codes == ["INVALID_INPUT_DTYPE", "MODEL_NOT_FOUND", "RATE_LIMITED", "MODEL_EXECUTION_ERROR"]
         text = scrape(b.address)
         reply = json.loads(scrape(b.address, "--json"))
-        yield SimpleNamespace(fams=parse(text), text=text, reply=reply, status=status)
+        yield SimpleNamespace(fams=parse(text), text=text, reply=reply, status=status, address=b.address)
     finally:
         code = b.stop()
         shutil.rmtree(d, ignore_errors=True)
@@ -161,6 +161,22 @@ def test_a_cpu_broker_has_gpu_families_without_samples(scraped):
     assert "tgw_gpu_" not in "".join(line for line in scraped.text.splitlines() if not line.startswith("#"))
     workers = scraped.status["workers"]
     assert workers and all("gpu" not in w and "gpu_ooms" not in w and "rss" in w for w in workers)
+
+
+def test_gc_frozen_after_start_in_status_and_metrics(scraped):
+    """server.gc_freeze (on by default): the broker froze before serving, the worker before its
+    ready; status' `gc` and the tgw_gc_* families show both (shm/gc_watch.py)."""
+    broker = scraped.status["gc"]["broker"]
+    assert broker["frozen"] is True and broker["frozen_objects"] > 0
+    assert broker["collections"]["2"] >= 1 and broker["longest_pause_ms"] >= 0   # the freeze's collection
+    with Client(scraped.address) as c:   # the first beats may predate the worker's freeze: wait for one after
+        wait_until(lambda: c.status()["gc"]["workers"].get("0", {}).get("frozen"), what="a frozen worker's beat")
+        worker = c.status()["gc"]["workers"]["0"]
+        fams = parse(scrape(scraped.address))
+    assert worker["frozen_objects"] > 0 and worker["collections"]["2"] >= 1
+    assert value(fams, "tgw_gc_frozen_objects", process="broker") > 0
+    assert value(fams, "tgw_gc_collections_total", process="worker-0", generation="2") >= 1
+    assert value(fams, "tgw_gc_longest_pause_seconds", process="broker") >= 0
 
 
 def test_json_flag_prints_the_reply(scraped):
