@@ -224,12 +224,12 @@ def _ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
     return None if x is None or not y else x / y
 
 
-def block_figures(block: dict[str, Any], flask: dict[str, Any]) -> dict[str, Any]:
+def block_figures(block: dict[str, Any]) -> dict[str, Any]:
     """One front count's ratios (same run), the worst loop and client µs/req over its c=N faces,
     and per face the req/s its CPU predicts with N fronts on N cores."""
     f = {face: figures(row) for face, row in block["rows"].items()}
     rps = lambda face: (f.get(face) or {}).get("rps")   # noqa: E731
-    p50 = lambda rows, face: figures(rows.get(face) or {})["p50"]   # noqa: E731
+    p50 = lambda face: (f.get(face) or {}).get("p50")   # noqa: E731
     loops = [v["loop_us"] for k, v in f.items() if k in FACES + EXTRA_FACES and v["loop_us"] is not None]
     ratios = {"grpc_over_http_bin": _ratio(rps("grpc"), rps("http")),
               "grpc_stream_over_http_bin": _ratio(rps("grpc-stream"), rps("http")),
@@ -237,8 +237,8 @@ def block_figures(block: dict[str, Any], flask: dict[str, Any]) -> dict[str, Any
               "loop_us_per_request_max": max(loops) if loops else None,
               # tgw's own client (issue 27's goal); the gRPC clients' CPU is grpc.aio's, in each row
               "native_client_us_per_request": (f.get("native") or {}).get("client_us"),
-              "native_c1_p50_over_flask": _ratio(p50(block["rows"], "native-c1"), p50(flask, "flask-c1")),
-              "http_wrk_c1_p50_over_flask_wrk": _ratio(p50(block["rows"], "http-c1"), p50(flask, "flask-c1-wrk"))}
+              "native_c1_p50_over_flask": _ratio(p50("native-c1"), p50("flask-c1")),
+              "http_wrk_c1_p50_over_flask_wrk": _ratio(p50("http-c1"), p50("flask-c1-wrk"))}
     predicted = {face: {"loop_us": v["loop_us"], "front_us": v["front_us"],
                         "req_per_s_with_n_fronts": face_load.predicts(v["loop_us"], v["front_us"])}
                  for face, v in f.items() if face in FACES + EXTRA_FACES}
@@ -255,7 +255,7 @@ def goals(blocks: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def table(blocks: dict[str, dict[str, Any]], flask: dict[str, Any]) -> str:
+def table(blocks: dict[str, dict[str, Any]]) -> str:
     rows = [["fronts", "face", "req/s", "p50 ms", "p99 ms", "rows/batch", "tree us/req", "loop us/req",
              "fronts us/req", "client us/req"]]
     fmt = lambda v, d: "-" if v is None else f"{v:,.{d}f}"   # noqa: E731
@@ -267,12 +267,6 @@ def table(blocks: dict[str, dict[str, Any]], flask: dict[str, Any]) -> str:
             rows.append([fronts, label, fmt(f["rps"], 0),
                          fmt(f["p50"], 3), fmt(f["p99"], 3), fmt(f["rows_per_batch"], 1), fmt(f["tree_us"], 1),
                          fmt(f["loop_us"], 1), fmt(f["front_us"], 1), fmt(f["client_us"], 1)])
-    for face, row in flask.items():
-        f = figures(row)
-        label = face if "error" in row or row["generator"]["kind"] != "python-fallback" or face == "flask-c1" \
-            else f"{face} (python-fallback)"
-        rows.append(["-", label, fmt(f["rps"], 0), fmt(f["p50"], 3), fmt(f["p99"], 3), "-", "-", "-", "-",
-                     fmt(f["client_us"], 1)])
     return report.text_table(rows, 2)
 
 
@@ -306,27 +300,29 @@ def run(a: argparse.Namespace) -> int:
     work = tempfile.mkdtemp(prefix="tgwf-", dir="/tmp")   # short: ipc paths must fit 107 bytes
     t0, date = time.monotonic(), datetime.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     blocks: dict[str, dict[str, Any]] = {}
-    flask: dict[str, Any] = {}
     servers: dict[str, Any] = {}
+    flask = None
     rows: Optional[Rows] = None
     interrupted = False
     try:
         log(f"{mode} mode: {a.duration:g} s per row after {a.warmup:g} s warm-up; fronts {a.fronts}; work dir {work}")
         models = demo_models(os.path.join(work, "models"))
         rows = Rows(a, work, models, log)
-        if not a.no_c1:   # Flask first, alone: its gunicorn workers leave before the brokers start
-            flask, servers["flask"] = run_flask(a, rows, models, work, log)
+        if not a.no_c1:   # up all along (idle, its workers sleep): its c=1 rows run beside each broker's
+            flask, servers["flask"] = start_flask(a, models, work, log)
         for n in a.fronts:
-            blocks[str(n)], servers[f"fronts={n}"] = run_broker(a, rows, models, work, n, log)
+            blocks[str(n)], servers[f"fronts={n}"] = run_broker(a, rows, models, work, n, flask, log)
     except KeyboardInterrupt:   # Ctrl-C, or SIGTERM (gpu-check.sh's timeout): what was measured is written
         print("\ninterrupted: stopping every server this run started", file=sys.stderr)
         interrupted = True
     finally:
+        if flask is not None and not isinstance(flask, str):
+            flask.stop()
         finish_run(work, a.keep)
-    if not blocks and not flask:
+    if not blocks:
         return 130
     for block in blocks.values():
-        block.update(block_figures(block, flask))
+        block.update(block_figures(block))
     result = {"mode": mode, "date": date, "command": a.command_line, "machine": report.machine(),
               "settings": {k: getattr(a, k) for k in ("duration", "warmup", "fronts", "faces", "concurrency",
                                                       "workers", "flask_workers", "procs", "no_c1")},
@@ -341,11 +337,11 @@ def run(a: argparse.Namespace) -> int:
                           "http-c1": "HTTP JSON (Flask's body) under the HTTP generator, one connection",
                           "flask-c1": "one Python thread, a keep-alive socket (loadgen's HTTP caller)",
                           "flask-c1-wrk": "HTTP JSON under the HTTP generator, one connection"},
-              "fronts": blocks, "flask": flask, "servers": servers, "interrupted": interrupted,
+              "fronts": blocks, "servers": servers, "interrupted": interrupted,
               "wall_s": time.monotonic() - t0}
     result["goals"] = goals(blocks)
     result["predicts"] = predicts_lines(blocks, os.cpu_count() or 1)
-    print("\n" + table(blocks, flask))
+    print("\n" + table(blocks))
     for g in result["goals"]:
         v = "-" if g["value"] is None else f"{g['value']:.3g}"
         print(f"fronts={g['fronts']} {g['goal']}: {v} (goal {g['op']} {g['target']:g})"
@@ -356,29 +352,28 @@ def run(a: argparse.Namespace) -> int:
     path = a.json or os.path.join(dest, "results", f"faces-{date}" + ("" if mode == "full" else f"-{mode}") + ".json")
     report.write_json(path, result)
     print(f"wrote {path}")
-    every = [r for b in blocks.values() for r in b["rows"].values()] + list(flask.values())
+    every = [r for b in blocks.values() for r in b["rows"].values()]
     complete = bool(every) and all("error" not in r and not r["requests_failed"] for r in every)
     clean = all(s.get("exit_status", 0) == 0 and not s.get("shm_leftovers") for s in servers.values())
     return 130 if interrupted else 0 if complete and clean else 1
 
 
-def run_flask(a, rows: Rows, models: dict, work: str, log) -> tuple[dict[str, Any], dict[str, Any]]:
+def start_flask(a, models: dict, work: str, log) -> tuple[Any, dict[str, Any]]:
+    """Flask + gunicorn serving the same model, or why it did not start (its rows then say so)."""
     from tgw.bench.harness.baselines import FlaskServer
-    log(f"Flask + gunicorn ({a.flask_workers} sync workers): c=1 from one Python thread and under the HTTP generator")
+    log(f"Flask + gunicorn ({a.flask_workers} sync workers), for the c=1 rows beside each broker's")
     try:
-        srv = FlaskServer({MODEL: models[MODEL]}, a.flask_workers, work)
+        return FlaskServer({MODEL: models[MODEL]}, a.flask_workers, work), {"workers": a.flask_workers}
     except Exception as exc:  # noqa: BLE001 - the tgw rows still run
-        err = {"error": f"{type(exc).__name__}: {exc}"}
-        log(f"Flask could not start: {err['error']}")
-        return {"flask-c1": err, "flask-c1-wrk": err}, err
-    try:
-        return {face: rows.flask(srv, face) for face in ("flask-c1", "flask-c1-wrk")}, {"workers": a.flask_workers}
-    finally:
-        srv.stop()
+        err = f"{type(exc).__name__}: {exc}"
+        log(f"Flask could not start: {err}")
+        return err, {"error": err}
 
 
-def run_broker(a, rows: Rows, models: dict, work: str, n: int, log) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One broker with n fronts: each face at c=N, then the c=1 rows; stopped by PID."""
+def run_broker(a, rows: Rows, models: dict, work: str, n: int, flask,
+               log) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One broker with n fronts: each face at c=N, then the c=1 rows, each right after Flask's
+    (a ratio pairs rows the shared box's load met alike); stopped by PID."""
     log(f"broker with server.front_processes={n}, {a.workers} cpu workers")
     try:
         b = Broker(a, work, models, n, log)
@@ -391,7 +386,8 @@ def run_broker(a, rows: Rows, models: dict, work: str, n: int, log) -> tuple[dic
         for face in a.faces:
             block["rows"][face] = rows.face(b, face, a.concurrency)
         if not a.no_c1:
-            for face in ("native-c1", "http-c1"):
+            for base, face in (("flask-c1", "native-c1"), ("flask-c1-wrk", "http-c1")):
+                block["rows"][base] = {"error": flask} if isinstance(flask, str) else rows.flask(flask, base)
                 block["rows"][face] = rows.face(b, face, 1)
     finally:
         server = b.stop()
