@@ -228,7 +228,7 @@ echo "bench=$bench" >>"$OUT/exits.txt"
 # 5b. the fronts sweep (issue 43): mlp's req/s over each face with 0, 1, 2, 4 and 8 front
 #     processes on this box's cores, the scheduler loop's and the fronts' CPU per request; about
 #     2.5 minutes, cut at TGW_FACES_TIMEOUT (what was measured by then is still written)
-FACES_ARGS=${TGW_FACES_ARGS:---fronts 0,1,2,4,8 --faces native,http,grpc,grpc-stream --no-c1 --duration 2 --warmup 1 --procs 4}
+FACES_ARGS=${TGW_FACES_ARGS:---fronts 0,1,2,4,8 --faces native,http,grpc,grpc-stream --no-c1 --rounds 1 --duration 2 --warmup 1 --procs 4}
 if [ "${TGW_FACES:-1}" != 0 ]; then
     echo "gpu-check: tgw-bench faces $FACES_ARGS" | tee -a "$OUT/bench.log"
     rm -f "$OUT/faces.json"

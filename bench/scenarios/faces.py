@@ -1,7 +1,7 @@
 """`tgw-bench faces`: what each face costs the broker (issue 43), mlp at c=64 over native
 (AsyncClient), HTTP binary (wrk), unary gRPC (the KServe stub over grpc.aio, one channel) and a
-gRPC stream (all requests in flight on ONE ModelStreamInfer stream), once per front-process
-count: req/s, p50/p99, rows per batch, the broker tree's CPU per request (broker and front
+gRPC stream (all requests in flight on ONE ModelStreamInfer stream), in rounds, once per
+front-process count: req/s, p50/p99, rows per batch, the broker tree's CPU per request (broker and front
 processes), the scheduler loop's own (the broker's main thread), the client's; then c=1 p50 of
 native and of HTTP under wrk against Flask + gunicorn; the ratios and goals of the same run, and
 the req/s the measured CPU predicts with N fronts on N cores. Writes
@@ -11,7 +11,7 @@ only), 1 otherwise, 130 when interrupted.
 
     tgw-bench faces --quick                        # seconds per row: development, the test
     tgw-bench faces --fronts 0,2                   # the full run bench/results/faces-*.json holds
-    tgw-bench faces --fronts 0,1,2,4,8 --no-c1 --duration 3 --procs 4   # the GPU box's sweep
+    tgw-bench faces --fronts 0,1,2,4,8 --no-c1 --rounds 1 --duration 2 --procs 4   # the GPU box's sweep
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import datetime
 import functools
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ HELP = "each face's cost at mlp c=64 (native, HTTP binary, gRPC unary, gRPC stre
 FACES = ("native", "http", "grpc", "grpc-stream")
 EXTRA_FACES = ("grpc-tritonclient",)   # only when named: tritonclient.grpc.aio's own infer (its client cost)
 MODEL = "mlp"
-MODES = {"quick": (1.0, 0.5), "full": (10.0, 2.0)}   # measured seconds, warm-up seconds per row
+MODES = {"quick": (1.0, 0.5, 1), "full": (8.0, 2.0, 3)}   # measured seconds, warm-up seconds per row, rounds
 FRONTS_TIMEOUT_S = 60.0
 # issue 43's goals: (name, the figure, ≥ or ≤, target)
 GOALS = (("grpc_over_http_bin", "≥", 1.0), ("grpc_stream_over_http_bin", "≥", 1.2),
@@ -65,8 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faces", default=list(FACES), type=subset(FACES + EXTRA_FACES),
                    help=f"comma-separated subset of {','.join(FACES + EXTRA_FACES)} (default: {','.join(FACES)})")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight per c=N row (default 64)")
-    p.add_argument("--duration", type=float, help="measured seconds per row (default 10, quick 1)")
+    p.add_argument("--duration", type=float, help="measured seconds per row (default 8, quick 1)")
     p.add_argument("--warmup", type=float, help="warm-up seconds per row (default 2, quick 0.5)")
+    p.add_argument("--rounds", type=int, help="rounds over the c=N faces, each starting at the next face; each "
+                                              "face's best row kept, ratios the median of the rounds' (default 3, "
+                                              "quick 1)")
     p.add_argument("--no-c1", action="store_true", help="skip the c=1 rows and Flask (the GPU box's sweep)")
     cores = os.cpu_count() or 1
     p.add_argument("--workers", type=int, default=min(2, cores), help="tgw cpu workers (default min(2, cores))")
@@ -224,16 +228,30 @@ def _ratio(x: Optional[float], y: Optional[float]) -> Optional[float]:
     return None if x is None or not y else x / y
 
 
+def best(old: Optional[dict], new: dict) -> dict:
+    """The row kept of a face over rounds: the one with more req/s (a failed one only if all failed)."""
+    if old is None or "error" in old:
+        return new
+    return new if "error" not in new and new["throughput_rps"] > old["throughput_rps"] else old
+
+
+def round_ratio(block: dict[str, Any], a: str, b: str) -> Optional[float]:
+    """a's req/s over b's: the median over rounds of each round's ratio (in a round the faces ran
+    back to back, so a ratio pairs rows the box's load met alike; best rows of rounds apart would not)."""
+    got = [_ratio(r[a]["rps"], r[b]["rps"]) for r in block.get("rounds", []) if a in r and b in r]
+    got = [x for x in got if x is not None]
+    return statistics.median(got) if got else None
+
+
 def block_figures(block: dict[str, Any]) -> dict[str, Any]:
     """One front count's ratios (same run), the worst loop and client µs/req over its c=N faces,
     and per face the req/s its CPU predicts with N fronts on N cores."""
     f = {face: figures(row) for face, row in block["rows"].items()}
-    rps = lambda face: (f.get(face) or {}).get("rps")   # noqa: E731
     p50 = lambda face: (f.get(face) or {}).get("p50")   # noqa: E731
     loops = [v["loop_us"] for k, v in f.items() if k in FACES + EXTRA_FACES and v["loop_us"] is not None]
-    ratios = {"grpc_over_http_bin": _ratio(rps("grpc"), rps("http")),
-              "grpc_stream_over_http_bin": _ratio(rps("grpc-stream"), rps("http")),
-              "http_bin_over_native": _ratio(rps("http"), rps("native")),
+    ratios = {"grpc_over_http_bin": round_ratio(block, "grpc", "http"),
+              "grpc_stream_over_http_bin": round_ratio(block, "grpc-stream", "http"),
+              "http_bin_over_native": round_ratio(block, "http", "native"),
               "loop_us_per_request_max": max(loops) if loops else None,
               # tgw's own client (issue 27's goal); the gRPC clients' CPU is grpc.aio's, in each row
               "native_client_us_per_request": (f.get("native") or {}).get("client_us"),
@@ -287,13 +305,14 @@ def predicts_lines(blocks: dict[str, dict[str, Any]], cores: int) -> list[str]:
 
 def run(a: argparse.Namespace) -> int:
     base = MODES["quick" if a.quick else "full"]
-    custom = (a.duration, a.warmup) != (None, None) or a.no_c1 or a.fronts != [0, 2] or a.faces != list(FACES) \
-        or a.concurrency != 64
+    custom = (a.duration, a.warmup, a.rounds) != (None, None, None) or a.no_c1 or a.fronts != [0, 2] \
+        or a.faces != list(FACES) or a.concurrency != 64
     mode = "custom" if custom else ("quick" if a.quick else "full")
     a.duration = base[0] if a.duration is None else a.duration
     a.warmup = base[1] if a.warmup is None else a.warmup
-    if a.duration <= 0 or a.warmup < 0 or a.concurrency < 1 or a.workers < 1 or a.procs < 1:
-        print("tgw-bench faces: --duration > 0, --warmup >= 0, --concurrency, --workers, --procs >= 1",
+    a.rounds = base[2] if a.rounds is None else a.rounds
+    if a.duration <= 0 or a.warmup < 0 or min(a.concurrency, a.workers, a.procs, a.rounds) < 1:
+        print("tgw-bench faces: --duration > 0, --warmup >= 0, --concurrency, --workers, --procs, --rounds >= 1",
               file=sys.stderr)
         return 2
     log = lambda msg: print(f"[faces {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
@@ -324,7 +343,7 @@ def run(a: argparse.Namespace) -> int:
     for block in blocks.values():
         block.update(block_figures(block))
     result = {"mode": mode, "date": date, "command": a.command_line, "machine": report.machine(),
-              "settings": {k: getattr(a, k) for k in ("duration", "warmup", "fronts", "faces", "concurrency",
+              "settings": {k: getattr(a, k) for k in ("duration", "warmup", "rounds", "fronts", "faces", "concurrency",
                                                       "workers", "flask_workers", "procs", "no_c1")},
               "notes": a.note, "model": MODEL, "http_generator": rows.http_generator if rows else "-",
               "clients": {"native": "tgw AsyncClient, one connection, every caller a coroutine on one loop",
@@ -381,10 +400,15 @@ def run_broker(a, rows: Rows, models: dict, work: str, n: int, flask,
         err = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"the broker with {n} fronts could not start: {err['error']}")
         return {"rows": {f: err for f in a.faces}, "fronts_live": 0}, err
-    block: dict[str, Any] = {"fronts_live": len(b.fronts), "front_pids": b.fronts, "note": b.note, "rows": {}}
+    block: dict[str, Any] = {"fronts_live": len(b.fronts), "front_pids": b.fronts, "note": b.note, "rows": {},
+                             "rounds": []}
     try:
-        for face in a.faces:
-            block["rows"][face] = rows.face(b, face, a.concurrency)
+        for r in range(a.rounds):   # round r starts at face r: a drift of the box's load meets every face
+            order = a.faces[r % len(a.faces):] + a.faces[:r % len(a.faces)]
+            got = {face: rows.face(b, face, a.concurrency) for face in order}
+            block["rounds"].append({face: figures(got[face]) for face in a.faces})
+            for face in a.faces:
+                block["rows"][face] = best(block["rows"].get(face), got[face])
         if not a.no_c1:
             for base, face in (("flask-c1", "native-c1"), ("flask-c1-wrk", "http-c1")):
                 block["rows"][base] = {"error": flask} if isinstance(flask, str) else rows.flask(flask, base)

@@ -169,5 +169,5 @@ def test_gpu_check_fronts_sweep_is_a_valid_faces_run():
     assert a.fronts == [0, 1, 2, 4, 8] and a.faces == ["native", "http", "grpc", "grpc-stream"] and a.no_c1
     timeout = int(re.search(r'"\$\{TGW_FACES_TIMEOUT:-(\d+)\}"', script).group(1))
     # per broker: its start (about 10 s) and four rows of warm-up + window + the generator's start (about 2 s)
-    assert 5 * (10 + 4 * (a.duration + a.warmup + 2)) <= timeout <= 180
+    assert 5 * (10 + 4 * a.rounds * (a.duration + a.warmup + 2)) <= timeout <= 180
     assert re.search(r"tgw\.bench\.cli faces \$FACES_ARGS --json \"\$OUT/faces\.json\"", script)
