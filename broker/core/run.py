@@ -60,6 +60,9 @@ async def serve(cfg: Config, address: str, config_path: str | None = None) -> No
     broker = None
     # front processes serve the HTTP and gRPC faces: none without either
     fronts_count = front_count(cfg.server) if cfg.http is not None or cfg.grpc is not None else 0
+    if cfg.server.front_processes and not fronts_count:
+        log.warning("server.front_processes %d: no HTTP or gRPC face is configured, so no front process starts "
+                    "(they serve those faces' ports)", cfg.server.front_processes)
     run_dir = run_dir_of(supervisor.endpoint) if fronts_count else ""
     try:
         zap = zap_handler(ctx)

@@ -33,27 +33,22 @@ INFER = f"/{SERVICE}/ModelInfer"
 STREAM = f"/{SERVICE}/ModelStreamInfer"
 STOP_GRACE_S = 2.0   # listeners stopped: what is open was answered by now; this is for writing it
 DRAIN_GRACE_S = 60.0   # a drain's open calls (a long stream) are cut after this long
-NOT_FORWARDED = (":", "grpc-")   # metadata the transport sets itself
 
 
 def names_regions(req: pb.ModelInferRequest) -> bool:
     return any(SHM_REGION in t.parameters for t in req.inputs) or any(SHM_REGION in t.parameters for t in req.outputs)
 
 
-def forwardable(context) -> tuple:
-    return tuple((k, v) for k, v in (context.invocation_metadata() or ()) if not k.startswith(NOT_FORWARDED)
-                 and k != "user-agent")
-
-
 class GrpcLocal:
     def __init__(self, port: RemotePort, mirror: Mirror, decl: GrpcDecl, max_request_bytes: int,
                  max_reply_bytes: int, host: str, public_port: int, unix: str):
-        from .grpc_proxy import GrpcForwarder
+        from .grpc_proxy import GrpcForwarder, forwarded_metadata
+        self.metadata = forwarded_metadata
         self.face = GrpcFace(port.door, decl, max_request_bytes, max_reply_bytes)
         self.mirror, self.decl = mirror, decl
         self.host, self.public_port = host, public_port
         self.target = f"unix:{unix}"
-        self.forwarder = GrpcForwarder(self.target)
+        self.forwarder = GrpcForwarder(self.target, public_port=public_port)
         self.channel: grpc.aio.Channel | None = None   # the relay of single requests (regions named)
         self.requests = 0
         self.relayed = 0
@@ -144,7 +139,7 @@ class GrpcLocal:
         self.relayed += 1
         infer = self.channel.unary_unary(INFER, request_serializer=pb.ModelInferRequest.SerializeToString,
                                          response_deserializer=pb.ModelInferResponse.FromString)
-        return infer(req, metadata=forwardable(context), timeout=context.time_remaining())
+        return infer(req, metadata=self.metadata(context, self.public_port), timeout=context.time_remaining())
 
     async def relay_unary(self, req: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         call = self.call(req, context)

@@ -10,20 +10,23 @@ as it comes (nothing buffered beyond a message), the answer's initial and traili
 an error's status code, details and trailers. A caller that cancels cancels the forwarded call; a
 forwarded call the broker cancels or fails ends the caller's with the same status. A method no
 service declares is left to gRPC (UNIMPLEMENTED). The front's view of its peer travels in the
-`tgw-front-peer` metadata (context.peer(), e.g. "ipv4:127.0.0.1:5312"; a caller's own value is
-dropped), which the broker's face trusts only on its Unix socket.
+`tgw-front-peer` metadata ("tcp HOST PORT LOCAL_HOST PUBLIC_PORT", as the HTTP forwarder says it;
+a caller's own value is dropped), which the broker's face trusts only on its Unix socket
+(protocol/triton_shm.py front_peer_uid).
 """
 from __future__ import annotations
 
 from typing import Callable
+from urllib.parse import unquote
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from tgw.broker.faces.grpc.proto import grpc_service_pb2
+from tgw.broker.protocol.triton_shm import FRONT_PEER
 
-PEER_KEY = "tgw-front-peer"
+PEER_KEY = FRONT_PEER
 SKIPPED = ("grpc-", ":")   # gRPC's own metadata (timeout, encodings) and HTTP/2 pseudo headers
 SKIPPED_KEYS = frozenset(("user-agent", "te", "content-type", PEER_KEY))
 
@@ -44,10 +47,21 @@ def tgw_methods() -> dict[str, tuple[bool, bool]]:
     return service_methods(grpc_service_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
 
 
-def forwarded_metadata(context) -> list[tuple[str, str | bytes]]:
+def peer_of(context, public_port: int) -> str:
+    """PEER_KEY's value: the caller's address and the front's (gRPC tells no local address: a peer
+    on this host connects from the host it connects to, the public port's)."""
+    kind, _, rest = unquote(context.peer() or "").partition(":")
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]")
+    if kind in ("ipv4", "ipv6") and port.isdigit() and host and public_port:
+        return f"tcp {host} {port} {host} {public_port}"
+    return "none"
+
+
+def forwarded_metadata(context, public_port: int) -> list[tuple[str, str | bytes]]:
     md = [(k, v) for k, v in (context.invocation_metadata() or ())
           if k not in SKIPPED_KEYS and not k.startswith(SKIPPED)]
-    md.append((PEER_KEY, context.peer() or "none"))
+    md.append((PEER_KEY, peer_of(context, public_port)))
     return md
 
 
@@ -61,12 +75,14 @@ class _Handler(grpc.GenericRpcHandler):
 
 class GrpcForwarder:
     def __init__(self, target: str, methods: dict[str, tuple[bool, bool]] | None = None,
-                 max_message_bytes: int = -1):
+                 max_message_bytes: int = -1, public_port: int = 0):
         """`target`: the broker's own gRPC face ("unix:/path"); `methods`: what may be forwarded,
         full name -> (client_streaming, server_streaming) (default: every method tgw serves);
         `max_message_bytes`: the channel's limit both ways (-1: none, the broker's face and the
-        front's server enforce theirs)."""
-        self.target = target
+        front's server enforce theirs); `public_port`: the port the front serves (0: the peer is
+        not told, so the broker cannot learn a caller's uid: shared memory registration then
+        needs the token)."""
+        self.target, self.public_port = target, public_port
         self.methods = tgw_methods() if methods is None else dict(methods)
         self.options = [("grpc.max_receive_message_length", max_message_bytes),
                         ("grpc.max_send_message_length", max_message_bytes)]
@@ -110,7 +126,7 @@ class GrpcForwarder:
 
     def start(self, name: str, request, context):
         self.forwarded += 1
-        return self.multicallable(name)(request, metadata=forwarded_metadata(context),
+        return self.multicallable(name)(request, metadata=forwarded_metadata(context, self.public_port),
                                         timeout=context.time_remaining())
 
     # ---- the four cardinalities --------------------------------------------------------------

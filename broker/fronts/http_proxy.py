@@ -10,7 +10,8 @@ long poll or a stream lasts as long as the broker keeps it). A client that goes 
 forwarded request, whose connection is closed, so the broker's face sees its client go as it would
 without a front. The broker's face reads who the peer is in one place (registering client shared
 memory: the peer's uid); the front's view of its peer travels in PEER_HEADER, which the front
-always sets (a client's own value is dropped) and the broker trusts only on its Unix socket.
+always sets (a client's own value is dropped) and the broker trusts only on its Unix socket
+(protocol/triton_shm.py front_peer_uid).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-PEER_HEADER = "tgw-front-peer"   # "tcp HOST PORT LOCAL_HOST LOCAL_PORT", "uid N" or "none"
+from tgw.broker.protocol.triton_shm import FRONT_PEER
+
+PEER_HEADER = FRONT_PEER   # "tcp HOST PORT LOCAL_HOST LOCAL_PORT", "uid N" or "none"
 # hop-by-hop: they describe one connection, not the request; Expect is answered by the front
 HOP_BY_HOP = frozenset(h.lower() for h in ("Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Trailer",
                                            "Upgrade", "Proxy-Authenticate", "Proxy-Authorization",
@@ -56,20 +59,6 @@ def peer_of(request: web.Request) -> str:
     if peer and local:
         return f"tcp {peer[0]} {peer[1]} {local[0]} {local[1]}"
     return "none"
-
-
-def parse_peer(value: str | None) -> tuple | None:
-    """PEER_HEADER's value as the broker's face reads it: ("tcp", (host, port), (local_host,
-    local_port)), ("uid", n), or None (absent, "none" or malformed)."""
-    parts = (value or "").split()
-    try:
-        if len(parts) == 5 and parts[0] == "tcp":
-            return "tcp", (parts[1], int(parts[2])), (parts[3], int(parts[4]))
-        if len(parts) == 2 and parts[0] == "uid":
-            return "uid", int(parts[1])
-    except ValueError:
-        pass
-    return None
 
 
 def forwarded_headers(headers, decoded: bool) -> CIMultiDict:

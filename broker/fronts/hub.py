@@ -78,7 +78,6 @@ class FrontsHub:
         self.lives: dict[bytes, FrontCaller] = {}     # routing id -> its life, from HELLO to its end
         self.by_index: dict[int, FrontCaller] = {}    # the current life of each index that said HELLO
         self.on_hello: Callable[[int, int], None] = lambda index, pid: None   # the fleet's (index, pid)
-        self.sent_generation = 0
         self.pump: Pump | None = None
         self.handlers: dict = {}
 
@@ -111,11 +110,13 @@ class FrontsHub:
         hello = _hello.decode(frames[2].buffer)
         old = self.by_index.get(hello.index)
         if old is not None:   # its previous life's exit not seen yet: it is over all the same
-            self.end(hello.index, old.pid)
+            self.end(hello.index, old.pid, read_first=False)   # (inside a drain pass already)
         life = FrontCaller(self.pump.send, ident, hello.index, hello.pid)
         self.lives[ident] = self.by_index[hello.index] = life
-        self.book.refresh(force_header=True)
-        self._send_directory(life)
+        if self.book.refresh(force_header=True):
+            self.publish()   # changed: every front hears of it, the new one too
+        else:
+            self._send_directory(life)
         self.on_hello(hello.index, hello.pid)
 
     def _request(self, life: FrontCaller, frames: list) -> None:
@@ -160,20 +161,19 @@ class FrontsHub:
     def publish(self) -> None:
         for life in self.lives.values():
             self._send_directory(life)
-        self.sent_generation = self.book.current.generation
 
     def _send_directory(self, life: FrontCaller) -> None:
         self.pump.send([life.ident, wire.DIRECTORY, wire.encoder.encode(self.book.current)])
 
     # ---- lives ---------------------------------------------------------------------------------
 
-    def end(self, index: int, pid: int) -> int:
+    def end(self, index: int, pid: int, read_first: bool = True) -> int:
         """The life of front `index` with `pid` is over (its process exited): its last messages
         are read first, then every request it had admitted leaves unrun (GONE); how many."""
         life = self.by_index.get(index)
         if life is None or life.pid != pid:
             return 0
-        if self.pump is not None:
+        if read_first and self.pump is not None:
             self.pump.drain()   # what it sent before it died, admitted or answered first
         life.ended = True
         del self.by_index[index]

@@ -10,9 +10,10 @@ The hub's fleet starts it (broker/fronts/fleet.py) with F, a JSON object:
    "max_reply_bytes": int,        # optional: the workers' output arena (the gRPC send limit)
    "log_format": "text" | "json"}                              # optional
 A face missing from F is not served here. In order: the gc watch installed; the DEALER to the
-hub connected and HELLO sent; the first DIRECTORY awaited; the listeners opened on the public
-ports (SO_REUSEPORT); then, with server.gc_freeze, everything made so far frozen out of the
-collector. About once a second STATS goes to the hub, and the parent is looked at.
+hub connected; the listeners opened on the public ports (SO_REUSEPORT); HELLO sent (so a front
+the hub counts is one that listens, and a port it cannot take fails the start); the first
+DIRECTORY awaited; then, with server.gc_freeze, everything made so far frozen out of the
+collector. About once a second STATS goes to the hub; the parent is looked at twice a second.
 
 How it ends: DRAIN from the hub or SIGTERM: the listeners close, what is open is answered,
 exit 0. The broker gone (the fronts socket closed or its heartbeat timed out, or this process
@@ -31,6 +32,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from tgw.shm.gc_watch import watch
+
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
 from tgw.broker.front.auth import load_token
@@ -41,41 +44,18 @@ from .mirror import Mirror
 from .remote_port import RemotePort
 
 log = logging.getLogger("tgw.broker")
-STATS_S = 1.0            # STATS to the hub this often; the parent looked at as often
+STATS_S = 1.0            # STATS to the hub this often
+PARENT_S = 0.5           # the parent looked at this often
 FIRST_DIRECTORY_S = 60.0   # no directory from the hub in this long: the broker is not there
 DRAIN_POLL_S = 0.05      # while draining, how often "is everything answered?" is asked
 REPLY_BYTES = 1 << 30    # the gRPC send limit when F names none (the broker's own limits bound replies)
-
-
-def gc_watch():
-    """shm/gc_watch.py's watch of this process (a stand-in of the same shape until it exists)."""
-    try:
-        from tgw.shm.gc_watch import watch
-        return watch
-    except ImportError:
-        return _NoWatch()
-
-
-class _NoWatch:
-    frozen = False
-
-    def install(self) -> None: ...
-
-    def freeze(self) -> None:
-        import gc
-        gc.collect()
-        gc.freeze()
-        self.frozen = True
-
-    def as_dict(self) -> dict:
-        return {"frozen": self.frozen}
 
 
 class Front:
     def __init__(self, cfg: Config, spec: dict[str, Any], run_dir: str, index: int):
         self.cfg, self.spec, self.run_dir, self.index = cfg, spec, run_dir, index
         self.parent = spec.get("broker_pid") or os.getppid()
-        self.watch = gc_watch()
+        self.watch = watch   # this process's (shm/gc_watch.py)
         self.stopping: asyncio.Future | None = None
         self.listeners: list = []
         self.port: RemotePort | None = None
@@ -95,19 +75,24 @@ class Front:
                          wire.REPLY: lambda f: self.port.on_reply(f),
                          wire.DRAIN: lambda f: self.stop("the hub said DRAIN")}, self.lost)
             self.port = port = RemotePort(link.send, mirror, token)
-            link.send([wire.HELLO, wire.encoder.encode(wire.FrontHello(index=self.index, pid=os.getpid()))])
-            try:
-                await asyncio.wait_for(asyncio.shield(mirror.first), FIRST_DIRECTORY_S)
-            except asyncio.TimeoutError:
-                raise StartupError(f"front {self.index}: no directory from the hub at {link.identity} "
-                                   f"within {FIRST_DIRECTORY_S:.0f} s") from None
+            self.look_at_parent()
             loop.add_signal_handler(signal.SIGTERM, self.stop, "SIGTERM")
             loop.add_signal_handler(signal.SIGINT, lambda: None)
+            # listening before HELLO: a front the hub counts serves (a request before the first
+            # directory waits for it: the mirror asks); a port it cannot take fails the start
             self.listeners = self.make_listeners(port, mirror)
             for listener in self.listeners:
                 await listener.start()
+            link.send([wire.HELLO, wire.encoder.encode(wire.FrontHello(index=self.index, pid=os.getpid()))])
+            done, _ = await asyncio.wait([mirror.first, self.stopping], timeout=FIRST_DIRECTORY_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise StartupError(f"front {self.index}: no directory from the hub at {link.identity} "
+                                   f"within {FIRST_DIRECTORY_S:.0f} s")
             if self.cfg.server.gc_freeze:   # what start-up made stays out of every collection
                 self.watch.freeze()
+            else:   # the longest pause counts from serving on, as the freeze makes it count
+                self.watch.reset_longest()
             self.tick(link)
             log.info("front %d (pid %d) serving %s", self.index, os.getpid(),
                      ", ".join(f"{f} on {self.spec[f]['host']}:{self.spec[f]['port']}" for f in ("http", "grpc")
@@ -138,7 +123,9 @@ class Front:
     def on_directory(self, mirror: Mirror, frames: list) -> None:
         d = wire_directory.decode(frames[1].buffer)
         mirror.apply(d)
-        self.port.load.header = d.load_header or ""
+        load = self.port.load
+        load.header = d.load_header or ""
+        load.draining = d.draining or self.stopping.done()   # the broker's drain notice, or this front's drain
 
     def stop(self, why: str) -> None:
         if self.stopping is not None and not self.stopping.done():
@@ -159,10 +146,14 @@ class Front:
         logging.shutdown()
         os._exit(1)
 
-    def tick(self, link: Link) -> None:
-        """STATS to the hub; the parent looked at (re-parented: the broker died)."""
+    def look_at_parent(self) -> None:
+        """Re-parented: the broker died (also before the fronts socket ever connected)."""
         if os.getppid() != self.parent:
             self.lost(f"the parent process {self.parent} exited")
+        asyncio.get_running_loop().call_later(PARENT_S, self.look_at_parent)
+
+    def tick(self, link: Link) -> None:
+        """STATS to the hub."""
         port = self.port
         requests = sum(listener.requests for listener in self.listeners)
         forwarded = sum(listener.forwarded_count() for listener in self.listeners)

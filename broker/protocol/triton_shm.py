@@ -11,7 +11,9 @@ endpoints turn its transport into these calls (faces/http/shm_routes.py, faces/g
 Who: the uid the transport tells - for TCP over this host's network (loopback included), the
 owner of the peer's socket in /proc/net/tcp{,6}, found by the connection's address pair - must
 be the broker's effective uid; where no uid can be learned (a peer in another network
-namespace), only a caller that presented the broker's token may register.
+namespace), only a caller that presented the broker's token may register. Through a front process
+(docs/FRONTS.md) the broker's face sees the front, so the front tells its own view of the peer in
+FRONT_PEER, which a face trusts only on its Unix socket (front_peer_uid).
 
 How: system regions are never mapped. The broker keeps the segment's fd and reads inputs with
 os.preadv and writes outputs with os.pwrite: a caller that truncates its segment makes a short
@@ -50,6 +52,7 @@ EXTENSIONS = ["system_shared_memory", "cuda_shared_memory"]   # the server metad
 SHM_DIR = "/dev/shm"
 OWN_PREFIX = "tgw_"          # the broker's own segments (rings, arenas): never a caller's region
 PROC_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+FRONT_PEER = "tgw-front-peer"   # a front's view of its peer: "tcp HOST PORT LOCAL_HOST LOCAL_PORT", "uid N", "none"
 
 
 # ---- who registers, and how a system region's bytes move ---------------------------------
@@ -148,6 +151,29 @@ def tcp_peer_uid(peer: tuple, local: tuple) -> int | None:
         except OSError:
             continue
     return None
+
+
+def parse_front_peer(value: str | None) -> tuple | None:
+    """FRONT_PEER's value: ("tcp", (host, port), (local_host, local_port)), ("uid", n), or None
+    (absent, "none" or malformed)."""
+    parts = (value or "").split()
+    try:
+        if len(parts) == 5 and parts[0] == "tcp":
+            return "tcp", (parts[1], int(parts[2])), (parts[3], int(parts[4]))
+        if len(parts) == 2 and parts[0] == "uid":
+            return "uid", int(parts[1])
+    except ValueError:
+        pass
+    return None
+
+
+def front_peer_uid(value: str | None) -> int | None:
+    """The uid of the peer a front described in FRONT_PEER (None: it cannot be told). Only a face's
+    Unix socket, which only the broker's own processes reach, may be believed about it."""
+    peer = parse_front_peer(value)
+    if peer is None:
+        return None
+    return peer[1] if peer[0] == "uid" else tcp_peer_uid(peer[1], peer[2])
 
 
 def _proc_address(host: str, port: int, v6: bool) -> str | None:

@@ -14,10 +14,13 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
 from tgw.broker.fronts.grpc_proxy import PEER_KEY, GrpcForwarder, tgw_methods
-from tgw.broker.fronts.http_proxy import PEER_HEADER, HttpForwarder, parse_peer
+from tgw.broker.faces.http.shm_routes import caller_of
+from tgw.broker.fronts.http_proxy import PEER_HEADER, HttpForwarder
+from tgw.broker.protocol.triton_shm import front_peer_uid, parse_front_peer
 
 pytestmark = pytest.mark.inproc
 BOUND_S = 30.0   # a hang fails the test instead of stalling the suite
@@ -56,7 +59,12 @@ class Upstream:
         app.router.add_get("/gzipped", self.gzipped)
         app.router.add_get("/events", self.events)
         app.router.add_get("/slow", self.slow)
+        app.router.add_get("/whoami", self.whoami)
         return app
+
+    async def whoami(self, request: web.Request) -> web.Response:
+        """The uid the HTTP face's shared-memory routes would see (shm_routes.caller_of)."""
+        return web.json_response({"uid": caller_of(request, False).uid})
 
     async def echo(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -96,6 +104,7 @@ async def http_rig(tmp_path):
     upstream = Upstream()
     path = str(tmp_path / "http.sock")
     back = await serve(upstream.app(), path=path)
+    await web.TCPSite(back, "127.0.0.1", 0).start()   # the same app on TCP: fronts off
     forwarder = HttpForwarder(path)
     front_app = web.Application(client_max_size=64 << 20)
     front_app.router.add_route("*", "/{tail:.*}", forwarder.handle)
@@ -129,8 +138,9 @@ def test_http_requests_and_answers_pass_through_unchanged(tmp_path):
                     assert list(pair) in seen
                 assert not any(k.lower() == "keep-alive" for k, _ in seen)
                 peers = [v for k, v in seen if k.lower() == PEER_HEADER]
-                kind, peer, local = parse_peer(peers[0])
+                kind, peer, local = parse_front_peer(peers[0])
                 assert len(peers) == 1 and kind == "tcp" and peer[0] == "127.0.0.1" and local[1] == int(base.rsplit(":", 1)[1])
+                assert front_peer_uid(peers[0]) == os.getuid()   # this process's socket, found in /proc/net/tcp
                 for k in ("Accept-Encoding", "User-Agent"):   # only what the client sent
                     assert [v for n, v in seen if n == k] == [v for n, v in r.request_info.headers.items() if n == k]
 
@@ -166,7 +176,21 @@ def test_http_requests_and_answers_pass_through_unchanged(tmp_path):
                 async with client.head(base + "/gzipped") as r:   # the length of what a GET would get
                     assert r.status == 200 and r.headers["Content-Length"] == str(len(squeezed))
                     assert await r.read() == b""
-            assert rigs[2].forwarded == 7 and rigs[2].failed == 0
+
+                # who registers shared memory: the front's word about its peer, believed on the Unix
+                # socket only; a client's own claim never
+                forged = {PEER_HEADER: "uid 4242"}
+                async with client.get(base + "/whoami", headers=forged) as r:
+                    assert (await r.json())["uid"] == os.getuid()
+                direct_tcp = next(a for a in rigs[1].addresses if isinstance(a, tuple))
+                async with client.get(f"http://127.0.0.1:{direct_tcp[1]}/whoami", headers=forged) as r:
+                    assert (await r.json())["uid"] == os.getuid()
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(tmp_path / "http.sock"))) as unix:
+                async with unix.get("http://broker/whoami", headers=forged) as r:   # as a front would say it
+                    assert (await r.json())["uid"] == 4242
+                async with unix.get("http://broker/whoami", headers={PEER_HEADER: "none"}) as r:
+                    assert (await r.json())["uid"] is None
+            assert rigs[2].forwarded == 8 and rigs[2].failed == 0
         finally:
             await http_down(rigs)
     run(main())
@@ -283,15 +307,16 @@ async def grpc_rig(tmp_path, up: GrpcUpstream | None):
     if up is not None:
         back = grpc.aio.server()
         back.add_generic_rpc_handlers((up.handler(), up.live_handler()))
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), back)   # tgw's face's own
         back.add_insecure_port(target)
         await back.start()
-    forwarder = GrpcForwarder(target, {**tgw_methods(), **TEST_METHODS})
 
     async def local(request: bytes, context) -> bytes:
         return b"local:" + request
     front = grpc.aio.server()
-    front.add_generic_rpc_handlers((forwarder.handler({"/t.Test/Local": grpc.unary_unary_rpc_method_handler(local)}),))
     port = front.add_insecure_port("127.0.0.1:0")
+    forwarder = GrpcForwarder(target, {**tgw_methods(), **TEST_METHODS}, public_port=port)
+    front.add_generic_rpc_handlers((forwarder.handler({"/t.Test/Local": grpc.unary_unary_rpc_method_handler(local)}),))
     await front.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     return back, forwarder, front, channel
@@ -320,8 +345,9 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
             for pair in (("authorization", "Bearer t0k"), ("tgw-tenant", "acme"), ("x-bin", b"\xff")):
                 assert pair in seen
             peers = [v for k, v in seen if k == PEER_KEY]
-            assert len(peers) == 1 and peers[0].startswith("ipv4:127.0.0.1:")
-            assert 0 < up.remaining[-1] <= 20   # the caller's deadline, less the hop
+            assert len(peers) == 1 and peers[0].startswith("tcp 127.0.0.1 ") and front_peer_uid(peers[0]) == os.getuid()
+            # the caller's deadline, less the hop (gRPC's timeout header rounds up: a little over 20 s)
+            assert 10 < up.remaining[-1] < 21
             await channel.unary_unary("/t.Test/Unary")(b"x")
             assert up.remaining[-1] is None       # none given, none invented
 
@@ -348,6 +374,11 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
                                              response_deserializer=pb.ServerLiveResponse.FromString)(
                 pb.ServerLiveRequest())
             assert live.live
+            probe = health_pb2_grpc.HealthStub(channel)
+            assert (await probe.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+            watch = probe.Watch(health_pb2.HealthCheckRequest())   # a stream that lasts: its first answer
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await channel.unary_unary("/t.Test/Nope")(b"")
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -356,7 +387,7 @@ def test_grpc_forwards_every_cardinality_with_metadata_status_and_deadline(tmp_p
             await up.waiting.wait()
             ask.cancel()
             await up.cancelled.wait()   # the caller's cancel reached the broker's face
-            assert forwarder.forwarded == 8
+            assert forwarder.forwarded == 10
         finally:
             await grpc_down(*rigs)
     run(main())

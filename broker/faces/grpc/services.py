@@ -14,7 +14,8 @@ from google.protobuf.json_format import ParseDict
 from tgw.broker.observe import status
 from tgw.broker.protocol import triton_docs
 from tgw.broker.protocol.repository import EXTENSIONS
-from tgw.broker.protocol.triton_shm import EXTENSIONS as SHM_EXTENSIONS, Caller, tcp_peer_uid
+from tgw.broker.protocol.triton_shm import EXTENSIONS as SHM_EXTENSIONS, FRONT_PEER, Caller, front_peer_uid, \
+    tcp_peer_uid
 
 from . import tensors
 from .proto import grpc_service_pb2 as pb
@@ -110,11 +111,16 @@ class Services:
     def caller(self, context) -> Caller:
         """Who registers, as the connection tells (the registry checks it: the broker's own uid,
         or the token where no uid can be learned). A TCP peer on this host connects from the
-        address it connects to, so that is the local end looked up."""
+        address it connects to, so that is the local end looked up. On the face's Unix socket
+        (front processes on: only the broker's own processes reach it) a front forwards for its
+        client and tells who that is (FRONT_PEER; docs/FRONTS.md): its word is taken there only."""
         peer = context.peer() or ""
         kind, _, rest = peer.partition(":")
         uid = None
-        if kind in ("ipv4", "ipv6"):
+        if kind == "unix":
+            told = next((v for k, v in (context.invocation_metadata() or ()) if k == FRONT_PEER), None)
+            uid = front_peer_uid(told) if isinstance(told, str) else None
+        elif kind in ("ipv4", "ipv6"):
             host, _, port = rest.rpartition(":")
             host = host.strip("[]")
             if port.isdigit():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import socket
 import struct
 from typing import Awaitable, Callable
@@ -21,7 +22,7 @@ from aiohttp import web
 
 from tgw.shm.errors import Code, fail
 
-from tgw.broker.protocol.triton_shm import Caller, TritonShm, tcp_peer_uid
+from tgw.broker.protocol.triton_shm import FRONT_PEER, Caller, TritonShm, front_peer_uid, tcp_peer_uid
 
 from .answers import json_response
 
@@ -35,13 +36,18 @@ def disabled():
 
 def caller_of(request: web.Request, token: bool) -> Caller:
     """What the connection tells of who is at its other end: a Unix socket's SO_PEERCRED, or a
-    TCP peer's socket owner on this host (tcp_peer_uid); `token`: the broker's was presented."""
+    TCP peer's socket owner on this host (tcp_peer_uid); `token`: the broker's was presented.
+    On the Unix socket, a front process of the broker's own uid forwards for its client and
+    tells who that is (FRONT_PEER; docs/FRONTS.md): its word is taken there, and only there."""
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     uid = None
     if sock is not None and sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         uid = struct.unpack("3i", creds)[1]
+        told = request.headers.get(FRONT_PEER)
+        if told is not None and uid == os.geteuid():
+            uid = front_peer_uid(told)
     elif transport is not None:
         peer, local = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
         if peer and local:
