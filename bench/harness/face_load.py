@@ -222,18 +222,34 @@ def front_pids(status: dict[str, Any], stats: Optional[dict[str, Any]] = None) -
     return sorted(set(pids))
 
 
+def front_counts(status: dict[str, Any]) -> dict[str, int]:
+    """The fronts' own counters summed over their lives (status `fronts.lives`, each front's STATS,
+    about once a second): requests handled, of which forwarded to the broker's own faces."""
+    lives = (status.get("fronts") or {}).get("lives") or []
+    return {k: sum(int(x.get(k) or 0) for x in lives if isinstance(x, dict)) for k in ("requests", "forwarded")}
+
+
 class CpuWatch:
     """CPU seconds at the window's edges: the broker's main thread (the scheduler loop), the broker
-    process, the front processes and the workers; `report(requests)` turns them into µs per request."""
+    process, the front processes and the workers; `report(requests)` turns them into µs per request.
+    `status`: the broker's status call, for the fronts' counters across the window (read outside
+    the CPU readings: its RPC is not charged to the faces)."""
 
-    def __init__(self, broker_pid: int, fronts: list[int], workers: list[int]):
-        self.broker, self.fronts, self.workers = broker_pid, list(fronts), list(workers)
+    def __init__(self, broker_pid: int, fronts: list[int], workers: list[int],
+                 status: Optional[Callable[[], dict]] = None):
+        self.broker, self.fronts, self.workers, self.status = broker_pid, list(fronts), list(workers), status
         self.edges: list[dict[str, Any]] = []
+        self.counts: list[dict[str, int]] = []
 
     def edge(self) -> None:
+        start = not self.edges
+        if start and self.status and self.fronts:
+            self.counts.append(front_counts(self.status()))
         self.edges.append({"loop": thread_cpu_s(self.broker, self.broker), "broker": process_cpu_s(self.broker),
                            "fronts": [process_cpu_s(p) for p in self.fronts],
                            "workers": [process_cpu_s(p) for p in self.workers]})
+        if not start and self.status and self.fronts:
+            self.counts.append(front_counts(self.status()))
 
     def report(self, requests: int) -> dict[str, Any]:
         a, b = self.edges[0], self.edges[-1]
@@ -249,8 +265,11 @@ class CpuWatch:
         cpu["broker_other_threads"] = None if None in (cpu["loop"], cpu["broker"]) else cpu["broker"] - cpu["loop"]
         cpu["tree"] = None if None in (cpu["broker"], cpu["fronts"]) else cpu["broker"] + cpu["fronts"]
         per = {k: (None if v is None or requests <= 0 else round(v / requests * 1e6, 2)) for k, v in cpu.items()}
-        return {"cpu_s": {k: v if v is None else round(v, 3) for k, v in cpu.items()}, "us_per_request": per,
-                "front_pids": self.fronts}
+        out = {"cpu_s": {k: v if v is None else round(v, 3) for k, v in cpu.items()}, "us_per_request": per,
+               "front_pids": self.fronts}
+        if len(self.counts) == 2:   # the fronts' STATS come about once a second: about the window's
+            out["fronts_counted"] = {k: self.counts[1][k] - self.counts[0][k] for k in self.counts[0]}
+        return out
 
 
 def predicts(loop_us: Optional[float], front_us: Optional[float],

@@ -188,7 +188,7 @@ class Rows:
             if b is None:
                 row = measure(target, self.spec(level), processes, drive=drive)
             else:
-                watch = face_load.CpuWatch(b.proc.pid, b.fronts, b.workers)
+                watch = face_load.CpuWatch(b.proc.pid, b.fronts, b.workers, b.client.status)
                 row = measure(target, self.spec(level), b.client.stats()["processes"], stats=b.client.stats,
                               drive=watched(drive, watch))
                 row["cpu"] = watch.report(row["requests_ok"] + row["requests_failed"])
@@ -202,11 +202,16 @@ class Rows:
 def figures(row: dict[str, Any]) -> dict[str, Optional[float]]:
     """A row's headline figures (None where it failed or a figure is unknown)."""
     if not row or "error" in row:
-        return dict.fromkeys(("rps", "p50", "p99", "rows_per_batch", "tree_us", "loop_us", "front_us",
+        return dict.fromkeys(("rps", "p50", "p99", "rows_per_batch", "loop_us_per_batch", "tree_us", "loop_us",
+                              "front_us",
                               "broker_other_us", "client_us"))
     us = (row.get("cpu") or {}).get("us_per_request") or {}
+    loop_s = ((row.get("cpu") or {}).get("cpu_s") or {}).get("loop")
+    batches = (row.get("broker_stats") or {}).get("batches")
     return {"rps": row["throughput_rps"], "p50": row["latency_ms"]["p50"], "p99": row["latency_ms"]["p99"],
             "rows_per_batch": (row.get("broker_stats") or {}).get("mean_batch_rows"),
+            # the loop's cost follows the batches it forms as much as the requests (each batch's dispatch, answer)
+            "loop_us_per_batch": None if loop_s is None or not batches else round(loop_s / batches * 1e6, 1),
             "tree_us": us.get("tree"), "loop_us": us.get("loop"), "front_us": us.get("fronts"),
             "broker_other_us": us.get("broker_other_threads"),
             "client_us": (row.get("cpu_us_per_request") or {}).get("generator")}

@@ -39,7 +39,7 @@ def test_faces_quick_fills_every_row_and_goal(tmp_path, capsys):
         assert 0 < cpu["loop"] <= cpu["broker"] + 0.02 and cpu["broker"] <= cpu["tree"], (face, cpu)   # a tick apart
         assert abs(cpu["tree"] - cpu["broker"] - cpu["fronts"]) < 0.002, (face, cpu)
         if face != "native" and face != "native-c1":   # the HTTP and gRPC faces are parsed in the fronts
-            assert cpu["fronts"] > 0, (face, cpu)
+            assert cpu["fronts"] > 0 and row["cpu"]["fronts_counted"]["forwarded"] == 0, (face, row["cpu"])
         assert row["cpu_us_per_request"]["generator"] > 0, face
     goals = {g["goal"]: g for g in data["goals"]}
     assert len(goals) == 7 and all(g["value"] is not None and g["fronts"] == 2 for g in goals.values()), goals
