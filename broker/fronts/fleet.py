@@ -41,6 +41,7 @@ from .hub import FrontsHub
 log = logging.getLogger("tgw.supervisor")
 MAX_AUTO = 8          # fronts chosen from the cores: at most this many
 TERM_WAIT_S = 2.0     # after SIGTERM, before SIGKILL
+UNIX_PATH_MAX = 107   # sun_path's 108 bytes, less its terminating NUL
 
 
 def front_count(server: ServerDecl, cpus: int | None = None) -> int:
@@ -61,6 +62,11 @@ def run_dir_of(workers_endpoint: str) -> str:
 def fronts_socket(ctx: zmq.Context, run_dir: str) -> zmq.Socket:
     """The run folder made private (0700: only the broker's user may reach what is in it; one
     left by a dead process of the same pid is replaced) and the hub's ROUTER bound in it."""
+    longest = os.path.join(run_dir, "http.sock")
+    if len(longest.encode()) > UNIX_PATH_MAX:
+        raise StartupError(f"front processes' folder {run_dir}: its socket paths ({longest}) would be longer than "
+                           f"the {UNIX_PATH_MAX} bytes a Unix socket may have: name a socket in a shorter folder "
+                           f"(server.address, --address)")
     try:
         if os.path.isdir(run_dir) and not os.path.islink(run_dir) and os.stat(run_dir).st_uid == os.geteuid():
             shutil.rmtree(run_dir)
