@@ -12,9 +12,13 @@
 # default /tmp/tgw-gpu-check), TGW_SITE (where wheels and the tgw links go; default
 # /tmp/tgw-site), TGW_BENCH_ARGS (default --quick; e.g. "--quick --device cpu" on a machine with
 # no GPU), TGW_TESTS_TIMEOUT and TGW_BENCH_TIMEOUT (seconds; defaults 210 and 240, so a run ends
-# within 8 minutes). Without a GPU it still runs (the tests skip, the bench says "no CUDA device"),
-# and ends FAILED: "no GPU test passed". Exit status 0 only when the tests and the bench both
-# exited 0 and at least one GPU test passed; targets missed are reported only.
+# within 8 minutes), TGW_FACES_ARGS (the fronts sweep's arguments, below; TGW_FACES=0 skips it) and
+# TGW_FACES_TIMEOUT (default 180 s). Without a GPU it still runs (the tests skip, the bench says "no
+# CUDA device"), and ends FAILED: "no GPU test passed". Exit status 0 only when the tests, the bench
+# and the fronts sweep (where it ran) exited 0 and at least one GPU test passed; targets missed are
+# reported only. The fronts sweep (issue 43) is `tgw-bench faces` over 0, 1, 2, 4 and 8 front
+# processes on this box's cores; its JSON is folded into gpu_bench.json ("faces") and its log
+# into bench.log, so $OUT keeps its eight files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,13 +33,15 @@ PY=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)') || { echo "gpu
 #    steps' exit statuses and the test files).
 summary() {
     local tests bench files
+    local faces
+    faces=$(sed -n 's/^faces=//p' "$OUT/exits.txt" 2>/dev/null); faces=${faces:--1}   # -1: the sweep did not run
     tests=$(sed -n 's/^tests=//p' "$OUT/exits.txt" 2>/dev/null); tests=${tests:-2}
     bench=$(sed -n 's/^bench=//p' "$OUT/exits.txt" 2>/dev/null); bench=${bench:-2}
     files=$(sed -n 's/^files=//p' "$OUT/exits.txt" 2>/dev/null)
-    "$PY" - "$OUT" "$tests" "$bench" "$files" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
+    "$PY" - "$OUT" "$tests" "$bench" "$files" "$faces" <<'EOF' 2>&1 | tee "$OUT/summary.txt"
 import collections, json, os, sys
 import xml.etree.ElementTree as ET
-out, tests, bench, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+out, tests, bench, files, faces = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 why = {124: "timed out", 137: "killed after its time ran out", 5: "no test collected"}
 print("\n==== gpu-check summary ====")
 try:
@@ -59,6 +65,8 @@ try:
         r = json.load(f)
 except (OSError, ValueError):
     r = None
+sweep = r.pop("faces", None) if isinstance(r, dict) else None
+r = r or None   # only the sweep's JSON there: the bench wrote none
 if r is None:
     print(f"bench: no JSON written (exit {bench}{', ' + why[bench] if bench in why else ''})")
 elif "skipped" in r:
@@ -67,6 +75,33 @@ else:
     print(f"bench: exit {bench}, {r['wall_s']:.0f} s")
     for line in r.get("summary", []) + [f"FAILED {x}" for x in r.get("failed", [])]:
         print(f"  {line}")
+if faces >= 0 or sweep:
+    print(f"fronts sweep (tgw-bench faces): exit {faces}{', ' + why[faces] if faces in why else ''}"
+          + ("" if sweep else ", no JSON written"))
+if sweep:   # per face and front count: req/s, its ratio to 0 fronts, the loop's, fronts' and tree's CPU per request
+    blocks = sweep.get("fronts", {})
+    def us(row, key):
+        v = ((row.get("cpu") or {}).get("us_per_request") or {}).get(key)
+        return "-" if v is None else f"{v:.1f}"
+    table = [["face", "fronts (live)", "req/s", "x 0 fronts", "loop us/req", "fronts us/req", "tree us/req", "rows/batch"]]
+    for face in dict.fromkeys(f for b in blocks.values() for f in b.get("rows", {})):
+        base = (blocks.get("0", {}).get("rows", {}).get(face) or {}).get("throughput_rps")
+        for n, b in blocks.items():
+            row = b.get("rows", {}).get(face) or {"error": "not run"}
+            live = f"{n} ({b.get('fronts_live', '?')})"
+            if "error" in row:
+                table.append([face, live, "failed"] + ["-"] * 5)
+                continue
+            rps, batch = row["throughput_rps"], (row.get("broker_stats") or {}).get("mean_batch_rows")
+            table.append([face, live, f"{rps:,.0f}", f"{rps / base:.2f}" if base else "-", us(row, "loop"),
+                          us(row, "fronts"), us(row, "tree"), "-" if batch is None else f"{batch:.1f}"])
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        print("  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  " + "-" * (sum(widths) + 2 * len(widths) - 2))
+    if sweep.get("interrupted"):
+        print("  (the sweep ran out of time: the front counts missing were not measured)")
 print(f"logs and JSON: {out}")
 failed = [f"tests exit {tests}"] if tests else []
 if passed is None:
@@ -77,6 +112,8 @@ elif passed == 0:   # every GPU test skipped (no CUDA here), or none ran: nothin
     failed.append("no GPU test passed")
 if bench:
     failed.append(f"bench exit {bench}")
+if faces > 0:
+    failed.append(f"fronts sweep exit {faces}")
 print("gpu-check: " + ("OK" if not failed else f"FAILED ({', '.join(failed)})"))
 sys.exit(1 if failed else 0)
 EOF
@@ -86,7 +123,7 @@ if [ "${1:-}" = "--summary" ]; then
     summary
     exit
 fi
-rm -f "$OUT"/{env.log,install.log,tests.log,tests.xml,bench.log,gpu_bench.json,summary.txt,exits.txt}
+rm -f "$OUT"/{env.log,install.log,tests.log,tests.xml,bench.log,gpu_bench.json,summary.txt,exits.txt,faces.json}
 say() { echo "gpu-check: $*" | tee -a "$OUT/install.log"; }
 
 # 1. the packages this Python lacks, from .whl (the machine has no network)
@@ -187,5 +224,36 @@ timeout -k 30 "${TGW_BENCH_TIMEOUT:-240}" "$PY" -m tgw.bench.cli gpu ${TGW_BENCH
     --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log"
 bench=${PIPESTATUS[0]}
 echo "bench=$bench" >>"$OUT/exits.txt"
+
+# 5b. the fronts sweep (issue 43): mlp's req/s over each face with 0, 1, 2, 4 and 8 front
+#     processes on this box's cores, the scheduler loop's and the fronts' CPU per request; about
+#     2.5 minutes, cut at TGW_FACES_TIMEOUT (what was measured by then is still written)
+FACES_ARGS=${TGW_FACES_ARGS:---fronts 0,1,2,4,8 --faces native,http,grpc,grpc-stream --no-c1 --rounds 1 --duration 2 --warmup 1 --procs 4}
+if [ "${TGW_FACES:-1}" != 0 ]; then
+    echo "gpu-check: tgw-bench faces $FACES_ARGS" | tee -a "$OUT/bench.log"
+    rm -f "$OUT/faces.json"
+    # shellcheck disable=SC2086 # FACES_ARGS is a list of arguments
+    timeout -k 30 "${TGW_FACES_TIMEOUT:-180}" "$PY" -m tgw.bench.cli faces $FACES_ARGS --json "$OUT/faces.json" \
+        2>&1 | tee -a "$OUT/bench.log"
+    echo "faces=${PIPESTATUS[0]}" >>"$OUT/exits.txt"
+    "$PY" - "$OUT" <<'EOF'
+import json, os, sys
+src, dst = (os.path.join(sys.argv[1], name) for name in ("faces.json", "gpu_bench.json"))
+try:
+    with open(src) as f:
+        sweep = json.load(f)
+except (OSError, ValueError):
+    sys.exit(0)   # none written: the summary says so
+try:
+    with open(dst) as f:
+        r = json.load(f)
+except (OSError, ValueError):
+    r = {}
+r["faces"] = sweep
+with open(dst, "w") as f:
+    json.dump(r, f, indent=1)
+os.remove(src)
+EOF
+fi
 
 summary   # step 6, defined above

@@ -7,6 +7,7 @@ compared with, the comparison's servers and ratios, reports and plots (bench/REA
 | `openloop.py` | an open loop by priority: one sender thread per request in flight, answers by level, targets |
 | `wrk.py` | HTTP rows driven by wrk (its Lua script, run and parse; the install hint) |
 | `targets.py` | what a generator thread calls (tgw native, raw zmq echo, HTTP, gRPC) and the inputs it sends |
+| `face_load.py` | `tgw-bench faces`: its clients (AsyncClient, the gRPC stub on one channel, one gRPC stream) and the CPU watch (the scheduler loop's thread, broker, fronts) |
 | `measure.py` | one measured level: the drive, the broker's stats diff, the process monitor, the summary |
 | `baselines.py` | the in-process floor, the transport echo, Flask + gunicorn |
 | `comparison.py` | the comparison's scenarios and servers, one row per (scenario, system), its ratios |

@@ -18,7 +18,7 @@ from types import ModuleType
 
 # in the order `tgw-bench --help` lists them
 NAMES = ("load", "compare", "overload", "fleet", "formats", "compress", "gpu", "generate", "generate-faces",
-         "sequences", "onnx", "triton-ensemble", "torchserve", "gc-pauses")
+         "sequences", "faces", "onnx", "triton-ensemble", "torchserve", "gc-pauses")
 
 
 def scenario(name: str) -> ModuleType:

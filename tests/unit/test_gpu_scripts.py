@@ -156,3 +156,18 @@ def test_gpu_check_imports_and_links_what_pyproject_maps():
     wheels = {norm(n) for n in carried()}
     for module in needed:   # each module the script checks comes from a carried wheel
         assert {norm(d) for d in dists[module.split(".")[0]]} & wheels, module
+
+
+def test_gpu_check_fronts_sweep_is_a_valid_faces_run():
+    """The fronts sweep (issue 43) as gpu-check.sh runs it: `tgw-bench faces` over 0, 1, 2, 4 and 8
+    fronts and every face, accepted by the scenario's own parser, short enough for its timeout."""
+    from tgw.bench import cli
+    with open(CHECK) as f:
+        script = f.read()
+    args = re.search(r"^FACES_ARGS=\$\{TGW_FACES_ARGS:-(.+)\}$", script, re.M).group(1).split()
+    a = cli.parser("tgw-bench").parse_args(["faces", *args])
+    assert a.fronts == [0, 1, 2, 4, 8] and a.faces == ["native", "http", "grpc", "grpc-stream"] and a.no_c1
+    timeout = int(re.search(r'"\$\{TGW_FACES_TIMEOUT:-(\d+)\}"', script).group(1))
+    # per broker: its start (about 10 s) and four rows of warm-up + window + the generator's start (about 2 s)
+    assert 5 * (10 + 4 * a.rounds * (a.duration + a.warmup + 2)) <= timeout <= 180
+    assert re.search(r"tgw\.bench\.cli faces \$FACES_ARGS --json \"\$OUT/faces\.json\"", script)
