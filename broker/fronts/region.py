@@ -25,7 +25,7 @@ import os
 from tgw.shm.ring import align_up
 from tgw.shm.wire import BYTES, DTYPE_SIZES, PROTOCOL_VERSION, RegisterRegion, nbytes_of
 
-THRESHOLD = 16 * 1024          # inputs this large go into the region (bench/results/front_region_threshold.txt)
+THRESHOLD = 16 * 1024          # inputs this large go into the region (bench/results/front-region-threshold.txt)
 REGION_BYTES = 64 << 20        # one region per front life, at most server.max_region_bytes
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
