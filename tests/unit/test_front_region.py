@@ -53,3 +53,12 @@ def test_large_raw_inputs_placed_freed_on_reply_and_withdrawn_ones_after_a_later
         assert region.as_dict()["placed"] == 2
     finally:
         region.close()
+
+
+def test_a_region_slice_kept_for_a_shadow_is_its_own_copy():
+    from tgw.broker.front.regions import RegionFrame
+    memory = bytearray(b"abcd" * 1024)
+    frame = RegionFrame(memoryview(memory)[:4096])
+    kept = frame.kept()
+    memory[:4] = b"zzzz"   # the caller reuses its slot once answered
+    assert bytes(kept.buffer[:4]) == b"abcd" and len(kept) == 4096 and bytes(frame.buffer[:4]) == b"zzzz"
