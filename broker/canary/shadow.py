@@ -143,8 +143,10 @@ class Shadows:
         for name in p.outputs:
             t, raw = views[name]
             serving[name] = (t.dtype, [p.rows, *t.shape[1:]], bytes(raw))   # the ring's blocks go after the reply
+        # a region's slice is its caller's again once answered (front/regions.py RegionFrame): copied now
+        tensors = [t.kept() if hasattr(t, "kept") else t for t in p.tensors]
         copy = Pending(client=ShadowCaller(watch, serving, p.compute_us), req_id=0, model=p.model,
-                       version=watch.version, rows=p.rows, shape_key=p.shape_key, tensors=p.tensors,
+                       version=watch.version, rows=p.rows, shape_key=p.shape_key, tensors=tensors,
                        outputs=p.outputs, deadline=now + entry.decl.timeout_ms / 1000.0, out_nbytes=p.out_nbytes,
                        priority=entry.decl.priority_levels, arrived=now, record=record)
         if self.admit(copy):

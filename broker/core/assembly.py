@@ -172,7 +172,7 @@ def assemble(cfg: Config, loop: asyncio.AbstractEventLoop, front: zmq.Socket, ba
     if hub is not None:   # after the door: its answers and withdrawals exist
         hub.open(HubRoutes(infer=door.infer_drained, dispatch=door.dispatch, withdraw=door.abandon.drop_ids,
                            drop_caller=door.drop_caller, count_error=stats.error, note=complaints.note,
-                           flush=serving.flush), DirectoryBook(registry, pipelines, load, clock))
+                           flush=serving.flush, regions=door.regions.handle), DirectoryBook(registry, pipelines, load, clock))
     admission.exits_to(*(hook for hook in (streams.exits, sequences.exits, guards.exits, metrics.finished, slow, tracer,
                                            door.abandon.finished)
                          if hook is not None))

@@ -52,6 +52,16 @@ class SliceFrame:
         return self.buffer.nbytes
 
 
+class RegionFrame(SliceFrame):
+    """A slice of a caller's region: its bytes are the caller's again once the request is
+    answered (a client reuses the slot, a front process too), so whatever reads them after the
+    answer - a shadow's copy of the request - takes `kept()` at answer time."""
+    __slots__ = ()
+
+    def kept(self) -> SliceFrame:
+        return SliceFrame(memoryview(bytes(self.buffer)))
+
+
 class Region:
     __slots__ = ("handle", "pid", "started", "uid", "nbytes", "name", "mm", "view")
 
@@ -164,7 +174,7 @@ class Regions:
                 continue        # admission names the bad dtype
             n = nbytes_of(t.dtype, t.shape)
             self._in_bounds(region, t.offset, n, f"input {t.name!r}")
-            out[i] = SliceFrame(region.view[t.offset:t.offset + n])
+            out[i] = RegionFrame(region.view[t.offset:t.offset + n])
             self.counts["inputs"] += 1
         s = msg.output_region
         if s is not None:

@@ -291,6 +291,7 @@ class FrontFleet:
             lives.append({"index": front.index, "pid": front.proc.pid, "hello": front.hello,
                           "inflight": stats.inflight if stats else 0, "requests": stats.requests if stats else 0,
                           "forwarded": stats.forwarded if stats else 0, "gc": dict(stats.gc) if stats else {},
+                          "region": dict(stats.region) if stats else {},
                           "restarts": front.restarts, "last_death": front.last_death})
         return {"configured": self.count, "alive": sum(1 for front in self.fronts if front.hello),
                 "restarts": sum(front.restarts for front in self.fronts), "ready": self.ready(),

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from tgw.shm.wire import Goodbye, Infer, encode, request_decoder
+from tgw.shm.wire import Goodbye, Infer, RegisterRegion, UnregisterRegion, encode, request_decoder
 
 from tgw.broker.front.sockets import Pump
 
@@ -48,6 +48,9 @@ class HubRoutes:
     count_error: Callable[[str | None, str], None]  # stats.error
     note: Callable[..., None]                      # complaints.note
     flush: Callable[[], None]                      # the serving flush, after each drain pass
+    # door.regions.handle: a front's (un)registration of its region (fronts/region.py), the
+    # message's frame as the header (its Peer-Address names the front's pid and uid); None: refused
+    regions: Callable[[Any, Any, Any], None] | None = None
 
 
 class FrontCaller:
@@ -120,10 +123,17 @@ class FrontsHub:
         self.on_hello(hello.index, hello.pid)
 
     def _request(self, life: FrontCaller, frames: list) -> None:
-        """INFER or ASK: a client message, as the native door reads it (an infer by either kind)."""
+        """INFER or ASK: a client message, as the native door reads it (an infer by either kind).
+        The kind frame stands as the header: every frame of a message read on an ipc:// ROUTER
+        carries the sender's Peer-Address, which resolves the front's region slices."""
         msg = request_decoder.decode(frames[2].buffer)
         if type(msg) is Infer:
-            self.routes.infer(life, msg, frames[3:])
+            self.routes.infer(life, msg, frames[3:], frames[1])
+        elif type(msg) is RegisterRegion or type(msg) is UnregisterRegion:
+            if self.routes.regions is not None:
+                self.routes.regions(life, msg, frames[1])
+            else:
+                self.routes.note("refused", "front_message", f"{life!r} sent a region: this hub takes none")
         elif type(msg) is Goodbye:   # would drop every request of the front: its callers withdraw by id
             self.routes.note("refused", "front_message", f"{life!r} sent a bye (WITHDRAW names its requests)")
         else:

@@ -12,8 +12,8 @@ The hub's fleet starts it (broker/fronts/fleet.py) with F, a JSON object:
 A face missing from F is not served here. In order: the gc watch installed; the DEALER to the
 hub connected; the listeners opened on the public ports (SO_REUSEPORT); HELLO sent (so a front
 the hub counts is one that listens, and a port it cannot take fails the start); the first
-DIRECTORY awaited; then, with server.gc_freeze, everything made so far frozen out of the
-collector. About once a second STATS goes to the hub; the parent is looked at twice a second.
+DIRECTORY awaited; its input region registered (region.py); then, with server.gc_freeze,
+everything made so far frozen out of the collector. About once a second STATS goes to the hub; the parent is looked at twice a second.
 
 How it ends: DRAIN from the hub or SIGTERM: the listeners close, what is open is answered,
 exit 0. The broker gone (the fronts socket closed or its heartbeat timed out, or this process
@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from tgw.shm.gc_watch import watch
+from tgw.shm.wire import ErrorReply, RegionReply
 
 from tgw.broker.config.load import Config
 from tgw.broker.config.startup import StartupError
@@ -41,6 +42,7 @@ from tgw.broker.front.auth import load_token
 from . import wire
 from .link import Link, endpoint
 from .mirror import Mirror
+from .region import REGION_BYTES, FrontRegion
 from .remote_port import RemotePort
 
 log = logging.getLogger("tgw.broker")
@@ -48,6 +50,7 @@ STATS_S = 1.0            # STATS to the hub this often
 PARENT_S = 0.5           # the parent looked at this often
 FIRST_DIRECTORY_S = 60.0   # no directory from the hub in this long: the broker is not there
 DRAIN_POLL_S = 0.05      # while draining, how often "is everything answered?" is asked
+REGION_WAIT_S = 10.0     # the broker's answer to the region's registration awaited this long
 REPLY_BYTES = 1 << 30    # the gRPC send limit when F names none (the broker's own limits bound replies)
 
 
@@ -89,6 +92,7 @@ class Front:
             if not done:
                 raise StartupError(f"front {self.index}: no directory from the hub at {link.identity} "
                                    f"within {FIRST_DIRECTORY_S:.0f} s")
+            await self.open_region(port)
             if self.cfg.server.gc_freeze:   # what start-up made stays out of every collection
                 self.watch.freeze()
             else:   # the longest pause counts from serving on, as the freeze makes it count
@@ -106,6 +110,32 @@ class Front:
             if link is not None:
                 link.close()
             ctx.destroy(linger=0)
+            if self.port is not None and self.port.region is not None:
+                self.port.region.close()   # the broker sweeps its mapping once this process is gone
+
+    async def open_region(self, port: RemotePort) -> None:
+        """Register this life's input region (region.py) and wait for the broker's answer; with
+        none (server.max_region_bytes 0, a refusal, no answer in REGION_WAIT_S) every tensor
+        travels as a frame: a front serves without it."""
+        nbytes = min(REGION_BYTES, self.cfg.server.max_region_bytes)
+        if nbytes <= 0:
+            return
+        region = FrontRegion(nbytes)
+        answer = asyncio.get_running_loop().create_future()
+        caller = _Answer(answer)
+        port.dispatch(caller, region.register_request())
+        try:
+            reply = await asyncio.wait_for(answer, REGION_WAIT_S)
+        except asyncio.TimeoutError:
+            reply = None
+            port.withdraw(caller, "front_region")   # not left in flight (a drain waits for those)
+        if type(reply) is RegionReply:
+            region.handle = reply.region
+            port.region = region
+        else:
+            region.close()
+            why = reply.error.message if type(reply) is ErrorReply else f"no answer within {REGION_WAIT_S:.0f} s"
+            log.warning("front %d: no input region (%s): tensors travel as frames", self.index, why)
 
     def make_listeners(self, port: RemotePort, mirror: Mirror) -> list:
         out = []
@@ -158,12 +188,25 @@ class Front:
         requests = sum(listener.requests for listener in self.listeners)
         forwarded = sum(listener.forwarded_count() for listener in self.listeners)
         stats = wire.FrontStats(inflight=port.inflight, requests=requests, forwarded=forwarded,
-                                gc=self.watch.as_dict())
+                                gc=self.watch.as_dict(),
+                                region=port.region.as_dict() if port.region is not None else {})
         link.send([wire.STATS, wire.encoder.encode(stats)])
         asyncio.get_running_loop().call_later(STATS_S, self.tick, link)
 
 
 wire_directory = msgspec.msgpack.Decoder(wire.Directory)
+
+
+class _Answer:
+    """The caller of the front's own region request: the reply settles a future."""
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future):
+        self.future = future
+
+    def deliver(self, msg, frames) -> None:
+        if not self.future.done():
+            self.future.set_result(msg)
 
 
 def read_spec(path: str) -> tuple[Config, dict]:

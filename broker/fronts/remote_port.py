@@ -21,6 +21,7 @@ from tgw.broker.protocol.door import DoorPort
 
 from . import wire
 from .mirror import Mirror
+from .region import FrontRegion
 
 log = logging.getLogger("tgw.broker")
 COPY_BELOW = 1 << 16   # frames smaller than this are copied into the message (zero-copy costs more for them)
@@ -41,6 +42,8 @@ class RemotePort:
         """`send`: a multipart message to the hub, without blocking (link.Link.send)."""
         self.send, self.mirror = send, mirror
         self.ids = count(1)
+        self.last_sent = 0                               # the newest front id handed out
+        self.region: FrontRegion | None = None          # large inputs travel in it once registered (region.py)
         self.pending: dict[int, tuple[Any, int]] = {}   # front id -> (caller, the face's id)
         self.of_caller: dict[Any, list[int]] = {}       # caller -> its front ids in flight
         self.load = LoadView()
@@ -51,7 +54,7 @@ class RemotePort:
     # ---- the door's calls --------------------------------------------------------------------
 
     def remember(self, caller, msg) -> tuple[int, int]:
-        fid = next(self.ids)
+        fid = self.last_sent = next(self.ids)
         face_id = msg.id
         self.pending[fid] = (caller, face_id)
         ids = self.of_caller.get(caller)
@@ -63,18 +66,26 @@ class RemotePort:
 
     def infer(self, caller, msg: Infer, frames: list, *route) -> None:
         """`frames`: the face's tensors (SliceFrame, or anything with `.buffer`); `route`: none
-        here (no region is named on this side)."""
-        out = [wire.INFER, b"", *[f.buffer for f in frames]]   # all made before anything is sent
+        here (no region is named on this side). Large inputs go into the front's region (a job's
+        never: its inputs must travel in its message)."""
+        bufs = [f.buffer for f in frames]   # all made before anything is sent
         fid, face_id = self.remember(caller, msg)
         msg.id = fid
+        region, placed = self.region, None
         try:
-            out[1] = encode(msg)
+            if region is not None and not msg.job:
+                placed = region.place(fid, msg.inputs, bufs)
+            header = encode(msg)
         except BaseException:
             self.forget(caller, fid)
+            if placed:
+                region.unsent(fid)
             raise
         finally:
             msg.id = face_id   # the face's request is its own again
-        self.send(out)
+            if placed:
+                region.unmark(msg.inputs, placed)
+        self.send([wire.INFER, header, *bufs])
 
     def dispatch(self, caller, msg) -> None:
         fid, face_id = self.remember(caller, msg)
@@ -94,6 +105,8 @@ class RemotePort:
             return 0
         for fid in ids:
             self.pending.pop(fid, None)
+        if self.region is not None:
+            self.region.withdrawn(ids, self.last_sent)
         self.send([wire.WITHDRAW, wire.encoder.encode(wire.FrontWithdraw(ids=ids, reason=reason))])
         return len(ids)
 
@@ -111,6 +124,8 @@ class RemotePort:
         """[REPLY, reply, *tensor frames] (zmq frames): to the caller that asked, under its id."""
         msg = reply_decoder.decode(frames[1].buffer)
         fid = msg.id
+        if self.region is not None:
+            self.region.answered(fid)   # the broker reads its slots no more
         held = self.pending.get(fid)
         if held is None:   # withdrawn meanwhile: nobody waits for it
             return

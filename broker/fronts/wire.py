@@ -8,7 +8,9 @@ front -> hub
   [HELLO, encode(FrontHello)]                  first message of a life; the hub answers DIRECTORY
   [INFER, encode(Infer), *tensor frames]       Infer.id is the front's own id, unique in its life;
                                                the hub calls door.infer(<the front's caller>, ...)
-  [ASK, encode(msg)]                           any other client message (door.dispatch), msg.id as above
+  [ASK, encode(msg)]                           any other client message (door.dispatch), msg.id as above;
+                                               RegisterRegion/UnregisterRegion: the front's own region
+                                               (region.py; the hub calls door.regions.handle)
   [WITHDRAW, encode(FrontWithdraw)]            its callers gave up: those requests leave, unrun
   [COUNT, encode(FrontCount)]                  a refusal made in the front (stats.error)
   [NOTE, encode(FrontNote)]                    a complaint (complaints.note)
@@ -65,6 +67,7 @@ class FrontStats(FrontStruct):
     requests: int               # requests handled in this life (all routes)
     forwarded: int              # of which forwarded to the broker's own faces
     gc: dict[str, Any] = {}     # shm/gc_watch.py's figures of this process
+    region: dict[str, Any] = {}  # its input region's figures (region.py FrontRegion.as_dict); {}: none
 
 
 class FrontModel(FrontStruct):

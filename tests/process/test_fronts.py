@@ -53,6 +53,11 @@ def fronts_of(b) -> dict:
         return c.status()["fronts"]
 
 
+def regions_of(b) -> dict:
+    with Client(b.address) as c:
+        return c.stats()["regions"]
+
+
 def test_two_fronts_serve_both_faces_and_forward_the_rest(fronted):
     fronts = fronts_of(fronted)
     assert (fronts["configured"], fronts["alive"], fronts["restarts"], fronts["ready"]) == (FRONTS, FRONTS, 0, True)
@@ -62,15 +67,23 @@ def test_two_fronts_serve_both_faces_and_forward_the_rest(fronted):
     assert fronted.http.startswith("http://") and ":0" not in fronted.http and not fronted.grpc.startswith("unix:")
     assert fronts["public"] == {"http": fronted.http, "grpc": fronted.grpc}
 
+    # each front's input region registered (fronts/region.py); a 16 KiB input (its threshold)
+    # crosses in it, a 2 KiB one as a frame
+    wait_until(lambda: regions_of(fronted)["registered"] == FRONTS, 30, "each front's input region")
+    resolved = regions_of(fronted)["inputs"]
     x = np.random.default_rng(3).standard_normal((2, 256), dtype=np.float32)
+    big = np.random.default_rng(4).standard_normal((16, 256), dtype=np.float32)
     with Client(fronted.address) as native:
-        want = native.infer("mlp", {"x": x})["y"]
+        want, want_big = native.infer("mlp", {"x": x})["y"], native.infer("mlp", {"x": big})["y"]
     http = httpclient.InferenceServerClient(fronted.http.removeprefix("http://"))
     try:
         assert http.is_server_ready()
         inp = httpclient.InferInput("x", [2, 256], "FP32")
         inp.set_data_from_numpy(x, binary_data=True)
         np.testing.assert_array_equal(http.infer("mlp", [inp]).as_numpy("y"), want)
+        inp = httpclient.InferInput("x", [16, 256], "FP32")
+        inp.set_data_from_numpy(big, binary_data=True)
+        np.testing.assert_array_equal(http.infer("mlp", [inp]).as_numpy("y"), want_big)
         config = http.get_model_config("mlp")   # a route the broker's own face answers
         assert config["name"] == "mlp" and config["max_batch_size"] > 0
     finally:
@@ -80,10 +93,16 @@ def test_two_fronts_serve_both_faces_and_forward_the_rest(fronted):
         inp = grpcclient.InferInput("x", [2, 256], "FP32")
         inp.set_data_from_numpy(x)
         np.testing.assert_array_equal(grpc.infer("mlp", [inp]).as_numpy("y"), want)
+        inp = grpcclient.InferInput("x", [16, 256], "FP32")
+        inp.set_data_from_numpy(big)
+        np.testing.assert_array_equal(grpc.infer("mlp", [inp]).as_numpy("y"), want_big)
         meta = grpc.get_model_metadata("mlp", as_json=True)
         assert meta["name"] == "mlp" and meta["inputs"][0]["name"] == "x"
     finally:
         grpc.close()
+    assert regions_of(fronted)["inputs"] - resolved == 2   # the two large ones, read from the fronts' regions
+    wait_until(lambda: sum(life["region"].get("placed", 0) for life in fronts_of(fronted)["lives"]) == 2, 30,
+               "the fronts' STATS counting them")
     metrics = scrape(fronted)
     assert f"tgw_front_processes {FRONTS}.0" in metrics and "tgw_front_restarts_total 0.0" in metrics
 
