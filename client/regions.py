@@ -27,7 +27,6 @@ The region belongs to the process that registered it: not usable after fork.
 """
 from __future__ import annotations
 
-import bisect
 import fcntl
 import mmap
 import os
@@ -35,6 +34,7 @@ import threading
 from typing import Callable
 
 from tgw.shm.errors import Code, fail
+from tgw.shm.extents import Extents
 from tgw.shm.ring import align_up   # the broker's and the workers' 64-byte alignment
 from tgw.shm.wire import BYTES, PROTOCOL_VERSION, RegionSlice, RegisterRegion, UnregisterRegion, nbytes_of
 
@@ -79,7 +79,7 @@ class Region:
         self._pid = os.getpid()
         self.handle: int | None = None      # the broker's, once registered
         self._lock = threading.Lock()
-        self._free = [[0, self.nbytes]]     # free extents [start, end), by start
+        self._extents = Extents(self.nbytes)   # the free extents (shm/extents.py), under the lock
         self._quarantine: dict[int, tuple] = {}   # request id -> output slice of a call with no reply yet
         self._outputs: dict[int, Slots] = {}      # output slice offset -> the call holding it
         self.fallbacks = 0                  # tensors sent as frames: no room
@@ -255,31 +255,13 @@ class Region:
     # ---- allocator ---------------------------------------------------------------------------
 
     def _alloc(self, n: int) -> int | None:
-        n = align_up(n)
         with self._lock:
-            for ext in self._free:
-                if ext[1] - ext[0] >= n:
-                    at = ext[0]
-                    ext[0] += n
-                    if ext[0] == ext[1]:
-                        self._free.remove(ext)
-                    return at
-        return None
+            return self._extents.take(n)
 
     def _give(self, at: int, n: int) -> None:
-        """Return [at, at + n) to the free list, merged with its neighbours (lock held)."""
-        end, free = at + align_up(n), self._free
-        i = bisect.bisect_left(free, [at, at])
-        if i < len(free) and free[i][0] == end:          # joins the next extent
-            free[i][0] = at
-            if i > 0 and free[i - 1][1] == at:           # and the previous one
-                free[i - 1][1] = free[i][1]
-                del free[i]
-        elif i > 0 and free[i - 1][1] == at:
-            free[i - 1][1] = end
-        else:
-            free.insert(i, [at, end])
+        """Return [at, at + n) to the free list (lock held)."""
+        self._extents.give(at, n)
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(e - s for s, e in self._free)
+            return self._extents.free_bytes()

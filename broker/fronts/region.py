@@ -17,12 +17,11 @@ request out of its queue). The allocator is client/regions.py's first-fit one, w
 """
 from __future__ import annotations
 
-import bisect
 import fcntl
 import mmap
 import os
 
-from tgw.shm.ring import align_up
+from tgw.shm.extents import Extents
 from tgw.shm.wire import BYTES, DTYPE_SIZES, PROTOCOL_VERSION, RegisterRegion, nbytes_of
 
 THRESHOLD = 16 * 1024          # inputs this large go into the region (bench/results/front-region-threshold.txt)
@@ -44,7 +43,7 @@ class FrontRegion:
             raise
         self.view = memoryview(self._mm)
         self.handle: int | None = None            # the broker's, once registered
-        self.free = [[0, self.nbytes]]            # free extents [start, end), by start
+        self.extents = Extents(self.nbytes)       # the free extents (shm/extents.py)
         self.held: dict[int, list[tuple[int, int]]] = {}   # front request id -> its slots
         self.limbo: list[tuple[int, list]] = []   # (last id sent at the WITHDRAW, slots), oldest first
         self.placed = self.fallbacks = 0
@@ -67,7 +66,7 @@ class FrontRegion:
                     or meta.wire_dtype is not None or meta.cuda is not None or meta.dtype == BYTES \
                     or meta.dtype not in DTYPE_SIZES or n != nbytes_of(meta.dtype, meta.shape):
                 continue   # a frame whose size is wrong stays one: admission names the mismatch
-            at = self._alloc(n)
+            at = self.extents.take(n)
             if at is None:
                 self.fallbacks += 1
                 continue
@@ -114,40 +113,13 @@ class FrontRegion:
     def as_dict(self) -> dict:
         return {"bytes": self.nbytes, "registered": self.handle is not None, "placed": self.placed,
                 "fallbacks": self.fallbacks, "held": sum(len(s) for s in self.held.values()),
-                "free_bytes": sum(e - s for s, e in self.free)}
+                "free_bytes": self.extents.free_bytes()}
 
     def close(self) -> None:
         self.view.release()
         self._mm.close()
         os.close(self.fd)
 
-    # ---- allocator (client/regions.py's, one loop: no lock) ----------------------------------
-
-    def _alloc(self, n: int) -> int | None:
-        n = align_up(n)
-        for ext in self.free:
-            if ext[1] - ext[0] >= n:
-                at = ext[0]
-                ext[0] += n
-                if ext[0] == ext[1]:
-                    self.free.remove(ext)
-                return at
-        return None
-
     def _give_all(self, slots: list) -> None:
         for at, n in slots:
-            self._give(at, n)
-
-    def _give(self, at: int, n: int) -> None:
-        """[at, at + n) back to the free list, merged with its neighbours."""
-        end, free = at + align_up(n), self.free
-        i = bisect.bisect_left(free, [at, at])
-        if i < len(free) and free[i][0] == end:
-            free[i][0] = at
-            if i > 0 and free[i - 1][1] == at:
-                free[i - 1][1] = free[i][1]
-                del free[i]
-        elif i > 0 and free[i - 1][1] == at:
-            free[i - 1][1] = end
-        else:
-            free.insert(i, [at, end])
+            self.extents.give(at, n)

@@ -299,7 +299,7 @@ def test_allocator_quarantine_and_fallback():
     assert region.free_bytes() == 4 * 4096
     for s in ends[2:]:
         region.release(s, answered=True)
-    assert region.free_bytes() == region.nbytes and region._free == [[0, region.nbytes]]
+    assert region.free_bytes() == region.nbytes and region._extents.free == [[0, region.nbytes]]
     assert isinstance(ends[0], Slots)
     region.close()
 

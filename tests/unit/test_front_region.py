@@ -49,7 +49,7 @@ def test_large_raw_inputs_placed_freed_on_reply_and_withdrawn_ones_after_a_later
         region.answered(6)                                    # a late reply of 6 itself proves nothing
         assert region.as_dict()["free_bytes"] == 2 * K
         region.answered(7)                                    # a request sent after the WITHDRAW answered
-        assert region.as_dict()["free_bytes"] == 4 * K and region.free == [[0, 4 * K]]
+        assert region.as_dict()["free_bytes"] == 4 * K and region.extents.free == [[0, 4 * K]]
         assert region.as_dict()["placed"] == 2
     finally:
         region.close()
