@@ -17,9 +17,8 @@ import logging
 import grpc
 
 from tgw.broker.config.schema import GrpcDecl
-from tgw.broker.config.startup import StartupError
 from tgw.broker.faces.grpc import decoupled
-from tgw.broker.faces.grpc.face import SERVICE, GrpcFace, credentials
+from tgw.broker.faces.grpc.face import SERVICE, GrpcFace, credentials, listen
 from tgw.broker.faces.grpc.infer import Stream
 from tgw.broker.faces.grpc.proto import grpc_service_pb2 as pb
 from tgw.broker.protocol.errors import CODE_HEADER, TRACEPARENT
@@ -72,15 +71,7 @@ class GrpcLocal:
         server.add_generic_rpc_handlers((self.forwarder.handler(self.local()),))
         host = self.host
         target = f"[{host}]:{self.public_port}" if ":" in host else f"{host}:{self.public_port}"
-        creds = credentials(self.decl)
-        try:
-            bound = server.add_secure_port(target, creds) if creds else server.add_insecure_port(target)
-        except RuntimeError as exc:
-            bound, why = 0, str(exc)
-        else:
-            why = "the address is taken or not this host's"
-        if not bound:
-            raise StartupError(f"front: grpc: cannot listen on {target}: {why}")
+        listen(server, target, credentials(self.decl), "front: grpc")
         await server.start()
         self.server = server
 

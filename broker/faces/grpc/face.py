@@ -46,6 +46,21 @@ STOP_GRACE_S = 2.0         # every admitted request is answered before stop: thi
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def listen(server, target: str, creds, who: str) -> int:
+    """Bind `server` to `target` (TLS when `creds`); the port bound, or StartupError saying why
+    (the broker's face and each front process bind alike)."""
+    from tgw.broker.config.startup import StartupError
+    try:
+        port = server.add_secure_port(target, creds) if creds else server.add_insecure_port(target)
+    except RuntimeError as exc:
+        port, why = 0, str(exc)
+    else:
+        why = "the address is taken or not this host's"
+    if not port:
+        raise StartupError(f"{who}: cannot listen on {target}: {why}")
+    return port
+
+
 def credentials(decl: GrpcDecl) -> grpc.ServerCredentials | None:
     """TLS from the config's PEM files (None: plaintext); with tls_client_ca_file, callers need
     a certificate it signed."""
@@ -112,7 +127,6 @@ class GrpcFace:
     async def start(self, unix: str | None = None) -> str:
         """Listen on the configured host and port, or with `unix` on that Unix socket instead, plain
         (front processes serve the port, TLS included, and forward what they do not serve here)."""
-        from tgw.broker.config.startup import StartupError
         options = [("grpc.max_receive_message_length", self.receive_limit),
                    ("grpc.max_send_message_length", self.send_limit),
                    ("grpc.so_reuseport", 0)]   # a port another process holds is refused, not shared
@@ -124,14 +138,7 @@ class GrpcFace:
         target = f"[{host}]:{self.decl.port}" if ":" in host else f"{host}:{self.decl.port}"
         creds = credentials(self.decl) if not unix else None
         target = f"unix:{unix}" if unix else target
-        try:
-            port = server.add_secure_port(target, creds) if creds else server.add_insecure_port(target)
-        except RuntimeError as exc:
-            port, why = 0, str(exc)
-        else:
-            why = "the address is taken or not this host's"
-        if not port:
-            raise StartupError(f"grpc face: cannot listen on {target}: {why}")
+        port = listen(server, target, creds, "grpc face")
         await server.start()
         self.server, self.port = server, port
         self.address = f"unix:{unix}" if unix else f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
